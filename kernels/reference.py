@@ -1,0 +1,126 @@
+"""Pure-PyTorch reference semantics of vertical-slash sparse attention (DESIGN.md §2.1).
+
+Everything here is written for readability, not speed: it materialises the full N×N mask. Every
+kernel and distributed path is tested against these functions.
+
+Index format (per sample b and query head h):
+
+* ``v_idx [b, Hq, Vmax]`` int — vertical key columns, ascending, distinct; unused slots hold N.
+* ``s_idx [b, Hq, Smax]`` int — slash offsets (pairs (i, i−s)), ascending, distinct; unused = N.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import BLOCK_SIZE
+
+
+def slash_block_hits(s_idx: torch.Tensor, num_blocks: int, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Which block distances δ = qb − kb a slash list switches on: bool ``[b, Hq, num_blocks]``.
+
+    ``hit[0]`` (the diagonal block) is always true. For δ ≥ 1, ``hit[δ]`` is true iff some valid
+    offset s satisfies (δ−1)·B < s < (δ+1)·B, i.e. s = a·B + t hits δ = a and, when t > 0, a + 1.
+    """
+    seq_len = num_blocks * block_size
+    valid = (s_idx >= 0) & (s_idx < seq_len)
+    s = torch.where(valid, s_idx.long(), 0)
+    a, t = s // block_size, s % block_size
+    hit = torch.zeros(*s_idx.shape[:-1], num_blocks + 1, dtype=torch.bool, device=s_idx.device)
+    # invalid slots point at the spare column num_blocks, which is cut off at the end
+    spare = torch.full_like(a, num_blocks)
+    hit.scatter_(-1, torch.where(valid, a, spare), True)
+    hit.scatter_(-1, torch.where(valid & (t > 0), torch.clamp(a + 1, max=num_blocks), spare), True)
+    hit = hit[..., :num_blocks]
+    hit[..., 0] = True
+    return hit
+
+
+def vertical_columns(v_idx: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Bool ``[b, Hq, N]``: key column j is a valid vertical."""
+    valid = (v_idx >= 0) & (v_idx < seq_len)
+    cols = torch.zeros(*v_idx.shape[:-1], seq_len + 1, dtype=torch.bool, device=v_idx.device)
+    cols.scatter_(-1, torch.where(valid, v_idx.long(), seq_len), True)
+    return cols[..., :seq_len]
+
+
+def vertical_slash_mask(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int,
+                        block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """The exact causal mask M of DESIGN.md §2.1: bool ``[b, Hq, N, N]`` (query i, key j).
+
+    ``M[i, j] = j ≤ i and (A[qb(i), kb(j)] or j ∈ v_idx)`` with the Toeplitz block mask
+    ``A[qb, kb] = kb == qb or (kb < qb and hit[qb − kb])``.
+    """
+    if seq_len % block_size:
+        raise ValueError(f"seq_len={seq_len} must be a multiple of block_size={block_size}")
+    if v_idx.shape[:-1] != s_idx.shape[:-1]:
+        raise ValueError(f"v_idx {tuple(v_idx.shape)} and s_idx {tuple(s_idx.shape)} disagree on [b, Hq]")
+    num_blocks = seq_len // block_size
+    hit = slash_block_hits(s_idx, num_blocks, block_size)                  # [b, H, NB]
+    qb = torch.arange(num_blocks, device=s_idx.device)
+    delta = qb[:, None] - qb[None, :]                                        # [NB, NB]
+    block = (delta >= 0) & hit[..., delta.clamp(min=0)]                      # [b, H, NB, NB]
+    token = block.repeat_interleave(block_size, -2).repeat_interleave(block_size, -1)
+    token = token | vertical_columns(v_idx, seq_len)[..., None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=s_idx.device).tril()
+    return token & causal
+
+
+def full_index(batch: int, heads: int, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An index whose mask is the whole causal triangle: every offset is a slash, no verticals."""
+    s_idx = torch.arange(seq_len, dtype=torch.int32, device=device).expand(batch, heads, seq_len)
+    v_idx = torch.full((batch, heads, 1), seq_len, dtype=torch.int32, device=device)
+    return v_idx.contiguous(), s_idx.contiguous()
+
+
+def sparsity(mask: torch.Tensor) -> torch.Tensor:
+    """1 − |M| / (N(N+1)/2) per [b, Hq]."""
+    n = mask.shape[-1]
+    return 1.0 - mask.sum(dim=(-1, -2)).double() / (n * (n + 1) / 2)
+
+
+def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                               softmax_scale: float | None = None,
+                               compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention, differentiable.
+
+    q ``[b, N, Hq, d]``; k, v ``[b, N, Hkv, d]`` with Hq % Hkv == 0 (GQA: query head h reads KV
+    head h // (Hq/Hkv)); mask bool ``[b, Hq, N, N]`` (broadcastable). Computes in ``compute_dtype``
+    (fp32, or fp64 when the inputs are fp64). Returns ``out [b, N, Hq, d]`` in that dtype and
+    ``lse [b, Hq, N]``. A row with no visible key gets out = 0 and lse = −inf, with finite gradients.
+    """
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} are not divisible by KV heads {hkv}")
+    dtype = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    qf = q.to(dtype).transpose(1, 2)                                         # [b, Hq, N, d]
+    kf = k.to(dtype).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    vf = v.to(dtype).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)                                    # 0 where masked
+    total = weights.sum(dim=-1, keepdim=True)
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    out = (weights / safe_total) @ vf
+    lse = torch.where(total > 0, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
+    return out.transpose(1, 2), lse.squeeze(-1)
+
+
+def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
+                    lse1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial softmax results over disjoint key sets (DESIGN.md §2.4).
+
+    out ``[b, N, H, d]`` fp32, lse ``[b, H, N]`` fp32. Returns new tensors; a side with lse = −inf
+    contributes nothing, and rows where both are −inf stay (out0, −inf).
+    """
+    hi = torch.maximum(lse0, lse1)
+    lo = torch.minimum(lse0, lse1)
+    finite = torch.isfinite(hi)
+    lse = torch.where(finite, hi + torch.log1p(torch.exp(lo - hi)), lse0)
+    w0 = torch.where(finite, torch.exp(lse0 - torch.where(finite, lse, 0)), 1.0)
+    w1 = torch.where(finite, torch.exp(lse1 - torch.where(finite, lse, 0)), 0.0)
+    out = w0.transpose(1, 2)[..., None] * out0 + w1.transpose(1, 2)[..., None] * out1
+    return out, lse

@@ -1,0 +1,90 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtraining_kernels.layout import LAYOUT_KINDS, Layout, global_positions, shard, unshard
+
+
+@st.composite
+def layouts_and_lengths(draw):
+    kind = draw(st.sampled_from(LAYOUT_KINDS))
+    world = draw(st.integers(1, 6))
+    gran = 2 ** draw(st.integers(4, 8))
+    layout = Layout(kind, world, gran)
+    return layout, layout.unit() * draw(st.integers(1, 5))
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts_and_lengths(), st.integers(1, 3))
+def test_shard_unshard_round_trip(case, batch):
+    layout, n = case
+    x = torch.randn(batch, n, 3)
+    parts = [layout.shard(x, r, dim=1) for r in range(layout.world_size)]
+    assert all(p.shape == (batch, n // layout.world_size, 3) for p in parts)
+    assert torch.equal(layout.unshard(parts, dim=1), x)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts_and_lengths())
+def test_positions_are_a_permutation_and_agree_with_shard(case):
+    layout, n = case
+    positions = [layout.global_positions(n, r) for r in range(layout.world_size)]
+    assert torch.equal(torch.cat(positions).sort().values, torch.arange(n))
+    seq = torch.arange(n)
+    for r, pos in enumerate(positions):
+        assert torch.equal(layout.shard(seq, r, dim=0), pos)
+        rank, local = layout.to_local(pos, n)
+        assert torch.equal(rank, torch.full_like(pos, r))
+        assert torch.equal(local, torch.arange(n // layout.world_size))
+        assert torch.equal(layout.to_global(r, local, n), pos)
+
+
+def test_formulas_match_design_table_examples():
+    # N = 16, W = 2: zigzag chunks of 4 → rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert global_positions("zigzag", 16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert global_positions("zigzag", 16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert global_positions("contiguous", 8, 2, 1).tolist() == [4, 5, 6, 7]
+    # striped g = 16, W = 2, N = 64: rank 1 holds runs 1 and 3.
+    assert global_positions("striped", 64, 2, 1, granularity=16).tolist() == (
+        list(range(16, 32)) + list(range(48, 64)))
+
+
+def test_functional_forms(seed):
+    x = torch.randn(2, 512, 4)
+    parts = [shard(x, "striped", 4, r) for r in range(4)]
+    assert torch.equal(unshard(parts, "striped"), x), f"seed={seed}"
+
+
+def test_global_blocks_striped_and_zigzag():
+    assert Layout("striped", 4).global_blocks(128 * 8, 1).tolist() == [1, 5]
+    assert Layout("zigzag", 2).global_blocks(128 * 8, 0).tolist() == [0, 1, 6, 7]
+    with pytest.raises(ValueError, match="granularity=64 is not a multiple of the block size 128"):
+        Layout("striped", 2, 64).global_blocks(1024, 0)
+
+
+@pytest.mark.parametrize("kind, world, gran, n, message", [
+    ("striped", 4, 128, 1000, "seq_len=1000 is not divisible by 512"),
+    ("zigzag", 3, 128, 100, "seq_len=100 is not divisible by 6"),
+    ("contiguous", 3, 128, 10, "seq_len=10 is not divisible by 3"),
+])
+def test_bad_lengths_name_the_value_and_the_fix(kind, world, gran, n, message):
+    with pytest.raises(ValueError, match=message) as err:
+        Layout(kind, world, gran).validate(n)
+    assert "use " in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kind="diagonal", world_size=2), "layout kind 'diagonal' is unknown"),
+    (dict(kind="striped", world_size=0), "world_size=0 must be an integer >= 1"),
+    (dict(kind="striped", world_size=2, granularity=8), "granularity=8 must be a power of two >= 16"),
+    (dict(kind="striped", world_size=2, granularity=96), "granularity=96 must be a power of two"),
+])
+def test_bad_layouts(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Layout(**kwargs)
+
+
+def test_bad_rank():
+    with pytest.raises(ValueError, match=r"rank=2 is outside \[0, 2\)"):
+        Layout("striped", 2).global_positions(512, 2)
