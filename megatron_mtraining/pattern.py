@@ -1,0 +1,327 @@
+"""Online vertical-slash index estimation (DESIGN.md §2.2), built from pieces a distributed caller reuses.
+
+:func:`estimate_vertical_slash` is the single-device estimator. It chains these pure functions, each of
+which works on any subset of keys given with their global positions:
+
+1. :func:`estimation_logits` — ℓ = scale·⟨q_i, k_j⟩ (fp32) of the last-query rows Q_L against keys,
+   ``[b, Hq, L, n]``, −inf where j > i.
+2. Scores, all int64 fixed point (value·2^32, see :func:`to_fixed_point`):
+
+   * static: :func:`static_logit_fixed_point` (logits clamped to ±2^24), then
+     :func:`vertical_scores` with the −∞ rule for columns that have a masked entry;
+   * top-P: row maxima ``logits.amax(-1)``, :func:`exp_fixed_point`, its row sums Z, then
+     :func:`probability_fixed_point` (P = exp(ℓ − m_i)/(L·Z_i)) and :func:`vertical_scores`;
+   * both: :func:`slash_partial_sums` adds each pair into its offset s = i − j.
+
+3. Selection: :func:`rank_candidates` orders (score, index) candidates by forced first, then score
+   descending, then index ascending, and keeps the top ``limit``; :func:`top_p_counts` turns ranked
+   masses into counts; :func:`index_list` writes the ascending, sentinel-padded lists.
+
+**Bit identity.** Every step is exact or elementwise, so a result never depends on how keys, rows or
+samples are grouped (a rank's share of the keys, a batch, a tile of 64 × 64):
+
+* logits use no matmul: each one is the fp32 sum over t = 0 … d−1, in that order, of q[t]·k[t]
+  (separate, correctly rounded multiplications and additions), times the scale rounded to fp32;
+* the exponential is a fixed polynomial in fp64 built from +, ×, floor and an exact power of two
+  (library ``exp`` may mix vector and scalar code paths whose results differ in the last bit);
+* every sum (Z_i, V(j), S(s)) adds int64 values, which is associative, so all-reduces and halo
+  additions give the same integers in any order; maxima are exact anyway;
+* ranking compares integers and breaks ties by index, so it needs no tie behaviour of a sort.
+
+A distributed caller broadcasts Q_L, calls :func:`estimation_logits` on its local keys, all-reduces
+(MAX) the row maxima and (SUM) the int64 row sums for top-P, exchanges the slash partials of offsets
+that straddle its blocks, and all-gathers each rank's :func:`rank_candidates` output (``limit`` = list
+width) before ranking the union once more: the global top ``limit`` is inside the union of local tops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
+
+FIXED_POINT_ONE = 2 ** 32                 # fixed point: value·2^32 rounded to int64
+STATIC_LOGIT_LIMIT = 2.0 ** 24            # |logit| clamp: 64 rows · 2^24 · 2^32 = 2^62 cannot overflow
+MAX_LAST_Q = 64                           # one tile of query rows; also what keeps the clamp above safe
+FORCED_KEY = 2 ** 63 - 1                  # ranking key of forced entries: above every score
+INCOMPLETE_SCORE = -(2 ** 63 - 1)         # static V(j) = −∞: below every sum, and its negation fits
+LIST_ALIGNMENT = 64                       # list widths Vmax/Smax are multiples of this (or N)
+_EXP_INPUT_FLOOR = -80.0                  # exp(−80)·2^32 < 1e−25: rounds to 0 in fixed point
+_LOG2_E = 1.4426950408889634
+# 2^f = Σ_k (f·ln 2)^k / k! on [0, 1); the degree-13 truncation error is below 2e−13 (relative)
+_EXP2_COEFFICIENTS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(14))
+
+
+class VerticalSlashIndex(NamedTuple):
+    """The estimated index (DESIGN.md §2.1): ascending lists padded with the sentinel N.
+
+    ``v_idx [b, Hq, Vmax]`` int32 key columns, ``s_idx [b, Hq, Smax]`` int32 diagonal offsets,
+    ``v_cnt``/``s_cnt [b, Hq]`` int32 numbers of valid entries.
+    """
+
+    v_idx: torch.Tensor
+    s_idx: torch.Tensor
+    v_cnt: torch.Tensor
+    s_cnt: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------- scores
+def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
+                      k_positions: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Logits of the estimation rows against some keys: fp32 ``[b, Hq, L, n]``, −inf where j > i.
+
+    ``q_rows [b, L, Hq, d]`` and their global positions ``q_positions [L]``; ``k [b, n, Hkv, d]`` and
+    ``k_positions [n]``, any subset of keys in any order. Query head h reads KV head h // (Hq/Hkv).
+    The loop runs over d (not over tokens): entry (i, j) is fl(…fl(fl(q0·k0) + fl(q1·k1))… ) accumulated
+    in fixed order, then multiplied by ``softmax_scale`` rounded to fp32, so it is independent of
+    every other entry computed alongside it.
+    """
+    batch, rows, q_heads, dim = q_rows.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+    # [d, b, Hkv, group·L, 1] against [d, b, Hkv, 1, n]: one broadcast product per t
+    q_by_dim = (q_rows.float().reshape(batch, rows, kv_heads, group, dim).permute(4, 0, 2, 3, 1)
+                .reshape(dim, batch, kv_heads, group * rows, 1).contiguous())
+    k_by_dim = k.float().permute(3, 0, 2, 1).unsqueeze(3).contiguous()
+    logits = torch.mul(q_by_dim[0], k_by_dim[0])
+    product = torch.empty_like(logits)
+    for t in range(1, dim):
+        torch.mul(q_by_dim[t], k_by_dim[t], out=product)
+        logits.add_(product)
+    logits.mul_(float(torch.tensor(softmax_scale, dtype=torch.float32)))
+    logits = logits.view(batch, kv_heads, group, rows, -1).reshape(batch, q_heads, rows, -1)
+    future = k_positions.to(logits.device)[None, :] > q_positions.to(logits.device)[:, None]
+    return logits.masked_fill_(future, float("-inf"))
+
+
+def to_fixed_point(x: torch.Tensor) -> torch.Tensor:
+    """round(x·2^32) as int64 (x finite, |x| ≤ 2^30); exact, computed through fp64."""
+    return torch.round(x.double() * FIXED_POINT_ONE).long()
+
+
+def static_logit_fixed_point(logits: torch.Tensor) -> torch.Tensor:
+    """Static-mode terms: logits clamped to ±2^24 in fixed point, 0 where masked (−inf): int64, same shape."""
+    values = to_fixed_point(logits.clamp(-STATIC_LOGIT_LIMIT, STATIC_LOGIT_LIMIT))
+    return values.masked_fill_(torch.isneginf(logits), 0)
+
+
+def _exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for fp64 x ≤ 0 from +, ×, floor and an exact power of two; inputs below −80 give exp(−80).
+
+    2^y with y = x·log2(e) is split as 2^⌊y⌋ (built from its exponent bits) times a degree-13
+    polynomial in the fraction, evaluated by Horner's rule (a loop over the 13 coefficients).
+    """
+    y = x.clamp(min=_EXP_INPUT_FLOOR) * _LOG2_E
+    whole = torch.floor(y)
+    fraction = y - whole                                                 # exact, in [0, 1)
+    poly = torch.full_like(fraction, _EXP2_COEFFICIENTS[-1])
+    for coefficient in reversed(_EXP2_COEFFICIENTS[:-1]):
+        poly.mul_(fraction).add_(coefficient)
+    power = torch.bitwise_left_shift(whole.long() + 1023, 52).view(torch.float64)  # 2^⌊y⌋, ⌊y⌋ ≥ −116
+    return poly.mul_(power)
+
+
+def exp_fixed_point(logits: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """E = round(exp(ℓ − m_i)·2^32): int64 like ``logits``, 0 where masked.
+
+    ``row_max [..., L]`` must be the row maximum over *all* keys of the sequence (after an
+    all-reduce(MAX) when keys are split), so every exponent is ≤ 0 and E ≤ 2^32.
+    """
+    masked = torch.isneginf(logits)
+    shifted = logits.double() - row_max.double()[..., None]
+    shifted = shifted.masked_fill_(masked, _EXP_INPUT_FLOOR)            # its E rounds to 0
+    return to_fixed_point(_exp_nonpositive(shifted))
+
+
+def probability_fixed_point(exp_values: torch.Tensor, row_sums: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Softmax mass P = exp(ℓ − m_i)/(L·Z_i) in fixed point: int64 like ``exp_values``.
+
+    ``exp_values`` from :func:`exp_fixed_point`; ``row_sums [..., L]`` their int64 row sums over all
+    keys (Z_i·2^32); ``num_rows`` is L. Computes round(E·2^32 / (L·row_sums)) in fp64, so the
+    masses of a head sum to 1 (2^32) up to rounding.
+    """
+    denominator = row_sums.double() * num_rows
+    return torch.round(exp_values.double() * FIXED_POINT_ONE / denominator[..., None]).long()
+
+
+def vertical_scores(values: torch.Tensor, incomplete_columns: torch.Tensor | None = None) -> torch.Tensor:
+    """V(j) = Σ_i values[..., i, j]: int64 ``[..., n]``; ``incomplete_columns`` (bool, broadcastable)
+    get :data:`INCOMPLETE_SCORE`, the static rule for columns with a masked entry."""
+    scores = values.sum(dim=-2)
+    if incomplete_columns is not None:
+        scores = scores.masked_fill_(incomplete_columns, INCOMPLETE_SCORE)
+    return scores
+
+
+def slash_partial_sums(values: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor,
+                       seq_len: int) -> torch.Tensor:
+    """Per-offset sums S(s) = Σ values[..., i, j] over pairs with i − j = s: int64 ``[..., seq_len]``.
+
+    ``values [..., L, n]`` int64 with rows at ``q_positions [L]`` and columns at ``k_positions [n]``
+    (global); pairs with j > i are skipped. Over a subset of keys these are partial sums that add up
+    exactly to the full S(s).
+    """
+    offsets = q_positions.to(values.device)[:, None] - k_positions.to(values.device)[None, :]
+    offsets = torch.where(offsets >= 0, offsets, seq_len).reshape(-1)   # masked pairs → spare slot
+    leading = values.shape[:-2]
+    sums = values.new_zeros(*leading, seq_len + 1)
+    sums.scatter_add_(-1, offsets.expand(*leading, -1), values.reshape(*leading, -1))
+    return sums[..., :seq_len]
+
+
+# ------------------------------------------------------------------------------------------- selection
+def rank_candidates(scores: torch.Tensor, indices: torch.Tensor, num_forced: int,
+                    limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order candidates and keep the first ``limit``: (ranked scores, ranked indices), int64 ``[..., limit]``.
+
+    ``scores``/``indices [..., m]`` int64, indices distinct along the last dim, in any order. The
+    order is: indices below ``num_forced`` (the forced entries) first, by index; then the others by
+    score descending, then index ascending. It is a strict total order, so ranking a union of per-rank results again gives
+    the same list as ranking everything at once.
+    """
+    by_index = indices.argsort(dim=-1, stable=True)
+    indices = indices.gather(-1, by_index)
+    scores = scores.gather(-1, by_index)
+    keys = torch.where(indices < num_forced, FORCED_KEY, scores)
+    order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]     # ties keep index order
+    return scores.gather(-1, order), indices.gather(-1, order)
+
+
+def top_p_counts(ranked_masses: torch.Tensor, num_forced: int, total_mass: torch.Tensor, p: float,
+                 cap: int) -> torch.Tensor:
+    """Per head, the smallest count c ≥ ``num_forced`` whose first c ranked masses reach ``p``·total, at most ``cap``.
+
+    ``ranked_masses [..., m]`` int64 ≥ 0 from :func:`rank_candidates` (forced entries first, so their
+    mass is always included), ``total_mass [...]`` int64 the sum over all candidates (the integer
+    "1"), ``cap`` ≤ m. Returns int64 ``[...]``.
+    """
+    needed = torch.ceil(total_mass.double() * p).long()
+    cumulative = ranked_masses[..., :cap].cumsum(dim=-1)
+    short = (cumulative < needed[..., None]).sum(dim=-1)                 # entries before the mass is reached
+    return (short + 1).clamp(min=num_forced, max=cap)
+
+
+def index_list(ranked_indices: torch.Tensor, counts: torch.Tensor, width: int,
+               seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``counts`` ranked indices, ascending, padded with ``seq_len``: (int32 ``[..., width]``, int32 counts).
+
+    ``ranked_indices [..., m]`` with m ≥ width ≥ max(counts).
+    """
+    if ranked_indices.shape[-1] < width:
+        raise ValueError(f"{ranked_indices.shape[-1]} ranked candidates cannot fill a list of width {width}")
+    slots = torch.arange(width, device=ranked_indices.device)
+    chosen = torch.where(slots < counts[..., None], ranked_indices[..., :width], seq_len)
+    return chosen.sort(dim=-1).values.int(), counts.int()
+
+
+def list_width(largest: int, seq_len: int) -> int:
+    """Vmax/Smax: the largest budget or cap rounded up to a multiple of 64, at most ``seq_len``."""
+    return min(-(-largest // LIST_ALIGNMENT) * LIST_ALIGNMENT, seq_len)
+
+
+# ------------------------------------------------------------------------------------------ estimation
+def _check_int(name: str, value, low: int, high: int, why: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}] ({why})")
+
+
+def _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window) -> None:
+    for name, x in (("q", q), ("k", k)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor [b, N, heads, d], got "
+                             f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', '')}")
+    (batch, seq_len, q_heads, dim), (k_batch, k_len, kv_heads, k_dim) = q.shape, k.shape
+    if (batch, seq_len, dim) != (k_batch, k_len, k_dim):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on [b, N, ·, d]")
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must not be empty")
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads Hq={q_heads} are not divisible by KV heads Hkv={kv_heads}; "
+                         "GQA needs Hq to be a multiple of Hkv")
+    if q.device != k.device:
+        raise ValueError(f"q is on {q.device} but k is on {k.device}; put both on one device")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None (d^-1/2)")
+    _check_int("last_q", last_q, 1, min(MAX_LAST_Q, seq_len),
+               f"at most the sequence length N={seq_len} and at most one {MAX_LAST_Q}-row tile")
+    _check_int("sink_tokens", sink_tokens, 0, seq_len, f"the forced sinks must exist in N={seq_len}")
+    _check_int("local_window", local_window, 0, seq_len, f"the forced window offsets must exist in N={seq_len}")
+
+
+def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor,
+                            budget: StaticBudget | StaticHeadBudgets | TopPBudget, *,
+                            softmax_scale: float | None = None, last_q: int = 64, sink_tokens: int = 30,
+                            local_window: int = 100) -> VerticalSlashIndex:
+    """Estimate the vertical-slash index of one layer from post-RoPE q/k in global order (DESIGN.md §2.2).
+
+    ``q [b, N, Hq, d]``, ``k [b, N, Hkv, d]`` (any float dtype; logits in fp32). ``budget`` is a uniform
+    :class:`StaticBudget`, per-head :class:`StaticHeadBudgets` (one entry per query head) or a
+    :class:`TopPBudget`. Sinks 0 … sink_tokens−1 and offsets 0 … local_window−1 are always selected and
+    count toward the budget; the other entries are the best candidates by (score desc, index asc).
+    ``v_idx`` is Vmax wide, the largest ``v_size`` (or the cap) rounded up to a multiple of 64 and at
+    most N; ``s_idx`` likewise with ``s_size``. Top-P counts reach ``p`` of the integer total mass.
+    """
+    _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window)
+    batch, seq_len, q_heads, dim = q.shape
+    if isinstance(budget, StaticBudget):
+        budget = StaticHeadBudgets.uniform(budget, q_heads)
+    if isinstance(budget, StaticHeadBudgets):
+        if budget.num_heads != q_heads:
+            raise ValueError(f"the budget has {budget.num_heads} heads but q has Hq={q_heads}; resolve the "
+                             "budget for this rank's query heads")
+    elif not isinstance(budget, TopPBudget):
+        raise ValueError(f"budget={budget!r} must be a StaticBudget, StaticHeadBudgets or TopPBudget")
+    budget.validate_for(seq_len, sink_tokens, local_window)
+
+    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    device = q.device
+    q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
+    k_positions = torch.arange(seq_len, device=device)
+    logits = estimation_logits(q[:, seq_len - last_q:], q_positions, k, k_positions, scale)
+    if isinstance(budget, TopPBudget):
+        exp_values = exp_fixed_point(logits, logits.amax(dim=-1))
+        values = probability_fixed_point(exp_values, exp_values.sum(dim=-1), last_q)
+        del exp_values
+        v_scores = vertical_scores(values)
+    else:
+        values = static_logit_fixed_point(logits)
+        v_scores = vertical_scores(values, torch.isneginf(logits).any(dim=-2))
+    s_scores = slash_partial_sums(values, q_positions, k_positions, seq_len)
+    del logits, values
+
+    if isinstance(budget, TopPBudget):
+        total_mass = v_scores.sum(dim=-1)            # equals s_scores.sum(-1): the same int64 terms
+        v_idx, v_cnt = _select_top_p(v_scores, sink_tokens, budget, total_mass)
+        s_idx, s_cnt = _select_top_p(s_scores, local_window, budget, total_mass)
+    else:
+        v_idx, v_cnt = _select_static(v_scores, sink_tokens, budget.v_size)
+        s_idx, s_cnt = _select_static(s_scores, local_window, budget.s_size)
+    return VerticalSlashIndex(v_idx, s_idx, v_cnt, s_cnt)
+
+
+def _all_candidates(scores: torch.Tensor) -> torch.Tensor:
+    """Indices 0 … N−1 (key columns or offsets) for scores ``[b, Hq, N]``."""
+    return torch.arange(scores.shape[-1], device=scores.device).expand(scores.shape)
+
+
+def _select_static(scores: torch.Tensor, num_forced: int, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index list of the ``sizes[h]`` best entries per head (int64 ``sizes [Hq]``) from scores ``[b, Hq, N]``."""
+    seq_len = scores.shape[-1]
+    width = list_width(int(sizes.max()), seq_len)
+    _, ranked_indices = rank_candidates(scores, _all_candidates(scores), num_forced, width)
+    return index_list(ranked_indices, sizes.to(scores.device).expand(scores.shape[:-1]), width, seq_len)
+
+
+def _select_top_p(masses: torch.Tensor, num_forced: int, budget: TopPBudget,
+                  total_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index list of the fewest entries reaching mass ``budget.p`` (capped) from masses ``[b, Hq, N]``."""
+    seq_len = masses.shape[-1]
+    cap = budget.effective_cap(seq_len)
+    width = list_width(cap, seq_len)
+    ranked_masses, ranked_indices = rank_candidates(masses, _all_candidates(masses), num_forced, width)
+    counts = top_p_counts(ranked_masses, num_forced, total_mass, budget.p, cap)
+    return index_list(ranked_indices, counts, width, seq_len)
