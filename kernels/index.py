@@ -1,0 +1,239 @@
+"""Index conversion: vertical-slash index → per-source-step block and bar lists (DESIGN.md §2.6).
+
+A query rank r holds ``nb = N/W/128`` local query blocks; in a ring it meets every source rank w's
+key chunk once (step t reads w = (r − t) mod W). For each (w, b, query head, local query block i)
+the conversion lists
+
+* **blocks**: the active 128-key blocks j of source w, i.e. ``A[qb, kb]`` of DESIGN.md §2.1 with
+  ``qb = layout.global_blocks(N, r)[i]`` and ``kb = layout.global_blocks(N, w)[j]``. The kernels
+  tile a 128-key block as two 64-wide sub-tiles, so block j is stored as sub-tiles 2j and 2j+1;
+* **bars**: the valid verticals v owned by w with ``kb(v) < qb`` whose block is *not* active,
+  stored as local key columns of source w. Verticals in the query's own block are covered by the
+  diagonal block and verticals beyond it are non-causal, so no bar ever needs a causal mask.
+
+Both lists are CSR: row (w, b, h, i) spans ``col[ptr[w, b, h, i] : ptr[w, b, h, i + 1]]`` with
+absolute offsets, and ``ptr[w, b, h, nb]`` is where the next row group starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .layout import BLOCK_SIZE, Layout
+from .reference import slash_block_hits
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockBarIndex:
+    """Per-source-step work lists of one query rank, CSR over (source rank w, b, Hq, local query block).
+
+    blk_ptr int32 ``[W, b, Hq, nb+1]``, blk_col int32 ``[total]``: 64-wide key sub-tiles of the source
+    chunk (0 … 2·nb−1), ascending per query block. bar_ptr int32 ``[W, b, Hq, nb+1]``, bar_col int32
+    ``[total]``: local key columns of the source chunk (0 … N_loc−1), ascending per query block.
+    """
+
+    blk_ptr: Tensor
+    blk_col: Tensor
+    bar_ptr: Tensor
+    bar_col: Tensor
+    seq_len: int
+    world_size: int
+    rank: int
+    layout: Layout
+
+    @property
+    def num_local_blocks(self) -> int:
+        """nb, the number of local query blocks (and of key blocks per source chunk)."""
+        return self.blk_ptr.shape[-1] - 1
+
+    def source_for_step(self, step: int) -> int:
+        """The source rank a flat ring reads at ``step``: (rank − step) mod W."""
+        return (self.rank - step) % self.world_size
+
+
+def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> None:
+    """Raise ``ValueError`` for any input the conversion cannot handle, before any work."""
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a mtraining_kernels.Layout, got {type(layout).__name__}")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool):
+        raise ValueError(f"seq_len={seq_len!r} must be an int")
+    layout.validate(seq_len, BLOCK_SIZE)
+    if not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank={rank!r} is outside [0, {layout.world_size}) for world_size={layout.world_size}")
+    for name, idx in (("v_idx", v_idx), ("s_idx", s_idx)):
+        if not isinstance(idx, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
+        if idx.dim() != 3:
+            raise ValueError(f"{name} must be [b, Hq, width], got shape {tuple(idx.shape)}")
+        if idx.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"{name} has dtype {idx.dtype}; use torch.int32 (or torch.int64)")
+    if v_idx.shape[:2] != s_idx.shape[:2]:
+        raise ValueError(f"v_idx {tuple(v_idx.shape)} and s_idx {tuple(s_idx.shape)} disagree on [b, Hq]")
+    if v_idx.shape[0] < 1 or v_idx.shape[1] < 1:
+        raise ValueError(f"v_idx shape {tuple(v_idx.shape)} needs b >= 1 and Hq >= 1")
+    if v_idx.device != s_idx.device:
+        raise ValueError(f"v_idx is on {v_idx.device} but s_idx is on {s_idx.device}; move both to one device")
+    for name, idx in (("v_idx", v_idx), ("s_idx", s_idx)):
+        if idx.numel() == 0:
+            continue
+        out_of_range = bool(((idx < 0) | (idx > seq_len)).any())
+        if out_of_range:
+            raise ValueError(
+                f"{name} holds values outside [0, {seq_len}] (min {int(idx.min())}, max {int(idx.max())}); "
+                f"valid entries are in [0, N) and unused slots hold the sentinel N={seq_len}")
+        not_ascending = bool(((idx[..., 1:] <= idx[..., :-1]) & (idx[..., 1:] < seq_len)).any())
+        if not_ascending:
+            raise ValueError(f"{name} valid entries must be ascending and distinct per [b, h], "
+                             f"with sentinels N={seq_len} last; sort and deduplicate the index")
+
+
+def _block_tables(layout: Layout, rank: int, seq_len: int, device) -> tuple[Tensor, Tensor]:
+    """Global block ids: of ``rank``'s local query blocks ``[nb]`` and of every source's key blocks ``[W, nb]``."""
+    world = layout.world_size
+    num_blocks = seq_len // BLOCK_SIZE
+    owner, local = layout.to_local(torch.arange(num_blocks, device=device) * BLOCK_SIZE, seq_len)
+    source_blocks = torch.empty(world, num_blocks // world, dtype=torch.long, device=device)
+    source_blocks[owner, local // BLOCK_SIZE] = torch.arange(num_blocks, device=device)
+    return source_blocks[rank], source_blocks
+
+
+def _csr_offsets(row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Row lengths ``[W·b·Hq·nb]`` → absolute row starts int32 ``[W, b, Hq, nb+1]`` (last = next group start)."""
+    ends = torch.cumsum(row_counts, 0)
+    if ends.numel() and int(ends[-1]) >= 2**31:
+        raise ValueError(f"{int(ends[-1])} list entries overflow int32 offsets; split the batch or heads")
+    ends = ends.view(shape)
+    starts = ends - row_counts.view(shape)
+    return torch.cat([starts, ends[..., -1:]], dim=-1).to(torch.int32)
+
+
+def _block_lists(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """CSR block lists from hit ``[b, Hq, NB]``, query blocks ``[nb]`` and source key blocks ``[W, nb]``.
+
+    A[qb, kb] = hit[qb − kb] for qb ≥ kb (hit[0] is the diagonal block); transient: bool ``[W, b, Hq, nb, nb]``.
+    """
+    batch, heads = hit.shape[:2]
+    world, nb = source_blocks.shape
+    distance = query_blocks[None, :, None] - source_blocks[:, None, :]                # [W, nb, nb]
+    active = hit.index_select(-1, distance.clamp(min=0).flatten()).view(batch, heads, world, nb, nb)
+    active = (active & (distance >= 0)).permute(2, 0, 1, 3, 4).contiguous().view(-1, nb)   # rows (w, b, h, i)
+    key_block = (torch.nonzero(active.view(-1)).squeeze(1) % nb).to(torch.int32)
+    col = torch.stack((2 * key_block, 2 * key_block + 1), dim=1).view(-1)
+    return _csr_offsets(2 * active.sum(1), (world, batch, heads, nb)), col
+
+
+def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
+               seq_len: int) -> tuple[Tensor, Tensor]:
+    """CSR bar lists: verticals strictly before the query block whose block is not active.
+
+    A sentinel N is clamped into the last block, which is never strictly before a query block, so
+    it drops out. Transient: int64 ``[b, Hq, nb, Vmax]`` block distances.
+    """
+    batch, heads, width = v_idx.shape
+    world, nb, local_len = layout.world_size, query_blocks.numel(), seq_len // layout.world_size
+    column = v_idx.long().clamp(max=seq_len - 1)                                       # [b, Hq, V]
+    owner, local = layout.to_local(column, seq_len)
+    distance = query_blocks[None, None, :, None] - (column // BLOCK_SIZE)[:, :, None, :]   # [b, Hq, nb, V]
+    block_hit = hit.gather(-1, distance.clamp(min=0).view(batch, heads, nb * width)).view_as(distance)
+    flat = torch.nonzero(((distance > 0) & ~block_hit).view(-1)).squeeze(1)           # over (b, h, i, v)
+    head_row = flat // width                                                          # (b, h)·nb + i
+    vertical = head_row // nb * width + flat % width                                  # over (b, h, v)
+    row = owner.view(-1)[vertical] * (batch * heads * nb) + head_row                  # over (w, b, h, i)
+    order_key = torch.sort(row * local_len + local.view(-1)[vertical]).values
+    row_starts = torch.searchsorted(order_key // local_len,
+                                    torch.arange(world * batch * heads * nb + 1, device=v_idx.device))
+    col = (order_key % local_len).to(torch.int32)
+    return _csr_offsets(row_starts[1:] - row_starts[:-1], (world, batch, heads, nb)), col
+
+
+def convert_index(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> BlockBarIndex:
+    """Vectorised conversion of ``(v_idx, s_idx)`` ``[b, Hq, ·]`` into ``rank``'s :class:`BlockBarIndex`.
+
+    Runs on ``v_idx``'s device with no loop over blocks, columns or ranks. Transient memory: a bool
+    block mask ``[W, b, Hq, nb, nb]`` and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list
+    itself can be that large).
+    """
+    _check_inputs(v_idx, s_idx, layout, rank, seq_len)
+    hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)                  # [b, Hq, NB]
+    query_blocks, source_blocks = _block_tables(layout, rank, seq_len, v_idx.device)
+    blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
+    bar_ptr, bar_col = _bar_lists(v_idx, hit, query_blocks, layout, seq_len)
+    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout)
+
+
+def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> BlockBarIndex:
+    """The same conversion as :func:`convert_index`, written as plain loops over the definitions.
+
+    For tests only: O(W·b·Hq·nb²·|s_idx|) Python steps.
+    """
+    _check_inputs(v_idx, s_idx, layout, rank, seq_len)
+    batch, heads = v_idx.shape[:2]
+    world = layout.world_size
+    nb = seq_len // world // BLOCK_SIZE
+    query_blocks = layout.global_blocks(seq_len, rank).tolist()
+    source_blocks = [layout.global_blocks(seq_len, w).tolist() for w in range(world)]
+    owner_local = {}                                         # global position → (source rank, local position)
+    for w in range(world):
+        for local, position in enumerate(layout.global_positions(seq_len, w).tolist()):
+            owner_local[position] = (w, local)
+
+    blk_rows, bar_rows = [], []                             # one list of columns per row (w, b, h, i)
+    for w in range(world):
+        for b in range(batch):
+            for h in range(heads):
+                slashes = [s for s in s_idx[b, h].tolist() if s < seq_len]
+                verticals = [v for v in v_idx[b, h].tolist() if v < seq_len]
+
+                def active(qb: int, kb: int) -> bool:
+                    delta = qb - kb
+                    if delta == 0:
+                        return True
+                    return delta > 0 and any((delta - 1) * BLOCK_SIZE < s < (delta + 1) * BLOCK_SIZE
+                                             for s in slashes)
+
+                for qb in query_blocks:
+                    tiles = []
+                    for j, kb in enumerate(source_blocks[w]):
+                        if active(qb, kb):
+                            tiles += [2 * j, 2 * j + 1]
+                    blk_rows.append(tiles)
+                    bars = []
+                    for v in verticals:
+                        owner, local = owner_local[v]
+                        kb = v // BLOCK_SIZE
+                        if owner == w and kb < qb and not active(qb, kb):
+                            bars.append(local)
+                    bar_rows.append(sorted(bars))
+
+    def to_csr(row_lists: list[list[int]]) -> tuple[Tensor, Tensor]:
+        ptr = [[[[0] * (nb + 1) for _ in range(heads)] for _ in range(batch)] for _ in range(world)]
+        cols: list[int] = []
+        row = 0
+        for w in range(world):
+            for b in range(batch):
+                for h in range(heads):
+                    for i in range(nb):
+                        ptr[w][b][h][i] = len(cols)
+                        cols += row_lists[row]
+                        row += 1
+                    ptr[w][b][h][nb] = len(cols)
+        device = v_idx.device
+        return (torch.tensor(ptr, dtype=torch.int32, device=device),
+                torch.tensor(cols, dtype=torch.int32, device=device))
+
+    blk_ptr, blk_col = to_csr(blk_rows)
+    bar_ptr, bar_col = to_csr(bar_rows)
+    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout)
+
+
+def count_work(index: BlockBarIndex) -> tuple[Tensor, Tensor]:
+    """Active 128-key blocks and bars per (source rank, b, Hq): two int64 ``[W, b, Hq]`` tensors."""
+    nb = index.num_local_blocks
+    blocks = (index.blk_ptr[..., nb] - index.blk_ptr[..., 0]).long() // 2
+    bars = (index.bar_ptr[..., nb] - index.bar_ptr[..., 0]).long()
+    return blocks, bars
