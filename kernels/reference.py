@@ -113,14 +113,19 @@ def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
                     lse1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial softmax results over disjoint key sets (DESIGN.md §2.4).
 
-    out ``[b, N, H, d]`` fp32, lse ``[b, H, N]`` fp32. Returns new tensors; a side with lse = −inf
-    contributes nothing, and rows where both are −inf stay (out0, −inf).
+    out ``[b, N, H, d]`` fp32, lse ``[b, H, N]`` fp32. Returns new tensors. A side with lse = −inf
+    contributes nothing, whatever its out holds (even NaN); rows where both are −inf stay (out0, −inf).
     """
     hi = torch.maximum(lse0, lse1)
     lo = torch.minimum(lse0, lse1)
     finite = torch.isfinite(hi)
     lse = torch.where(finite, hi + torch.log1p(torch.exp(lo - hi)), lse0)
-    w0 = torch.where(finite, torch.exp(lse0 - torch.where(finite, lse, 0)), 1.0)
-    w1 = torch.where(finite, torch.exp(lse1 - torch.where(finite, lse, 0)), 0.0)
-    out = w0.transpose(1, 2)[..., None] * out0 + w1.transpose(1, 2)[..., None] * out1
-    return out, lse
+    safe_lse = torch.where(finite, lse, 0.0)
+
+    def weighted(out_side, lse_side):
+        weight = torch.exp(lse_side - safe_lse).transpose(1, 2)[..., None]
+        present = torch.isfinite(lse_side).transpose(1, 2)[..., None]
+        return torch.where(present, weight * out_side, 0.0)
+
+    merged = weighted(out0, lse0) + weighted(out1, lse1)
+    return torch.where(finite.transpose(1, 2)[..., None], merged, out0), lse

@@ -1,0 +1,116 @@
+"""Single-device vertical-slash sparse attention with autograd (DESIGN.md §2.6).
+
+A thin ``torch.autograd.Function`` over a backend's step launchers (``block_bar_forward`` /
+``block_bar_backward``), run once with the world-size-1 index: source 0, diagonal causal mask on.
+The running output and lse are kept in fp32 (fp64 for fp64 inputs) and the output is cast to the
+input dtype once at the end. Distributed use goes through the ring in ``megatron_mtraining.ring``.
+
+Shapes: q ``[b, N, Hq, d]``; k, v ``[b, N, Hkv, d]`` (GQA: query head h reads KV head
+h // (Hq/Hkv)); lse ``[b, Hq, N]``; N a multiple of 128.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from .index import BlockBarIndex, convert_index
+from .layout import Layout
+from .torch_backend import accumulator_dtype
+
+BACKEND_MODULES = {
+    "torch_blocksparse": "mtraining_kernels.torch_backend",
+    "triton": "mtraining_kernels.triton_backend",
+}
+
+
+def get_backend(name: str) -> ModuleType:
+    """The module providing ``block_bar_forward``/``block_bar_backward`` for backend ``name``."""
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"backend={name!r} is unknown; use one of {sorted(BACKEND_MODULES)}")
+    try:
+        return importlib.import_module(BACKEND_MODULES[name])
+    except ImportError as err:
+        raise ImportError(
+            f"backend {name!r} is unavailable ({err}); install its requirements or use "
+            f"backend='torch_blocksparse'"
+        ) from err
+
+
+def _step_lists(index: BlockBarIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, index: BlockBarIndex, softmax_scale: float, backend: ModuleType,
+                deterministic: bool):
+        batch, seq_len, heads, _ = q.shape
+        acc = accumulator_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
+        backend.block_bar_forward(q, k, v, *_step_lists(index), out, lse, causal_diag=True,
+                                  softmax_scale=softmax_scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.index, ctx.softmax_scale, ctx.backend, ctx.deterministic = index, softmax_scale, backend, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        acc = lse.dtype
+        dout = dout.contiguous()
+        delta = (out.to(acc) * dout.to(acc)).sum(dim=-1).transpose(1, 2).contiguous()   # [b, Hq, N]
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        ctx.backend.block_bar_backward(q, k, v, dout, lse, delta, *_step_lists(ctx.index), dq, dk, dv,
+                                       causal_diag=True, softmax_scale=ctx.softmax_scale,
+                                       deterministic=ctx.deterministic)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _check_single_device(q: torch.Tensor, index: BlockBarIndex) -> None:
+    if not isinstance(index, BlockBarIndex):
+        raise ValueError(f"index must be a BlockBarIndex from convert_index, got {type(index).__name__}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor [b, N, Hq, d], got {getattr(q, 'shape', type(q))}")
+    if index.world_size != 1:
+        raise ValueError(f"index was built for world_size={index.world_size}; sparse_attention is single-device, "
+                         f"build it with Layout(kind, 1) and rank 0 (or use the ring for context parallelism)")
+    if index.seq_len != q.shape[1]:
+        raise ValueError(f"index was built for seq_len={index.seq_len} but q has length {q.shape[1]}")
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockBarIndex, *,
+                     softmax_scale: float | None = None, backend: str = "torch_blocksparse",
+                     return_lse: bool = False, deterministic: bool = False):
+    """Causal vertical-slash sparse attention on one device, differentiable in q, k, v.
+
+    ``index`` is ``convert_index(v_idx, s_idx, Layout(kind, 1), 0, N)``. Returns out
+    ``[b, N, Hq, d]`` in q's dtype and, with ``return_lse``, lse ``[b, Hq, N]`` (fp32; fp64 for fp64
+    inputs; not differentiable). ``deterministic`` makes the backward bitwise repeatable.
+    """
+    _check_single_device(q, index)
+    launcher = get_backend(backend)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out, lse = _SparseAttention.apply(q, k, v, index, scale, launcher, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def torch_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_idx: torch.Tensor,
+                                 s_idx: torch.Tensor, softmax_scale: float | None = None,
+                                 return_lse: bool = False):
+    """:func:`sparse_attention` on the ``torch_blocksparse`` backend, straight from (v_idx, s_idx).
+
+    v_idx/s_idx int32 ``[b, Hq, Vmax/Smax]``, ascending, sentinel N for unused slots (DESIGN.md §2.1).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor [b, N, Hq, d], got {getattr(q, 'shape', type(q))}")
+    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, q.shape[1])
+    return sparse_attention(q, k, v, index, softmax_scale=softmax_scale, backend="torch_blocksparse",
+                            return_lse=return_lse)
