@@ -1,4 +1,5 @@
-"""Run a function on W CPU processes joined by a gloo process group, and collect per-rank results.
+"""Run a function on W processes joined by a process group (gloo on CPU, or NCCL with one GPU per
+rank), and collect per-rank results.
 
 Used by every distributed test. The function must be defined at module level (it is pickled into
 the worker processes) and is called as ``fn(rank, world_size, *args)``; its return value must be
@@ -33,10 +34,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, tasks, results, collective_timeout):
+def _worker(rank, world_size, port, backend, tasks, results, collective_timeout):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=collective_timeout),
     )
     while True:
@@ -54,14 +57,14 @@ def _worker(rank, world_size, port, tasks, results, collective_timeout):
 
 
 class _Pool:
-    def __init__(self, world_size: int, collective_timeout: float):
+    def __init__(self, world_size: int, backend: str, collective_timeout: float):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
+            ctx.Process(target=_worker, args=(r, world_size, port, backend, self.tasks[r], self.results,
                                               collective_timeout), daemon=True)
             for r in range(world_size)
         ]
@@ -102,7 +105,7 @@ class _Pool:
                 p.kill()
 
 
-_pools: dict[tuple[int, float], _Pool] = {}
+_pools: dict[tuple[int, str, float], _Pool] = {}
 
 
 @atexit.register
@@ -112,11 +115,12 @@ def _close_pools() -> None:
     _pools.clear()
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 180.0, collective_timeout: float = 60.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank."""
-    key = (world_size, collective_timeout)
+def run_on_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 180.0,
+                 collective_timeout: float = 60.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
+    key = (world_size, backend, collective_timeout)
     if key not in _pools:
-        _pools[key] = _Pool(world_size, collective_timeout)
+        _pools[key] = _Pool(world_size, backend, collective_timeout)
     try:
         return _pools[key].run(fn, args, timeout)
     except BaseException:

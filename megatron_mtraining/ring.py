@@ -1,0 +1,190 @@
+"""Sparse ring attention over a context-parallel group (DESIGN.md §2.4, §2.5).
+
+One autograd function serves the flat ring (outer size 1) and the hierarchical ring. Only K/V
+circulate, packed as one ``[2, b, N_loc, Hkv, d]`` tensor; the transfer for the next step is posted
+before the current step's compute. dK/dV partials ride a second ring with their chunk and arrive
+home complete after one more hop than K/V made. Queries, the fp32 running output and lse stay local.
+
+Inputs are already in the CP layout (the permutation happens once, in the data loader): q
+``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]``; the block/bar lists come from
+``mtraining_kernels.index.convert_index`` for this rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mtraining_kernels.index import BlockBarIndex
+from mtraining_kernels.interface import get_backend
+
+from .ring_comm import RingExchange
+from .ring_groups import RingGroups
+
+_WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_checked_signatures: set[tuple] = set()
+
+
+def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
+    """Why this rank's inputs are unusable, or '' (local checks only)."""
+    b, n_loc, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[1] != n_loc or k.shape[3] != d:
+        return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+    if hq % k.shape[2]:
+        return f"query heads {hq} are not divisible by KV heads {k.shape[2]}"
+    if index.world_size != groups.world_size or index.rank != groups.cp_rank:
+        return (f"index was built for world_size={index.world_size}, rank={index.rank} but this is CP rank "
+                f"{groups.cp_rank} of {groups.world_size}; build it with this rank's layout")
+    if index.seq_len != n_loc * groups.world_size:
+        return f"index was built for seq_len={index.seq_len}, inputs have {n_loc} x {groups.world_size} tokens"
+    if tuple(index.blk_ptr.shape[1:3]) != (b, hq):
+        return f"index covers [b, Hq]={tuple(index.blk_ptr.shape[1:3])}, q has {(b, hq)}"
+    return ""
+
+
+def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups) -> None:
+    """Raise the same ``ValueError`` on every rank if any rank's inputs are bad or differ in shape.
+
+    The first call with a given signature all-gathers a small int vector over the CP group, so a bad
+    rank never leaves the others waiting inside the ring; later identical calls cost nothing.
+    """
+    error = _signature_error(q, k, v, index, groups)
+    signature = (tuple(q.shape), tuple(k.shape), q.dtype, index.seq_len, index.layout, id(groups.cp))
+    if not error and signature in _checked_signatures:
+        return
+    dtype_code = [torch.float32, torch.float16, torch.bfloat16, torch.float64].index(q.dtype) \
+        if q.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else 9
+    mine = torch.tensor([*q.shape, *k.shape, dtype_code, index.seq_len, int(bool(error))], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(groups.world_size)]
+    dist.all_gather(everyone, mine.to(_collective_device(groups.cp)), group=groups.cp)
+    everyone = [t.cpu() for t in everyone]
+    bad = [r for r, t in enumerate(everyone) if t[-1]]
+    if error:
+        raise ValueError(f"ring attention input on CP rank {groups.cp_rank}: {error}")
+    if bad:
+        raise ValueError(f"ring attention input is invalid on CP rank(s) {bad}; see their error")
+    if any(not torch.equal(t, everyone[0]) for t in everyone):
+        shapes = {r: t[:-1].tolist() for r, t in enumerate(everyone)}
+        raise ValueError(f"ring attention inputs differ across CP ranks (q shape, k shape, dtype, N): {shapes}")
+    _checked_signatures.add(signature)
+
+
+def _collective_device(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _ring_forward(q, kv, index, groups, backend, scale):
+    """Returns the fp32 running (out, lse) after all W steps."""
+    b, n_loc, hq, d = q.shape
+    out = torch.zeros(b, n_loc, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, n_loc), float("-inf"), dtype=torch.float32, device=q.device)
+    inner_kv = RingExchange(groups.inner)
+    outer_kv = RingExchange(groups.outer) if groups.outer is not None else None
+    chunk = kv
+    for o in range(groups.outer_size):
+        last_outer = o == groups.outer_size - 1
+        incoming_chunk = None if last_outer else outer_kv.post(chunk)
+        held = chunk
+        for i in range(groups.inner_size):
+            last_inner = i == groups.inner_size - 1
+            incoming = None if last_inner else inner_kv.post(held)
+            src = groups.source_of(o, i)
+            backend.block_bar_forward(
+                q, held[0], held[1], index.blk_ptr[src], index.blk_col, index.bar_ptr[src], index.bar_col,
+                out, lse, causal_diag=(o == 0 and i == 0), softmax_scale=scale,
+            )
+            if not last_inner:
+                inner_kv.wait()
+                held = incoming
+        if not last_outer:
+            outer_kv.wait()
+            chunk = incoming_chunk
+    return out, lse
+
+
+def _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deterministic, wire):
+    """Returns (dq fp32, dkv fp32 [2, b, N_loc, Hkv, d]) for this rank's own chunk."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    inner_kv, inner_grad = RingExchange(groups.inner), RingExchange(groups.inner, tag=1)
+    outer_kv = RingExchange(groups.outer) if groups.outer is not None else None
+    outer_grad = RingExchange(groups.outer, tag=1) if groups.outer is not None else None
+    chunk, outer_partial = kv, None
+    for o in range(groups.outer_size):
+        last_outer = o == groups.outer_size - 1
+        incoming_chunk = None if last_outer else outer_kv.post(chunk)
+        held, inner_partial = chunk, None
+        for i in range(groups.inner_size):
+            last_inner = i == groups.inner_size - 1
+            incoming = None if last_inner else inner_kv.post(held)
+            src = groups.source_of(o, i)
+            contribution = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            backend.block_bar_backward(
+                q, held[0], held[1], dout, lse, delta, index.blk_ptr[src], index.blk_col,
+                index.bar_ptr[src], index.bar_col, dq, contribution[0], contribution[1],
+                causal_diag=(o == 0 and i == 0), softmax_scale=scale, deterministic=deterministic,
+            )
+            if inner_partial is not None:  # the partial of this chunk from the previous inner rank
+                inner_grad.wait()
+                contribution += inner_partial
+            inner_partial = inner_grad.post(contribution.to(wire))
+            if not last_inner:
+                inner_kv.wait()
+                held = incoming
+        inner_grad.wait()  # L-th hop: this node's total for the chunk held at the outer step's start
+        node_total = inner_partial.float()
+        if outer_grad is not None:
+            if outer_partial is not None:  # earlier nodes' total for the same chunk
+                outer_grad.wait()
+                node_total += outer_partial
+            outer_partial = outer_grad.post(node_total.to(wire))
+        if not last_outer:
+            outer_kv.wait()
+            chunk = incoming_chunk
+    if outer_grad is None:
+        return dq, node_total
+    outer_grad.wait()  # O-th outer hop brings the complete gradient home
+    return dq, outer_partial.float()
+
+
+class SparseRingAttention(torch.autograd.Function):
+    """Autograd function for the flat and hierarchical sparse rings; see :func:`ring_attention`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index, groups, backend_name, scale, deterministic, grad_wire):
+        backend = get_backend(backend_name)
+        kv = torch.stack([k, v])
+        out, lse = _ring_forward(q, kv, index, groups, backend, scale)
+        out_cast = out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out_cast, lse)
+        ctx.setup = (index, groups, backend, scale, deterministic, grad_wire)
+        ctx.mark_non_differentiable(lse)
+        return out_cast, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, kv, out, lse = ctx.saved_tensors
+        index, groups, backend, scale, deterministic, grad_wire = ctx.setup
+        dout = dout.contiguous()
+        delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()   # [b, Hq, N_loc]
+        dq, dkv = _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deterministic,
+                                 grad_wire)
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockBarIndex,
+                   groups: RingGroups, *, backend: str = "triton", softmax_scale: float | None = None,
+                   deterministic: bool = False, grad_wire_dtype: str = "fp32",
+                   return_lse: bool = False):
+    """Causal vertical-slash sparse attention of this rank's queries against the whole CP group.
+
+    q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in the layout ``index`` was built for.
+    Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse fp32 ``[b, Hq, N_loc]``).
+    """
+    if grad_wire_dtype not in _WIRE_DTYPES:
+        raise ValueError(f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(_WIRE_DTYPES)}")
+    check_ring_inputs(q, k, v, index, groups)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = SparseRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index, groups,
+                                         backend, scale, deterministic, _WIRE_DTYPES[grad_wire_dtype])
+    return (out, lse) if return_lse else out
