@@ -1,0 +1,311 @@
+"""Triton backend (``triton``, DESIGN.md §2.6): launchers for one ring step.
+
+Same signatures and semantics as ``mtraining_kernels.torch_backend``:
+
+* :func:`block_bar_forward` — fused block + bar flash attention of the local queries against one
+  source chunk, merged in place into the running fp32 (out, lse);
+* :func:`block_bar_backward` — that step's dq, dk, dv, accumulated in place into fp32 buffers.
+  Default: one query-major pass with fp32 atomics for dk/dv. ``deterministic=True``: no atomics;
+  dq query-major, block dk/dv key-sub-tile-major through a CSR-by-key copy of the block lists, bar
+  dk/dv per chunk of distinct bar columns, reduced over the GQA group in a fixed order, so repeated
+  backwards are bitwise equal.
+
+Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
+head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
+one step's lists ``blk_ptr``/``bar_ptr`` int32 ``[b, Hq, nb+1]`` with absolute offsets into the
+1-D int32 ``blk_col``/``bar_col`` (see ``mtraining_kernels.index.BlockBarIndex``); fp32,
+contiguous in-place buffers. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .layout import BLOCK_SIZE
+from .triton_bwd import bar_chunk_backward_kernel, key_major_backward_kernel, query_major_backward_kernel
+from .triton_fwd import block_bar_forward_kernel
+
+SUB_TILE = 64
+HEAD_DIMS = (64, 128)
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------- checks
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take any strides but read rows as contiguous vectors."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_inputs(q, k, v, softmax_scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [b, N, H, d], got {getattr(t, 'shape', type(t))}")
+    if q.dtype not in INPUT_DTYPES:
+        raise ValueError(f"q has dtype {q.dtype}; the triton backend takes {INPUT_DTYPES} (cast q, k, v, "
+                         f"or use backend='torch_blocksparse' for fp32/fp64)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"q is on {q.device}; the triton backend needs CUDA tensors "
+                         f"(or TRITON_INTERPRET=1 for CPU)")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v devices differ ({q.device}, {k.device}, {v.device})")
+    batch, query_len, heads, dim = q.shape
+    if dim not in HEAD_DIMS:
+        raise ValueError(f"q head dim {dim} is unsupported by the triton backend; use one of {HEAD_DIMS}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != batch or k.shape[3] != dim:
+        raise ValueError(f"k/v {tuple(k.shape)} disagree with q {tuple(q.shape)} on batch or head dim")
+    if query_len == 0 or query_len % BLOCK_SIZE:
+        raise ValueError(f"q length {query_len} must be a positive multiple of the block size {BLOCK_SIZE}")
+    if k.shape[1] != query_len:
+        raise ValueError(f"k/v length {k.shape[1]} must equal q length {query_len} (one source chunk per step)")
+    kv_heads = k.shape[2]
+    if heads == 0 or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"query heads {heads} must be a positive multiple of KV heads {kv_heads} (GQA)")
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite positive number "
+                         f"(usually head_dim ** -0.5)")
+
+
+def _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch: int, heads: int, num_blocks: int, device) -> None:
+    """Shapes, dtypes and devices only: checking values would cost a device sync per step."""
+    for name, ptr, col in (("blk", blk_ptr, blk_col), ("bar", bar_ptr, bar_col)):
+        expected = (batch, heads, num_blocks + 1)
+        if not isinstance(ptr, torch.Tensor) or ptr.dtype != torch.int32 or tuple(ptr.shape) != expected:
+            raise ValueError(f"{name}_ptr must be an int32 tensor of shape {expected} ([b, Hq, nb+1], one step's "
+                             f"slice such as index.{name}_ptr[w]), got {getattr(ptr, 'dtype', type(ptr))} "
+                             f"{tuple(getattr(ptr, 'shape', ()))}")
+        if not isinstance(col, torch.Tensor) or col.dtype != torch.int32 or col.dim() != 1:
+            raise ValueError(f"{name}_col must be a 1-D int32 tensor, got {getattr(col, 'dtype', type(col))} "
+                             f"{tuple(getattr(col, 'shape', ()))}")
+        if ptr.device != device or col.device != device:
+            raise ValueError(f"{name}_ptr/{name}_col are on {ptr.device}/{col.device}; move them to {device}")
+        if ptr.stride(-1) != 1:
+            raise ValueError(f"{name}_ptr must have a unit last stride; pass {name}_ptr.contiguous()")
+        if not col.is_contiguous():
+            raise ValueError(f"{name}_col must be contiguous; pass {name}_col.contiguous()")
+
+
+def _check_buffer(name: str, t, shape: tuple, device, meaning: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} ({meaning}), got {tuple(t.shape)}")
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} has dtype {t.dtype}; it must be torch.float32 ({meaning})")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; move it to {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (it is updated in place); pass {name}.contiguous() "
+                         f"and read the result from that tensor")
+
+
+# ---------------------------------------------------------------------------------------- configs
+# Picked from the compiler's resource report for sm_90 (no register spills, loads pipelined): the
+# forward uses 192-229 registers; the key-major passes walk a query block in 64-row slices, since
+# whole 128-row slices spill with dk/dv [64, d] held in registers.
+def _forward_config(dim: int) -> dict:
+    return {"num_warps": 4 if dim == 64 else 8, "num_stages": 3}
+
+
+QUERY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 2}
+KEY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
+
+
+def _tiles(dim: int) -> dict:
+    return {"HEAD_DIM": dim, "BLOCK_M": BLOCK_SIZE, "BLOCK_N": SUB_TILE}
+
+
+def _bhs(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, token, head) strides of a ``[b, N, H, d]`` tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+# ---------------------------------------------------------------------------------------- forward
+def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, causal_diag: bool,
+                      softmax_scale: float) -> None:
+    """Attend one source chunk through one step's lists and merge into (out, lse) in place.
+
+    q ``[b, Nq, Hq, d]``; k, v ``[b, Nk, Hkv, d]``; blk_ptr/bar_ptr int32 ``[b, Hq, nb+1]``
+    (absolute offsets into blk_col/bar_col); out fp32 ``[b, Nq, Hq, d]`` and lse fp32 ``[b, Hq, Nq]``,
+    contiguous. lse = −inf means "nothing yet"; rows without work are not written.
+    ``causal_diag`` applies the token causal mask to query block i's sub-tiles 2i and 2i+1.
+    """
+    _check_inputs(q, k, v, softmax_scale)
+    batch, query_len, heads, dim = q.shape
+    num_blocks = query_len // BLOCK_SIZE
+    _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, q.device)
+    _check_buffer("out", out, tuple(q.shape), q.device, "the running output [b, Nq, Hq, d]")
+    _check_buffer("lse", lse, (batch, heads, query_len), q.device, "the running lse [b, Hq, Nq]")
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    block_bar_forward_kernel[(num_blocks, heads, batch)](
+        q, k, v, out, lse, blk_ptr, blk_col, bar_ptr, bar_col,
+        *_bhs(q), *_bhs(k), *_bhs(v), *_bhs(out), lse.stride(0), lse.stride(1),
+        blk_ptr.stride(0), blk_ptr.stride(1),
+        num_blocks, heads // k.shape[2], softmax_scale * LOG2E,
+        CAUSAL_DIAG=bool(causal_diag), **_tiles(dim), **_forward_config(dim),
+    )
+
+
+# ---------------------------------------------------------------------------------------- backward
+def _list_rows(ptr: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten one step's CSR slice: (row id (z·Hq + h)·nb + i, entry value), int64, in list order."""
+    starts = ptr[..., :-1].reshape(-1).long()
+    counts = (ptr[..., 1:] - ptr[..., :-1]).reshape(-1).long()
+    first, last = int(ptr.reshape(-1)[0]), int(ptr.reshape(-1)[-1])
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts,
+                                   output_size=last - first)
+    # rows are stored back to back (DESIGN: ptr[b, h, nb] == ptr[b, h+1, 0]); checked, as a bad slice
+    # would otherwise read the wrong entries silently
+    if rows.numel() and not torch.equal(starts, torch.cumsum(counts, 0) - counts + first):
+        raise ValueError("blk_ptr/bar_ptr rows are not back to back (ptr[b, h, nb] != ptr[b, h+1, 0]); "
+                         "pass one step's slice of a BlockBarIndex")
+    return rows, col[first:last].long()
+
+
+def _block_lists_by_key(blk_ptr: torch.Tensor, blk_col: torch.Tensor, num_blocks: int):
+    """CSR-by-key copy of the block lists: (key_ptr int32 ``[b·Hq·2nb + 1]``, key_qblock int32).
+
+    Row (z·Hq + h)·2nb + t lists, ascending, the local query blocks whose list holds sub-tile t.
+    """
+    rows, tiles = _list_rows(blk_ptr, blk_col)
+    num_tiles = 2 * num_blocks
+    sample_head, qblock = rows // num_blocks, rows % num_blocks
+    key_row = sample_head * num_tiles + tiles
+    # a stable sort keeps the ascending query-block order inside each key row
+    order = torch.sort(key_row, stable=True).indices
+    counts = torch.bincount(key_row, minlength=blk_ptr.shape[0] * blk_ptr.shape[1] * num_tiles)
+    key_ptr = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=blk_ptr.device)
+    key_ptr[1:] = torch.cumsum(counts, 0)
+    return key_ptr, qblock[order].to(torch.int32)
+
+
+class _BarChunks:
+    """Bar lists regrouped by column for the deterministic bar pass.
+
+    ``column`` int32 ``[U]``: the distinct bar columns of every row z·Hq + h (``row`` int64 ``[U]``),
+    ascending within a row; chunk c covers ``column[first[c] : first[c] + length[c]]`` (≤ 64, one row
+    ``head_row[c]``); pairs ``pair_ptr[c] … pair_ptr[c+1]`` list query blocks (``pair_qblock``) and a
+    64-bit word (``pair_bits``) whose bit t marks column first[c] + t as a bar of that block.
+    """
+
+    def __init__(self, bar_ptr: torch.Tensor, bar_col: torch.Tensor, num_blocks: int, key_len: int):
+        device = bar_ptr.device
+        rows, cols = _list_rows(bar_ptr, bar_col)
+        sample_head, qblock = rows // num_blocks, rows % num_blocks
+        distinct, slot_of_entry = torch.unique(sample_head * key_len + cols, return_inverse=True)
+        self.row = distinct // key_len
+        self.column = (distinct % key_len).to(torch.int32)
+        per_row = torch.bincount(self.row, minlength=bar_ptr.shape[0] * bar_ptr.shape[1])
+        row_first = torch.cumsum(per_row, 0) - per_row
+        rank_in_row = torch.arange(distinct.numel(), device=device) - row_first[self.row]
+        chunks_per_row = (per_row + SUB_TILE - 1) // SUB_TILE
+        chunk_base = torch.cumsum(chunks_per_row, 0) - chunks_per_row
+        chunk_of_slot = chunk_base[self.row] + rank_in_row // SUB_TILE
+        bit_of_slot = rank_in_row % SUB_TILE
+        num_chunks = int(chunks_per_row.sum())
+        self.num_chunks = num_chunks
+        self.head_row = torch.repeat_interleave(torch.arange(per_row.numel(), device=device), chunks_per_row,
+                                                output_size=num_chunks)
+        chunk_in_row = torch.arange(num_chunks, device=device) - chunk_base[self.head_row]
+        self.first = (row_first[self.head_row] + chunk_in_row * SUB_TILE).to(torch.int32)
+        self.length = torch.clamp(per_row[self.head_row] - chunk_in_row * SUB_TILE, max=SUB_TILE).to(torch.int32)
+        # (chunk, query block) pairs; distinct bits within a pair, so their int64 sum is their OR
+        pair_key = chunk_of_slot[slot_of_entry] * num_blocks + qblock
+        pairs, pair_of_entry = torch.unique(pair_key, return_inverse=True)
+        self.pair_bits = torch.zeros(pairs.numel(), dtype=torch.int64, device=device)
+        self.pair_bits.index_add_(0, pair_of_entry, torch.bitwise_left_shift(
+            torch.ones_like(bit_of_slot), bit_of_slot)[slot_of_entry])
+        self.pair_qblock = (pairs % num_blocks).to(torch.int32)
+        pair_counts = torch.bincount(pairs // num_blocks, minlength=num_chunks)
+        self.pair_ptr = torch.zeros(num_chunks + 1, dtype=torch.int32, device=device)
+        self.pair_ptr[1:] = torch.cumsum(pair_counts, 0)
+
+
+def _reduce_bar_partials(chunks: _BarChunks, scratch: torch.Tensor, grad: torch.Tensor, heads: int,
+                         group: int) -> None:
+    """grad[z, column, h // group] += scratch rows, one GQA member at a time (member order fixed).
+
+    Within one member the targets are distinct, so each element receives exactly one addition.
+    """
+    sample, head = chunks.row // heads, chunks.row % heads
+    member = head % group
+    for g in range(group):
+        pick = torch.nonzero(member == g).squeeze(1)
+        if pick.numel():
+            grad.index_put_((sample[pick], chunks.column[pick].long(), head[pick] // group), scratch[pick],
+                            accumulate=True)
+
+
+def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar_col, dq, dk, dv, *,
+                       causal_diag: bool, softmax_scale: float, deterministic: bool = False) -> None:
+    """Accumulate one step's gradients in place.
+
+    lse fp32 ``[b, Hq, Nq]`` is the FINAL merged lse and delta fp32 ``[b, Hq, Nq]`` = rowsum(out ⊙ dout);
+    dout ``[b, Nq, Hq, d]`` in q's dtype. With P = exp(scale·q·kᵀ − lse), dS = P ⊙ (dout·vᵀ − delta):
+    dq fp32 ``[b, Nq, Hq, d]`` += scale·dS·k, dk fp32 ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout.
+    ``deterministic`` uses no atomics (and a few host syncs to build the by-key lists); repeated calls
+    on the same inputs are then bitwise equal.
+    """
+    _check_inputs(q, k, v, softmax_scale)
+    batch, query_len, heads, dim = q.shape
+    num_blocks = query_len // BLOCK_SIZE
+    _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, q.device)
+    if not isinstance(dout, torch.Tensor) or dout.dtype != q.dtype:
+        raise ValueError(f"dout must be a tensor of q's dtype {q.dtype}, got {getattr(dout, 'dtype', type(dout))}")
+    if dout.shape != q.shape or dout.device != q.device:
+        raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
+    _check_buffer("lse", lse, (batch, heads, query_len), q.device, "the final lse [b, Hq, Nq]")
+    _check_buffer("delta", delta, (batch, heads, query_len), q.device, "rowsum(out * dout) [b, Hq, Nq]")
+    _check_buffer("dq", dq, tuple(q.shape), q.device, "the dq accumulator [b, Nq, Hq, d]")
+    _check_buffer("dk", dk, tuple(k.shape), q.device, "the dk accumulator [b, Nk, Hkv, d]")
+    _check_buffer("dv", dv, tuple(v.shape), q.device, "the dv accumulator [b, Nk, Hkv, d]")
+    q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    tiles = _tiles(dim)
+    qk_scale_log2 = softmax_scale * LOG2E
+    operand_strides = (*_bhs(q), *_bhs(k), *_bhs(v), *_bhs(dout))
+
+    query_major_backward_kernel[(num_blocks, heads, batch)](
+        q, k, v, dout, lse, delta, dq, dk, dv, blk_ptr, blk_col, bar_ptr, bar_col,
+        *operand_strides, *_bhs(dq), *_bhs(dk), *_bhs(dv), lse.stride(0), lse.stride(1),
+        blk_ptr.stride(0), blk_ptr.stride(1),
+        num_blocks, group, softmax_scale, qk_scale_log2,
+        CAUSAL_DIAG=bool(causal_diag), ATOMIC_DKDV=not deterministic, **tiles, **QUERY_MAJOR_CONFIG,
+    )
+    if not deterministic:
+        return
+
+    key_ptr, key_qblock = _block_lists_by_key(blk_ptr, blk_col, num_blocks)
+    key_major_backward_kernel[(2 * num_blocks, kv_heads, batch)](
+        q, k, v, dout, lse, delta, dk, dv, key_ptr, key_qblock,
+        *operand_strides, *_bhs(dk), *_bhs(dv), lse.stride(0), lse.stride(1),
+        2 * num_blocks, heads, group, softmax_scale, qk_scale_log2,
+        CAUSAL_DIAG=bool(causal_diag), **tiles, **KEY_MAJOR_CONFIG,
+    )
+
+    chunks = _BarChunks(bar_ptr, bar_col, num_blocks, query_len)
+    if chunks.num_chunks == 0:
+        return
+    scratch_dk = torch.empty(chunks.column.numel(), dim, dtype=torch.float32, device=q.device)
+    scratch_dv = torch.empty_like(scratch_dk)
+    bar_chunk_backward_kernel[(chunks.num_chunks,)](
+        q, k, v, dout, lse, delta, scratch_dk, scratch_dv,
+        chunks.head_row, chunks.first, chunks.length, chunks.column, chunks.pair_ptr, chunks.pair_qblock,
+        chunks.pair_bits, *operand_strides, lse.stride(0), lse.stride(1),
+        heads, group, softmax_scale, qk_scale_log2, **tiles, **KEY_MAJOR_CONFIG,
+    )
+    _reduce_bar_partials(chunks, scratch_dk, dk, heads, group)
+    _reduce_bar_partials(chunks, scratch_dv, dv, heads, group)

@@ -1,0 +1,117 @@
+"""Triton forward kernel of one ring step: fused block + bar flash attention (DESIGN.md §2.6).
+
+One program owns one (128-row local query block i, query head h, sample z). It walks
+
+1. the block list: the listed 64-wide key sub-tiles of the source chunk (the token causal mask is
+   applied only to the diagonal pair 2i, 2i+1, and only when ``CAUSAL_DIAG``);
+2. the bar list: single key columns gathered by index, 64 at a time (the tail is masked);
+
+with an online softmax in base 2 (``qk_scale_log2 = softmax_scale · log2(e)`` folded into the
+scores) and fp32 accumulators, then merges the step's (out, lse) into the running fp32 buffers
+in place with the stable log-sum-exp merge of DESIGN.md §2.4. Rows without work are not written.
+
+GQA: KV head = h // group; K/V are read in place from ``[b, Nk, Hkv, d]`` (never repeated).
+All row offsets are formed in int64, so sequences past 2^31 elements per tensor are safe.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _online_softmax_step(acc, row_max, row_sum, scores, values):
+    """Fold one tile of base-2 scores ``[M, N]`` (−inf = masked) and its values ``[N, D]`` in."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    # a row that has seen only masked scores keeps max −inf; shift by 0 then, so exp2 gives 0, not NaN
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(row_max - shift)
+    probs = tl.exp2(scores - shift[:, None])
+    row_sum = row_sum * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values)
+    return acc, new_max, row_sum
+
+
+@triton.jit
+def block_bar_forward_kernel(
+    Q, K, V, OUT, LSE,
+    BLK_PTR, BLK_COL, BAR_PTR, BAR_COL,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    stride_lb, stride_lh,
+    stride_pb, stride_ph,
+    num_q_blocks, group_size, qk_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_DIAG: tl.constexpr,
+):
+    # heavy query blocks (late in the sequence) start first
+    qblock = num_q_blocks - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    sample = tl.program_id(2).to(tl.int64)
+    kv_head = head // group_size
+
+    list_row = sample * stride_pb + head * stride_ph + qblock
+    blk_start = tl.load(BLK_PTR + list_row)
+    blk_end = tl.load(BLK_PTR + list_row + 1)
+    bar_start = tl.load(BAR_PTR + list_row)
+    bar_end = tl.load(BAR_PTR + list_row + 1)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = qblock * BLOCK_M + offs_m
+    q = tl.load(Q + sample * stride_qb + head * stride_qh
+                + q_rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+    k_base = K + sample * stride_kb + kv_head * stride_kh
+    v_base = V + sample * stride_vb + kv_head * stride_vh
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # ---- loop 1: listed key sub-tiles
+    for entry in range(blk_start, blk_end):
+        tile = tl.load(BLK_COL + entry)
+        k_rows = (tile * BLOCK_N + offs_n).to(tl.int64)
+        k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
+        v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        if CAUSAL_DIAG:
+            off_diagonal = (tile // 2) != qblock
+            visible = off_diagonal | (k_rows[None, :] <= q_rows[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v)
+
+    # ---- loop 2: bar columns, gathered 64 at a time (bars are never causal)
+    for entry in range(bar_start, bar_end, BLOCK_N):
+        listed = entry + offs_n < bar_end
+        cols = tl.load(BAR_COL + entry + offs_n, mask=listed, other=0).to(tl.int64)
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=listed[:, None], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=listed[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        scores = tl.where(listed[None, :], scores, float("-inf"))
+        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v)
+
+    # ---- epilogue: stable merge into the running (out, lse); rows without work stay untouched
+    has_work = row_sum > 0.0
+    safe_sum = tl.where(has_work, row_sum, 1.0)
+    step_lse = (tl.where(has_work, row_max, 0.0) + tl.log2(safe_sum)) * LN2
+    step_out = acc / safe_sum[:, None]
+
+    lse_ptrs = LSE + sample * stride_lb + head * stride_lh + q_rows
+    out_ptrs = (OUT + sample * stride_ob + head * stride_oh
+                + q_rows.to(tl.int64)[:, None] * stride_on + offs_d[None, :])
+    old_lse = tl.load(lse_ptrs)
+    old_out = tl.load(out_ptrs, mask=has_work[:, None], other=0.0)
+    merged_lse = tl.maximum(old_lse, step_lse) + tl.log(1.0 + tl.exp(-tl.abs(old_lse - step_lse)))
+    old_weight = tl.exp(old_lse - merged_lse)
+    new_weight = tl.exp(step_lse - merged_lse)
+    merged_out = tl.where((old_lse == float("-inf"))[:, None], step_out,
+                          old_weight[:, None] * old_out + new_weight[:, None] * step_out)
+    tl.store(lse_ptrs, merged_lse, mask=has_work)
+    tl.store(out_ptrs, merged_out, mask=has_work[:, None])

@@ -1,0 +1,176 @@
+"""The Triton backend's kernels run by Triton's CPU interpreter (TRITON_INTERPRET=1), tiny shapes.
+
+On a machine with CUDA this module is skipped: the interpreter flag would also turn the GPU test
+module's kernels into interpreted ones, and tests/gpu/test_triton_gpu.py covers the same cases.
+Inputs are fp16 here: the interpreter's ``tl.dot`` on bf16 operands returns garbage (seen with
+Triton 3.8: a 16×16 bf16 product off by 1e10), so bf16 is covered by the GPU tests only.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # must precede the kernels' @triton.jit
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the Triton interpreter tests run only on machines without CUDA")
+pytest.importorskip("triton")
+
+from mtraining_kernels import torch_backend, triton_backend, triton_bwd, triton_fwd  # noqa: E402
+from mtraining_kernels.index import convert_index  # noqa: E402
+from mtraining_kernels.layout import Layout  # noqa: E402
+from triton_cases import (  # noqa: E402
+    assert_close_fa,
+    make_index,
+    make_qkv_dout,
+    reference_attention,
+    ring_attention,
+)
+
+_interpreted = type(triton_fwd.block_bar_forward_kernel).__name__ == "InterpretedFunction"
+if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreted:
+    # imported earlier in this process without the interpreter flag: rebuild the kernels
+    for module in (triton_fwd, triton_bwd, triton_backend):
+        importlib.reload(module)
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+CASES = [
+    # (layout kind, W, N, Hq, Hkv, d, dtype, pattern)
+    ("contiguous", 1, 256, 2, 1, 64, torch.float16, "mixed"),
+    ("striped", 2, 512, 2, 2, 64, torch.float16, "bars"),
+    ("zigzag", 2, 512, 4, 1, 64, torch.float16, "verticals"),
+    ("contiguous", 2, 512, 2, 1, 128, torch.float16, "slashes"),
+    ("contiguous", 1, 384, 2, 2, 64, torch.float16, "full"),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("kind, world, seq_len, heads, kv_heads, dim, dtype, pattern", CASES)
+def test_ring_steps_match_reference(seed, kind, world, seq_len, heads, kv_heads, dim, dtype, pattern,
+                                    deterministic):
+    gen = torch.Generator().manual_seed(seed)
+    v_idx, s_idx = make_index(1, heads, seq_len, pattern, gen)
+    q, k, v, dout = make_qkv_dout(1, seq_len, heads, kv_heads, dim, dtype, "cpu", gen)
+    ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, Layout(kind, world),
+                          deterministic=deterministic)
+    ref = reference_attention(q, k, v, dout, v_idx, s_idx, torch.float64)
+    low = reference_attention(q, k, v, dout, v_idx, s_idx, dtype)
+    context = f"seed={seed} {kind} W={world} N={seq_len} Hq={heads} Hkv={kv_heads} d={dim} {dtype} {pattern}"
+    for name, a, r, lo in zip(NAMES, ours, ref, low):
+        assert_close_fa(name, a, r, lo, dtype, context)
+
+
+def test_matches_torch_backend_per_step(seed):
+    """Every forward and backward step of a W=2 striped ring against the torch_blocksparse backend."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = Layout("striped", 2)
+    v_idx, s_idx = make_index(2, 4, 512, "mixed", gen)
+    q, k, v, dout = make_qkv_dout(2, 512, 4, 2, 64, torch.float16, "cpu", gen)
+    ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, layout)
+    theirs = ring_attention(torch_backend, q, k, v, dout, v_idx, s_idx, layout)
+    for name, a, b in zip(NAMES, ours, theirs):
+        # ours rounds P and dS to fp16 for the matmuls, as flash attention does; torch_blocksparse does not
+        rmse = ((a - b).norm() / b.norm()).item()
+        assert rmse < 2e-3, f"{name}: relative RMSE {rmse:.2e} against torch_blocksparse (seed={seed})"
+
+
+def test_rows_without_work_are_untouched_and_empty_state_is_ignored(seed):
+    """An off-diagonal step writes only the rows it has work for; lse = −inf makes NaN outputs irrelevant.
+
+    Rank 1 of a contiguous W=2 split reads source 0: head 0 has a slash reaching it (and a vertical
+    inside an active block), head 1 has nothing, so its rows must stay bit-identical.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    layout, seq_len = Layout("contiguous", 2), 512
+    v_idx = torch.tensor([[[10], [seq_len]]], dtype=torch.int32)
+    s_idx = torch.tensor([[[300], [seq_len]]], dtype=torch.int32)
+    index = convert_index(v_idx, s_idx, layout, 1, seq_len)
+    q, k, v, dout = make_qkv_dout(1, seq_len // 2, 2, 1, 64, torch.float16, "cpu", gen)
+    idle = torch.zeros(1, 2, seq_len // 2, dtype=torch.bool)
+    idle[:, 1] = True
+    idle_out = idle.transpose(1, 2)
+    out = torch.randn(q.shape, generator=gen)
+    lse = torch.randn(1, 2, seq_len // 2, generator=gen)
+    empty = (torch.rand(lse.shape, generator=gen) < 0.5) & ~idle                       # "nothing yet" rows
+    lse[empty] = float("-inf")
+    out[empty.transpose(1, 2)] = float("nan")
+    out0, lse0 = out.clone(), lse.clone()
+    triton_backend.block_bar_forward(q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col,
+                                     out, lse, causal_diag=False, softmax_scale=0.125)
+    expected_out, expected_lse = out0.clone(), lse0.clone()
+    torch_backend.block_bar_forward(q.float(), k.float(), v.float(), index.blk_ptr[0], index.blk_col,
+                                    index.bar_ptr[0], index.bar_col, expected_out, expected_lse,
+                                    causal_diag=False, softmax_scale=0.125)
+    assert torch.equal(lse[idle], lse0[idle]), f"seed={seed}: lse of idle rows changed"
+    assert torch.equal(out[idle_out], out0[idle_out]), f"seed={seed}: out of idle rows changed"
+    assert torch.isfinite(out[~idle_out]).all(), f"seed={seed}: NaN leaked from an empty running state"
+    torch.testing.assert_close(out, expected_out, rtol=2e-3, atol=2e-3, equal_nan=True)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+    dq = torch.randn(q.shape, generator=gen)
+    dk, dv = torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen)
+    dq0 = dq.clone()
+    delta = torch.randn(lse.shape, generator=gen)
+    for deterministic in (False, True):
+        triton_backend.block_bar_backward(q, k, v, dout, lse, delta, index.blk_ptr[0], index.blk_col,
+                                          index.bar_ptr[0], index.bar_col, dq, dk, dv, causal_diag=False,
+                                          softmax_scale=0.125, deterministic=deterministic)
+        assert torch.equal(dq[idle_out], dq0[idle_out]), f"seed={seed}: dq of idle rows changed"
+        assert not torch.equal(dq, dq0), f"seed={seed}: the busy rows got no gradient"
+
+
+def test_deterministic_backward_is_bitwise_repeatable(seed):
+    gen = torch.Generator().manual_seed(seed)
+    v_idx, s_idx = make_index(1, 4, 512, "mixed", gen)
+    q, k, v, dout = make_qkv_dout(1, 512, 4, 1, 64, torch.float16, "cpu", gen)
+    first = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, Layout("zigzag", 2), deterministic=True)
+    second = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, Layout("zigzag", 2), deterministic=True)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs (seed={seed})"
+
+
+def _valid_call(dtype=torch.float16, dim=64):
+    seq_len = 256
+    v_idx, s_idx = make_index(1, 2, seq_len, "mixed", torch.Generator().manual_seed(0))
+    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+    q = torch.randn(1, seq_len, 2, dim).to(dtype)
+    k = torch.randn(1, seq_len, 1, dim).to(dtype)
+    args = dict(q=q, k=k, v=k.clone(), blk_ptr=index.blk_ptr[0], blk_col=index.blk_col,
+                bar_ptr=index.bar_ptr[0], bar_col=index.bar_col,
+                out=torch.zeros(q.shape), lse=torch.full((1, 2, seq_len), float("-inf")))
+    return args
+
+
+@pytest.mark.parametrize("change, word", [
+    (lambda a: a.update(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()), "dtype"),
+    (lambda a: a.update(q=torch.randn(1, 256, 2, 96).half(), k=torch.randn(1, 256, 1, 96).half(),
+                        v=torch.randn(1, 256, 1, 96).half(), out=torch.zeros(1, 256, 2, 96)), "head dim"),
+    (lambda a: a.update(k=a["k"].bfloat16()), "dtypes differ"),
+    (lambda a: a.update(blk_ptr=a["blk_ptr"].long()), "blk_ptr"),
+    (lambda a: a.update(bar_ptr=a["bar_ptr"][:, :, :-1]), "bar_ptr"),
+    (lambda a: a.update(bar_col=a["bar_col"].view(1, -1)), "bar_col"),
+    (lambda a: a.update(out=torch.zeros(1, 2, 256, 64).transpose(1, 2)), "out must be contiguous"),
+    (lambda a: a.update(lse=a["lse"].double()), "lse"),
+    (lambda a: a.update(k=torch.randn(1, 128, 1, 64).half(), v=torch.randn(1, 128, 1, 64).half()),
+     "length"),
+])
+def test_bad_input_raises_value_error_naming_it(change, word):
+    args = _valid_call()
+    change(args)
+    with pytest.raises(ValueError, match=word):
+        triton_backend.block_bar_forward(**args, causal_diag=True, softmax_scale=0.125)
+
+
+def test_non_contiguous_inputs_are_accepted():
+    """q/k/v given as strided views (heads-major storage) give the same result as contiguous tensors."""
+    args = _valid_call()
+    strided = {name: args[name].transpose(1, 2).contiguous().transpose(1, 2) for name in ("q", "k", "v")}
+    assert not strided["q"].is_contiguous()
+    out, lse = args["out"].clone(), args["lse"].clone()
+    triton_backend.block_bar_forward(**args, causal_diag=True, softmax_scale=0.125)
+    triton_backend.block_bar_forward(**{**args, **strided, "out": out, "lse": lse}, causal_diag=True,
+                                     softmax_scale=0.125)
+    assert torch.equal(out, args["out"]) and torch.equal(lse, args["lse"])

@@ -1,0 +1,124 @@
+"""Shared checks for the Triton backend tests (CPU interpreter and GPU).
+
+* :func:`make_index` — random (v_idx, s_idx) of a named pattern kind;
+* :func:`ring_attention` — a whole flat ring simulated on one device with a backend's step launchers
+  (every rank's forward steps, then every backward step), returned in global token order;
+* :func:`reference_attention` — fp32/fp64 (or low-precision) masked reference with autograd
+  gradients, one query head at a time so that long sequences fit in memory;
+* :func:`assert_close_fa` — DESIGN.md §6: max|ours − ref| ≤ 2·max|lowprec − ref| + ε and relative RMSE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtraining_kernels.index import convert_index
+from mtraining_kernels.layout import Layout
+from mtraining_kernels.reference import full_index, reference_sparse_attention, vertical_slash_mask
+from patterns import random_index
+
+PATTERNS = ("mixed", "bars", "verticals", "slashes", "full")
+
+
+def make_index(batch: int, heads: int, seq_len: int, pattern: str, generator: torch.Generator):
+    """(v_idx, s_idx) int32 ``[b, Hq, ·]``: ``mixed`` has the forced sinks/window plus random entries;
+    ``bars`` few slashes and many verticals (most verticals become bars); ``verticals`` / ``slashes``
+    only that kind (plus the always-on diagonal block); ``full`` the whole causal triangle."""
+    if pattern == "full":
+        return full_index(batch, heads, seq_len)
+    nothing = torch.full((batch, heads, 1), seq_len, dtype=torch.int32)
+    if pattern == "mixed":
+        return random_index(batch, heads, seq_len, seq_len // 16, seq_len // 64, generator, forced=True)
+    v_idx, s_idx = random_index(batch, heads, seq_len, seq_len // 8, 3, generator, forced=False)
+    if pattern == "bars":
+        return v_idx, s_idx
+    if pattern == "verticals":
+        return v_idx, nothing
+    if pattern == "slashes":
+        return nothing, s_idx
+    raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
+
+
+def make_qkv_dout(batch, seq_len, heads, kv_heads, dim, dtype, device, generator):
+    def draw(h):
+        return torch.randn(batch, seq_len, h, dim, generator=generator).to(device=device, dtype=dtype)
+    return draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)
+
+
+def ring_attention(backend, q, k, v, dout, v_idx, s_idx, layout: Layout, *, deterministic: bool = False):
+    """Run a W-rank flat ring's steps on one device; return out, lse, dq, dk, dv (fp32, global order).
+
+    Rank r's step t reads source w = (r − t) mod W with the causal mask only at w == r. The running
+    output starts as NaN (lse = −inf must make the backend ignore it).
+    """
+    world, seq_len = layout.world_size, q.shape[1]
+    scale = q.shape[-1] ** -0.5
+    device = q.device
+    indices = [convert_index(v_idx.to(device), s_idx.to(device), layout, r, seq_len) for r in range(world)]
+    qs, ks, vs, douts = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, dout))
+    outs, lses = [], []
+    for r in range(world):
+        out = torch.full(qs[r].shape, float("nan"), dtype=torch.float32, device=device)
+        lse = torch.full((q.shape[0], q.shape[2], qs[r].shape[1]), float("-inf"), device=device)
+        for step in range(world):
+            w, idx = (r - step) % world, indices[r]
+            backend.block_bar_forward(qs[r], ks[w], vs[w], idx.blk_ptr[w], idx.blk_col, idx.bar_ptr[w],
+                                      idx.bar_col, out, lse, causal_diag=(w == r), softmax_scale=scale)
+        outs.append(out)
+        lses.append(lse)
+    dqs = [torch.zeros(x.shape, dtype=torch.float32, device=device) for x in qs]
+    dks = [torch.zeros(x.shape, dtype=torch.float32, device=device) for x in ks]
+    dvs = [torch.zeros(x.shape, dtype=torch.float32, device=device) for x in vs]
+    for r in range(world):
+        delta = (outs[r] * douts[r].float()).sum(-1).transpose(1, 2).contiguous()
+        for step in range(world):
+            w, idx = (r - step) % world, indices[r]
+            backend.block_bar_backward(qs[r], ks[w], vs[w], douts[r], lses[r], delta, idx.blk_ptr[w],
+                                       idx.blk_col, idx.bar_ptr[w], idx.bar_col, dqs[r], dks[w], dvs[w],
+                                       causal_diag=(w == r), softmax_scale=scale, deterministic=deterministic)
+    lse = layout.unshard([x.transpose(1, 2) for x in lses]).transpose(1, 2)
+    return (layout.unshard(outs), lse, layout.unshard(dqs), layout.unshard(dks), layout.unshard(dvs))
+
+
+def reference_attention(q, k, v, dout, v_idx, s_idx, compute_dtype: torch.dtype):
+    """Masked reference out, lse, dq, dk, dv in ``compute_dtype`` (autograd), one query head at a time."""
+    batch, seq_len, heads, _ = q.shape
+    group = heads // k.shape[2]
+    out = torch.empty(q.shape, dtype=compute_dtype, device=q.device)
+    lse = torch.empty(batch, heads, seq_len, dtype=compute_dtype, device=q.device)
+    dq = torch.empty_like(out)
+    dk = torch.zeros(k.shape, dtype=compute_dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    for h in range(heads):
+        kv = h // group
+        mask = vertical_slash_mask(v_idx[:, h:h + 1].to(q.device), s_idx[:, h:h + 1].to(q.device), seq_len)
+        leaves = [x.detach().to(compute_dtype).requires_grad_()
+                  for x in (q[:, :, h:h + 1], k[:, :, kv:kv + 1], v[:, :, kv:kv + 1])]
+        head_out, head_lse = reference_sparse_attention(*leaves, mask, compute_dtype=compute_dtype)
+        grads = torch.autograd.grad(head_out, leaves, dout[:, :, h:h + 1].to(compute_dtype))
+        out[:, :, h:h + 1] = head_out.detach()
+        lse[:, h:h + 1] = head_lse.detach()
+        dq[:, :, h:h + 1] = grads[0]
+        dk[:, :, kv:kv + 1] += grads[1]
+        dv[:, :, kv:kv + 1] += grads[2]
+        del mask, head_out, head_lse, grads, leaves
+    return out, lse, dq, dk, dv
+
+
+def assert_close_fa(name: str, ours: torch.Tensor, ref: torch.Tensor, lowprec: torch.Tensor,
+                    input_dtype: torch.dtype, context: str) -> None:
+    """DESIGN.md §6 FA rule plus relative RMSE < 5e-3; NaN never passes."""
+    ours, ref, lowprec = ours.double(), ref.double(), lowprec.double()
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ours), finite), (
+        f"{name}: non-finite entries differ from the reference ({context})")
+    ours, ref, lowprec = ours[finite], ref[finite], lowprec[finite]
+    if ref.numel() == 0:
+        return
+    error = (ours - ref).abs().max().item()
+    baseline = (lowprec - ref).abs().max().item()
+    epsilon = torch.finfo(input_dtype).eps * ref.abs().max().item()
+    assert error <= 2 * baseline + epsilon, (
+        f"{name}: max error {error:.3e} > 2 x low-precision error {baseline:.3e} + eps {epsilon:.3e} ({context})")
+    rmse = ((ours - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert rmse < 5e-3, f"{name}: relative RMSE {rmse:.3e} >= 5e-3 ({context})"

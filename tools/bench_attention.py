@@ -1,0 +1,392 @@
+"""Single-GPU benchmark: Triton vertical-slash sparse attention against dense torch SDPA (issue 3, item 5).
+
+Causal attention, one GPU, shapes ``[b, N, H, d]``. For every N and shape it times, in one run:
+
+* ``mtraining`` — ``sparse_attention(..., backend="triton")`` on a vertical-slash pattern whose
+  budgets are calibrated to a target sparsity (30 sinks + N/128 random verticals, the 100-offset
+  window + random slashes; DESIGN.md §2.1 mask), default (atomic) backward;
+* ``mtraining_deterministic`` — the same with ``deterministic=True`` (only with ``--deterministic``);
+* ``mtraining_dense`` — our kernels on the full causal pattern (N ≤ ``--dense-max-len``);
+* ``sdpa_cudnn`` / ``sdpa_flash`` — ``F.scaled_dot_product_attention(is_causal=True)`` with the cuDNN
+  and flash backends (K/V expanded to Hq heads beforehand, outside the timing).
+
+Timing: CUDA events around the forward and around the backward (``torch.autograd.grad``) of each
+repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
+(``megatron_mtraining.pattern.estimate_vertical_slash`` with the pattern's static budget) plus the
+conversion (``convert_index``); estimation needs no Megatron, and is skipped if it cannot be imported.
+FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed forward 4·|M|·d·Hq
+(|M| per head), backward 2.5× forward.
+
+Writes one JSON object per (configuration, implementation) to ``--jsonl`` (appending), a markdown
+table to ``--table`` and a plot of speedup over cuDNN against N to ``--plot``; ``--report-only``
+rebuilds the table and plot from an existing JSONL (e.g. on a machine with matplotlib).
+Example: ``python tools/bench_attention.py --seq-lens 32768 131072 524288 --sparsities 0.9 0.95``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mtraining_kernels import Layout, convert_index, sparse_attention
+from mtraining_kernels.index import BlockBarIndex
+from mtraining_kernels.layout import BLOCK_SIZE
+from mtraining_kernels.reference import full_index, slash_block_hits
+
+SHAPES = {"qwen2.5-3b": (16, 2, 128), "mha": (16, 16, 128)}   # (Hq, Hkv, d)
+SINKS, WINDOW = 30, 100
+
+
+# ---------------------------------------------------------------------------------------- patterns
+def mask_size(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """|M| per [b, Hq] of the DESIGN.md §2.1 mask, without building it (int64)."""
+    num_blocks = seq_len // BLOCK_SIZE
+    hit = slash_block_hits(s_idx, num_blocks)                                     # [b, H, NB]
+    distance = torch.arange(num_blocks, device=hit.device)
+    block_area = (hit[..., 1:].long() * (num_blocks - distance[1:])).sum(-1) * BLOCK_SIZE ** 2
+    block_area += num_blocks * BLOCK_SIZE * (BLOCK_SIZE + 1) // 2
+    # a vertical in block kb adds B rows for every query block kb+δ (δ ≥ 1) whose block is off
+    misses = torch.cumsum((~hit).long(), -1)                                      # misses[x] = #off δ ≤ x
+    valid = v_idx < seq_len
+    reach = (num_blocks - 1 - v_idx.long().clamp(max=seq_len - 1) // BLOCK_SIZE)
+    bar_rows = torch.where(valid, misses.gather(-1, reach), 0).sum(-1) * BLOCK_SIZE
+    return block_area + bar_rows
+
+
+def budget_pattern(batch: int, heads: int, seq_len: int, sparsity: float, device, generator: torch.Generator):
+    """(v_idx, s_idx, slash count): forced entries, N/128 random verticals, and as many random slashes
+    (the same count per head, a nested random order so density grows with it) as keep the mean
+    sparsity ≥ ``sparsity``."""
+    rows = batch * heads
+    n_vertical = min(4096, seq_len // BLOCK_SIZE)
+    vertical_pool = torch.stack([torch.randperm(seq_len - SINKS, generator=generator)[:n_vertical] + SINKS
+                                 for _ in range(rows)])
+    v_idx = torch.cat([torch.arange(SINKS).expand(rows, SINKS), vertical_pool], 1).sort(1).values
+    slash_order = torch.stack([torch.randperm(seq_len - WINDOW, generator=generator) + WINDOW for _ in range(rows)])
+    v_idx = v_idx.to(device=device, dtype=torch.int32).view(batch, heads, -1)
+    slash_order = slash_order.to(device)
+    window = torch.arange(WINDOW, device=device).expand(rows, WINDOW)
+    total = seq_len * (seq_len + 1) / 2
+
+    def slashes(count: int) -> torch.Tensor:
+        picked = torch.cat([window, slash_order[:, :count]], 1).sort(1).values
+        return picked.to(torch.int32).view(batch, heads, -1)
+
+    def density(count: int) -> float:
+        return float(mask_size(v_idx, slashes(count), seq_len).double().mean()) / total
+
+    low, high = 0, seq_len - WINDOW
+    while low < high:                                   # largest count with density ≤ 1 − sparsity
+        mid = (low + high + 1) // 2
+        if density(mid) <= 1.0 - sparsity:
+            low = mid
+        else:
+            high = mid - 1
+    return v_idx, slashes(low), low
+
+
+def mask_density(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> float:
+    return float(mask_size(v_idx, s_idx, seq_len).double().mean()) / (seq_len * (seq_len + 1) / 2)
+
+
+# ---------------------------------------------------------------------------------------- timing
+def measure(forward: Callable, backward: Callable, warmup: int, reps: int) -> tuple[float, float]:
+    """Median forward and backward milliseconds (CUDA events), ``backward(forward())`` per repetition."""
+    for _ in range(warmup):
+        backward(forward())
+    torch.cuda.synchronize()
+    fwd, bwd = [], []
+    for _ in range(reps):
+        start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        result = forward()
+        middle.record()
+        backward(result)
+        end.record()
+        torch.cuda.synchronize()
+        fwd.append(start.elapsed_time(middle))
+        bwd.append(middle.elapsed_time(end))
+        del result
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def median_ms(fn: Callable, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def grads_of(inputs, dout):
+    return lambda out: torch.autograd.grad(out, inputs, dout)
+
+
+def time_sparse(q, k, v, dout, index: BlockBarIndex, deterministic: bool, warmup: int, reps: int):
+    return measure(lambda: sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic),
+                   grads_of((q, k, v), dout), warmup, reps)
+
+
+def time_sdpa(backend: SDPBackend, q, k, v, dout, warmup: int, reps: int):
+    """q ``[b, N, Hq, d]``; SDPA gets ``[b, H, N, d]`` copies with K/V repeated to Hq heads."""
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2).contiguous().detach().requires_grad_()
+    kh = k.transpose(1, 2).repeat_interleave(group, 1).contiguous().detach().requires_grad_()
+    vh = v.transpose(1, 2).repeat_interleave(group, 1).contiguous().detach().requires_grad_()
+    douth = dout.transpose(1, 2).contiguous()
+
+    def forward():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    return measure(forward, grads_of((qh, kh, vh), douth), warmup, reps)
+
+
+def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, title: str) -> None:
+    """Print the CUDA time per kernel of one forward + backward (after a warm-up run)."""
+    run = lambda: grads_of((q, k, v), dout)(sparse_attention(q, k, v, index, backend="triton",  # noqa: E731
+                                                             deterministic=deterministic))
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(f"# kernel times, {title}")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
+
+
+# ---------------------------------------------------------------------------------------- main
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, float | None]:
+    """(conversion ms, estimation ms or None when megatron_mtraining.pattern is unavailable)."""
+    convert = median_ms(lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len), reps)
+    try:
+        from megatron_mtraining.budget import StaticBudget
+        from megatron_mtraining.pattern import estimate_vertical_slash
+    except ImportError as err:
+        print(f"# index estimation not timed: {err}", file=sys.stderr)
+        return convert, None
+    counts = ((v_idx < seq_len).sum(-1).max().item(), (s_idx < seq_len).sum(-1).max().item())
+    budget = StaticBudget(int(counts[0]), int(counts[1]))
+    estimate = median_ms(lambda: estimate_vertical_slash(q, k, budget), reps)
+    return convert, estimate
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shape-max-len", nargs="*", default=["mha=131072"],
+                        help="per-shape largest N, e.g. mha=131072")
+    parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95])
+    parser.add_argument("--dense-max-len", type=int, default=131072, help="largest N for mtraining_dense")
+    parser.add_argument("--flash-max-len", type=int, default=131072, help="largest N for sdpa_flash")
+    parser.add_argument("--cudnn-max-len", type=int, default=524288, help="largest N for sdpa_cudnn")
+    parser.add_argument("--deterministic", action="store_true", help="also time deterministic=True")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dense-reps", type=int, default=2, help="repetitions for dense runs at N > 128K")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--jsonl", default="docs/benchmarks/attention.jsonl")
+    parser.add_argument("--table", default="docs/benchmarks/attention.md")
+    parser.add_argument("--plot", default="docs/benchmarks/attention_speedup.png")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print per-kernel CUDA times (torch.profiler) of one sparse fwd+bwd per N, "
+                             "default and deterministic")
+    parser.add_argument("--report-only", action="store_true",
+                        help="measure nothing: rebuild --table and --plot from the rows in --jsonl")
+    args = parser.parse_args(argv)
+    if args.report_only:
+        with open(args.jsonl) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        write_table(rows, args.table)
+        write_plot(rows, args.plot)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py needs a CUDA device")
+
+    device = torch.device("cuda")
+    base = {"gpu": torch.cuda.get_device_name(), "commit": args.commit or git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "dtype": "bf16", "batch": args.batch}
+    shape_limit = dict(item.split("=") for item in args.shape_max_len)
+    os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
+    rows = []
+
+    def record(**fields) -> None:
+        row = {**base, **fields}
+        n, hq, d = row["seq_len"], row["heads_q"], row["head_dim"]
+        dense_fwd = 2.0 * n * n * hq * d * row["batch"]
+        actual_fwd = dense_fwd * row["density"] * (n + 1) / n
+        total_ms = row["fwd_ms"] + row["bwd_ms"]
+        for key, flops in (("dense_equiv_tflops", dense_fwd), ("actual_tflops", actual_fwd)):
+            row[key] = {"fwd": flops / row["fwd_ms"] / 1e9, "bwd": 2.5 * flops / row["bwd_ms"] / 1e9,
+                        "fwd_bwd": 3.5 * flops / total_ms / 1e9}
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        rows.append(row)
+        with open(args.jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{row['shape']:10s} N={n:7d} {row['impl']:24s} density={row['density']:.4f} "
+              f"fwd={row['fwd_ms']:9.2f} bwd={row['bwd_ms']:9.2f} index={row['index_ms']:7.2f} ms "
+              f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s", flush=True)
+
+    for shape in args.shapes:
+        heads, kv_heads, dim = SHAPES[shape]
+        for seq_len in args.seq_lens:
+            if seq_len > int(shape_limit.get(shape, seq_len)):
+                continue
+            torch.cuda.empty_cache()
+            gen = torch.Generator().manual_seed(args.seed)
+            q, k, v, dout = (torch.randn(args.batch, seq_len, h, dim, generator=gen).to(device, torch.bfloat16)
+                             for h in (heads, kv_heads, kv_heads, heads))
+            q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+            common = dict(shape=shape, seq_len=seq_len, heads_q=heads, heads_kv=kv_heads, head_dim=dim)
+            dense_reps = args.reps if seq_len <= 131072 else args.dense_reps
+
+            for sparsity in args.sparsities:
+                v_idx, s_idx, n_slash = budget_pattern(args.batch, heads, seq_len, sparsity, device, gen)
+                density = mask_density(v_idx, s_idx, seq_len)
+                index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+                convert_ms, estimate_ms = index_time_ms(q.detach(), k.detach(), v_idx, s_idx, seq_len, 3)
+                extra = dict(target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW,
+                             verticals=int(v_idx.shape[-1]), convert_ms=convert_ms, estimate_ms=estimate_ms,
+                             index_ms=convert_ms + (estimate_ms or 0.0))
+                modes = [False, True] if args.deterministic else [False]
+                if args.profile and sparsity == args.sparsities[-1]:
+                    for deterministic in modes:
+                        profile_kernels(q, k, v, dout, index, deterministic, f"{shape} N={seq_len} "
+                                        f"sparsity {sparsity} deterministic={deterministic}")
+                for deterministic in modes:
+                    torch.cuda.reset_peak_memory_stats()
+                    fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, deterministic, args.warmup, args.reps)
+                    record(impl="mtraining_deterministic" if deterministic else "mtraining",
+                           fwd_ms=fwd_ms, bwd_ms=bwd_ms, **common, **extra)
+                del index
+
+            if seq_len <= args.dense_max_len:
+                v_idx, s_idx = full_index(args.batch, heads, seq_len, device=device)
+                index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+                torch.cuda.reset_peak_memory_stats()
+                fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, dense_reps)
+                record(impl="mtraining_dense", fwd_ms=fwd_ms, bwd_ms=bwd_ms, density=1.0, index_ms=0.0, **common)
+                del index
+
+            for impl, backend, limit in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION, args.cudnn_max_len),
+                                         ("sdpa_flash", SDPBackend.FLASH_ATTENTION, args.flash_max_len)):
+                if seq_len > limit:
+                    continue
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    fwd_ms, bwd_ms = time_sdpa(backend, q.detach(), k.detach(), v.detach(), dout, args.warmup,
+                                               dense_reps)
+                except RuntimeError as err:
+                    print(f"# {impl} at N={seq_len} failed: {str(err).splitlines()[0]}", file=sys.stderr)
+                    continue
+                record(impl=impl, fwd_ms=fwd_ms, bwd_ms=bwd_ms, density=1.0, index_ms=0.0, **common)
+            del q, k, v, dout
+
+    write_table(rows, args.table)
+    write_plot(rows, args.plot)
+
+
+# ---------------------------------------------------------------------------------------- reports
+def _speedups(rows: list[dict]) -> list[dict]:
+    """Each non-SDPA row with its speedups over cuDNN and flash at the same shape and N."""
+    out = []
+    for row in rows:
+        if row["impl"].startswith("sdpa"):
+            continue
+        enriched = dict(row)
+        for name in ("sdpa_cudnn", "sdpa_flash"):
+            base = next((r for r in rows if r["impl"] == name and r["shape"] == row["shape"]
+                         and r["seq_len"] == row["seq_len"]), None)
+            if base:
+                enriched[f"vs_{name}"] = {
+                    "fwd": base["fwd_ms"] / row["fwd_ms"], "bwd": base["bwd_ms"] / row["bwd_ms"],
+                    "fwd_bwd": (base["fwd_ms"] + base["bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"])}
+        out.append(enriched)
+    return out
+
+
+def write_table(rows: list[dict], path: str) -> None:
+    lines = [f"GPU {rows[0]['gpu']}, torch {rows[0]['torch']}, commit {rows[0]['commit']}, {rows[0]['date']}; "
+             "causal bf16, batch 1; ms are medians of CUDA-event timings.", "",
+             "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | index ms | dense-eq TFLOP/s (fwd/bwd/all) "
+             "| actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × flash (all) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
+    by_key = {(r["shape"], r["seq_len"], r["impl"], r["density"]): r for r in _speedups(rows)}
+    for row in rows:
+        r = by_key.get((row["shape"], row["seq_len"], row["impl"], row["density"]), row)
+        de, ac = r["dense_equiv_tflops"], r["actual_tflops"]
+        cu = r.get("vs_sdpa_cudnn")
+        fl = r.get("vs_sdpa_flash")
+        cells = [r["shape"], r["seq_len"], r["impl"], f"{r['density']:.4f}", f"{r['fwd_ms']:.2f}",
+                 f"{r['bwd_ms']:.2f}", f"{r['fwd_ms'] + r['bwd_ms']:.2f}", f"{r['index_ms']:.2f}",
+                 f"{de['fwd']:.0f}/{de['bwd']:.0f}/{de['fwd_bwd']:.0f}", f"{ac['fwd_bwd']:.0f}",
+                 f"{cu['fwd']:.2f}/{cu['bwd']:.2f}/{cu['fwd_bwd']:.2f}" if cu else "–",
+                 f"{fl['fwd_bwd']:.2f}" if fl else "–"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
+
+
+def write_plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib missing: no plot (run plot_from_jsonl on the JSONL elsewhere)", file=sys.stderr)
+        return
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in _speedups(rows):
+        if "vs_sdpa_cudnn" not in r:
+            continue
+        label = f"{r['shape']} {r['impl']}" + ("" if r["impl"] == "mtraining_dense" else
+                                              f" sparsity {r.get('target_sparsity', 0):.2f}")
+        series.setdefault(label, []).append((r["seq_len"], r["vs_sdpa_cudnn"]["fwd_bwd"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("fwd+bwd speedup over SDPA cuDNN (dense causal)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{rows[0]['gpu']}, bf16, causal")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"# plot written to {path}")
+
+
+if __name__ == "__main__":
+    main()
