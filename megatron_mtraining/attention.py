@@ -1,0 +1,315 @@
+"""``MTrainingAttention``: the ``core_attention`` slot of Megatron's ``SelfAttention`` (DESIGN.md §3).
+
+Megatron hands over post-RoPE ``query [s, b, np, hn]`` and ``key``/``value [s, b, ng, hn]`` (this TP
+rank's heads, this CP rank's tokens in the MTraining layout) and expects ``[s, b, np·hn]`` back. Per
+call the module
+
+1. estimates the layer's vertical-slash index on the global sequence from the last 64 queries
+   (or, under recomputation, takes it from the layer's :class:`IndexCache`); dense layers use the
+   full pattern instead;
+2. converts it into this rank's block/bar lists (``mtraining_kernels.index.convert_index``);
+3. runs the single-device kernels (CP = 1) or the flat/hierarchical sparse ring over
+   ``pg_collection.cp`` (CP > 1).
+
+It has no parameters, so checkpoints are the same as a dense Megatron model's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+from mtraining_kernels.index import BlockBarIndex, convert_index
+from mtraining_kernels.interface import sparse_attention
+from mtraining_kernels.layout import BLOCK_SIZE, Layout
+from mtraining_kernels.reference import (full_index, reference_sparse_attention, slash_block_hits,
+                                         vertical_slash_mask)
+
+from . import pattern
+from .balance import BalanceReport, balance_report
+from .budget import LayerBudget
+from .config import MTrainingConfig, flag
+from .index_cache import ForwardKind, IndexCache, IndexKey, forward_kind, probe_checksum
+from .ring import ring_attention
+from .ring_groups import RingGroups
+
+ACCEPTED_CP_COMM_TYPES = (None, "p2p", "a2a+p2p")
+
+
+def mask_density(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """|M| / (N(N+1)/2) of the §2.1 mask, per (b, Hq): fp64 ``[b, Hq]``, without building the mask.
+
+    |M| = NB·B(B+1)/2 (diagonal blocks) + B²·Σ_{δ≥1} hit[δ]·(NB−δ) (active blocks) + B·Σ_v #{δ in
+    1 … NB−1−kb(v) : not hit[δ]} (each vertical v adds one column to every later query block in which
+    its key block is not already active).
+    """
+    num_blocks = seq_len // BLOCK_SIZE
+    hit = slash_block_hits(s_idx, num_blocks)                                   # [b, Hq, NB]
+    distance = torch.arange(num_blocks, device=hit.device)
+    active_blocks = (hit[..., 1:].long() * (num_blocks - distance[1:])).sum(-1)
+    misses = (~hit).long()
+    misses[..., 0] = 0
+    misses_up_to = misses.cumsum(-1)                                            # Σ_{δ=1..m} (not hit[δ])
+    valid = v_idx < seq_len
+    key_block = v_idx.long().clamp(max=seq_len - 1) // BLOCK_SIZE
+    bar_blocks = torch.where(valid, misses_up_to.gather(-1, num_blocks - 1 - key_block), 0).sum(-1)
+    area = (num_blocks * BLOCK_SIZE * (BLOCK_SIZE + 1) // 2 + BLOCK_SIZE * BLOCK_SIZE * active_blocks
+            + BLOCK_SIZE * bar_blocks)
+    return area.double() / (seq_len * (seq_len + 1) / 2)
+
+
+class _Stopwatch:
+    """Wall time of a region: CUDA events on a GPU (read lazily), ``perf_counter`` on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._start = time.perf_counter()
+        self._seconds = 0.0
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._start
+
+    @property
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._seconds
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
+
+
+@dataclass(eq=False)
+class AttentionStats:
+    """One training forward of one layer: its global index and the estimation time.
+
+    The numbers are computed when read (``density``, ``estimation_seconds`` and ``balance()`` may
+    synchronise with the GPU), so recording them costs nothing on steps that do not log.
+    """
+
+    layer_number: int
+    dense: bool
+    v_idx: torch.Tensor                     # int32 [b, Hq, Vmax], global (identical on every CP rank)
+    s_idx: torch.Tensor                     # int32 [b, Hq, Smax]
+    layout: Layout
+    seq_len: int
+    estimation: _Stopwatch | None           # None for dense layers
+
+    @property
+    def density(self) -> float:
+        """|M| / causal area, averaged over samples and this rank's query heads."""
+        return float(mask_density(self.v_idx, self.s_idx, self.seq_len).mean())
+
+    @property
+    def estimation_seconds(self) -> float:
+        return 0.0 if self.estimation is None else self.estimation.seconds
+
+    def balance(self) -> BalanceReport:
+        """Per-(rank, ring step) work of this index in this layout (flat-ring step order)."""
+        return balance_report(self.v_idx, self.s_idx, self.layout, self.seq_len)
+
+
+@dataclass(frozen=True, eq=False)
+class _LayerIndex:
+    """An index of one forward: the global lists and this rank's block/bar lists."""
+
+    v_idx: torch.Tensor
+    s_idx: torch.Tensor
+    block_bar: BlockBarIndex
+
+
+@lru_cache(maxsize=4)
+def _full_pattern_index(batch: int, heads: int, seq_len: int, layout: Layout, rank: int,
+                        device: torch.device) -> _LayerIndex:
+    """The full causal pattern as an index (dense layers); shared by all dense layers of a shape."""
+    v_idx, s_idx = full_index(batch, heads, seq_len, device=device)
+    return _LayerIndex(v_idx, s_idx, convert_index(v_idx, s_idx, layout, rank, seq_len))
+
+
+def _resolve_cp_comm_type(cp_comm_type, layer_number: int) -> str | None:
+    if isinstance(cp_comm_type, (list, tuple)):
+        if not 1 <= layer_number <= len(cp_comm_type):
+            raise ValueError(f"cp_comm_type has {len(cp_comm_type)} entries but layer_number={layer_number}; "
+                             "give one entry per layer")
+        cp_comm_type = cp_comm_type[layer_number - 1]
+    if cp_comm_type not in ACCEPTED_CP_COMM_TYPES:
+        raise ValueError(f"--cp-comm-type {cp_comm_type!r} is not supported by MTraining's ring; use p2p "
+                         "(flat or hierarchical ring) or a2a+p2p with --hierarchical-context-parallel-sizes")
+    return cp_comm_type
+
+
+class MTrainingAttention(MegatronModule):
+    """Causal vertical-slash sparse core attention over the CP group (parameter-free).
+
+    Built by Megatron's ``Attention`` with ``config, layer_number, attn_mask_type, attention_type,
+    cp_comm_type, softmax_scale, pg_collection``; the MTraining settings arrive through the layer spec
+    (``mtraining=``, default :class:`MTrainingConfig()`). ``last_stats`` describes the latest training
+    forward and ``estimations`` counts index estimations (replays reuse the cache and do not count).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", cp_comm_type: str | list[str] | None = None,
+                 softmax_scale: float | None = None, pg_collection: ProcessGroupCollection | None = None,
+                 mtraining: MTrainingConfig | None = None, **kwargs):
+        super().__init__(config=config)
+        self.mtraining = MTrainingConfig() if mtraining is None else mtraining
+        if not isinstance(self.mtraining, MTrainingConfig):
+            raise ValueError(f"mtraining must be an MTrainingConfig, got {type(self.mtraining).__name__}")
+        if isinstance(layer_number, bool) or not isinstance(layer_number, int) or layer_number < 1:
+            raise ValueError(f"layer_number={layer_number!r} must be Megatron's 1-based global layer number")
+        if config.attention_dropout:
+            raise ValueError(f"MTraining attention has no dropout, but attention_dropout={config.attention_dropout}; "
+                             "set --attention-dropout 0")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"MTraining attention is causal only, got attn_mask_type={attn_mask_type}; "
+                             "use AttnMaskType.causal")
+        if attention_type != "self":
+            raise ValueError(f"MTraining attention is self-attention only, got attention_type={attention_type!r}")
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+        self.dense = self.mtraining.is_dense_layer(layer_number)
+        self.index_cache = IndexCache(owner=f"MTrainingAttention(layer {layer_number})")
+        self.last_stats: AttentionStats | None = None
+        self.estimations = 0
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "hcp"])
+        self.cp_group = pg_collection.cp
+        self.cp_size, self.cp_rank = get_pg_size(self.cp_group), get_pg_rank(self.cp_group)
+        self.tp_size, self.tp_rank = get_pg_size(pg_collection.tp), get_pg_rank(pg_collection.tp)
+        self.layout = self.mtraining.layout_for(self.cp_size)
+        self.ring_groups = self._ring_groups(pg_collection.hcp, cp_comm_type) if self.cp_size > 1 else None
+        if self.mtraining.kernel == "reference" and self.cp_size > 1:
+            raise ValueError(f"{flag('kernel')}=reference runs on one device only, but the CP size is "
+                             f"{self.cp_size}; use {flag('kernel')} triton or torch_blocksparse")
+        self._budgets: dict[int, LayerBudget] = {}
+
+    def _ring_groups(self, hcp, cp_comm_type) -> RingGroups:
+        comm_type = _resolve_cp_comm_type(cp_comm_type, self.layer_number)
+        if hcp is None:
+            if comm_type == "a2a+p2p":
+                raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes; set it or "
+                                 "use p2p")
+            if self.mtraining.ring == "hierarchical":
+                raise ValueError(f"{flag('ring')}=hierarchical needs the inner/outer CP groups "
+                                 "(pg_collection.hcp); set --hierarchical-context-parallel-sizes L O")
+            return RingGroups.flat(self.cp_group)
+        if self.mtraining.ring != "hierarchical":
+            raise ValueError(f"pg_collection.hcp is set (--hierarchical-context-parallel-sizes), which selects the "
+                             f"hierarchical ring, but {flag('ring')}={self.mtraining.ring}; add {flag('ring')} "
+                             "hierarchical or drop the hierarchical sizes")
+        if len(hcp) != 2:
+            raise ValueError(f"pg_collection.hcp has {len(hcp)} levels; MTraining's ring needs exactly two "
+                             "[inner, outer] (--hierarchical-context-parallel-sizes L O)")
+        return RingGroups.hierarchical(self.cp_group, hcp[0], hcp[1])
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+        """``query [s, b, np, hn]``, ``key``/``value [s, b, ng, hn]`` (post-RoPE, layout order) → ``[s, b, np·hn]``."""
+        self._check_call(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        local_len, batch, heads, head_dim = query.shape
+        q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))         # [b, s, heads, d]
+        seq_len = local_len * self.cp_size
+        index = self._layer_index(q, k, seq_len)
+        mt = self.mtraining
+        if self.cp_size > 1:
+            out = ring_attention(q, k, v, index.block_bar, self.ring_groups, backend=mt.kernel,
+                                 softmax_scale=self.softmax_scale, deterministic=mt.deterministic,
+                                 grad_wire_dtype=mt.grad_wire_dtype)
+        elif mt.kernel == "reference":
+            mask = vertical_slash_mask(index.v_idx, index.s_idx, seq_len)
+            out = reference_sparse_attention(q, k, v, mask, softmax_scale=self.softmax_scale)[0].to(q.dtype)
+        else:
+            out = sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), index.block_bar,
+                                   softmax_scale=self.softmax_scale, backend=mt.kernel,
+                                   deterministic=mt.deterministic)
+        return out.permute(1, 0, 2, 3).reshape(local_len, batch, heads * head_dim)
+
+    def _check_call(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+        if attention_mask is not None:
+            raise ValueError(f"MTraining attention is causal by construction and takes no attention_mask, got a "
+                             f"tensor of shape {tuple(attention_mask.shape)}; build batches without one "
+                             "(--no-create-attention-mask-in-dataloader)")
+        if attn_mask_type not in (None, AttnMaskType.causal):
+            raise ValueError(f"MTraining attention is causal only, got attn_mask_type={attn_mask_type}")
+        if attention_bias is not None:
+            raise ValueError("MTraining attention does not support attention_bias; drop it")
+        if packed_seq_params is not None:
+            raise ValueError("MTraining attention does not support packed sequences (packed_seq_params) in v1; "
+                             "train on unpacked sequences")
+        if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape:
+            raise ValueError(f"expected query [s, b, np, hn] and key/value [s, b, ng, hn], got "
+                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        if key.shape[:2] != query.shape[:2] or key.shape[3] != query.shape[3]:
+            raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)} on [s, b, ·, hn]")
+        heads = query.shape[2]
+        if heads * self.tp_size != self.config.num_attention_heads:
+            raise ValueError(f"query has {heads} heads on each of {self.tp_size} TP ranks, but the model has "
+                             f"{self.config.num_attention_heads}")
+
+    # ------------------------------------------------------------------ index
+    def _layer_index(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> _LayerIndex:
+        """The index of this call: full pattern, cached (replay) or freshly estimated."""
+        batch, _, heads, _ = q.shape
+        self.layout.validate(seq_len, BLOCK_SIZE)
+        if self.dense:
+            index = _full_pattern_index(batch, heads, seq_len, self.layout, self.cp_rank, q.device)
+            if self.training:
+                self.last_stats = AttentionStats(self.layer_number, True, index.v_idx, index.s_idx, self.layout,
+                                                 seq_len, None)
+            return index
+        kind = forward_kind()
+        key = IndexKey(seq_len, batch, heads, self.layout)
+        if kind is ForwardKind.REPLAY:
+            return self.index_cache.pop(key, probe_checksum(q))
+        stopwatch = _Stopwatch(q.device)
+        with torch.no_grad():
+            estimated = self._estimate(q.detach(), k.detach(), seq_len)
+        stopwatch.stop()
+        self.estimations += 1
+        index = _LayerIndex(estimated.v_idx, estimated.s_idx,
+                            convert_index(estimated.v_idx, estimated.s_idx, self.layout, self.cp_rank, seq_len))
+        if kind is ForwardKind.CHECKPOINTED:
+            self.index_cache.push(key, probe_checksum(q), index)
+        if self.training:
+            self.last_stats = AttentionStats(self.layer_number, False, index.v_idx, index.s_idx, self.layout,
+                                             seq_len, stopwatch)
+        return index
+
+    def _estimate(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> pattern.VerticalSlashIndex:
+        mt = self.mtraining
+        budget = self._layer_budget(seq_len, q.shape[2])
+        options = dict(softmax_scale=self.softmax_scale, last_q=mt.last_q, sink_tokens=mt.sink_tokens,
+                       local_window=mt.local_window)
+        if self.cp_size == 1:
+            return pattern.estimate_vertical_slash(q, k, budget, **options)
+        return pattern.estimate_vertical_slash_distributed(q, k, budget, self.layout, self.cp_group, **options)
+
+    def _layer_budget(self, seq_len: int, heads: int) -> LayerBudget:
+        """This layer's budgets for this TP rank's query heads (global heads tp_rank·Hq … (tp_rank+1)·Hq − 1)."""
+        if seq_len not in self._budgets:
+            table = self.mtraining.budget_table(num_layers=self.config.num_layers,
+                                                num_heads=self.config.num_attention_heads, seq_length=seq_len)
+            first = self.tp_rank * heads
+            self._budgets[seq_len] = table.resolve(self.layer_number, range(first, first + heads))
+        return self._budgets[seq_len]
+
+
+def collect_stats(modules) -> list[AttentionStats]:
+    """The latest :class:`AttentionStats` of every :class:`MTrainingAttention` inside ``modules`` (model chunks)."""
+    return [module.last_stats for model in modules for module in model.modules()
+            if isinstance(module, MTrainingAttention) and module.last_stats is not None]
