@@ -54,9 +54,10 @@ def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups) -> None
         return
     dtype_code = [torch.float32, torch.float16, torch.bfloat16, torch.float64].index(q.dtype) \
         if q.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else 9
-    mine = torch.tensor([*q.shape, *k.shape, dtype_code, index.seq_len, int(bool(error))], dtype=torch.int64)
+    mine = torch.tensor([*q.shape, *k.shape, dtype_code, index.seq_len, int(bool(error))], dtype=torch.int64,
+                        device=_collective_device(groups.cp))
     everyone = [torch.empty_like(mine) for _ in range(groups.world_size)]
-    dist.all_gather(everyone, mine.to(_collective_device(groups.cp)), group=groups.cp)
+    dist.all_gather(everyone, mine, group=groups.cp)
     everyone = [t.cpu() for t in everyone]
     bad = [r for r, t in enumerate(everyone) if t[-1]]
     if error:
