@@ -1,0 +1,292 @@
+"""The MTraining launcher: Megatron's ``pretrain`` with MTraining's layer spec, data layout and metrics.
+
+Run it like Megatron-LM's ``pretrain_gpt.py`` (``torchrun ... -m megatron_mtraining.pretrain <Megatron
+flags> <--mtraining-* flags>``); every Megatron flag keeps its meaning (DESIGN.md §3):
+
+1. ``parse_and_validate_args(extra_args_provider=add_mtraining_args)``, with the ``--mtraining-*``
+   checks run on the command line first (unless the model settings come from ``--use-checkpoint-args``
+   or ``--yaml-cfg``) so that bad combinations fail with a message naming the flag;
+2. ``gpt_config_from_args`` with :func:`~megatron_mtraining.spec.get_gpt_layer_mtraining_spec` as the
+   layer spec, a pre-wrap hook that gives every model chunk layout-aware RoPE, and a
+   ``finalize_model_grads_func`` that also checks the index caches and logs MTraining metrics;
+3. ``pretrain(...)`` with :class:`MTrainingForwardStep` (our :func:`get_batch`: Megatron's TP
+   broadcast, then this CP rank's positions in the MTraining layout; zigzag keeps Megatron's split)
+   and Megatron's ``GPTDataset``/``MockGPTDataset`` (``--mock-data``) provider.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import mpu
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+from megatron.training import (get_args, get_tensorboard_writer, get_timers, get_tokenizer, get_wandb_writer,
+                               inprocess_restart, pretrain, print_rank_0, print_rank_last)
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args, parse_args
+from megatron.training.models import GPTModelConfig
+from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+
+from mtraining_kernels.layout import Layout
+
+from .arguments import add_mtraining_args, hierarchical_cp_sizes, validate_mtraining_args
+from .attention import collect_stats
+from .chunked_loss import ChunkedLossOutputProcessor
+from .config import MTrainingConfig
+from .index_cache import assert_index_caches_empty
+from .layout import install_layout_rope, select_layout_positions
+from .spec import get_gpt_layer_mtraining_spec
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+SPIKY_LOSS_FACTOR = 10      # Megatron's pretrain_gpt.py: a loss 10x the largest seen so far is spiky
+
+
+# ------------------------------------------------------------------------------------------ metrics
+@dataclass(frozen=True)
+class StepMetrics:
+    """MTraining metrics of one training step (its last micro-batch), reduced over all ranks.
+
+    ``density`` maps 1-based layer numbers to |M| / causal area averaged over samples, heads and
+    ranks (1.0 for dense layers). Imbalances are the worst layer's, from the layer's index
+    (``balance_report``: max/mean of ring work over ranks, and over each ring step). ``index_seconds``
+    sums, over layers, the slowest rank's index estimation time.
+    """
+
+    density: dict[int, float]
+    worker_imbalance: float
+    step_imbalance: float
+    index_seconds: float
+
+    @property
+    def mean_density(self) -> float:
+        return sum(self.density.values()) / len(self.density)
+
+
+def gather_step_metrics(model_chunks, num_layers: int, group: dist.ProcessGroup | None = None) -> StepMetrics | None:
+    """Collective over ``group`` (default: all ranks): the :class:`StepMetrics` of the latest training forward.
+
+    Every rank of ``group`` must call it; returns None when no rank has MTraining attention stats.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)        # density sum, reports
+    maxima = torch.zeros(3, num_layers, dtype=torch.float64, device=device)      # worker, step imbalance, seconds
+    for stats in collect_stats(model_chunks):
+        layer = stats.layer_number - 1
+        balance = stats.balance()
+        sums[:, layer] += torch.tensor([stats.density, 1.0], dtype=torch.float64, device=device)
+        maxima[:, layer] = torch.maximum(maxima[:, layer], torch.tensor(
+            [balance.worker_imbalance, balance.step_imbalance, stats.estimation_seconds], dtype=torch.float64,
+            device=device))
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    sums, maxima = sums.cpu(), maxima.cpu()
+    reported = sums[1] > 0
+    if not reported.any():
+        return None
+    density = {layer + 1: float(sums[0, layer] / sums[1, layer]) for layer in reported.nonzero().flatten().tolist()}
+    return StepMetrics(density, float(maxima[0].max()), float(maxima[1].max()), float(maxima[2].sum()))
+
+
+def log_step_metrics(metrics: StepMetrics, iteration: int) -> None:
+    """One line on the last rank, and scalars to Megatron's TensorBoard and W&B writers (where configured)."""
+    print_rank_last(f" mtraining | iteration {iteration:8d} | density {metrics.mean_density:.4f} | worker imbalance "
+                    f"{metrics.worker_imbalance:.3f} | step imbalance {metrics.step_imbalance:.3f} | index time "
+                    f"{metrics.index_seconds * 1e3:.1f} ms")
+    scalars = {"mtraining/density": metrics.mean_density, "mtraining/worker-imbalance": metrics.worker_imbalance,
+               "mtraining/step-imbalance": metrics.step_imbalance,
+               "mtraining/index-time-ms": metrics.index_seconds * 1e3}
+    scalars.update({f"mtraining/density-layer-{layer:03d}": value for layer, value in metrics.density.items()})
+    writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
+    if writer is not None:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+    if wandb_writer is not None:
+        wandb_writer.log(scalars, iteration)
+
+
+class MTrainingStepEnd:
+    """The model config's ``finalize_model_grads_func``: Megatron's ``finalize_model_grads``, then MTraining's step end.
+
+    Megatron calls it on every rank once per training step, after the last backward: the index
+    caches must be empty by then (every checkpointed forward was replayed), and every
+    ``stats_interval`` iterations the metrics are gathered and logged.
+    """
+
+    def __init__(self, num_layers: int, stats_interval: int):
+        self.num_layers = num_layers
+        self.stats_interval = stats_interval
+
+    def __call__(self, model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        finalize_model_grads(model_chunks, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        assert_index_caches_empty(model_chunks)
+        iteration = get_args().curr_iteration + 1
+        if self.stats_interval and iteration % self.stats_interval == 0:
+            metrics = gather_step_metrics(model_chunks, self.num_layers)
+            if metrics is not None:
+                log_step_metrics(metrics, iteration)
+
+
+# ------------------------------------------------------------------------------------------ model
+def _install_layout_rope(mtraining: MTrainingConfig, model_chunks):
+    """Pre-wrap hook: every chunk's RoPE table follows this CP rank's positions in the MTraining layout."""
+    cp_group = mpu.get_context_parallel_group()
+    layout = mtraining.layout_for(dist.get_world_size(cp_group))
+    for chunk in model_chunks:
+        install_layout_rope(chunk, layout, cp_group)
+    return model_chunks
+
+
+def mtraining_model_config(args, mtraining: MTrainingConfig) -> GPTModelConfig:
+    """Megatron's ``GPTModelConfig`` of ``args`` with MTraining's layer spec, layout RoPE and step end."""
+    model_config = gpt_config_from_args(args)
+    model_config.transformer_layer_spec = partial(get_gpt_layer_mtraining_spec, mtraining=mtraining)
+    if mtraining.layout != "zigzag" and model_config.position_embedding_type in ("rope", "yarn"):
+        model_config.pre_wrap_hooks.append(partial(_install_layout_rope, mtraining))
+    model_config.transformer.finalize_model_grads_func = MTrainingStepEnd(args.num_layers, mtraining.stats_interval)
+    return model_config
+
+
+# ------------------------------------------------------------------------------------------ data
+def get_batch(data_iterator, vp_stage: int | None, layout: Layout) -> tuple:
+    """``(tokens, labels, loss_mask, attention_mask, position_ids)`` of this rank, each ``[b, N/CP]`` (or None).
+
+    TP rank 0 reads the micro-batch and Megatron broadcasts it over TP; then this CP rank keeps its
+    positions: ``layout``'s for striped/contiguous, Megatron's own split for zigzag.
+    """
+    args = get_args()
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return (None,) * len(BATCH_KEYS)
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        sample = next(data_iterator)
+        batch = {key: sample[key].cuda(non_blocking=True) if sample.get(key) is not None else None
+                 for key in BATCH_KEYS}
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size, tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
+    batch = {key: batch[key] for key in BATCH_KEYS}
+    if layout.kind == "zigzag":
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+    else:
+        batch = select_layout_positions(batch, layout, mpu.get_context_parallel_rank())
+    return tuple(batch[key] for key in BATCH_KEYS)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's GPT loss: (masked token-loss sum, token count, report) with its NaN/Inf/spike checks."""
+    args = get_args()
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    rerun_state_machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun_state_machine.validate_result(result=loss, rejection_func=reject,
+                                                message=f"found {what} in local forward loss calculation",
+                                                tolerance=0.0, fatal=True)
+    if args.check_for_spiky_loss:
+        rerun_state_machine.validate_result(
+            result=loss, rejection_func=partial(rerun_state_machine.is_unexpectedly_large,
+                                                threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            message="Spiky loss", tolerance=0.0, fatal=False)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+class MTrainingForwardStep:
+    """Megatron ``forward_step_func``: :func:`get_batch`, the model (chunked loss when asked), :func:`loss_func`."""
+
+    def __init__(self, mtraining: MTrainingConfig, loss_chunk_size: int):
+        self.mtraining = mtraining
+        self.output_processor = ChunkedLossOutputProcessor(loss_chunk_size) if loss_chunk_size else None
+
+    def __call__(self, data_iterator, model):
+        timers = get_timers()
+        timers("batch-generator", log_level=2).start()
+        layout = self.mtraining.layout_for(mpu.get_context_parallel_world_size())
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+            data_iterator, get_attr_wrapped_model(model, "vp_stage"), layout)
+        timers("batch-generator").stop()
+        output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
+                       output_processor=self.output_processor)
+        return output, partial(loss_func, loss_mask)
+
+
+def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:
+    return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def gpt_dataset_config_from_args(args, tokenizer) -> GPTDatasetConfig:
+    """Megatron's GPT dataset settings of ``args`` and ``tokenizer`` (as in Megatron-LM's ``pretrain_gpt.py``)."""
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    sequences_per_dataset = None
+    if args.per_dataset_sequences_path is not None:
+        with open(args.per_dataset_sequences_path) as file:
+            sequences_per_dataset = json.load(file)
+    return GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens, fast_cache_load=args.dataloader_fast_cache_load,
+        sequences_per_dataset=sequences_per_dataset, defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap)
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None):
+    """Train/validation/test ``GPTDataset`` (``MockGPTDataset`` with ``--mock-data``) from Megatron's builder."""
+    args = get_args()
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    datasets = BlendedMegatronDatasetBuilder(
+        MockGPTDataset if args.mock_data else GPTDataset, train_val_test_num_samples,
+        partial(is_dataset_built_on_rank, vp_stage=vp_stage),
+        gpt_dataset_config_from_args(args, get_tokenizer())).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return datasets
+
+
+datasets_provider.is_distributed = True
+
+
+# ------------------------------------------------------------------------------------------ entry point
+def _validated_or_exit(args) -> MTrainingConfig:
+    try:
+        return validate_mtraining_args(args)
+    except ValueError as error:
+        raise SystemExit(f"megatron_mtraining.pretrain: error: {error}") from None
+
+
+def main() -> None:
+    """Parse Megatron's and MTraining's flags from ``sys.argv`` and train."""
+    command_line = parse_args(extra_args_provider=add_mtraining_args)
+    if not command_line.use_checkpoint_args and command_line.yaml_cfg is None:
+        _validated_or_exit(command_line)     # before Megatron's own asserts, which give less helpful messages
+    args = parse_and_validate_args(extra_args_provider=add_mtraining_args)
+    mtraining = _validated_or_exit(args)
+    args.hierarchical_context_parallel_sizes = hierarchical_cp_sizes(args, mtraining)
+    config = pretrain_cfg_container_from_args(args, mtraining_model_config(args, mtraining))
+    run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    run_pretrain(config, datasets_provider, ModelType.encoder_or_decoder,
+                 MTrainingForwardStep(mtraining, args.mtraining_loss_chunk_size), store=store)
+
+
+if __name__ == "__main__":
+    main()
