@@ -20,6 +20,7 @@ sequences. The budget is top-P with a small cap so that the attention is visibly
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import contextlib
 import io
 import logging
@@ -53,10 +54,12 @@ TINY_QWEN2 = [
     "--mtraining-layout", "striped", "--mtraining-top-p", "0.9", "--mtraining-cap", "80",
     "--mtraining-sink-tokens", "16", "--mtraining-local-window", "64", "--mtraining-loss-chunk-size", "1024",
 ]
-GPU_FLAGS = ["--bf16", "--mtraining-kernel", "triton", "--log-interval", "1", "--eval-iters", "0"]
-CPU_FLAGS = ["--mtraining-kernel", "torch_blocksparse", "--transformer-impl", "local", "--use-cpu-initialization",
-             "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
-             "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
+# without Transformer Engine, Megatron's local layers and no TE/Apex fusions
+LOCAL_IMPL_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion",
+                    "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
+GPU_FLAGS = ["--bf16", "--mtraining-kernel", "triton", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+             *([] if importlib.util.find_spec("transformer_engine") else LOCAL_IMPL_FLAGS)]
+CPU_FLAGS = ["--mtraining-kernel", "torch_blocksparse", "--use-cpu-initialization", *LOCAL_IMPL_FLAGS]
 
 
 # ------------------------------------------------------------------------------------------ GPU: the launcher

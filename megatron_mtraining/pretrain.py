@@ -274,8 +274,24 @@ def _validated_or_exit(args) -> MTrainingConfig:
         raise SystemExit(f"megatron_mtraining.pretrain: error: {error}") from None
 
 
+def _use_prebuilt_dataset_helpers() -> None:
+    """Skip Megatron's dataset-helper build when the compiled module is already installed.
+
+    megatron-core wheels ship ``helpers_cpp`` prebuilt but not its Makefile, while Megatron's
+    initialisation always runs ``make`` there and exits when it fails. Only for this launcher's process.
+    """
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let Megatron build it
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None
+
+
 def main() -> None:
     """Parse Megatron's and MTraining's flags from ``sys.argv`` and train."""
+    _use_prebuilt_dataset_helpers()
     command_line = parse_args(extra_args_provider=add_mtraining_args)
     if not command_line.use_checkpoint_args and command_line.yaml_cfg is None:
         _validated_or_exit(command_line)     # before Megatron's own asserts, which give less helpful messages
