@@ -73,6 +73,7 @@ CASES = [
     (2, "flat", "zigzag", (1, 1024, 2, 2, 32)),
     (3, "flat", "striped", (1, 1152, 5, 5, 16)),   # 3 blocks per rank, odd head count
     (4, "flat", "contiguous", (2, 1024, 8, 1, 16)),  # GQA 8:1
+    (2, "flat", "striped", (1, 512, 4, 1, 128)),     # head dim 128
     (4, "hier2x2", "striped", (1, 2048, 4, 1, 32)),
     (4, "dp2xcp2", "striped", (1, 1024, 4, 2, 16)),
     (4, "tp2xcp2", "zigzag", (1, 1024, 4, 2, 16)),
@@ -117,3 +118,38 @@ def test_bf16_gradient_wire_stays_within_tolerance(distributed, seed):
         assert rel < 5e-3, f"{name} relative RMSE {rel} with a bf16 wire (seed={seed})"
     err = (dq.double() - q.grad).abs().max().item()
     assert err <= 2e-5 * max(1.0, q.grad.abs().max().item()), f"dq never travels, yet differs by {err}"
+
+
+def _bad_ring_input(rank, world_size, problem):
+    from megatron_mtraining.ring import ring_attention
+    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+
+    n, layout = 1024, Layout("striped", world_size)
+    v_idx, s_idx = full_index(1, 2, n)
+    q, k, v = (torch.randn(1, n // world_size, h, 16) for h in (2, 1, 1))
+    index = convert_index(v_idx, s_idx, layout, rank, n)
+    groups = RingGroups.flat(dist.group.WORLD)
+    try:
+        if problem == "index_for_another_rank" and rank == 1:
+            index = convert_index(v_idx, s_idx, layout, 0, n)
+        if problem == "shapes_differ" and rank == 1:
+            q, k, v = (t[:, :, :, :8].contiguous() for t in (q, k, v))
+        if problem == "hierarchy_does_not_tile":
+            build_hierarchical_groups(inner_size=3)
+        ring_attention(q, k, v, index, groups, backend="torch_blocksparse")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("index_for_another_rank", "invalid on CP rank|built for world_size=2, rank=0 but this is CP rank 1"),
+    ("shapes_differ", "differ across CP ranks"),
+    ("hierarchy_does_not_tile", "inner_size=3 does not divide the CP size 2"),
+])
+def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, message):
+    import re
+
+    errors = distributed(_bad_ring_input, 2, problem, timeout=60, collective_timeout=20)
+    for rank, error in enumerate(errors):
+        assert error is not None and re.search(message, error), f"rank {rank}: {error!r}"
