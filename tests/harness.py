@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 
 def _worker(rank, world_size, port, backend, tasks, results, collective_timeout):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # W ranks share a few cores; more threads per rank only contend
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(

@@ -1,6 +1,5 @@
 """Distributed index estimation on gloo CPU ranks vs the single-device estimator: bit-identical (DESIGN.md §2.2)."""
 
-import contextlib
 import random
 import re
 
@@ -112,20 +111,8 @@ def _check_bitwise(case: dict, per_rank: list, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- ranks
-@contextlib.contextmanager
-def _one_thread():
-    """W ranks share 2 cores: intra-op threads would only spin against each other (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _estimate_on_world(rank, world_size, cases):
-    with _one_thread():
-        return [_estimate_shard(case, dist.group.WORLD) for case in cases]
+    return [_estimate_shard(case, dist.group.WORLD) for case in cases]
 
 
 def _estimate_on_subgroups(rank, world_size, members, cases_by_group):
@@ -133,8 +120,7 @@ def _estimate_on_subgroups(rank, world_size, members, cases_by_group):
     groups = [dist.new_group(ranks) for ranks in members]
     mine = next(i for i, ranks in enumerate(members) if rank in ranks)
     try:
-        with _one_thread():
-            return mine, [_estimate_shard(case, groups[mine]) for case in cases_by_group[mine]]
+        return mine, [_estimate_shard(case, groups[mine]) for case in cases_by_group[mine]]
     finally:
         dist.destroy_process_group(groups[mine])
 
