@@ -1,0 +1,453 @@
+"""Qwen2/Qwen2.5 ⇄ Megatron-Core mapping shared by both checkpoint converters (DESIGN.md §4).
+
+* :class:`QwenArchitecture` — the numbers that define a Qwen2 model, read from a Hugging Face
+  ``config.json`` (:meth:`~QwenArchitecture.from_hf_config`) or from Megatron's parsed arguments
+  (:meth:`~QwenArchitecture.from_megatron_args`), and written back as a Hugging Face config
+  (:meth:`~QwenArchitecture.hf_config`) or as Megatron model flags
+  (:meth:`~QwenArchitecture.megatron_flags`).
+* :data:`TENSOR_MAP` — every tensor of the ``torch_dist`` checkpoint under its Transformer Engine key
+  (the local spec saves under the same keys), its Hugging Face sources and the two conversions:
+  the per-query-group QKV interleave and the gate/up concatenation. In ``torch_dist`` the per-layer
+  tensors are one global tensor with a leading ``[num_layers]`` axis; here every tensor is handled
+  one layer at a time (shape without that axis).
+* The checkpoint directory: tracker file, ``release/``, the model-args file the example scripts
+  source, and an output directory that is written under a temporary name and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import shutil
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE_DIR = "release"
+MODEL_ARGS_FILE = "megatron_model_args.sh"
+MODEL_ARGS_VARIABLE = "MODEL_ARGS"
+HF_ARCHITECTURE = "Qwen2ForCausalLM"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+YARN_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings", "rope_theta")
+
+
+# ------------------------------------------------------------------------------------------ architecture
+def _positive_int(value, key: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
+    return value
+
+
+def _rope_settings(config: dict, source: str) -> tuple[float, dict | None]:
+    """(θ, YaRN settings or None) from ``rope_parameters`` (transformers ≥ 5) or ``rope_theta``/``rope_scaling``."""
+    parameters = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", parameters.get("rope_theta"))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ValueError(f"{source}: rope_theta={theta!r} must be a positive number")
+    scaling = config.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default"
+                                             else None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "default":
+            scaling = None
+        elif kind != "yarn":
+            raise ValueError(f"{source}: RoPE scaling type {kind!r} is not mapped to Megatron; only YaRN is "
+                             "(drop rope_scaling or convert a checkpoint without it)")
+        else:
+            unmapped = sorted(key for key, value in scaling.items() if key not in YARN_KEYS and value is not None)
+            if unmapped:
+                raise ValueError(f"{source}: YaRN settings {unmapped} are not mapped to Megatron (only the factor and "
+                                 "original_max_position_embeddings are, with the default betas and scale)")
+    return float(theta), scaling
+
+
+@dataclass(frozen=True)
+class QwenArchitecture:
+    """A Qwen2 decoder: shapes, norm epsilon, RoPE (base θ, optional YaRN) and embedding tying.
+
+    Head dim is ``hidden_size // num_attention_heads`` (Qwen2 has no separate head dim).
+    ``max_position_embeddings`` is the length the weights were trained for (the HF field).
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    tie_embeddings: bool
+    norm_epsilon: float
+    rotary_base: int
+    max_position_embeddings: int
+    yarn_factor: float | None = None
+    yarn_original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                             f"{self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by the "
+                             f"{self.num_query_groups} key/value heads (query groups)")
+        if (self.yarn_factor is None) != (self.yarn_original_max_position_embeddings is None):
+            raise ValueError("YaRN needs both a factor and the original max position embeddings")
+        if self.yarn_factor is not None and self.yarn_factor <= 1:
+            raise ValueError(f"YaRN factor {self.yarn_factor} must be > 1 (it is target length / original length)")
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    # ---------------------------------------------------------------------------------- Hugging Face
+    @classmethod
+    def from_hf_config(cls, config: dict, source: str = "config.json") -> "QwenArchitecture":
+        """Read and check a Hugging Face ``config.json`` (as a dict); ``source`` names it in errors."""
+        model_type = config.get("model_type")
+        if model_type != "qwen2":
+            raise ValueError(f"{source}: model_type={model_type!r} is not Qwen2; this converter maps Qwen2 and "
+                             "Qwen2.5 checkpoints only (model_type 'qwen2')")
+        architectures = config.get("architectures") or [HF_ARCHITECTURE]
+        if HF_ARCHITECTURE not in architectures:
+            raise ValueError(f"{source}: architectures={architectures} has no {HF_ARCHITECTURE}; only the causal-LM "
+                             "head is mapped")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not mapped; Qwen2 uses silu (SwiGLU)")
+        if config.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not mapped; Megatron runs full causal attention "
+                             "here (set use_sliding_window to false if the model does not need it)")
+        layer_types = set(config.get("layer_types") or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(f"{source}: layer_types {sorted(layer_types)} are not mapped; only full_attention is")
+
+        def required(key: str) -> int:
+            return _positive_int(config.get(key), key, source)
+
+        hidden = required("hidden_size")
+        heads = required("num_attention_heads")
+        head_dim = config.get("head_dim")
+        if head_dim is not None and head_dim * heads != hidden:
+            raise ValueError(f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads = "
+                             f"{hidden}/{heads}; Qwen2 ties them")
+        theta, scaling = _rope_settings(config, source)
+        if theta != int(theta):
+            raise ValueError(f"{source}: rope_theta={theta} is not an integer; Megatron's --rotary-base is")
+        max_positions = _positive_int(config.get("max_position_embeddings", 32768), "max_position_embeddings", source)
+        yarn_factor = yarn_original = None
+        if scaling is not None:
+            if not isinstance(scaling.get("factor"), (int, float)):
+                raise ValueError(f"{source}: YaRN needs a numeric factor, got {scaling.get('factor')!r}")
+            yarn_factor = float(scaling["factor"])
+            yarn_original = int(scaling.get("original_max_position_embeddings", max_positions))
+        epsilon = config.get("rms_norm_eps")
+        if not isinstance(epsilon, float) or epsilon <= 0:
+            raise ValueError(f"{source}: rms_norm_eps={epsilon!r} must be a positive number (Qwen2.5: 1e-06)")
+        return cls(num_layers=required("num_hidden_layers"), hidden_size=hidden,
+                   ffn_hidden_size=required("intermediate_size"), num_attention_heads=heads,
+                   num_query_groups=required("num_key_value_heads"), vocab_size=required("vocab_size"),
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False)), norm_epsilon=epsilon,
+                   rotary_base=int(theta), max_position_embeddings=max_positions, yarn_factor=yarn_factor,
+                   yarn_original_max_position_embeddings=yarn_original)
+
+    def hf_config(self, base: dict | None, dtype: torch.dtype) -> dict:
+        """A Qwen2 ``config.json`` dict: ``base`` (e.g. the original model's, for token ids) with this architecture.
+
+        RoPE is written as ``rope_theta``/``rope_scaling``, which every transformers version reads.
+        """
+        config = {key: value for key, value in (base or {}).items() if key not in ("rope_parameters", "dtype")}
+        config.update({
+            "architectures": [HF_ARCHITECTURE], "model_type": "qwen2", "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "intermediate_size": self.ffn_hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups, "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.norm_epsilon, "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_position_embeddings, "rope_theta": float(self.rotary_base),
+            "rope_scaling": None if self.yarn_factor is None else {
+                "rope_type": "yarn", "type": "yarn", "factor": self.yarn_factor,
+                "original_max_position_embeddings": self.yarn_original_max_position_embeddings},
+            "use_sliding_window": False, "torch_dtype": HF_DTYPE_NAMES[dtype],
+        })
+        config.pop("head_dim", None)
+        config.pop("layer_types", None)
+        return config
+
+    # ---------------------------------------------------------------------------------- Megatron
+    def megatron_flags(self, tokenizer_model: str) -> list[str]:
+        """Megatron model flags of this architecture, with ``tokenizer_model`` as the Hugging Face tokenizer.
+
+        Sequence-length flags (``--seq-length``, ``--max-position-embeddings``) belong to the run, not here.
+        """
+        flags = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+                 "--ffn-hidden-size", str(self.ffn_hidden_size), "--num-attention-heads", str(self.num_attention_heads),
+                 "--group-query-attention", "--num-query-groups", str(self.num_query_groups),
+                 "--kv-channels", str(self.kv_channels), "--normalization", "RMSNorm",
+                 "--norm-epsilon", repr(self.norm_epsilon), "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
+                 "--rotary-percent", "1.0", "--rotary-base", str(self.rotary_base)]
+        if self.yarn_factor is None:
+            flags += ["--position-embedding-type", "rope"]
+        else:
+            flags += ["--position-embedding-type", "yarn", "--rotary-scaling-factor", repr(self.yarn_factor),
+                      "--yarn-original-max-position-embeddings", str(self.yarn_original_max_position_embeddings)]
+        flags += ["--make-vocab-size-divisible-by", "1", "--padded-vocab-size", str(self.vocab_size)]
+        if not self.tie_embeddings:
+            flags.append("--untie-embeddings-and-output-weights")
+        return flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_model]
+
+    @classmethod
+    def from_megatron_args(cls, args: argparse.Namespace) -> "QwenArchitecture":
+        """The architecture of Megatron's parsed arguments (e.g. a checkpoint's ``args``); refuses non-Qwen2 models."""
+        expected = {"swiglu": True, "add_qkv_bias": True, "add_bias_linear": False, "normalization": "RMSNorm",
+                    "rotary_percent": 1.0, "qk_layernorm": False, "num_experts": None, "rotary_interleaved": False,
+                    "multi_latent_attention": False}
+        wrong = [f"{name}={getattr(args, name, value)!r} (Qwen2: {value!r})" for name, value in expected.items()
+                 if getattr(args, name, value) != value]
+        if getattr(args, "position_embedding_type", None) not in ("rope", "yarn"):
+            wrong.append(f"position_embedding_type={getattr(args, 'position_embedding_type', None)!r} "
+                         "(Qwen2: 'rope' or 'yarn')")
+        if wrong:
+            raise ValueError(f"the Megatron model is not Qwen2-shaped: {', '.join(wrong)}")
+        heads = args.num_attention_heads
+        if args.kv_channels not in (None, args.hidden_size // heads):
+            raise ValueError(f"kv_channels={args.kv_channels} differs from hidden_size/num_attention_heads = "
+                             f"{args.hidden_size}/{heads}; Qwen2 ties them")
+        if args.padded_vocab_size is None:
+            raise ValueError("the Megatron arguments have no padded_vocab_size; the vocabulary size is unknown")
+        max_positions = args.max_position_embeddings or args.seq_length
+        if max_positions is None:
+            raise ValueError("the Megatron arguments have neither max_position_embeddings nor seq_length")
+        yarn = args.position_embedding_type == "yarn"
+        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                   num_attention_heads=heads,
+                   num_query_groups=args.num_query_groups if args.group_query_attention else heads,
+                   vocab_size=args.padded_vocab_size, tie_embeddings=not args.untie_embeddings_and_output_weights,
+                   norm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base,
+                   max_position_embeddings=max_positions,
+                   yarn_factor=args.rotary_scaling_factor if yarn else None,
+                   yarn_original_max_position_embeddings=args.yarn_original_max_position_embeddings if yarn else None)
+
+
+# ------------------------------------------------------------------------------------------ tensors
+COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
+
+
+@dataclass(frozen=True)
+class TensorMapping:
+    """One ``torch_dist`` tensor and its Hugging Face sources (``{layer}`` is filled in per layer)."""
+
+    key: str
+    hf_names: tuple[str, ...]
+    kind: str
+
+    @property
+    def per_layer(self) -> bool:
+        return self.key.startswith("decoder.layers.")
+
+    def hf_tensor_names(self, layer: int | None) -> list[str]:
+        return [name.format(layer=layer) for name in self.hf_names]
+
+    def shape(self, arch: QwenArchitecture) -> tuple[int, ...]:
+        """Shape of one layer's (or the only) tensor in Megatron's layout."""
+        h, d = arch.hidden_size, arch.kv_channels
+        qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * d
+        return {"embedding.word_embeddings.weight": (arch.vocab_size, h), "output_layer.weight": (arch.vocab_size, h),
+                "decoder.final_layernorm.weight": (h,),
+                "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (h,),
+                "decoder.layers.self_attention.linear_qkv.weight": (qkv_rows, h),
+                "decoder.layers.self_attention.linear_qkv.bias": (qkv_rows,),
+                "decoder.layers.self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
+                "decoder.layers.mlp.linear_fc1.layer_norm_weight": (h,),
+                "decoder.layers.mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h),
+                "decoder.layers.mlp.linear_fc2.weight": (h, arch.ffn_hidden_size)}[self.key]
+
+    def hf_shapes(self, arch: QwenArchitecture) -> list[tuple[int, ...]]:
+        """Shapes of the Hugging Face sources, in ``hf_names`` order."""
+        shape = self.shape(arch)
+        if self.kind == GATE_UP:
+            return [(arch.ffn_hidden_size, arch.hidden_size)] * 2
+        if self.kind == QKV:
+            q_rows, kv_rows = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
+            return [(rows,) + shape[1:] for rows in (q_rows, kv_rows, kv_rows)]
+        return [shape]
+
+    def to_megatron(self, hf_tensors: list[torch.Tensor], arch: QwenArchitecture) -> torch.Tensor:
+        """Megatron's tensor from the Hugging Face sources (``hf_names`` order)."""
+        if self.kind == QKV:
+            return interleave_qkv(*hf_tensors, arch)
+        if self.kind == GATE_UP:
+            return torch.cat(hf_tensors, dim=0)
+        return hf_tensors[0]
+
+    def to_hf(self, tensor: torch.Tensor, arch: QwenArchitecture) -> list[torch.Tensor]:
+        """The Hugging Face tensors (``hf_names`` order) of Megatron's tensor; inverse of :meth:`to_megatron`."""
+        if self.kind == QKV:
+            return list(split_qkv(tensor, arch))
+        if self.kind == GATE_UP:
+            return list(tensor.chunk(2, dim=0))
+        return [tensor]
+
+
+_LAYER = "model.layers.{layer}."
+TENSOR_MAP = (
+    TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COPY),
+    TensorMapping("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+                  (_LAYER + "input_layernorm.weight",), COPY),
+    TensorMapping("decoder.layers.self_attention.linear_qkv.weight",
+                  tuple(_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), QKV),
+    TensorMapping("decoder.layers.self_attention.linear_qkv.bias",
+                  tuple(_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV),
+    TensorMapping("decoder.layers.self_attention.linear_proj.weight", (_LAYER + "self_attn.o_proj.weight",), COPY),
+    TensorMapping("decoder.layers.mlp.linear_fc1.layer_norm_weight", (_LAYER + "post_attention_layernorm.weight",),
+                  COPY),
+    TensorMapping("decoder.layers.mlp.linear_fc1.weight",
+                  (_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"), GATE_UP),
+    TensorMapping("decoder.layers.mlp.linear_fc2.weight", (_LAYER + "mlp.down_proj.weight",), COPY),
+    TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), COPY),
+    TensorMapping("output_layer.weight", ("lm_head.weight",), COPY),
+)
+# Per-layer ``ShardedObject``s every GPTModel layer saves and loads (``None`` for local-spec layers,
+# Transformer Engine's FP8 metadata otherwise).
+EXTRA_STATE_KEYS = tuple(f"decoder.layers.{module}._extra_state" for module in (
+    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+LM_HEAD = "lm_head.weight"
+
+
+def tensor_mappings(arch: QwenArchitecture) -> list[TensorMapping]:
+    """The tensors of ``arch``'s checkpoint: all of :data:`TENSOR_MAP`, without the output layer when tied."""
+    return [m for m in TENSOR_MAP if not (arch.tie_embeddings and m.key == "output_layer.weight")]
+
+
+def conversion_steps(arch: QwenArchitecture) -> list[tuple[int | None, list[TensorMapping]]]:
+    """``(layer or None, mappings)`` in checkpoint order: embedding, each layer, final norm and output layer."""
+    mappings = tensor_mappings(arch)
+    steps = [(None, [m for m in mappings if m.key.startswith("embedding.")])]
+    steps += [(layer, [m for m in mappings if m.per_layer]) for layer in range(arch.num_layers)]
+    return steps + [(None, [m for m in mappings if not m.per_layer and not m.key.startswith("embedding.")])]
+
+
+def expected_hf_shapes(arch: QwenArchitecture) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name of ``arch`` (without a tied ``lm_head``) and its shape."""
+    return {name: shape for layer, mappings in conversion_steps(arch) for m in mappings
+            for name, shape in zip(m.hf_tensor_names(layer), m.hf_shapes(arch))}
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: QwenArchitecture) -> torch.Tensor:
+    """Megatron's fused QKV rows (weight ``[rows, hidden]`` or bias ``[rows]``) from the separate projections.
+
+    For each query group g in order: its ``heads_per_group * d`` q rows, then its d k rows, then its
+    d v rows, so that a tensor-parallel row split gives every rank whole groups.
+    """
+    g, d = arch.num_query_groups, arch.kv_channels
+    trailing = q.shape[1:]
+    grouped = [q.reshape(g, arch.heads_per_group * d, *trailing), k.reshape(g, d, *trailing),
+               v.reshape(g, d, *trailing)]
+    return torch.cat(grouped, dim=1).reshape(-1, *trailing)
+
+
+def split_qkv(qkv: torch.Tensor, arch: QwenArchitecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) projections of Megatron's fused QKV rows; inverse of :func:`interleave_qkv`."""
+    g, d = arch.num_query_groups, arch.kv_channels
+    trailing = qkv.shape[1:]
+    q, k, v = qkv.reshape(g, (arch.heads_per_group + 2) * d, *trailing).split([arch.heads_per_group * d, d, d], dim=1)
+    return tuple(part.reshape(-1, *trailing).contiguous() for part in (q, k, v))
+
+
+# ------------------------------------------------------------------------------------------ checkpoint directory
+def resolve_checkpoint_dir(path: Path) -> Path:
+    """The ``torch_dist`` directory of ``path``: a checkpoint root (tracker file) or ``release``/``iter_*`` itself."""
+    path = Path(path)
+    tracker = path / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == RELEASE_DIR:
+            path = path / RELEASE_DIR
+        elif text.isdigit():
+            path = path / f"iter_{int(text):07d}"
+        else:
+            raise ValueError(f"{tracker} holds {text!r}; expected 'release' or an iteration number")
+    if not (path / "metadata.json").is_file():
+        raise ValueError(f"{path} is not a Megatron torch_dist checkpoint (no metadata.json, and no {TRACKER_FILE} "
+                         "pointing to one); give the checkpoint root or its release/iter_XXXXXXX directory")
+    return path
+
+
+def check_output_dir(output: Path, overwrite: bool) -> None:
+    """Refuse an ``output`` that is a file, or a non-empty directory unless ``overwrite``."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"--output-dir {output} is a file; give a directory path")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ValueError(f"--output-dir {output} is not empty (it may hold a checkpoint); choose another directory "
+                         "or pass --overwrite to replace it")
+
+
+@contextmanager
+def staged_output_dir(output: Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to ``output``; on success it replaces ``output``, on error it is removed.
+
+    Nothing partial is ever visible under ``output``: the swap is a rename on the same file system.
+    """
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if output.exists():
+        previous = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
+        output.rename(previous)
+        staging.rename(output)
+        shutil.rmtree(previous)
+    else:
+        staging.rename(output)
+
+
+@contextmanager
+def single_process_group() -> Iterator[None]:
+    """A one-rank gloo process group for ``dist_checkpointing`` (kept as is when one already exists)."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def write_model_args(path: Path, flags: list[str], source: str) -> None:
+    """Write ``flags`` as a bash array :data:`MODEL_ARGS_VARIABLE` for the example scripts to source."""
+    use = f'python -m megatron_mtraining.pretrain "${{{MODEL_ARGS_VARIABLE}[@]}}" ...'
+    lines = [f"# Megatron model flags of {source}, written by tools/convert_qwen2_hf_to_megatron.py.",
+             f"# Use: source {MODEL_ARGS_FILE}; {use}", f"{MODEL_ARGS_VARIABLE}=("]
+    pairs, index = [], 0
+    while index < len(flags):     # one flag (and its value) per line
+        takes_value = index + 1 < len(flags) and not flags[index + 1].startswith("--")
+        pairs.append(flags[index:index + 1 + takes_value])
+        index += 1 + takes_value
+    lines += ["  " + " ".join(shlex.quote(item) for item in pair) for pair in pairs]
+    Path(path).write_text("\n".join(lines + [")", ""]))
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``5GB``, ``500MB`` or ``1000000`` (decimal units, as Hugging Face uses)."""
+    units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "B": 1}
+    cleaned = text.strip().upper()
+    for suffix, factor in units.items():
+        if cleaned.endswith(suffix) and cleaned[:-len(suffix)].strip().replace(".", "", 1).isdigit():
+            return math.floor(float(cleaned[:-len(suffix)]) * factor)
+    if cleaned.isdigit():
+        return int(cleaned)
+    raise ValueError(f"size {text!r} is not understood; use e.g. 5GB, 500MB or a number of bytes")
