@@ -94,16 +94,18 @@ def build_hierarchical_groups(inner_size: int,
             raise ValueError(
                 f"inner_size={inner_size} does not divide the CP size {len(members)}; pick a divisor"
             )
-    mine = dict(cp=None, inner=None, outer=None)
+    mine: dict[str, dist.ProcessGroup] = {}
     for members in groups:  # same creation order on every rank, as new_group requires
-        cp = dist.new_group(members)
-        inners = [members[i:i + inner_size] for i in range(0, len(members), inner_size)]
-        outers = [members[i::inner_size] for i in range(inner_size)]
-        for kind, sub in [("cp", [members])] + [("inner", inners)] + [("outer", outers)]:
-            for ranks in sub:
-                group = cp if kind == "cp" else dist.new_group(ranks)
+        levels = {
+            "cp": [members],
+            "inner": [members[i:i + inner_size] for i in range(0, len(members), inner_size)],
+            "outer": [members[i::inner_size] for i in range(inner_size)],
+        }
+        for level, rank_lists in levels.items():
+            for ranks in rank_lists:
+                group = dist.new_group(ranks)
                 if me in ranks:
-                    mine[kind] = group
-    if mine["cp"] is None:
+                    mine[level] = group
+    if "cp" not in mine:
         raise ValueError(f"rank {me} is in none of the CP groups {groups}")
     return RingGroups.hierarchical(mine["cp"], mine["inner"], mine["outer"])
