@@ -75,6 +75,30 @@ class VerticalSlashIndex(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------- scores
+# "auto": Triton kernels for CUDA tensors, PyTorch ops elsewhere; "torch" / "triton" force one path
+# (benchmarks of the PyTorch path on a GPU; Triton-interpreter tests on the CPU). The default stays
+# "torch" until tests/gpu/test_estimation_gpu.py has passed on a GPU: the Triton estimation kernels are
+# bit-identical to the PyTorch path in the interpreter but have not yet run on CUDA hardware.
+_estimation_backend = "torch"
+
+
+def _uses_triton(tensor: torch.Tensor) -> bool:
+    return _estimation_backend == "triton" or (_estimation_backend == "auto" and tensor.is_cuda)
+
+
+def _triton_estimation():
+    """:mod:`mtraining_kernels.triton_estimation`, imported on first use (Triton is only needed there)."""
+    from mtraining_kernels import triton_estimation
+    return triton_estimation
+
+
+def _fixed_point_rules():
+    """This module's integer arithmetic, as the Triton kernels take it."""
+    return _triton_estimation().FixedPointRules(
+        one=FIXED_POINT_ONE, static_logit_limit=STATIC_LOGIT_LIMIT, incomplete_score=INCOMPLETE_SCORE,
+        exp_input_floor=_EXP_INPUT_FLOOR, log2_e=_LOG2_E, exp2_coefficients=_EXP2_COEFFICIENTS)
+
+
 def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
                       k_positions: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """Logits of the estimation rows against some keys: fp32 ``[b, Hq, L, n]``, −inf where j > i.
@@ -83,8 +107,17 @@ def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.
     ``k_positions [n]``, any subset of keys in any order. Query head h reads KV head h // (Hq/Hkv).
     The loop runs over d (not over tokens): entry (i, j) is fl(…fl(fl(q0·k0) + fl(q1·k1))… ) accumulated
     in fixed order, then multiplied by ``softmax_scale`` rounded to fp32, so it is independent of
-    every other entry computed alongside it.
+    every other entry computed alongside it. CUDA tensors go through the bit-equal Triton kernel
+    (:mod:`mtraining_kernels.triton_estimation`).
     """
+    if _uses_triton(k):
+        return _triton_estimation().estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
+    return _torch_estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
+
+
+def _torch_estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
+                             k_positions: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """:func:`estimation_logits` with PyTorch ops on any device: one broadcast product and add per t."""
     batch, rows, q_heads, dim = q_rows.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
@@ -305,10 +338,9 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor,
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = torch.arange(seq_len, device=device)
     logits = estimation_logits(q[:, seq_len - last_q:], q_positions, k, k_positions, scale)
-    values, v_scores = _values_and_vertical_scores(logits, isinstance(budget, TopPBudget))
+    v_scores, s_scores = _vertical_and_slash_scores(logits, isinstance(budget, TopPBudget), q_positions,
+                                                    k_positions, seq_len)
     del logits
-    s_scores = slash_partial_sums(values, q_positions, k_positions, seq_len)
-    del values
 
     total_mass = v_scores.sum(dim=-1) if isinstance(budget, TopPBudget) else None   # = s_scores.sum(-1) exactly
     return _select(v_scores, _all_candidates(v_scores), s_scores, _all_candidates(s_scores), budget, total_mass,
@@ -336,6 +368,30 @@ def _values_and_vertical_scores(logits: torch.Tensor, top_p: bool,
         row_sums = reduce_rows(row_sums, dist.ReduceOp.SUM)
     values = probability_fixed_point(exp_values, row_sums, logits.shape[-2])
     return values, vertical_scores(values)
+
+
+def _vertical_and_slash_scores(logits: torch.Tensor, top_p: bool, q_positions: torch.Tensor,
+                               k_positions: torch.Tensor, seq_len: int,
+                               reduce_rows: Callable[[torch.Tensor, dist.ReduceOp], torch.Tensor] | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V over the logits' columns ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64, from the logits.
+
+    ``reduce_rows`` as in :func:`_values_and_vertical_scores`. With Triton (see :func:`_uses_triton`)
+    the terms are computed inside the kernels and never stored; the integers are the same.
+    """
+    if not _uses_triton(logits):
+        values, v_scores = _values_and_vertical_scores(logits, top_p, reduce_rows)
+        return v_scores, slash_partial_sums(values, q_positions, k_positions, seq_len)
+    kernels, rules = _triton_estimation(), _fixed_point_rules()
+    if not top_p:
+        return kernels.static_scores(logits, q_positions, k_positions, seq_len, rules)
+    row_max = logits.amax(dim=-1)
+    if reduce_rows is not None:
+        row_max = reduce_rows(row_max, dist.ReduceOp.MAX)
+    row_sums = kernels.exp_row_sums(logits, row_max, rules)
+    if reduce_rows is not None:
+        row_sums = reduce_rows(row_sums, dist.ReduceOp.SUM)
+    return kernels.top_p_scores(logits, q_positions, k_positions, seq_len, row_max, row_sums, rules)
 
 
 def _all_candidates(scores: torch.Tensor) -> torch.Tensor:
@@ -452,10 +508,8 @@ def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Te
     k_positions = layout.global_positions(seq_len, dist.get_rank(group), device=device)
     q_rows = broadcast_last_rows(q_local, layout, seq_len, last_q, group)
     logits = estimation_logits(q_rows, q_positions, k_local, k_positions, scale)
-    values, v_scores = _values_and_vertical_scores(logits, top_p, all_reduce)
+    v_scores, partials = _vertical_and_slash_scores(logits, top_p, q_positions, k_positions, seq_len, all_reduce)
     del logits
-    partials = slash_partial_sums(values, q_positions, k_positions, seq_len)
-    del values
     s_scores, s_offsets = complete_slash_sums(partials, layout, seq_len, last_q, group)
     del partials
 

@@ -1,0 +1,174 @@
+"""The Triton estimation kernels on a CUDA device, bit for bit against the PyTorch path (DESIGN.md §2.2).
+
+The PyTorch definitions run on the same GPU (and, for a small case, on the CPU); logits are compared
+bit pattern for bit pattern, scores and indices with ``torch.equal``. Shapes up to N = 32K, GQA 8:1
+and 1:1, d = 64 and 128, bf16 and fp16, static and top-P budgets, and a striped key split whose
+partial slash sums must add up exactly.
+
+Run as a script to time one layer's estimation, the PyTorch path against the Triton one (not a test):
+``python tests/gpu/test_estimation_gpu.py 131072 524288``.
+"""
+
+import contextlib
+import statistics
+import sys
+
+import pytest
+import torch
+
+from megatron_mtraining import pattern
+from megatron_mtraining.budget import StaticBudget, TopPBudget
+from mtraining_kernels import triton_estimation
+from mtraining_kernels.layout import Layout
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+BUDGETS = {"static": StaticBudget(2048, 4096), "top_p": TopPBudget(0.9, 4096)}
+
+
+@contextlib.contextmanager
+def estimation_backend(name: str):
+    """Run the estimator through ``name`` ("torch", "triton" or "auto") inside the block."""
+    previous, pattern._estimation_backend = pattern._estimation_backend, name
+    try:
+        yield
+    finally:
+        pattern._estimation_backend = previous
+
+
+def draw_qk(seed, batch, seq_len, q_heads, kv_heads, dim, dtype, device=DEVICE):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, seq_len, q_heads, dim, generator=gen, device=device).to(dtype)
+    k = torch.randn(batch, seq_len, kv_heads, dim, generator=gen, device=device).to(dtype)
+    k[:, torch.randint(0, seq_len, (16,), generator=gen, device=device)] *= 3.0        # a few strong columns
+    return q, k
+
+
+def positions(seq_len, device=DEVICE):
+    return torch.arange(seq_len - 64, seq_len, device=device), torch.arange(seq_len, device=device)
+
+
+@pytest.mark.parametrize("batch, seq_len, q_heads, kv_heads, dim, dtype", [
+    (2, 4096, 8, 1, 128, torch.bfloat16),
+    (1, 8192, 4, 4, 64, torch.float16),
+    (1, 32768, 16, 2, 128, torch.bfloat16),
+])
+def test_logits_are_bit_equal_to_the_pytorch_path(seed, batch, seq_len, q_heads, kv_heads, dim, dtype):
+    q, k = draw_qk(seed, batch, seq_len, q_heads, kv_heads, dim, dtype)
+    q_positions, k_positions = positions(seq_len)
+    args = (q[:, seq_len - 64:], q_positions, k, k_positions, dim ** -0.5)
+    got = triton_estimation.estimation_logits(*args)
+    expected = pattern._torch_estimation_logits(*args)
+    mismatches = int((got.view(torch.int32) != expected.view(torch.int32)).sum())
+    assert mismatches == 0, f"seed={seed} N={seq_len}: {mismatches} logits differ from the PyTorch path on the GPU"
+    if seq_len <= 4096:
+        on_cpu = pattern._torch_estimation_logits(*(a.cpu() if torch.is_tensor(a) else a for a in args))
+        assert torch.equal(got.cpu().view(torch.int32), on_cpu.view(torch.int32)), f"seed={seed}: CPU logits differ"
+
+
+@pytest.mark.parametrize("mode", ["static", "top_p"])
+def test_scores_are_bit_equal_to_the_pytorch_path(seed, mode):
+    seq_len = 32768
+    q, k = draw_qk(seed, 1, seq_len, 16, 2, 128, torch.bfloat16)
+    q_positions, k_positions = positions(seq_len)
+    logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, 128 ** -0.5)
+    scores = {}
+    for backend in ("torch", "triton"):
+        with estimation_backend(backend):
+            scores[backend] = pattern._vertical_and_slash_scores(logits, mode == "top_p", q_positions, k_positions,
+                                                                 seq_len)
+    for name, got, expected in zip(("V", "S"), scores["triton"], scores["torch"]):
+        assert torch.equal(got, expected), f"seed={seed} {mode} {name}: {int((got != expected).sum())} differ"
+
+
+@pytest.mark.parametrize("mode", ["static", "top_p"])
+def test_partial_slash_sums_of_a_striped_split_add_up(seed, mode):
+    """Four striped shards (runs of 128 positions): the shape of a rank's keys in distributed estimation."""
+    seq_len, layout = 16384, Layout("striped", 4)
+    q, k = draw_qk(seed, 1, seq_len, 8, 2, 128, torch.bfloat16)
+    q_positions, k_positions = positions(seq_len)
+    logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, 128 ** -0.5)
+    with estimation_backend("torch"):
+        expected_v, expected_s = pattern._vertical_and_slash_scores(logits, mode == "top_p", q_positions,
+                                                                    k_positions, seq_len)
+    row_max = logits.amax(dim=-1)
+    row_sums = pattern.exp_fixed_point(logits, row_max).sum(dim=-1)
+    rules, summed_s = pattern._fixed_point_rules(), torch.zeros_like(expected_s)
+    for rank in range(layout.world_size):
+        shard = layout.global_positions(seq_len, rank, device=DEVICE)
+        shard_logits = logits[..., shard].contiguous()
+        if mode == "static":
+            local_v, local_s = triton_estimation.static_scores(shard_logits, q_positions, shard, seq_len, rules)
+        else:
+            local_v, local_s = triton_estimation.top_p_scores(shard_logits, q_positions, shard, seq_len, row_max,
+                                                              row_sums, rules)
+        assert torch.equal(local_v, expected_v[..., shard]), f"seed={seed} {mode} rank {rank}: V differs"
+        summed_s += local_s
+    assert torch.equal(summed_s, expected_s), f"seed={seed} {mode}: the partial S do not add up"
+
+
+@pytest.mark.parametrize("mode", ["static", "top_p"])
+@pytest.mark.parametrize("seq_len", [4096, 32768])
+def test_index_is_identical_to_the_pytorch_path(seed, mode, seq_len):
+    q, k = draw_qk(seed, 1, seq_len, 16, 2, 128, torch.bfloat16)
+    indexes = {}
+    for backend in ("torch", "auto"):
+        with estimation_backend(backend):
+            indexes[backend] = pattern.estimate_vertical_slash(q, k, BUDGETS[mode])
+    if seq_len <= 4096:
+        indexes["cpu"] = pattern.estimate_vertical_slash(q.cpu(), k.cpu(), BUDGETS[mode])
+    for backend in indexes:
+        for name, got, expected in zip(pattern.VerticalSlashIndex._fields, indexes["auto"], indexes[backend]):
+            assert torch.equal(got.cpu(), expected.cpu()), f"seed={seed} {mode} N={seq_len}: {name} vs {backend}"
+
+
+# ----------------------------------------------------------------------------------------------- timing
+def _median_ms(step, repeats: int) -> float:
+    step()                                                            # warm-up (and Triton compilation)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int = 128) -> None:
+    """Print median milliseconds of one layer's estimation (b = 1, bf16) through both paths."""
+    q, k = draw_qk(0, 1, seq_len, q_heads, kv_heads, dim, torch.bfloat16)
+    q_positions, k_positions = positions(seq_len)
+    scale = dim ** -0.5
+    old_repeats = 2 if seq_len > 200_000 else 3
+    tiles = {}
+    for keys_per_tile, num_warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        tiles[f"{keys_per_tile}x{num_warps}w"] = round(_median_ms(lambda: triton_estimation.estimation_logits(
+            q[:, seq_len - 64:], q_positions, k, k_positions, scale, keys_per_tile=keys_per_tile,
+            num_warps=num_warps), 5), 2)
+    print(f"N={seq_len}: logits kernel ms by keys per tile x warps: {tiles}", flush=True)
+    for mode, budget in BUDGETS.items():
+        with estimation_backend("torch"):
+            torch.cuda.reset_peak_memory_stats()
+            old = _median_ms(lambda: pattern.estimate_vertical_slash(q, k, budget), old_repeats)
+            old_peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
+        logits_ms = _median_ms(lambda: triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k,
+                                                                            k_positions, scale), 5)
+        scores_ms = _median_ms(lambda: pattern._vertical_and_slash_scores(logits, mode == "top_p", q_positions,
+                                                                           k_positions, seq_len), 5)
+        del logits
+        torch.cuda.reset_peak_memory_stats()
+        new = _median_ms(lambda: pattern.estimate_vertical_slash(q, k, budget), 5)
+        new_peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        print(f"N={seq_len} Hq={q_heads} Hkv={kv_heads} d={dim} {mode}: pytorch path {old:.1f} ms "
+              f"(peak {old_peak:.1f} GiB), triton path {new:.1f} ms (peak {new_peak:.1f} GiB) = logits "
+              f"{logits_ms:.1f} + scores {scores_ms:.1f} + selection; speedup {old / new:.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for length in sys.argv[1:] or ["131072", "524288"]:
+        time_estimation(int(length))
