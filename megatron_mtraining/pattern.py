@@ -44,9 +44,10 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from mtraining_kernels.layout import Layout
+from mtraining_kernels.layout import LAYOUT_KINDS, Layout
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from .consensus import agree_on_inputs
 from .pattern_dist import all_gather_last_dim, broadcast_last_rows, complete_slash_sums, last_rows_owner
 
 FIXED_POINT_ONE = 2 ** 32                 # fixed point: value·2^32 rounded to int64
@@ -468,6 +469,33 @@ def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, la
     return seq_len
 
 
+# what every rank of a distributed estimation must agree on, as integers (see _agreed_values)
+_AGREED_FIELDS = ("b", "N_loc", "Hq", "Hkv", "d", "dtype", "layout", "granularity", "last_q", "sink_tokens",
+                  "local_window", "softmax_scale*2^32", "top-P", "Vmax", "Smax", "p*2^32 or v_size checksum",
+                  "cap or s_size checksum")
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _agreed_values(q_local, k_local, layout: Layout, budget: StaticHeadBudgets | TopPBudget, seq_len: int,
+                   softmax_scale, last_q: int, sink_tokens: int, local_window: int) -> list[int]:
+    """This rank's values of :data:`_AGREED_FIELDS`, from checked inputs and the resolved budget.
+
+    Per-head static sizes enter as the checksums Σ (h+1)·v_size[h] and Σ (h+1)·s_size[h].
+    """
+    batch, local_len, q_heads, dim = q_local.shape
+    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    v_width, s_width = _list_widths(budget, seq_len)
+    if isinstance(budget, TopPBudget):
+        budget_values = [1, v_width, s_width, round(budget.p * FIXED_POINT_ONE), budget.cap]
+    else:
+        weights = torch.arange(1, budget.num_heads + 1)
+        budget_values = [0, v_width, s_width, int((budget.v_size * weights).sum()),
+                         int((budget.s_size * weights).sum())]
+    return [batch, local_len, q_heads, k_local.shape[2], dim, _DTYPE_CODES.get(q_local.dtype, 0),
+            LAYOUT_KINDS.index(layout.kind), layout.granularity, last_q, sink_tokens, local_window,
+            round(scale * FIXED_POINT_ONE), *budget_values]
+
+
 def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Tensor,
                                         budget: StaticBudget | StaticHeadBudgets | TopPBudget, layout: Layout,
                                         group: dist.ProcessGroup, *, softmax_scale: float | None = None,
@@ -489,12 +517,21 @@ def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Te
     4. one all-gather of every rank's top Vmax and Smax (int64 score, int32 index) candidates (and, for
        top-P, its share of the total mass), ranked again identically on every rank.
 
-    Errors are raised before any collective, from shapes and arguments all ranks share.
+    Every rank checks its inputs and the ranks agree on them in one small all-gather before any other
+    collective (:func:`~megatron_mtraining.consensus.agree_on_inputs`): a bad or inconsistent rank
+    makes every rank raise a ``ValueError`` instead of hanging.
     """
-    seq_len = _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens,
-                                        local_window)
+    values, error = None, None
+    try:
+        seq_len = _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens,
+                                            local_window)
+        budget = _resolve_budget(budget, q_local.shape[2], seq_len, sink_tokens, local_window)
+        values = _agreed_values(q_local, k_local, layout, budget, seq_len, softmax_scale, last_q, sink_tokens,
+                                local_window)
+    except ValueError as caught:
+        error = caught
+    agree_on_inputs("distributed index estimation", _AGREED_FIELDS, values, error, group)
     q_heads, dim = q_local.shape[2], q_local.shape[3]
-    budget = _resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
     top_p = isinstance(budget, TopPBudget)
     v_width, s_width = _list_widths(budget, seq_len)
 

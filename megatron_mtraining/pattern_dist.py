@@ -120,3 +120,4 @@ def all_gather_last_dim(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
         results.append(part.movedim(0, -2).flatten(-2))
         start += raw.shape[-1]
     return results
+

@@ -13,66 +13,57 @@ Inputs are already in the CP layout (the permutation happens once, in the data l
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.interface import get_backend
 
+from .consensus import agree_on_inputs
 from .ring_comm import RingExchange
 from .ring_groups import RingGroups
 
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_checked_signatures: set[tuple] = set()
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}   # for the consensus
 
 
 def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
-    """Why this rank's inputs are unusable, or '' (local checks only)."""
+    """Why this rank's inputs are unusable, or '' (local checks only; never raises)."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            return f"{name} must be a 4-D tensor [b, N_loc, heads, d], got {getattr(tensor, 'shape', type(tensor))}"
+    if not isinstance(index, BlockBarIndex):
+        return f"index must be a BlockBarIndex from convert_index, got {type(index).__name__}"
     b, n_loc, hq, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[1] != n_loc or k.shape[3] != d:
         return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
-    if hq % k.shape[2]:
+    if k.shape[2] == 0 or hq % k.shape[2]:
         return f"query heads {hq} are not divisible by KV heads {k.shape[2]}"
     if index.world_size != groups.world_size or index.rank != groups.cp_rank:
         return (f"index was built for world_size={index.world_size}, rank={index.rank} but this is CP rank "
                 f"{groups.cp_rank} of {groups.world_size}; build it with this rank's layout")
     if index.seq_len != n_loc * groups.world_size:
-        return f"index was built for seq_len={index.seq_len}, inputs have {n_loc} x {groups.world_size} tokens"
+        return (f"index was built for seq_len={index.seq_len}, inputs have {n_loc} x {groups.world_size} tokens; "
+                f"convert the index for N={n_loc * groups.world_size}")
     if tuple(index.blk_ptr.shape[1:3]) != (b, hq):
-        return f"index covers [b, Hq]={tuple(index.blk_ptr.shape[1:3])}, q has {(b, hq)}"
+        return (f"index covers [b, Hq]={tuple(index.blk_ptr.shape[1:3])}, q has {(b, hq)}; convert the index "
+                "of this batch and these query heads")
     return ""
 
 
-def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups) -> None:
-    """Raise the same ``ValueError`` on every rank if any rank's inputs are bad or differ in shape.
+_RING_FIELDS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "N")
 
-    The first call with a given signature all-gathers a small int vector over the CP group, so a bad
-    rank never leaves the others waiting inside the ring; later identical calls cost nothing.
+
+def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups) -> None:
+    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad or differ in shape or dtype.
+
+    Every call agrees over the CP group (one small all-gather, :func:`agree_on_inputs`): skipping it for
+    inputs seen before would let a rank whose input changed enter the all-gather while its peers enter
+    the ring.
     """
     error = _signature_error(q, k, v, index, groups)
-    signature = (tuple(q.shape), tuple(k.shape), q.dtype, index.seq_len, index.layout, id(groups.cp))
-    if not error and signature in _checked_signatures:
-        return
-    dtype_code = [torch.float32, torch.float16, torch.bfloat16, torch.float64].index(q.dtype) \
-        if q.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else 9
-    mine = torch.tensor([*q.shape, *k.shape, dtype_code, index.seq_len, int(bool(error))], dtype=torch.int64,
-                        device=_collective_device(groups.cp))
-    everyone = [torch.empty_like(mine) for _ in range(groups.world_size)]
-    dist.all_gather(everyone, mine, group=groups.cp)
-    everyone = [t.cpu() for t in everyone]
-    bad = [r for r, t in enumerate(everyone) if t[-1]]
-    if error:
-        raise ValueError(f"ring attention input on CP rank {groups.cp_rank}: {error}")
-    if bad:
-        raise ValueError(f"ring attention input is invalid on CP rank(s) {bad}; see their error")
-    if any(not torch.equal(t, everyone[0]) for t in everyone):
-        shapes = {r: t[:-1].tolist() for r, t in enumerate(everyone)}
-        raise ValueError(f"ring attention inputs differ across CP ranks (q shape, k shape, dtype, N): {shapes}")
-    _checked_signatures.add(signature)
-
-
-def _collective_device(group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    values = None if error else [*q.shape, *k.shape, _DTYPE_CODES.get(q.dtype, -1), index.seq_len]
+    agree_on_inputs("ring attention", _RING_FIELDS, values,
+                    ValueError(f"ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
+                    groups.cp)
 
 
 def _ring_forward(q, kv, index, groups, backend, scale):

@@ -231,9 +231,9 @@ def check_inputs(inputs: list[Path], output_prefix: Path, overwrite: bool, worke
         raise ValueError("no --input files given")
     for path in inputs:
         if not path.is_file():
-            raise ValueError(f"--input {path} is not a file")
+            raise ValueError(f"--input {path} is not a file; give existing JSONL or text files")
         if path.stat().st_size == 0:
-            raise ValueError(f"--input {path} is empty")
+            raise ValueError(f"--input {path} is empty; drop it from --input or give a file that holds documents")
     if workers < 1:
         raise ValueError(f"--workers {workers} must be >= 1")
     if target_length < 1:
