@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 
-def collective_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live: the current GPU for NCCL, else the CPU."""
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor for a collective on ``group`` (None: the default group) must live: the current GPU
+    for NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -42,6 +42,7 @@ from .arguments import add_mtraining_args, hierarchical_cp_sizes, validate_mtrai
 from .attention import collect_stats
 from .chunked_loss import ChunkedLossOutputProcessor
 from .config import MTrainingConfig
+from .consensus import collective_device
 from .index_cache import assert_index_caches_empty
 from .layout import install_layout_rope, select_layout_positions
 from .spec import get_gpt_layer_mtraining_spec
@@ -76,7 +77,7 @@ def gather_step_metrics(model_chunks, num_layers: int, group: dist.ProcessGroup 
 
     Every rank of ``group`` must call it; returns None when no rank has MTraining attention stats.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = collective_device(group)
     sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)        # density sum, reports
     maxima = torch.zeros(3, num_layers, dtype=torch.float64, device=device)      # worker, step imbalance, seconds
     for stats in collect_stats(model_chunks):
