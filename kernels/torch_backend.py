@@ -21,6 +21,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from .launch_checks import check_accumulator
 from .layout import BLOCK_SIZE
 from .reference import merge_attention
 
@@ -103,20 +104,6 @@ def _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale) ->
                          f"(usually head_dim ** -0.5)")
     _check_index(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, query_len // BLOCK_SIZE, key_len, q.device)
     return accumulator_dtype(q.dtype)
-
-
-def _check_buffer(name: str, t, shape: tuple, dtype: torch.dtype, device, meaning: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t)}")
-    if tuple(t.shape) != shape:
-        raise _shape_error(name, t, shape, meaning)
-    if t.dtype != dtype:
-        raise ValueError(f"{name} has dtype {t.dtype}; it must be {dtype} for {meaning}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}; move it to {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is updated in place); pass {name}.contiguous() "
-                         f"and read the result from that tensor")
 
 
 # ---------------------------------------------------------------------------------------- work lists
@@ -209,8 +196,8 @@ def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, 
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
-    _check_buffer("out", out, tuple(q.shape), acc, q.device, "the running output [b, Nq, Hq, d]")
-    _check_buffer("lse", lse, (batch, heads, query_len), acc, q.device, "the running lse [b, Hq, Nq]")
+    check_accumulator("out", out, tuple(q.shape), acc, q.device, "the running output [b, Nq, Hq, d]")
+    check_accumulator("lse", lse, (batch, heads, query_len), acc, q.device, "the running lse [b, Hq, Nq]")
     q = q.contiguous()
     group = heads // k.shape[2]
     num_blocks = query_len // BLOCK_SIZE
@@ -251,11 +238,11 @@ def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar
                          f"got {getattr(dout, 'dtype', type(dout))}")
     if dout.shape != q.shape or dout.device != q.device:
         raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
-    _check_buffer("lse", lse, (batch, heads, query_len), acc, q.device, "the final lse [b, Hq, Nq]")
-    _check_buffer("delta", delta, (batch, heads, query_len), acc, q.device, "rowsum(out * dout) [b, Hq, Nq]")
-    _check_buffer("dq", dq, tuple(q.shape), acc, q.device, "the dq accumulator [b, Nq, Hq, d]")
-    _check_buffer("dk", dk, tuple(k.shape), acc, q.device, "the dk accumulator [b, Nk, Hkv, d]")
-    _check_buffer("dv", dv, tuple(v.shape), acc, q.device, "the dv accumulator [b, Nk, Hkv, d]")
+    check_accumulator("lse", lse, (batch, heads, query_len), acc, q.device, "the final lse [b, Hq, Nq]")
+    check_accumulator("delta", delta, (batch, heads, query_len), acc, q.device, "rowsum(out * dout) [b, Hq, Nq]")
+    check_accumulator("dq", dq, tuple(q.shape), acc, q.device, "the dq accumulator [b, Nq, Hq, d]")
+    check_accumulator("dk", dk, tuple(k.shape), acc, q.device, "the dk accumulator [b, Nk, Hkv, d]")
+    check_accumulator("dv", dv, tuple(v.shape), acc, q.device, "the dv accumulator [b, Nk, Hkv, d]")
     q, dout = q.contiguous(), dout.contiguous()
     key_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from .launch_checks import check_accumulator
 from .layout import BLOCK_SIZE
 from .triton_bwd import bar_chunk_backward_kernel, key_major_backward_kernel, query_major_backward_kernel
 from .triton_fwd import block_bar_forward_kernel
@@ -31,6 +32,7 @@ from .triton_fwd import block_bar_forward_kernel
 SUB_TILE = 64
 HEAD_DIMS = (64, 128)
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
+ACCUMULATOR_DTYPE = torch.float32  # the running out/lse, delta and the dq/dk/dv accumulators
 LOG2E = 1.4426950408889634
 
 
@@ -97,20 +99,6 @@ def _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch: int, heads: int, num
             raise ValueError(f"{name}_col must be contiguous; pass {name}_col.contiguous()")
 
 
-def _check_buffer(name: str, t, shape: tuple, device, meaning: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape} ({meaning}), got {tuple(t.shape)}")
-    if t.dtype != torch.float32:
-        raise ValueError(f"{name} has dtype {t.dtype}; it must be torch.float32 ({meaning})")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}; move it to {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is updated in place); pass {name}.contiguous() "
-                         f"and read the result from that tensor")
-
-
 # ---------------------------------------------------------------------------------------- configs
 # Picked from the compiler's resource report for sm_90 (no register spills, loads pipelined): the
 # forward uses 192-229 registers; the key-major passes walk a query block in 64-row slices, since
@@ -146,8 +134,8 @@ def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, 
     batch, query_len, heads, dim = q.shape
     num_blocks = query_len // BLOCK_SIZE
     _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, q.device)
-    _check_buffer("out", out, tuple(q.shape), q.device, "the running output [b, Nq, Hq, d]")
-    _check_buffer("lse", lse, (batch, heads, query_len), q.device, "the running lse [b, Hq, Nq]")
+    check_accumulator("out", out, tuple(q.shape), ACCUMULATOR_DTYPE, q.device, "the running output [b, Nq, Hq, d]")
+    check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the running lse [b, Hq, Nq]")
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     block_bar_forward_kernel[(num_blocks, heads, batch)](
         q, k, v, out, lse, blk_ptr, blk_col, bar_ptr, bar_col,
@@ -266,11 +254,12 @@ def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar
         raise ValueError(f"dout must be a tensor of q's dtype {q.dtype}, got {getattr(dout, 'dtype', type(dout))}")
     if dout.shape != q.shape or dout.device != q.device:
         raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
-    _check_buffer("lse", lse, (batch, heads, query_len), q.device, "the final lse [b, Hq, Nq]")
-    _check_buffer("delta", delta, (batch, heads, query_len), q.device, "rowsum(out * dout) [b, Hq, Nq]")
-    _check_buffer("dq", dq, tuple(q.shape), q.device, "the dq accumulator [b, Nq, Hq, d]")
-    _check_buffer("dk", dk, tuple(k.shape), q.device, "the dk accumulator [b, Nk, Hkv, d]")
-    _check_buffer("dv", dv, tuple(v.shape), q.device, "the dv accumulator [b, Nk, Hkv, d]")
+    check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the final lse [b, Hq, Nq]")
+    check_accumulator("delta", delta, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device,
+                      "rowsum(out * dout) [b, Hq, Nq]")
+    check_accumulator("dq", dq, tuple(q.shape), ACCUMULATOR_DTYPE, q.device, "the dq accumulator [b, Nq, Hq, d]")
+    check_accumulator("dk", dk, tuple(k.shape), ACCUMULATOR_DTYPE, q.device, "the dk accumulator [b, Nk, Hkv, d]")
+    check_accumulator("dv", dv, tuple(v.shape), ACCUMULATOR_DTYPE, q.device, "the dv accumulator [b, Nk, Hkv, d]")
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
     kv_heads = k.shape[2]
     group = heads // kv_heads
