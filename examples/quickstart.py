@@ -20,8 +20,8 @@ sequences. The budget is top-P with a small cap so that the attention is visibly
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import contextlib
+import importlib.util
 import io
 import logging
 import os
