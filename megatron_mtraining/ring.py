@@ -95,6 +95,15 @@ def _ring_forward(q, kv, index, groups, backend, scale):
     return out, lse
 
 
+def _add_and_forward(exchange: RingExchange, arriving, total: torch.Tensor, wire: torch.dtype):
+    """Add the partial ``arriving`` on ``exchange`` (None before the first hop) into the fp32 ``total``,
+    then send the sum onward; returns the buffer of the next partial to arrive."""
+    if arriving is not None:
+        exchange.wait()
+        total += arriving
+    return exchange.post(total.to(wire))
+
+
 def _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deterministic, wire):
     """Returns (dq fp32, dkv fp32 [2, b, N_loc, Hkv, d]) for this rank's own chunk."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -116,20 +125,14 @@ def _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deter
                 index.bar_ptr[src], index.bar_col, dq, contribution[0], contribution[1],
                 causal_diag=(o == 0 and i == 0), softmax_scale=scale, deterministic=deterministic,
             )
-            if inner_partial is not None:  # the partial of this chunk from the previous inner rank
-                inner_grad.wait()
-                contribution += inner_partial
-            inner_partial = inner_grad.post(contribution.to(wire))
+            inner_partial = _add_and_forward(inner_grad, inner_partial, contribution, wire)
             if not last_inner:
                 inner_kv.wait()
                 held = incoming
         inner_grad.wait()  # L-th hop: this node's total for the chunk held at the outer step's start
         node_total = inner_partial.float()
-        if outer_grad is not None:
-            if outer_partial is not None:  # earlier nodes' total for the same chunk
-                outer_grad.wait()
-                node_total += outer_partial
-            outer_partial = outer_grad.post(node_total.to(wire))
+        if outer_grad is not None:  # add earlier nodes' total for the same chunk and pass it on
+            outer_partial = _add_and_forward(outer_grad, outer_partial, node_total, wire)
         if not last_outer:
             outer_kv.wait()
             chunk = incoming_chunk
