@@ -77,10 +77,9 @@ class VerticalSlashIndex(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------- scores
 # "auto": Triton kernels for CUDA tensors, PyTorch ops elsewhere; "torch" / "triton" force one path
-# (benchmarks of the PyTorch path on a GPU; Triton-interpreter tests on the CPU). The default stays
-# "torch" until tests/gpu/test_estimation_gpu.py has passed on a GPU: the Triton estimation kernels are
-# bit-identical to the PyTorch path in the interpreter but have not yet run on CUDA hardware.
-_estimation_backend = "torch"
+# (benchmarks of the PyTorch path on a GPU; Triton-interpreter tests on the CPU). Both paths give the
+# same integers: tests/gpu/test_estimation_gpu.py checks it bit for bit on CUDA (H200, 2026-11-30).
+_estimation_backend = "auto"
 
 
 def _uses_triton(tensor: torch.Tensor) -> bool:

@@ -154,15 +154,16 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
             torch.cuda.reset_peak_memory_stats()
             old = _median_ms(lambda: pattern.estimate_vertical_slash(q, k, budget), old_repeats)
             old_peak = torch.cuda.max_memory_allocated() / 2 ** 30
-        logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
-        logits_ms = _median_ms(lambda: triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k,
-                                                                            k_positions, scale), 5)
-        scores_ms = _median_ms(lambda: pattern._vertical_and_slash_scores(logits, mode == "top_p", q_positions,
-                                                                           k_positions, seq_len), 5)
-        del logits
-        torch.cuda.reset_peak_memory_stats()
-        new = _median_ms(lambda: pattern.estimate_vertical_slash(q, k, budget), 5)
-        new_peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        with estimation_backend("auto"):
+            logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
+            logits_ms = _median_ms(lambda: triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k,
+                                                                                k_positions, scale), 5)
+            scores_ms = _median_ms(lambda: pattern._vertical_and_slash_scores(logits, mode == "top_p", q_positions,
+                                                                               k_positions, seq_len), 5)
+            del logits
+            torch.cuda.reset_peak_memory_stats()
+            new = _median_ms(lambda: pattern.estimate_vertical_slash(q, k, budget), 5)
+            new_peak = torch.cuda.max_memory_allocated() / 2 ** 30
         print(f"N={seq_len} Hq={q_heads} Hkv={kv_heads} d={dim} {mode}: pytorch path {old:.1f} ms "
               f"(peak {old_peak:.1f} GiB), triton path {new:.1f} ms (peak {new_peak:.1f} GiB) = logits "
               f"{logits_ms:.1f} + scores {scores_ms:.1f} + selection; speedup {old / new:.1f}x", flush=True)
