@@ -4,6 +4,7 @@ A thin ``torch.autograd.Function`` over a backend's step launchers (``block_bar_
 ``block_bar_backward``), run once with the world-size-1 index: source 0, diagonal causal mask on.
 The running output and lse are kept in fp32 (fp64 for fp64 inputs) and the output is cast to the
 input dtype once at the end. Distributed use goes through the ring in ``megatron_mtraining.ring``.
+:func:`dense_attention` is the dense baseline on torch's SDPA kernels (``sdpa_backend``).
 
 Shapes: q ``[b, N, Hq, d]``; k, v ``[b, N, Hkv, d]`` (GQA: query head h reads KV head
 h // (Hq/Hkv)); lse ``[b, Hq, N]``; N a multiple of 128.
@@ -16,6 +17,7 @@ from types import ModuleType
 
 import torch
 
+from . import sdpa_backend
 from .index import BlockBarIndex, convert_index
 from .layout import Layout
 from .torch_backend import accumulator_dtype
@@ -114,3 +116,37 @@ def torch_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, q.shape[1])
     return sparse_attention(q, k, v, index, softmax_scale=softmax_scale, backend="torch_blocksparse",
                             return_lse=return_lse)
+
+
+class _DenseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, impl: str):
+        out, lse = sdpa_backend.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, impl=impl)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.setup = (causal, softmax_scale, impl)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, softmax_scale, impl = ctx.setup
+        dq, dk, dv = sdpa_backend.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                     softmax_scale=softmax_scale, impl=impl)
+        return dq, dk, dv, None, None, None
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "cudnn", causal: bool = True,
+                    softmax_scale: float | None = None, return_lse: bool = False):
+    """Dense attention on one device on torch's SDPA kernels (``sdpa_backend``), differentiable in q, k, v.
+
+    q ``[b, N, Hq, d]``, k/v ``[b, N, Hkv, d]``; ``impl`` is ``"cudnn"`` (CUDA) or ``"flash"`` (CUDA, or
+    torch's CPU flash kernel). Returns out ``[b, N, Hq, d]`` in q's dtype and, with ``return_lse``, lse
+    ``[b, Hq, N]`` (fp32; not differentiable).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor [b, N, Hq, d], got {getattr(q, 'shape', type(q))}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    sdpa_backend.check_step_inputs(q, k, v, causal=causal, softmax_scale=scale, impl=impl)   # before autograd
+    out, lse = _DenseAttention.apply(q, k, v, causal, scale, impl)
+    return (out, lse) if return_lse else out

@@ -73,14 +73,16 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument(flag("local_window"), type=int, default=_default("local_window"),
                        help="diagonal offsets 0 … W-1 always selected")
     group.add_argument(flag("kernel"), choices=KERNELS, default=_default("kernel"),
-                       help="attention kernels: triton (GPU), torch_blocksparse (any device), reference (tests)")
+                       help="attention kernels: triton (GPU), torch_blocksparse (any device), reference (tests); "
+                            "sdpa_cudnn / sdpa_flash: the dense baseline on torch's cuDNN / flash SDPA kernels (with "
+                            "--mtraining-dense; with CP > 1 also --mtraining-layout zigzag and the flat ring)")
     group.add_argument(flag("deterministic"), action="store_true",
                        help="bitwise-reproducible backward (also implied by --deterministic-mode)")
     group.add_argument(flag("grad_wire_dtype"), choices=GRAD_WIRE_DTYPES, default=_default("grad_wire_dtype"),
                        help="dtype of the dK/dV partials sent around the ring")
     group.add_argument(flag("dense"), action="store_true",
                        help="compute every layer with the full causal pattern through the same ring (the dense "
-                            "baseline)")
+                            "baseline; with --mtraining-kernel sdpa_cudnn on torch's cuDNN SDPA kernels instead)")
     group.add_argument(flag("dense_layers"), type=_layer_numbers, default=_default("dense_layers"),
                        help="comma-separated 1-based layer numbers computed densely, e.g. 1,2")
     group.add_argument(flag("ring"), choices=RINGS, default=_default("ring"),

@@ -11,6 +11,9 @@ call the module
 3. runs the single-device kernels (CP = 1) or the flat/hierarchical sparse ring over
    ``pg_collection.cp`` (CP > 1).
 
+With an SDPA kernel (``sdpa_cudnn``/``sdpa_flash``, the dense baseline) it builds no index and runs
+torch's SDPA kernels: one dense causal call (CP = 1) or the zigzag dense ring (``dense_ring``, CP > 1).
+
 It has no parameters, so checkpoints are the same as a dense Megatron model's.
 """
 
@@ -28,7 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from mtraining_kernels.index import BlockBarIndex, convert_index
-from mtraining_kernels.interface import sparse_attention
+from mtraining_kernels.interface import dense_attention, sparse_attention
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.reference import (full_index, reference_sparse_attention, slash_block_hits,
                                          vertical_slash_mask)
@@ -37,6 +40,7 @@ from . import pattern
 from .balance import BalanceReport, balance_report
 from .budget import LayerBudget
 from .config import MTrainingConfig, flag
+from .dense_ring import dense_ring_attention
 from .index_cache import ForwardKind, IndexCache, IndexKey, forward_kind, probe_checksum
 from .ring import ring_attention
 from .ring_groups import RingGroups
@@ -91,18 +95,25 @@ class _Stopwatch:
         return self._events[0].elapsed_time(self._events[1]) / 1e3
 
 
+@lru_cache(maxsize=4)
+def _full_pattern_balance(layout: Layout, seq_len: int) -> BalanceReport:
+    """The full pattern's ring work for one head, computed once per shape (0.2 s at 512K)."""
+    return balance_report(*full_index(1, 1, seq_len), layout, seq_len)
+
+
 @dataclass(eq=False)
 class AttentionStats:
     """One training forward of one layer: its global index and the estimation time.
 
     The numbers are computed when read (``density``, ``estimation_seconds`` and ``balance()`` may
-    synchronise with the GPU), so recording them costs nothing on steps that do not log.
+    synchronise with the GPU), so recording them costs nothing on steps that do not log. Layers on an
+    SDPA kernel have no index (``v_idx``/``s_idx`` None): density 1.0 and the full pattern's balance.
     """
 
     layer_number: int
     dense: bool
-    v_idx: torch.Tensor                     # int32 [b, Hq, Vmax], global (identical on every CP rank)
-    s_idx: torch.Tensor                     # int32 [b, Hq, Smax]
+    v_idx: torch.Tensor | None              # int32 [b, Hq, Vmax], global (identical on every CP rank)
+    s_idx: torch.Tensor | None              # int32 [b, Hq, Smax]
     layout: Layout
     seq_len: int
     estimation: _Stopwatch | None           # None for dense layers
@@ -110,6 +121,8 @@ class AttentionStats:
     @property
     def density(self) -> float:
         """|M| / causal area, averaged over samples and this rank's query heads."""
+        if self.v_idx is None:
+            return 1.0
         return float(mask_density(self.v_idx, self.s_idx, self.seq_len).mean())
 
     @property
@@ -117,7 +130,10 @@ class AttentionStats:
         return 0.0 if self.estimation is None else self.estimation.seconds
 
     def balance(self) -> BalanceReport:
-        """Per-(rank, ring step) work of this index in this layout (flat-ring step order)."""
+        """Per-(rank, ring step) work of this index in this layout (flat-ring step order); without an index,
+        that of the full pattern for one head (the SDPA dense ring does the same work per step)."""
+        if self.v_idx is None:
+            return _full_pattern_balance(self.layout, self.seq_len)
         return balance_report(self.v_idx, self.s_idx, self.layout, self.seq_len)
 
 
@@ -194,6 +210,8 @@ class MTrainingAttention(MegatronModule):
         if self.mtraining.kernel == "reference" and self.cp_size > 1:
             raise ValueError(f"{flag('kernel')}=reference runs on one device only, but the CP size is "
                              f"{self.cp_size}; use {flag('kernel')} triton or torch_blocksparse")
+        self.mtraining.check_sdpa_parallelism(self.cp_size, hierarchical=self.ring_groups is not None
+                                              and self.ring_groups.outer is not None)
         self._budgets: dict[int, LayerBudget] = {}
 
     def _ring_groups(self, hcp, cp_comm_type) -> RingGroups:
@@ -224,8 +242,11 @@ class MTrainingAttention(MegatronModule):
         local_len, batch, heads, head_dim = query.shape
         q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))         # [b, s, heads, d]
         seq_len = local_len * self.cp_size
-        index = self._layer_index(q, k, seq_len)
         mt = self.mtraining
+        if mt.sdpa_impl is not None:
+            out = self._sdpa_attention(q, k, v, seq_len)
+            return out.permute(1, 0, 2, 3).reshape(local_len, batch, heads * head_dim)
+        index = self._layer_index(q, k, seq_len)
         if self.cp_size > 1:
             out = ring_attention(q, k, v, index.block_bar, self.ring_groups, backend=mt.kernel,
                                  softmax_scale=self.softmax_scale, deterministic=mt.deterministic,
@@ -260,6 +281,18 @@ class MTrainingAttention(MegatronModule):
         if heads * self.tp_size != self.config.num_attention_heads:
             raise ValueError(f"query has {heads} heads on each of {self.tp_size} TP ranks, but the model has "
                              f"{self.config.num_attention_heads}")
+
+    def _sdpa_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Dense causal attention on torch's SDPA kernels, no index: ``[b, s, heads, d]`` → ``[b, s, heads, d]``."""
+        self.layout.validate(seq_len, BLOCK_SIZE)
+        if self.training:
+            self.last_stats = AttentionStats(self.layer_number, True, None, None, self.layout, seq_len, None)
+        mt = self.mtraining
+        if self.cp_size > 1:
+            return dense_ring_attention(q, k, v, self.layout, self.ring_groups, impl=mt.sdpa_impl,
+                                        softmax_scale=self.softmax_scale, grad_wire_dtype=mt.grad_wire_dtype)
+        return dense_attention(q.contiguous(), k.contiguous(), v.contiguous(), impl=mt.sdpa_impl,
+                               softmax_scale=self.softmax_scale)
 
     # ------------------------------------------------------------------ index
     def _layer_index(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> _LayerIndex:

@@ -20,7 +20,8 @@ from .budget import DEFAULT_CAP, BudgetTable, StaticBudget
 
 MAX_LAST_Q = 64  # one estimation tile of query rows; equals pattern.MAX_LAST_Q (config sits below pattern)
 BUDGET_MODES = ("top-p", "static")
-KERNELS = ("triton", "torch_blocksparse", "reference")
+SDPA_KERNELS = {"sdpa_cudnn": "cudnn", "sdpa_flash": "flash"}   # kernel → mtraining_kernels.sdpa_backend impl
+KERNELS = ("triton", "torch_blocksparse", "reference", *SDPA_KERNELS)
 GRAD_WIRE_DTYPES = ("fp32", "bf16")
 RINGS = ("flat", "hierarchical")
 DEFAULT_TOP_P = 0.9
@@ -48,7 +49,9 @@ class MTrainingConfig:
     ``sparsity`` (converted to a uniform pair per sequence length) or a per-(layer, head)
     ``pattern_file`` (JSON ``{layer: {head: [v, s]}}``, 0-based layers, global heads).
     ``dense_layers`` are 1-based global layer numbers computed with the full pattern through the same
-    ring; ``dense=True`` does that for every layer (the dense baseline).
+    ring; ``dense=True`` does that for every layer (the dense baseline). ``kernel`` ``sdpa_cudnn`` /
+    ``sdpa_flash`` is the dense baseline on torch's SDPA kernels instead (no index; needs ``dense=True``,
+    and with CP > 1 the zigzag layout and the flat ring).
     """
 
     layout: str = "striped"
@@ -79,6 +82,7 @@ class MTrainingConfig:
         self._check_numbers()
         self._check_budget_settings()
         self._check_dense_layers()
+        self._check_sdpa_settings()
         if self.inner_ring_size is not None and self.ring != "hierarchical":
             raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size} only applies to the hierarchical "
                              f"ring, but {flag('ring')}={self.ring}; add {flag('ring')} hierarchical or drop it")
@@ -172,7 +176,28 @@ class MTrainingConfig:
             raise ValueError(f"{flag('dense')} already computes every layer densely; drop "
                              f"{flag('dense_layers')}={','.join(map(str, layers))}")
 
+    def _check_sdpa_settings(self) -> None:
+        if self.sdpa_impl is None:
+            return
+        if self.dense_layers:
+            raise ValueError(f"{flag('kernel')}={self.kernel} computes every layer densely and builds no index, so "
+                             f"it cannot run the sparse layers that {flag('dense_layers')}="
+                             f"{','.join(map(str, self.dense_layers))} leaves; use {flag('dense')} instead, or "
+                             f"{flag('kernel')} triton for the mix")
+        if not self.dense:
+            raise ValueError(f"{flag('kernel')}={self.kernel} is the dense baseline on torch's SDPA kernels; add "
+                             f"{flag('dense')}, or use {flag('kernel')} triton for sparse attention")
+        if self.deterministic:
+            raise ValueError(f"{flag('kernel')}={self.kernel} cannot promise a bitwise-reproducible backward "
+                             f"({flag('deterministic')}, also implied by --deterministic-mode); drop it or use "
+                             f"{flag('kernel')} triton")
+
     # ------------------------------------------------------------------ derived settings
+    @property
+    def sdpa_impl(self) -> str | None:
+        """The ``mtraining_kernels.sdpa_backend`` impl of an SDPA kernel (``cudnn``/``flash``), else None."""
+        return SDPA_KERNELS.get(self.kernel)
+
     @property
     def effective_top_p(self) -> float:
         return DEFAULT_TOP_P if self.top_p is None else float(self.top_p)
@@ -222,6 +247,8 @@ class MTrainingConfig:
             raise ValueError(f"{flag('dense_layers')} lists layers {out_of_range} but the model has "
                              f"--num-layers={num_layers}; layer numbers are 1-based, use 1 … {num_layers}")
         self._validate_sequence(seq_length, cp)
+        self.check_sdpa_parallelism(cp, hierarchical=self.ring == "hierarchical"
+                                    or hierarchical_context_parallel_sizes is not None)
         self._validate_ring(cp, hierarchical_context_parallel_sizes)
         if self.kernel == "reference" and cp > 1:
             raise ValueError(f"{flag('kernel')}=reference runs on one device only, but --context-parallel-size="
@@ -277,6 +304,19 @@ class MTrainingConfig:
             divisors = [d for d in range(1, cp + 1) if cp % d == 0]
             raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size} does not divide "
                              f"--context-parallel-size={cp}; use one of {divisors}")
+
+    def check_sdpa_parallelism(self, context_parallel_size: int, hierarchical: bool) -> None:
+        """With an SDPA kernel and CP > 1, raise ``ValueError`` unless the layout is zigzag and the ring flat."""
+        if self.sdpa_impl is None or context_parallel_size == 1:
+            return
+        if self.layout != "zigzag":
+            raise ValueError(f"{flag('kernel')}={self.kernel} with --context-parallel-size={context_parallel_size} "
+                             f"runs the zigzag dense ring, but {flag('layout')}={self.layout}; add "
+                             f"{flag('layout')} zigzag")
+        if hierarchical:
+            raise ValueError(f"{flag('kernel')}={self.kernel} runs the flat ring only, but a hierarchical ring was "
+                             f"requested ({flag('ring')}=hierarchical or --hierarchical-context-parallel-sizes); "
+                             f"use {flag('ring')} flat and drop the hierarchical sizes")
 
     def budget_flags(self) -> str:
         """The flags that set the budget, for error messages."""

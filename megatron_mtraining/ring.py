@@ -21,8 +21,8 @@ from .consensus import agree_on_inputs
 from .ring_comm import RingExchange
 from .ring_groups import RingGroups
 
-_WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}   # for the consensus
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}   # for the consensus
 
 
 def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
@@ -60,7 +60,7 @@ def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups) -> None
     the ring.
     """
     error = _signature_error(q, k, v, index, groups)
-    values = None if error else [*q.shape, *k.shape, _DTYPE_CODES.get(q.dtype, -1), index.seq_len]
+    values = None if error else [*q.shape, *k.shape, DTYPE_CODES.get(q.dtype, -1), index.seq_len]
     agree_on_inputs("ring attention", _RING_FIELDS, values,
                     ValueError(f"ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
                     groups.cp)
@@ -95,7 +95,7 @@ def _ring_forward(q, kv, index, groups, backend, scale):
     return out, lse
 
 
-def _add_and_forward(exchange: RingExchange, arriving, total: torch.Tensor, wire: torch.dtype):
+def add_and_forward(exchange: RingExchange, arriving, total: torch.Tensor, wire: torch.dtype):
     """Add the partial ``arriving`` on ``exchange`` (None before the first hop) into the fp32 ``total``,
     then send the sum onward; returns the buffer of the next partial to arrive."""
     if arriving is not None:
@@ -125,14 +125,14 @@ def _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deter
                 index.bar_ptr[src], index.bar_col, dq, contribution[0], contribution[1],
                 causal_diag=(o == 0 and i == 0), softmax_scale=scale, deterministic=deterministic,
             )
-            inner_partial = _add_and_forward(inner_grad, inner_partial, contribution, wire)
+            inner_partial = add_and_forward(inner_grad, inner_partial, contribution, wire)
             if not last_inner:
                 inner_kv.wait()
                 held = incoming
         inner_grad.wait()  # L-th hop: this node's total for the chunk held at the outer step's start
         node_total = inner_partial.float()
         if outer_grad is not None:  # add earlier nodes' total for the same chunk and pass it on
-            outer_partial = _add_and_forward(outer_grad, outer_partial, node_total, wire)
+            outer_partial = add_and_forward(outer_grad, outer_partial, node_total, wire)
         if not last_outer:
             outer_kv.wait()
             chunk = incoming_chunk
@@ -176,10 +176,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Blo
     q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in the layout ``index`` was built for.
     Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse fp32 ``[b, Hq, N_loc]``).
     """
-    if grad_wire_dtype not in _WIRE_DTYPES:
-        raise ValueError(f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(_WIRE_DTYPES)}")
+    if grad_wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}")
     check_ring_inputs(q, k, v, index, groups)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = SparseRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index, groups,
-                                         backend, scale, deterministic, _WIRE_DTYPES[grad_wire_dtype])
+                                         backend, scale, deterministic, WIRE_DTYPES[grad_wire_dtype])
     return (out, lse) if return_lse else out

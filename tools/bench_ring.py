@@ -7,6 +7,9 @@ timings, fresh random inputs per repeat, after warm-up), and the same per-step k
 no communication ("compute"); exposed communication is ring time minus the slowest rank's compute.
 The sparse pattern is ``balance.realistic_pattern`` with as many far slashes/verticals as reach the
 requested density; the dense ring is the full causal pattern through the same ring and kernels.
+With ``--sdpa-max-len`` it also times the honest dense baseline: the zigzag dense ring on torch's SDPA
+kernels (``megatron_mtraining.dense_ring``, cuDNN unless ``--sdpa-impl flash``), as pattern ``sdpa_cudnn``
+(or ``sdpa_flash``); its "compute" is the same per-step SDPA calls and merges with no communication.
 Rank 0 prints a table and appends one JSON object per configuration to ``--jsonl``.
 """
 
@@ -23,12 +26,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_mtraining.balance import balance_report, realistic_pattern
+from megatron_mtraining.dense_ring import dense_ring_attention, merge_step, zigzag_step
 from megatron_mtraining.ring import ring_attention
 from megatron_mtraining.ring_groups import RingGroups
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.interface import get_backend
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.reference import full_index, slash_block_hits
+from mtraining_kernels.sdpa_backend import IMPLS, attention_backward, attention_forward
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,6 +46,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--density", type=float, default=0.05, help="target computed fraction of the causal area")
     parser.add_argument("--dense-max-len", type=int, default=0,
                         help="also time the dense ring (full pattern) for N up to this length")
+    parser.add_argument("--sdpa-max-len", type=int, default=0,
+                        help="also time the zigzag dense ring on torch's SDPA kernels for N up to this length")
+    parser.add_argument("--sdpa-impl", choices=IMPLS, default="cudnn", help="SDPA kernel of that dense ring")
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -84,6 +92,25 @@ def timed(fn, warmup: int, repeats: int, group) -> float:
     return statistics.median(times)
 
 
+def ring_inputs(local_len: int, args, device) -> tuple[torch.Tensor, ...]:
+    """Fresh bf16 q, k, v (requiring grad) and dout of one rank: ``[1, local_len, heads, d]``."""
+    q, dout = (torch.randn(1, local_len, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
+               for _ in range(2))
+    k, v = (torch.randn(1, local_len, args.kv_heads, args.head_dim, device=device, dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    return q.requires_grad_(), k, v, dout
+
+
+def time_ring_and_compute(ring, compute, inputs, args, groups) -> tuple[float, float]:
+    """Milliseconds of ``ring(q, k, v)`` forward + backward, and of ``compute(q, k, v, dout)`` without grad."""
+    q, k, v, dout = inputs
+    ring_ms = timed(lambda: ring(q, k, v).backward(dout), args.warmup, args.repeats, groups.cp)
+    with torch.no_grad():
+        comp_ms = timed(lambda: compute(q.detach(), k.detach(), v.detach(), dout), args.warmup, args.repeats,
+                        groups.cp)
+    return ring_ms, comp_ms
+
+
 def compute_only(backend, q, k, v, dout, index, groups, scale):
     """The ring's per-step kernel launches for this rank with no communication (K/V stand in for every source)."""
     b, n_loc, hq, d = q.shape
@@ -103,6 +130,65 @@ def compute_only(backend, q, k, v, dout, index, groups, scale):
                                    softmax_scale=scale)
 
 
+def sdpa_compute_only(impl, q, k, v, dout, groups, scale):
+    """The SDPA dense ring's per-step calls and merges for this rank with no communication (local K/V stand in
+    for every source; the step shapes are the ring's)."""
+    plans = [zigzag_step(groups.cp_rank, groups.source_of(0, step), q.shape[1]) for step in range(groups.world_size)]
+    out = lse = None
+    for plan in plans:
+        step_out, step_lse = attention_forward(q[:, plan.queries], k[:, plan.keys], v[:, plan.keys],
+                                               causal=plan.causal, softmax_scale=scale, impl=impl)
+        if out is None:
+            out, lse = step_out.float().contiguous(), step_lse
+        else:
+            merge_step(out[:, plan.queries], lse[:, :, plan.queries], step_out, step_lse)
+    out = out.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(2, *k.shape, dtype=torch.float32, device=q.device)
+    for plan in plans:
+        rows, keys = plan.queries, plan.keys
+        dq_step, dk_step, dv_step = attention_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                                       lse[:, :, rows], causal=plan.causal, softmax_scale=scale,
+                                                       impl=impl)
+        dq[:, rows] += dq_step
+        dkv[0, :, keys] += dk_step
+        dkv[1, :, keys] += dv_step
+
+
+def time_sdpa_ring(args, seq_len: int, groups: RingGroups, device) -> dict:
+    """fwd+bwd and compute-only milliseconds of the SDPA zigzag dense ring, and this rank's dense block count."""
+    rank, world = groups.cp_rank, groups.world_size
+    layout = Layout("zigzag", world)
+    scale = args.head_dim ** -0.5
+    ring_ms, comp_ms = time_ring_and_compute(
+        lambda q, k, v: dense_ring_attention(q, k, v, layout, groups, impl=args.sdpa_impl),
+        lambda q, k, v, dout: sdpa_compute_only(args.sdpa_impl, q, k, v, dout, groups, scale),
+        ring_inputs(seq_len // world, args, device), args, groups)
+    full = balance_report(*full_index(1, 1, seq_len), layout, seq_len)          # the full pattern, one head
+    return dict(ring_ms=ring_ms, comp_ms=comp_ms, blocks=int(full.blocks[rank].sum()) * args.heads)
+
+
+def result_row(args, commit: str, world: int, seq_len: int, layout: str, pattern: str, density: float, timing: dict,
+               report, device) -> dict:
+    """One JSON row; collective (gathers every rank's compute time). ``report`` is the sparse pattern's balance."""
+    per_rank = torch.tensor([timing["comp_ms"]], device=device)
+    everyone = [torch.zeros_like(per_rank) for _ in range(world)]
+    dist.all_gather(everyone, per_rank)
+    comp = [t.item() for t in everyone]
+    ring_ms = timing["ring_ms"]
+    return dict(
+        gpu=torch.cuda.get_device_name(), commit=commit, date=datetime.date.today().isoformat(),
+        world_size=world, inner=world, outer=1, seq_len=seq_len, layout=layout, pattern=pattern,
+        heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim, density=round(density, 4),
+        fwd_bwd_ms=round(ring_ms, 3), compute_ms=round(max(comp), 3),
+        exposed_comm_frac=round(max(0.0, ring_ms - max(comp)) / ring_ms, 4),
+        imbalance_worker=round(max(comp) / statistics.mean(comp), 4),
+        imbalance_step=round(report.step_imbalance, 4) if report else 1.0,
+        analytic_worker=round(report.worker_imbalance, 4) if report else 1.0,
+        blocks_this_rank=timing["blocks"],
+    )
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("nccl")
@@ -114,6 +200,13 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for seq_len in args.seq_lens:
+        if seq_len <= args.sdpa_max_len:
+            timing = time_sdpa_ring(args, seq_len, groups, device)
+            rows.append(result_row(args, commit, world, seq_len, "zigzag", f"sdpa_{args.sdpa_impl}", 1.0, timing,
+                                   None, device))
+            if rank == 0:
+                print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
         v_sparse, s_sparse, density = pattern_with_density(seq_len, args.heads, args.density, seed=seq_len)
         patterns = [("sparse", v_sparse, s_sparse, density)]
         if seq_len <= args.dense_max_len:
@@ -122,52 +215,27 @@ def main() -> None:
             layout = Layout(kind, world)
             for pattern, v_idx, s_idx, dens in patterns:
                 index = convert_index(v_idx.to(device), s_idx.to(device), layout, rank, seq_len)
-                n_loc = seq_len // world
-                shape_q = (1, n_loc, args.heads, args.head_dim)
-                shape_kv = (1, n_loc, args.kv_heads, args.head_dim)
-                q, dout = (torch.randn(shape_q, device=device, dtype=torch.bfloat16) for _ in range(2))
-                k, v = (torch.randn(shape_kv, device=device, dtype=torch.bfloat16) for _ in range(2))
-                q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-
-                def ring_step():
-                    out = ring_attention(q, k, v, index, groups, backend=args.backend)
-                    out.backward(dout)
-
-                ring_ms = timed(ring_step, args.warmup, args.repeats, groups.cp)
                 scale = args.head_dim ** -0.5
-                with torch.no_grad():
-                    comp_ms = timed(lambda: compute_only(backend, q.detach(), k.detach(), v.detach(), dout, index,
-                                                          groups, scale), args.warmup, args.repeats, groups.cp)
-                per_rank = torch.tensor([comp_ms], device=device)
-                everyone = [torch.zeros_like(per_rank) for _ in range(world)]
-                dist.all_gather(everyone, per_rank)
-                comp = [t.item() for t in everyone]
+                ring_ms, comp_ms = time_ring_and_compute(
+                    lambda q, k, v: ring_attention(q, k, v, index, groups, backend=args.backend),
+                    lambda q, k, v, dout: compute_only(backend, q, k, v, dout, index, groups, scale),
+                    ring_inputs(seq_len // world, args, device), args, groups)
                 report = balance_report(v_idx, s_idx, layout, seq_len) if pattern == "sparse" else None
-                row = dict(
-                    gpu=torch.cuda.get_device_name(), commit=commit, date=datetime.date.today().isoformat(),
-                    world_size=world, inner=world, outer=1, seq_len=seq_len, layout=kind, pattern=pattern,
-                    heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim, density=round(dens, 4),
-                    fwd_bwd_ms=round(ring_ms, 3), compute_ms=round(max(comp), 3),
-                    exposed_comm_frac=round(max(0.0, ring_ms - max(comp)) / ring_ms, 4),
-                    imbalance_worker=round(max(comp) / statistics.mean(comp), 4),
-                    imbalance_step=round(report.step_imbalance, 4) if report else 1.0,
-                    analytic_worker=round(report.worker_imbalance, 4) if report else 1.0,
-                    blocks_this_rank=int(count_work(index)[0].sum()),
-                )
+                timing = dict(ring_ms=ring_ms, comp_ms=comp_ms, blocks=int(count_work(index)[0].sum()))
+                row = result_row(args, commit, world, seq_len, kind, pattern, dens, timing, report, device)
                 rows.append(row)
                 if rank == 0:
                     print(json.dumps(row), flush=True)
-                del index, q, k, v, dout
                 torch.cuda.empty_cache()
     if rank == 0:
         os.makedirs(os.path.dirname(args.jsonl) or ".", exist_ok=True)
         with open(args.jsonl, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        print(f"{'N':>8} {'layout':>8} {'pattern':>7} {'density':>7} {'fwd+bwd ms':>10} {'compute ms':>10} "
+        print(f"{'N':>8} {'layout':>8} {'pattern':>10} {'density':>7} {'fwd+bwd ms':>10} {'compute ms':>10} "
               f"{'exposed':>7} {'imb.w':>6}")
         for r in rows:
-            print(f"{r['seq_len']:>8} {r['layout']:>8} {r['pattern']:>7} {r['density']:>7.3f} {r['fwd_bwd_ms']:>10.2f} "
+            print(f"{r['seq_len']:>8} {r['layout']:>8} {r['pattern']:>10} {r['density']:>7.3f} {r['fwd_bwd_ms']:>10.2f} "
                   f"{r['compute_ms']:>10.2f} {r['exposed_comm_frac']:>7.3f} {r['imbalance_worker']:>6.3f}")
     dist.destroy_process_group()
 

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
-from mtraining_kernels import torch_backend
+from mtraining_kernels import sdpa_backend, torch_backend
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import get_backend, sparse_attention
 from mtraining_kernels.layout import Layout
@@ -112,6 +112,25 @@ def _ring(index_layout: Layout, index_rank: int, index_seq_len: int, grad_wire_d
     with single_process_group():
         ring_attention(q, k, v, index, RingGroups.flat(dist.group.WORLD), backend="torch_blocksparse",
                        grad_wire_dtype=grad_wire_dtype)
+
+
+def _dense_ring(layout: Layout = Layout("zigzag", 1), hierarchical: bool = False):
+    """``dense_ring_attention`` on a one-rank world (flat, or a hierarchical ring of 1 x 1)."""
+    import torch.distributed as dist
+
+    from megatron_mtraining.dense_ring import dense_ring_attention
+    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+
+    q, k, v = (_step_arguments()[name] for name in ("q", "k", "v"))
+    with single_process_group():
+        groups = build_hierarchical_groups(1) if hierarchical else RingGroups.flat(dist.group.WORLD)
+        dense_ring_attention(q, k, v, layout, groups, impl="flash")
+
+
+def _sdpa_forward(impl: str = "flash", **replaced):
+    arguments = _step_arguments(**replaced)
+    sdpa_backend.attention_forward(arguments["q"], arguments["k"], arguments["v"], causal=True,
+                                   softmax_scale=arguments["softmax_scale"], impl=impl)
 
 
 def _hierarchical_groups(inner_size: int):
@@ -286,6 +305,12 @@ ROWS = [
             lambda tmp: sparse_attention(*(_step_arguments()[n] for n in "qkv"),
                                          _index(layout=Layout("striped", 2), seq_len=512)),
             ValueError, r"index was built for world_size=2; .*build it with Layout\(kind, 1\) and rank 0"),
+    Invalid("sdpa backend: cuDNN on CPU tensors", lambda tmp: _sdpa_forward("cudnn"),
+            ValueError, r"impl='cudnn' needs CUDA tensors, got CPU tensors; move them to a GPU or use impl='flash'"),
+    Invalid("sdpa backend: unknown impl", lambda tmp: _sdpa_forward("math"),
+            ValueError, r"impl='math' is unknown; use one of \('cudnn', 'flash'\)"),
+    Invalid("sdpa backend: integer inputs", lambda tmp: _sdpa_forward(dtype=torch.int32),
+            ValueError, r"q has dtype torch\.int32; on CPU use one of \(torch\.float32"),
     # --- ring
     Invalid("ring: index for another rank and world", lambda tmp: _ring(Layout("striped", 2), 1, 2 * SEQ_LEN),
             ValueError, r"index was built for world_size=2, rank=1 but this is CP rank 0 of 1; "
@@ -294,6 +319,12 @@ ROWS = [
             ValueError, r"index was built for seq_len=512, inputs have 256 x 1 tokens; convert the index for N=256"),
     Invalid("ring: unknown dK/dV wire dtype", lambda tmp: _ring(Layout("striped", 1), 0, SEQ_LEN, "fp16"),
             ValueError, r"grad_wire_dtype='fp16' is not one of \['bf16', 'fp32'\]"),
+    Invalid("ring: SDPA dense ring on the striped layout", lambda tmp: _dense_ring(Layout("striped", 1)),
+            ValueError, r"the SDPA dense ring needs the zigzag layout, got Layout\(kind='striped'.*; use "
+                        r"--mtraining-layout zigzag"),
+    Invalid("ring: SDPA dense ring on a hierarchical ring", lambda tmp: _dense_ring(hierarchical=True),
+            ValueError, r"the SDPA dense ring is flat only, got a hierarchical ring \(--mtraining-ring=hierarchical\); "
+                        r"use --mtraining-ring flat"),
     Invalid("ring: inner ring size does not divide the CP group", lambda tmp: _hierarchical_groups(3),
             ValueError, r"inner_size=3 does not divide the CP size 1; pick a divisor"),
     # --- estimator and budgets
@@ -318,6 +349,9 @@ ROWS = [
             ValueError, r"multi-latent attention \(MLA\) is not supported, drop --multi-latent-attention"),
     Invalid("config: top-P outside (0, 1]", lambda tmp: _mtraining_config(top_p=1.5),
             ValueError, r"--mtraining-top-p=1\.5 must be a number in \(0, 1\]; use e\.g\. 0\.9"),
+    Invalid("config: SDPA kernel without --mtraining-dense", lambda tmp: _mtraining_config(kernel="sdpa_flash"),
+            ValueError, r"--mtraining-kernel=sdpa_flash is the dense baseline on torch's SDPA kernels; add "
+                        r"--mtraining-dense, or use --mtraining-kernel triton"),
     # --- launcher (Megatron's parser + --mtraining-* flags)
     Invalid("launcher: static budget with top-P settings",
             lambda tmp: _launcher("--mtraining-budget static --mtraining-top-p 0.9 --mtraining-sparsity 0.9"),
@@ -341,6 +375,37 @@ ROWS = [
     Invalid("launcher: reference kernel with CP = 2", lambda tmp: _launcher("--mtraining-kernel reference"),
             ValueError, r"--mtraining-kernel=reference runs on one device only, but --context-parallel-size=2; "
                         r"use --mtraining-kernel triton or torch_blocksparse"),
+    Invalid("launcher: SDPA kernel without --mtraining-dense",
+            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-layout zigzag"),
+            ValueError, r"--mtraining-kernel=sdpa_cudnn is the dense baseline on torch's SDPA kernels; add "
+                        r"--mtraining-dense, or use --mtraining-kernel triton for sparse attention"),
+    Invalid("launcher: SDPA kernel with --mtraining-dense-layers only",
+            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-dense-layers 1,2 "
+                                  "--mtraining-layout zigzag"),
+            ValueError, r"--mtraining-kernel=sdpa_cudnn computes every layer densely and builds no index, so it "
+                        r"cannot run the sparse layers that --mtraining-dense-layers=1,2 leaves; use --mtraining-dense "
+                        r"instead, or --mtraining-kernel triton for the mix"),
+    Invalid("launcher: SDPA kernel with the striped layout at CP = 2",
+            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-dense"),
+            ValueError, r"--mtraining-kernel=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense ring, "
+                        r"but --mtraining-layout=striped; add --mtraining-layout zigzag"),
+    Invalid("launcher: SDPA kernel with the hierarchical ring",
+            lambda tmp: _launcher("--mtraining-kernel sdpa_flash --mtraining-dense --mtraining-layout zigzag "
+                                  "--mtraining-ring hierarchical --mtraining-inner-ring-size 2", cp=4),
+            ValueError, r"--mtraining-kernel=sdpa_flash runs the flat ring only, but a hierarchical ring was "
+                        r"requested \(--mtraining-ring=hierarchical or --hierarchical-context-parallel-sizes\); "
+                        r"use --mtraining-ring flat and drop the hierarchical sizes"),
+    Invalid("launcher: SDPA kernel with --hierarchical-context-parallel-sizes",
+            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-dense --mtraining-layout zigzag "
+                                  "--hierarchical-context-parallel-sizes 2 2", cp=4),
+            ValueError, r"--mtraining-kernel=sdpa_cudnn runs the flat ring only.*use --mtraining-ring flat and "
+                        r"drop the hierarchical sizes"),
+    Invalid("launcher: SDPA kernel with --deterministic-mode",
+            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-dense --mtraining-layout zigzag "
+                                  "--deterministic-mode"),
+            ValueError, r"--mtraining-kernel=sdpa_cudnn cannot promise a bitwise-reproducible backward "
+                        r"\(--mtraining-deterministic, also implied by --deterministic-mode\); drop it or use "
+                        r"--mtraining-kernel triton"),
     # --- tools
     Invalid("converter: not a Qwen2 config",
             lambda tmp: to_megatron.convert(_hf_directory(tmp, _llama_config()), tmp / "out"),
