@@ -1,0 +1,782 @@
+"""End-to-end training throughput of MTraining against the dense ring (issue 7): Qwen2.5 shapes, CP ranks of one host.
+
+    python tools/bench_e2e.py --models 0.5b,1.5b,3b --seq-lens 131072,262144,524288   # on 2 GPUs
+    python tools/bench_e2e.py --dry-run        # print the launcher commands (no GPU needed)
+    python tools/bench_e2e.py --plot-only      # table and chart from the JSONL
+
+Each configuration (model shape x sequence length x attention variant) trains with the real launcher through
+``tools/train_probe.py`` (``torchrun --nproc-per-node CP``): random weights, Megatron's mock data, bf16, local
+(non-TE) layers, CP = ``--cp``, TP = PP = DP = 1, one sequence per iteration, chunked output layer and loss.
+Variants (``--variants``; the JSON's ``attention`` / ``sparsity_setting``):
+
+* ``mtraining``: striped sparse ring, top-P 0.9 budgets (``mtraining`` / ``top_p=0.9``);
+* ``mtraining-static``: striped sparse ring, fixed 95 % sparsity (``mtraining`` / ``sparsity=0.95``);
+* ``mtraining-zigzag``: Megatron's zigzag split with top-P 0.9, the layout ablation (``mtraining_zigzag``);
+* ``dense``: the dense ring baseline (``dense`` / ``dense``), with ``--dense-kernel`` sdpa_cudnn (default) or
+  sdpa_flash over the zigzag layout, or triton (our dense kernels over the striped layout).
+
+**Timing by reduced depth.** A configuration is trained at each layer count of ``--layers`` (default 2 and 4
+of the real shape): ``--warmup`` iterations, ``--iters`` timed ones (their median; an iteration's time is the
+slowest rank's), then one profiled iteration (``torch.profiler``: all kernel time, and attention kernel time),
+then, for sparse variants, one iteration that logs the attention density. Per-layer cost is uniform, so
+T(L) = fixed + per_layer x L is fitted (least squares) and extrapolated to the model's real depth; kernel and
+attention kernel times are extrapolated the same way for the attention share. Rows say so
+(``layers_timed``, ``extrapolated: true``, the measured ``points`` and the ``fit``). ``--full-depth`` times the
+real layer count instead (the memory-fit check). ``peak_mem_gb`` (10^9 bytes, the largest rank's
+``max_memory_allocated``) and ``reserved_mem_gb`` (the most the caching allocator held after a step) are
+measured at ``peak_mem_layers`` layers, not extrapolated.
+
+**FLOPs** (:func:`iteration_flops`) of one iteration, counted as model FLOPs (forward + backward = 3 x forward,
+no recomputation): per layer the QKV and output projections, the SwiGLU MLP (3 matrices) and the causal
+attention (scores and values over half the N^2 area, 2·N²·Hq·d per forward); plus the output layer.
+``dense_equiv`` counts the attention at density 1; ``actual`` multiplies it by the measured density;
+``hardware`` is ``actual`` plus the recomputed forwards (full activation recompute, chunked loss).
+MFU = TFLOP/s per GPU / ``--peak-tflops`` (H200 bf16 dense: 989).
+
+Output: one JSON object per configuration appended to ``--jsonl`` as soon as it is measured, its ``command``
+the shell line of each timed run (a failed run — OOM, crash, timeout, unusable fit — is recorded with
+``status: "failed"``, its ``error`` and the points measured before); a markdown table on stdout; the chart
+``--plot`` (tokens/s speedup over the fastest dense row of the same model, length, GPU and method, against
+sequence length) rebuilt from the whole JSONL. Every run is killed after ``--run-timeout-s``; with
+``--time-budget-s`` a configuration whose estimated time exceeds what is left is skipped and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = "tools/train_probe.py"
+DEFAULT_JSONL = REPO / "docs" / "benchmarks" / "e2e.jsonl"
+DEFAULT_PLOT = REPO / "docs" / "benchmarks" / "e2e_speedup.png"
+H200_BF16_PEAK_TFLOPS = 989.0            # NVIDIA H200 SXM, dense bf16 (no sparsity)
+QWEN25_VOCAB = 151936
+TOP_P = 0.9
+STATIC_SPARSITY = 0.95
+LOSS_CHUNK_SIZE = 8192
+ROTARY_BASE = 10_000_000                  # 10 x Qwen2.5's 1e6 for 128K-512K contexts (ABF-style, DESIGN.md §4)
+DENSE_KERNELS = ("sdpa_cudnn", "sdpa_flash", "triton")
+# Megatron's local layers without Transformer Engine or Apex fusions (as examples/quickstart.py LOCAL_IMPL_FLAGS)
+LOCAL_IMPL_FLAGS = ("--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion",
+                    "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion")
+RECOMPUTE_FLAGS = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+RUN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",                 # Megatron asserts it for CP on Hopper
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # less fragmentation at 512K
+DENSITY_LINE = re.compile(r"mtraining \| iteration +(\d+) \| density ([0-9.]+)")
+OOM_LINE = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
+EXCEPTION_LINE = re.compile(r"^(?:\[\w+\]:\s*)?([\w.]*(?:Error|Exception): .*)$", re.MULTILINE)  # [rank0]: ...
+ASSUMED_SPARSE_DENSITY = 0.1              # attention density the --time-budget-s estimate assumes for sparse runs
+
+
+# ---------------------------------------------------------------------------------------- configurations
+@dataclass(frozen=True)
+class ModelShape:
+    """A Qwen2.5 transformer shape (from the HF config); ``vocab`` is the padded output-layer size."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int = QWEN25_VOCAB
+    tied: bool = True
+
+    def flags(self, num_layers: int) -> list[str]:
+        """Megatron's model flags of this shape with ``num_layers`` layers."""
+        return ["--num-layers", str(num_layers), "--hidden-size", str(self.hidden),
+                "--ffn-hidden-size", str(self.ffn), "--num-attention-heads", str(self.heads),
+                "--group-query-attention", "--num-query-groups", str(self.kv_heads),
+                "--kv-channels", str(self.head_dim),
+                "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear",
+                "--add-qkv-bias", "--position-embedding-type", "rope", "--rotary-percent", "1.0",
+                "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(self.vocab),
+                *([] if self.tied else ["--untie-embeddings-and-output-weights"])]
+
+
+QWEN25 = {shape.name: shape for shape in (
+    ModelShape("0.5b", num_layers=24, hidden=896, ffn=4864, heads=14, kv_heads=2, head_dim=64),
+    ModelShape("1.5b", num_layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, head_dim=128),
+    ModelShape("3b", num_layers=36, hidden=2048, ffn=11008, heads=16, kv_heads=2, head_dim=128),
+)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """An attention variant: the JSON's ``attention`` and ``sparsity_setting``, and its ``--mtraining-*`` flags."""
+
+    key: str
+    attention: str
+    sparsity_setting: str
+    layout: str
+    flags: tuple[str, ...]
+    dense_kernel: str | None = None
+
+    @property
+    def sparse(self) -> bool:
+        return self.dense_kernel is None
+
+
+SPARSE_VARIANTS = {variant.key: variant for variant in (
+    Variant("mtraining", "mtraining", f"top_p={TOP_P}", "striped",
+            ("--mtraining-layout", "striped", "--mtraining-budget", "top-p", "--mtraining-top-p", str(TOP_P),
+             "--mtraining-kernel", "triton")),
+    Variant("mtraining-static", "mtraining", f"sparsity={STATIC_SPARSITY}", "striped",
+            ("--mtraining-layout", "striped", "--mtraining-budget", "static", "--mtraining-sparsity",
+             str(STATIC_SPARSITY), "--mtraining-kernel", "triton")),
+    Variant("mtraining-zigzag", "mtraining_zigzag", f"top_p={TOP_P}", "zigzag",
+            ("--mtraining-layout", "zigzag", "--mtraining-budget", "top-p", "--mtraining-top-p", str(TOP_P),
+             "--mtraining-kernel", "triton")),
+)}
+VARIANT_KEYS = (*SPARSE_VARIANTS, "dense")
+
+
+def dense_variant(kernel: str) -> Variant:
+    """The dense ring baseline: cuDNN/flash SDPA per ring step over the zigzag layout, or our kernels striped."""
+    if kernel not in DENSE_KERNELS:
+        raise ValueError(f"--dense-kernel={kernel!r} is unknown; use one of {', '.join(DENSE_KERNELS)}")
+    layout = "striped" if kernel == "triton" else "zigzag"
+    return Variant("dense", "dense", "dense", layout,
+                   ("--mtraining-dense", "--mtraining-layout", layout, "--mtraining-kernel", kernel), kernel)
+
+
+def variant_for(key: str, dense_kernel: str) -> Variant:
+    if key == "dense":
+        return dense_variant(dense_kernel)
+    if key not in SPARSE_VARIANTS:
+        raise ValueError(f"--variants: {key!r} is unknown; use some of {', '.join(VARIANT_KEYS)}")
+    return SPARSE_VARIANTS[key]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One benchmarked configuration."""
+
+    model: ModelShape
+    seq_len: int
+    variant: Variant
+
+    @property
+    def name(self) -> str:
+        kernel = f"-{self.variant.dense_kernel}" if self.variant.dense_kernel else ""
+        return f"qwen2.5-{self.model.name}_{self.seq_len // 1024}k_{self.variant.key}{kernel}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Iteration numbers (1-based) of one run: warm-up, timed, the profiled one, and the density-logging one."""
+
+    warmup: int
+    iters: int
+    log_density: bool
+
+    @property
+    def timed(self) -> range:
+        return range(self.warmup + 1, self.warmup + self.iters + 1)
+
+    @property
+    def profile_iteration(self) -> int:
+        return self.warmup + self.iters + 1
+
+    @property
+    def density_iteration(self) -> int | None:
+        """The iteration that logs the MTraining metrics (``--mtraining-stats-interval``), after all the others."""
+        return self.profile_iteration + 1 if self.log_density else None
+
+    @property
+    def train_iters(self) -> int:
+        return self.density_iteration or self.profile_iteration
+
+
+# ---------------------------------------------------------------------------------------- FLOPs
+def layer_linear_flops(shape: ModelShape, seq_len: int) -> float:
+    """Forward FLOPs of one layer's matrix multiplies over ``seq_len`` tokens: QKV, output projection, SwiGLU MLP."""
+    q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    qkv = 2 * seq_len * shape.hidden * (q_width + 2 * kv_width)
+    out = 2 * seq_len * q_width * shape.hidden
+    mlp = 2 * seq_len * shape.hidden * shape.ffn * 3
+    return float(qkv + out + mlp)
+
+
+def layer_attention_flops(shape: ModelShape, seq_len: int, density: float = 1.0) -> float:
+    """Forward FLOPs of one layer's causal attention: Q·Kᵀ and P·V (2 x 2·N²·Hq·d) over half the N² area,
+    times ``density`` (the computed fraction of that area)."""
+    return density * 2.0 * seq_len * seq_len * shape.heads * shape.head_dim
+
+
+def output_layer_flops(shape: ModelShape, seq_len: int) -> float:
+    """Forward FLOPs of the output layer (logits)."""
+    return 2.0 * seq_len * shape.hidden * shape.vocab
+
+
+def iteration_flops(shape: ModelShape, seq_len: int, num_layers: int, density: float = 1.0, *,
+                    recompute_layers: bool = False, recompute_output: bool = False) -> float:
+    """FLOPs of one training iteration of one ``seq_len``-token sequence (all ranks together).
+
+    Forward + backward = 3 x forward. With ``recompute_layers`` (full activation recompute) every layer's
+    forward runs once more, with ``recompute_output`` (chunked loss) the output layer's: hardware FLOPs.
+    Without both: model FLOPs, what MFU counts.
+    """
+    layer = layer_linear_flops(shape, seq_len) + layer_attention_flops(shape, seq_len, density)
+    output = output_layer_flops(shape, seq_len)
+    total = 3 * (num_layers * layer + output)
+    if recompute_layers:
+        total += num_layers * layer
+    if recompute_output:
+        total += output
+    return total
+
+
+def throughput(shape: ModelShape, seq_len: int, iter_ms: float, density: float, gpus: int, peak_tflops: float,
+               recompute: bool, loss_chunked: bool) -> dict:
+    """Tokens/s, TFLOP/s per GPU (dense-equivalent, actually computed, hardware) and MFU of one iteration time."""
+    seconds = iter_ms / 1e3
+
+    def per_gpu_tflops(flops: float) -> float:
+        return flops / gpus / seconds / 1e12
+
+    dense = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers))
+    actual = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density))
+    hardware = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density, recompute_layers=recompute,
+                                              recompute_output=loss_chunked))
+    return {"tokens_per_s": seq_len / seconds, "tflops_per_gpu_dense_equiv": dense, "tflops_per_gpu_actual": actual,
+            "tflops_per_gpu_hardware": hardware, "mfu_dense_equiv": dense / peak_tflops,
+            "mfu_actual": actual / peak_tflops}
+
+
+# ---------------------------------------------------------------------------------------- commands
+def launcher_flags(config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace) -> list[str]:
+    """The launcher's flags of one run of ``config`` at ``num_layers`` layers."""
+    seq = str(config.seq_len)
+    return [*config.model.flags(num_layers), "--rotary-base", str(options.rotary_base),
+            "--seq-length", seq, "--max-position-embeddings", seq, "--mock-data",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(schedule.train_iters),
+            "--lr", "1e-5", "--min-lr", "1e-5", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+            "--clip-grad", "1.0", "--seed", "1234", "--bf16",
+            "--context-parallel-size", str(options.cp), "--cp-comm-type", "p2p",
+            *(RECOMPUTE_FLAGS if options.recompute == "full" else ()),
+            *(("--use-distributed-optimizer",) if options.distributed_optimizer else ()),
+            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
+            "--distributed-timeout-minutes", "30", *LOCAL_IMPL_FLAGS,
+            "--mtraining-loss-chunk-size", str(options.loss_chunk_size),
+            "--mtraining-stats-interval", str(schedule.density_iteration or 0), *config.variant.flags]
+
+
+def run_command(flags: list[str], cp: int) -> list[str]:
+    """``python -m torch.distributed.run ... tools/train_probe.py <flags>``: one process per CP rank."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp), PROBE, *flags]
+
+
+def run_environment(probe_dir: Path, schedule: Schedule) -> dict[str, str]:
+    """The variables a run adds to the environment: the probe's output folder and profiled iteration, and the
+    repository on ``PYTHONPATH`` (the probe runs as a script from ``tools/``)."""
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**RUN_ENV, "PYTHONPATH": python_path, "MTRAINING_PROBE_DIR": str(probe_dir),
+            "MTRAINING_PROBE_PROFILE_ITER": str(schedule.profile_iteration)}
+
+
+def shell_line(command: list[str], env: dict[str, str]) -> str:
+    """The run as one shell line, environment first (what ``--dry-run`` prints and the JSON records)."""
+    return shlex.join([f"{key}={value}" for key, value in env.items()] + command)
+
+
+def layer_counts(model: ModelShape, options: argparse.Namespace) -> list[int]:
+    """Layer counts to time: the real depth with ``--full-depth``, else ``--layers``."""
+    return [model.num_layers] if options.full_depth else sorted(options.layers)
+
+
+# ---------------------------------------------------------------------------------------- running
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the run's process group (torchrun and its ranks), 30 s to exit, then SIGKILL to what is left."""
+    with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def launch(command: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> tuple[int, bool]:
+    """Run ``command`` in its own process group from the repository root, output to ``log_path``.
+
+    Returns (exit code, timed out); after ``timeout_s`` seconds the whole group is stopped.
+    """
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env={**os.environ, **env}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            return process.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            stop_process_group(process)
+            return process.returncode, True
+        finally:
+            if process.poll() is None:                  # interrupted (Ctrl-C): leave no ranks behind
+                stop_process_group(process)
+
+
+def failure_reason(returncode: int, timed_out: bool, timeout_s: float, log_text: str) -> str:
+    """A one-line description of a failed run from its exit status and output."""
+    if timed_out:
+        return f"timed out after {timeout_s:.0f} s (killed)"
+    if OOM_LINE.search(log_text):
+        return "CUDA out of memory"
+    errors = [match.group(1).strip() for match in EXCEPTION_LINE.finditer(log_text)
+              if "ChildFailedError" not in match.group(1)]           # torchrun's summary names no cause
+    detail = f": {errors[0][:300]}" if errors else ""                # the first exception is the cause
+    return f"exit code {returncode}{detail}"
+
+
+def parse_density(log_text: str, iteration: int) -> float:
+    """The attention density the launcher logged at ``iteration`` (`` mtraining | iteration N | density D``)."""
+    values = [float(density) for number, density in DENSITY_LINE.findall(log_text) if int(number) == iteration]
+    if not values:
+        raise ValueError(f"no ' mtraining | iteration {iteration} | density' line in the launcher output")
+    return values[-1]
+
+
+def summarize_point(records: dict[int, list[dict]], schedule: Schedule, num_layers: int,
+                    density: float) -> dict:
+    """One timed layer count from the probe's per-rank records: median time (slowest rank), profile, memory."""
+    by_iteration = [{record["iteration"]: record for record in rank_records} for rank_records in records.values()]
+    missing = [number for number in range(1, schedule.train_iters + 1)
+               if any(number not in rank for rank in by_iteration)]
+    if missing:
+        raise ValueError(f"the probe has no record of iterations {missing} on some rank")
+    timed = [max(rank[number]["iter_ms"] for rank in by_iteration) for number in schedule.timed]
+    profiled = [rank[schedule.profile_iteration] for rank in by_iteration]
+    kernel_ms = statistics.mean(record["kernel_ms"] for record in profiled)
+    attention_ms = statistics.mean(record["attention_kernel_ms"] for record in profiled)
+    if kernel_ms <= 0:
+        raise ValueError(f"the profiled iteration {schedule.profile_iteration} recorded no kernel time")
+    peak_bytes = max(record["max_mem_allocated"] for rank in by_iteration for record in rank.values())
+    reserved_bytes = max(record["mem_reserved"] for rank in by_iteration for record in rank.values())
+    return {"layers": num_layers, "iter_ms": statistics.median(timed), "iter_ms_timed": timed,
+            "kernel_ms": kernel_ms, "attention_kernel_ms": attention_ms, "attention_share": attention_ms / kernel_ms,
+            "density": density, "peak_mem_gb": peak_bytes / 1e9, "reserved_mem_gb": reserved_bytes / 1e9}
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = intercept + slope·x; needs two distinct x."""
+    if len(set(xs)) < 2:
+        raise ValueError(f"a line needs two distinct layer counts, got {xs}")
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+             / sum((x - mean_x) ** 2 for x in xs))
+    return mean_y - slope * mean_x, slope
+
+
+def extrapolate(points: list[dict], num_layers: int) -> dict:
+    """Iteration time and attention share at ``num_layers`` layers from the timed points (one point: as measured).
+
+    Raises ``ValueError`` when the time does not grow with the layer count (a fit that cannot be trusted).
+    """
+    if len(points) == 1:
+        (point,) = points
+        if point["layers"] != num_layers:
+            raise ValueError(f"one point at {point['layers']} layers cannot be extrapolated to {num_layers}")
+        return {"iter_ms": point["iter_ms"], "attention_share": point["attention_share"], "fit": None}
+    layers = [point["layers"] for point in points]
+    fixed, per_layer = fit_line(layers, [point["iter_ms"] for point in points])
+    if per_layer <= 0:
+        raise ValueError(f"iteration time does not grow with the layer count ({[p['iter_ms'] for p in points]} ms "
+                         f"at {layers} layers); time more iterations or layer counts further apart")
+    kernel_fixed, kernel_per_layer = fit_line(layers, [point["kernel_ms"] for point in points])
+    attention_fixed, attention_per_layer = fit_line(layers, [point["attention_kernel_ms"] for point in points])
+    share = ((attention_fixed + attention_per_layer * num_layers) / (kernel_fixed + kernel_per_layer * num_layers))
+    return {"iter_ms": fixed + per_layer * num_layers, "attention_share": share,
+            "fit": {"fixed_ms": fixed, "per_layer_ms": per_layer}}
+
+
+def estimate_run_seconds(config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace) -> float:
+    """A rough estimate of one run's wall time: start-up, plus its iterations at ``--assumed-tflops`` per GPU."""
+    density = ASSUMED_SPARSE_DENSITY if config.variant.sparse else 1.0
+    flops = iteration_flops(config.model, config.seq_len, num_layers, density,
+                            recompute_layers=options.recompute == "full", recompute_output=options.loss_chunk_size > 0)
+    iteration_s = flops / options.cp / (options.assumed_tflops * 1e12)
+    return options.startup_s + schedule.train_iters * iteration_s
+
+
+def run_point(config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace, run_dir: Path,
+              timeout_s: float) -> tuple[dict | None, str | None, str]:
+    """Train ``config`` at ``num_layers`` layers once; returns (point, None, command) or (None, error, command)."""
+    from train_probe import read_records
+
+    probe_dir = run_dir / f"{config.name}_L{num_layers}"
+    probe_dir.mkdir(parents=True, exist_ok=False)
+    command = run_command(launcher_flags(config, num_layers, schedule, options), options.cp)
+    env = run_environment(probe_dir, schedule)
+    line = shell_line(command, env)
+    print(f"# {config.name}, {num_layers} layers: {line}", flush=True)
+    log_path = probe_dir / "launcher.log"
+    returncode, timed_out = launch(command, env, log_path, timeout_s)
+    log_text = log_path.read_text(errors="replace")
+    if timed_out or returncode != 0:
+        return None, f"{num_layers} layers: {failure_reason(returncode, timed_out, timeout_s, log_text)}", line
+    try:
+        density = parse_density(log_text, schedule.density_iteration) if schedule.log_density else 1.0
+        records = {rank: read_records(probe_dir, rank) for rank in range(options.cp)}
+        return summarize_point(records, schedule, num_layers, density), None, line
+    except (OSError, KeyError, ValueError) as error:
+        return None, f"{num_layers} layers: unreadable results ({error}); see {log_path}", line
+
+
+# ---------------------------------------------------------------------------------------- rows
+def base_row(config: Config, options: argparse.Namespace, meta: dict, layers: list[int], commands: list[str]) -> dict:
+    """The fields every row of ``config`` has, measured or failed."""
+    return {**meta, "model": f"qwen2.5-{config.model.name}", "seq_len": config.seq_len, "tp": 1, "cp": options.cp,
+            "pp": 1, "global_batch": 1, "attention": config.variant.attention,
+            "sparsity_setting": config.variant.sparsity_setting, "layout": config.variant.layout,
+            "dense_kernel": config.variant.dense_kernel, "num_layers": config.model.num_layers,
+            "layers_timed": layers, "extrapolated": layers != [config.model.num_layers],
+            "recompute": options.recompute, "distributed_optimizer": options.distributed_optimizer,
+            "rotary_base": options.rotary_base,
+            "loss_chunk_size": options.loss_chunk_size, "transformer_impl": "local", "warmup": options.warmup,
+            "iters": options.iters, "peak_tflops_per_gpu": options.peak_tflops, "command": commands}
+
+
+def measured_row(config: Config, options: argparse.Namespace, meta: dict, points: list[dict],
+                 commands: list[str]) -> dict:
+    """The row of a configuration whose every layer count ran (``ValueError`` when it cannot be extrapolated)."""
+    result = extrapolate(points, config.model.num_layers)
+    densities = [point["density"] for point in points]
+    density = statistics.mean(densities)
+    deepest = max(points, key=lambda point: point["layers"])
+    row = base_row(config, options, meta, [point["layers"] for point in points], commands)
+    row.update(status="ok", iter_ms=result["iter_ms"], density=density,
+               **throughput(config.model, config.seq_len, result["iter_ms"], density, options.cp,
+                            options.peak_tflops, options.recompute == "full", options.loss_chunk_size > 0),
+               peak_mem_gb=deepest["peak_mem_gb"], reserved_mem_gb=deepest["reserved_mem_gb"],
+               peak_mem_layers=deepest["layers"],
+               attention_share=result["attention_share"], fit=result["fit"], points=points)
+    return row
+
+
+def failed_row(config: Config, options: argparse.Namespace, meta: dict, layers: list[int], commands: list[str],
+               error: str, points: list[dict]) -> dict:
+    """The row of a configuration that failed (OOM, crash, timeout, unusable fit): the error and any measured points."""
+    row = base_row(config, options, meta, layers, commands)
+    row.update(status="failed", error=error, iter_ms=None, tokens_per_s=None, points=points)
+    return row
+
+
+def measure_config(config: Config, options: argparse.Namespace, meta: dict, run_dir: Path,
+                   deadline: float | None) -> dict:
+    """Train ``config`` at each layer count (stopping at the first failure) and return its row."""
+    layers = layer_counts(config.model, options)
+    schedule = Schedule(options.warmup, options.iters, log_density=config.variant.sparse)
+    points, commands = [], []
+    for num_layers in layers:
+        timeout_s = options.run_timeout_s if deadline is None else max(1.0, min(options.run_timeout_s,
+                                                                                deadline - time.monotonic()))
+        point, error, command = run_point(config, num_layers, schedule, options, run_dir, timeout_s)
+        commands.append(command)
+        if error is not None:
+            return failed_row(config, options, meta, layers, commands, error, points)
+        points.append(point)
+    try:
+        return measured_row(config, options, meta, points, commands)
+    except ValueError as error:
+        return failed_row(config, options, meta, layers, commands, str(error), points)
+
+
+# ---------------------------------------------------------------------------------------- report
+def comparison_key(row: dict) -> tuple:
+    """Rows compared with each other (speed-up over dense): same GPU, CP, model, length, recompute and method."""
+    return row["gpu"], row["cp"], row["model"], row["seq_len"], row["recompute"], row["extrapolated"]
+
+
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """The last measured row of each (comparison key, attention, sparsity setting, dense kernel), in file order."""
+    latest = {}
+    for row in rows:
+        if row.get("status") == "ok":
+            latest[(*comparison_key(row), row["attention"], row["sparsity_setting"], row["dense_kernel"])] = row
+    return list(latest.values())
+
+
+def dense_baselines(rows: list[dict]) -> dict[tuple, dict]:
+    """The fastest (highest tokens/s) measured dense row of each comparison key."""
+    baselines: dict[tuple, dict] = {}
+    for row in latest_rows(rows):
+        key = comparison_key(row)
+        if row["attention"] == "dense" and (key not in baselines
+                                            or row["tokens_per_s"] > baselines[key]["tokens_per_s"]):
+            baselines[key] = row
+    return baselines
+
+
+def speedup(row: dict, baselines: dict[tuple, dict]) -> float | None:
+    """Tokens/s of ``row`` over the fastest dense row of its comparison key (None without one)."""
+    baseline = baselines.get(comparison_key(row))
+    if row.get("status") != "ok" or baseline is None:
+        return None
+    return row["tokens_per_s"] / baseline["tokens_per_s"]
+
+
+def _number(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict], baselines: dict[tuple, dict], skipped: list[str] = ()) -> str:
+    """A markdown table of ``rows`` (measured and failed), then the skipped configurations."""
+    header = ("| model | N | attention | setting | layers timed | iter ms | tokens/s | TFLOP/s/GPU dense-eq | "
+              "actual | MFU dense-eq | peak GB (layers) | density | attention share | × dense | status |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for row in rows:
+        setting = row["sparsity_setting"] + (f" ({row['dense_kernel']})" if row["dense_kernel"] else "")
+        timed = ",".join(map(str, row["layers_timed"])) + (f"→{row['num_layers']}" if row["extrapolated"] else "")
+        ok = row["status"] == "ok"
+        memory = f"{row['peak_mem_gb']:.1f} ({row['peak_mem_layers']})" if ok else "–"
+        lines.append(" ".join([
+            f"| {row['model']} | {row['seq_len'] // 1024}K | {row['attention']} | {setting} | {timed} |",
+            f"{_number(row['iter_ms'], '.1f')} | {_number(row['tokens_per_s'], '.0f')} |",
+            f"{_number(row.get('tflops_per_gpu_dense_equiv'), '.1f')} |",
+            f"{_number(row.get('tflops_per_gpu_actual'), '.1f')} |",
+            f"{_number(row.get('mfu_dense_equiv'), '.3f')} | {memory} | {_number(row.get('density'), '.4f')} |",
+            f"{_number(row.get('attention_share'), '.3f')} | {_number(speedup(row, baselines), '.2f')} |",
+            f"{'ok' if ok else 'FAILED: ' + row['error'].replace('|', '/')} |"]))
+    lines += [f"skipped: {entry}" for entry in skipped]
+    return "\n".join(lines)
+
+
+def speedup_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{line label: [(N, tokens/s speed-up over the fastest dense row)]}: one line per model, variant and method."""
+    baselines = dense_baselines(rows)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in latest_rows(rows):
+        value = speedup(row, baselines)
+        if row["attention"] == "dense" or value is None:
+            continue
+        method = "" if row["extrapolated"] else ", full depth"
+        label = f"{row['model']} {row['attention']} {row['sparsity_setting']}{method}"
+        series.setdefault(label, []).append((row["seq_len"], value))
+    return {label: sorted(points) for label, points in sorted(series.items())}
+
+
+def write_plot(rows: list[dict], path: Path) -> None:
+    """The speed-up chart (PNG) of ``rows``; raises ``ValueError`` when no row has a dense baseline."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = speedup_series(rows)
+    if not series:
+        raise ValueError("no measured sparse row has a dense row of the same model, length, GPU and method; "
+                         "nothing to plot")
+    figure, axes = plt.subplots(figsize=(7.5, 4.5))
+    for label, points in series.items():
+        axes.plot([n for n, _ in points], [value for _, value in points], marker="o", label=label)
+    lengths = sorted({n for points in series.values() for n, _ in points})
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_xlabel("sequence length (tokens)")
+    axes.set_ylabel("training tokens/s over the dense ring")
+    gpus = sorted({row["gpu"] for row in rows if row.get("status") == "ok"})
+    cps = sorted({row["cp"] for row in rows if row.get("status") == "ok"})
+    axes.set_title(f"End-to-end speed-up, CP = {','.join(map(str, cps))}, {', '.join(gpus)}", fontsize=10)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"# chart written to {path}")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as file:
+        file.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------------------------- main
+def git_commit() -> str:
+    """Short commit hash, with ``+dirty`` when tracked files differ from it."""
+    def git(*arguments: str) -> str:
+        return subprocess.run(["git", *arguments], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if git("status", "--porcelain",
+                                                                           "--untracked-files=no").strip() else "")
+
+
+def gpu_name(cp: int) -> str:
+    """The name of GPU 0, asked in a child process (this one never initialises CUDA); needs ``cp`` GPUs."""
+    probe = ("import torch; n = torch.cuda.device_count(); "
+             "print(n, torch.cuda.get_device_name(0) if n else '')")
+    count, _, name = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                    check=True).stdout.strip().partition(" ")
+    if int(count) < cp:
+        raise SystemExit(f"bench_e2e: --cp {cp} needs {cp} GPUs, this machine has {count}")
+    return name
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _name_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--models", type=_name_list, default=list(QWEN25), help=f"of {', '.join(QWEN25)}")
+    parser.add_argument("--seq-lens", type=_int_list, default=[131072, 262144, 524288])
+    parser.add_argument("--variants", type=_name_list, default=list(VARIANT_KEYS), help=f"of {', '.join(VARIANT_KEYS)}")
+    parser.add_argument("--dense-kernel", choices=DENSE_KERNELS, default="sdpa_cudnn",
+                        help="dense baseline kernel: SDPA cuDNN/flash (zigzag layout) or our Triton kernels (striped)")
+    parser.add_argument("--cp", type=int, default=2, help="context-parallel size = GPUs")
+    parser.add_argument("--layers", type=_int_list, default=[2, 4], help="layer counts to time and extrapolate from")
+    parser.add_argument("--full-depth", action="store_true", help="time the real layer count instead (memory fit)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per run")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations per run (median)")
+    parser.add_argument("--recompute", choices=("full", "none"), default="full",
+                        help="full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                        help="--use-distributed-optimizer: optimizer state sharded over the CP ranks (3B at 512K "
+                             "does not fit 2 H200s without it)")
+    parser.add_argument("--rotary-base", type=int, default=ROTARY_BASE)
+    parser.add_argument("--loss-chunk-size", type=int, default=LOSS_CHUNK_SIZE, help="--mtraining-loss-chunk-size")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS,
+                        help="GPU dense bf16 peak for MFU (H200: 989)")
+    parser.add_argument("--run-timeout-s", type=float, default=600, help="each run is killed after this long")
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="skip configurations whose estimated time exceeds what is left of this budget")
+    parser.add_argument("--startup-s", type=float, default=45,
+                        help="estimated launcher start-up per run (budget; about 40 s on 2 H200)")
+    parser.add_argument("--assumed-tflops", type=float, default=300,
+                        help="hardware TFLOP/s per GPU assumed by the run-time estimate (budget)")
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench_e2e"), help="logs and probe records")
+    parser.add_argument("--jsonl", type=Path, default=DEFAULT_JSONL)
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
+    parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse --short HEAD)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the commands and estimates, run nothing")
+    mode.add_argument("--plot-only", action="store_true", help="table and chart from --jsonl, run nothing")
+    options = parser.parse_args(argv)
+    _check_options(parser, options)
+    return options
+
+
+def _check_options(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    for name in ("models", "seq_lens", "variants", "layers"):
+        values = getattr(options, name)
+        if len(set(values)) != len(values):
+            parser.error(f"--{name.replace('_', '-')} {values} lists a value twice")
+    unknown = [name for name in options.models if name not in QWEN25]
+    if unknown:
+        parser.error(f"--models: {unknown} unknown; use some of {', '.join(QWEN25)}")
+    unknown = [key for key in options.variants if key not in VARIANT_KEYS]
+    if unknown:
+        parser.error(f"--variants: {unknown} unknown; use some of {', '.join(VARIANT_KEYS)}")
+    for name in ("warmup", "iters", "cp"):
+        if getattr(options, name) < 1:
+            parser.error(f"--{name}={getattr(options, name)} must be >= 1")
+    if not options.full_depth and (len(set(options.layers)) < 2 or min(options.layers) < 1):
+        parser.error(f"--layers {options.layers}: give at least two distinct layer counts >= 1 (or --full-depth)")
+    too_deep = [name for name in options.models if max(options.layers) > QWEN25[name].num_layers]
+    if not options.full_depth and too_deep:
+        parser.error(f"--layers {options.layers} exceed the depth of {too_deep}; use smaller counts")
+    if any(n < 1 for n in options.seq_lens) or not options.seq_lens:
+        parser.error(f"--seq-lens {options.seq_lens} must be positive token counts")
+    for name in ("run_timeout_s", "peak_tflops", "assumed_tflops"):
+        if getattr(options, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')}={getattr(options, name)} must be > 0")
+
+
+def configurations(options: argparse.Namespace) -> list[Config]:
+    """The matrix in run order: sequence lengths outermost, then models, then variants."""
+    return [Config(QWEN25[model], seq_len, variant_for(key, options.dense_kernel))
+            for seq_len in options.seq_lens for model in options.models for key in options.variants]
+
+
+def config_estimate_s(config: Config, options: argparse.Namespace) -> float:
+    """Estimated wall time of all the runs of ``config``."""
+    schedule = Schedule(options.warmup, options.iters, log_density=config.variant.sparse)
+    return sum(estimate_run_seconds(config, layers, schedule, options)
+               for layers in layer_counts(config.model, options))
+
+
+def dry_run(options: argparse.Namespace) -> None:
+    """Print every run's shell line with its estimated time."""
+    total = 0.0
+    for config in configurations(options):
+        schedule = Schedule(options.warmup, options.iters, log_density=config.variant.sparse)
+        for layers in layer_counts(config.model, options):
+            probe_dir = options.out_dir / "<run>" / f"{config.name}_L{layers}"
+            estimate = estimate_run_seconds(config, layers, schedule, options)
+            total += estimate
+            print(f"# {config.name}, {layers} layers, estimated {estimate:.0f} s")
+            print(shell_line(run_command(launcher_flags(config, layers, schedule, options), options.cp),
+                             run_environment(probe_dir, schedule)))
+    print(f"# estimated total {total:.0f} s")
+
+
+def run_matrix(options: argparse.Namespace) -> None:
+    """Measure every configuration (appending each row to the JSONL), print the table, redraw the chart."""
+    started = time.monotonic()
+    deadline = None if options.time_budget_s is None else started + options.time_budget_s
+    meta = {"gpu": gpu_name(options.cp), "commit": options.commit or git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": importlib.metadata.version("torch")}
+    run_dir = options.out_dir / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    rows, skipped = [], []
+    for config in configurations(options):
+        estimate = config_estimate_s(config, options)
+        if deadline is not None and estimate > deadline - time.monotonic():
+            skipped.append(f"{config.name}: estimated {estimate:.0f} s, {deadline - time.monotonic():.0f} s of the "
+                           "time budget left")
+            print(f"# skipped {skipped[-1]}", flush=True)
+            continue
+        row = measure_config(config, options, meta, run_dir, deadline)
+        append_jsonl(options.jsonl, row)
+        rows.append(row)
+        print(f"# {config.name}: " + (f"{row['iter_ms']:.1f} ms/iteration, {row['tokens_per_s']:.0f} tokens/s"
+                                       if row["status"] == "ok" else f"FAILED: {row['error']}"), flush=True)
+    everything = read_jsonl(options.jsonl)
+    print(format_table(rows, dense_baselines(everything), skipped))
+    if speedup_series(everything):
+        write_plot(everything, options.plot)
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_args(argv)
+    if options.dry_run:
+        dry_run(options)
+    elif options.plot_only:
+        rows = read_jsonl(options.jsonl)
+        print(format_table(rows, dense_baselines(rows)))
+        try:
+            write_plot(rows, options.plot)
+        except ValueError as error:
+            raise SystemExit(f"bench_e2e: {options.jsonl}: {error}") from None
+    else:
+        run_matrix(options)
+
+
+if __name__ == "__main__":
+    main()
