@@ -106,8 +106,8 @@ def reference_attention(q, k, v, dout, v_idx, s_idx, compute_dtype: torch.dtype)
 
 
 def assert_close_fa(name: str, ours: torch.Tensor, ref: torch.Tensor, lowprec: torch.Tensor,
-                    input_dtype: torch.dtype, context: str) -> None:
-    """DESIGN.md §6 FA rule plus relative RMSE < 5e-3; NaN never passes."""
+                    input_dtype: torch.dtype, context: str, rmse_bound: float = 5e-3) -> None:
+    """DESIGN.md §6 FA rule plus relative RMSE < ``rmse_bound`` (§6: 5e-3); NaN never passes."""
     ours, ref, lowprec = ours.double(), ref.double(), lowprec.double()
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(ours), finite), (
@@ -121,4 +121,4 @@ def assert_close_fa(name: str, ours: torch.Tensor, ref: torch.Tensor, lowprec: t
     assert error <= 2 * baseline + epsilon, (
         f"{name}: max error {error:.3e} > 2 x low-precision error {baseline:.3e} + eps {epsilon:.3e} ({context})")
     rmse = ((ours - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    assert rmse < 5e-3, f"{name}: relative RMSE {rmse:.3e} >= 5e-3 ({context})"
+    assert rmse < rmse_bound, f"{name}: relative RMSE {rmse:.3e} >= {rmse_bound:g} ({context})"
