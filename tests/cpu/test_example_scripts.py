@@ -99,6 +99,18 @@ def test_3b_single_node_dry_run_is_accepted_by_the_launcher(parser, tmp_path):
     assert args.mtraining_loss_chunk_size > 0, "512K x 152K-vocabulary logits must not be materialised"
 
 
+def test_documented_dense_baseline_is_accepted(parser, tmp_path):
+    """docs/user_journey.md's dense baseline: the 3B script with the cuDNN zigzag ring in EXTRA_ARGS."""
+    checkpoint = _checkpoint(tmp_path / "ckpt", "3B")
+    extra = "--mtraining-dense --mtraining-layout zigzag --mtraining-kernel sdpa_cudnn"
+    assert extra in (REPO / "docs" / "user_journey.md").read_text().replace("\n", " ")
+    result = _dry_run("examples/qwen2.5-3b_32k_to_512k.sh", {"CHECKPOINT": str(checkpoint), "DATA_PREFIX": "data/x",
+                                                              "EXTRA_ARGS": extra}, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    args = _parsed(parser, _launch_command(result.stdout)[1])
+    assert (args.mtraining_dense, args.mtraining_layout, args.mtraining_kernel) == (True, "zigzag", "sdpa_cudnn")
+
+
 def test_multinode_sbatch_dry_run_uses_the_hierarchical_ring(parser, tmp_path):
     checkpoint = _checkpoint(tmp_path / "ckpt", "3B")
     result = _dry_run("examples/slurm/qwen2.5-3b_512k_multinode.sbatch",
