@@ -166,6 +166,16 @@ def comparison_rows(runs: list[dict], baseline: dict | None, lengths: list[int],
     return rows
 
 
+def branch_note(runs: list[dict]) -> str:
+    """How the runs relate: branched from one shared checkpoint (``train.py --resume``) or independent."""
+    starts = {(run["resumed_from"]["path"], run["resumed_from"]["step"]) for run in runs if run.get("resumed_from")}
+    if len(starts) == 1 and all(run.get("resumed_from") for run in runs):
+        (_, step), = starts
+        return (f" Every run continues from one shared checkpoint after {step} dense steps (the first phase), so "
+                "the runs differ only from there on.")
+    return " The runs are independent (same seed, data and initial weights)."
+
+
 def summary(runs: list[dict], baseline_name: str, figures: dict[str, str]) -> str:
     baseline = next((run for run in runs if run["run"] == baseline_name), None)
     lines = ["## Quality: dense vs MTraining on synthetic long-context retrieval", ""]
@@ -174,7 +184,7 @@ def summary(runs: list[dict], baseline_name: str, figures: dict[str, str]) -> st
     lines += [f"Model: Megatron-Core GPTModel, Qwen2-shaped, {first['parameters'] / 1e6:.1f}M parameters "
               f"({s['layers']} layers, hidden {s['hidden']}, {s['heads']} query heads in {s['kv_heads']} KV groups of "
               f"dim {s['head_dim']}, SwiGLU {s['ffn']}, RoPE base {s['rope_base']:.0f}, vocabulary {s['vocab']}), "
-              f"trained from scratch, CP = TP = 1, {first['precision']}.",
+              f"trained from scratch, CP = TP = 1, {first['precision']}." + branch_note(runs),
               f"Task (examples/quality/tasks.py): {s['pairs']} key→value needles ({s['key_len']}-token keys, "
               f"{s['value_len']}-token values, {s['value_choices']} choices per value token, "
               f"{'one shared value alphabet' if s['shared_values'] else 'key-specific value tokens'}) in synthetic "

@@ -15,6 +15,10 @@ Every run with the same ``--seed`` and phases sees the same batches and starts f
 (loss, LM loss, answer loss and accuracy, attention density), then the evaluation grid (retrieval
 accuracy by length and needle depth, LM loss by length) and the per-layer pattern recall.
 ``--time-budget-s`` ends training early (recorded as ``stopped_early``) so that evaluation still fits.
+
+Branching: one run with ``--stop-after-phase K`` trains the first K phases and saves ``<out>/<run>.pt``;
+runs with ``--resume <that file>`` continue from it, so dense and MTraining runs share the short-context
+training and differ only in the attention of the later phases (their records start with the shared ones).
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wall-clock budget of the whole run; training stops --eval-reserve-s before it")
     run.add_argument("--eval-reserve-s", type=float, default=60.0)
     run.add_argument("--log-interval", type=int, default=10, help="steps between attention-density records")
+    run.add_argument("--stop-after-phase", type=int, default=None, metavar="K",
+                     help="train phases 1..K, write the checkpoint <out>/<run>.pt and exit without evaluating: the "
+                          "shared start that --resume branches from")
+    run.add_argument("--resume", type=Path, default=None,
+                     help="a --stop-after-phase checkpoint: continue its training (same weights, optimizer state, "
+                          "step, seed and phases), so that every run differs only from that step on")
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
     model = parser.add_argument_group("model (Qwen2-shaped)")
@@ -116,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = parser.add_argument_group("training")
     train.add_argument("--phases", type=parse_phases,
-                       default=parse_phases("256x32x1500x8,2048x8x300,8192x2x150,16384x1x150"),
+                       default=parse_phases("128x64x2400x8,512x16x400x8,2048x8x300,8192x2x150,16384x1x150"),
                        help="length curriculum SEQ_LENxBATCHxSTEPS[xPAIRS],...")
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--min-lr-ratio", type=float, default=0.1)
@@ -264,6 +274,46 @@ class MasterWeightAdamW:
                     param.copy_(master)
         return grad_norm
 
+    def state_dict(self) -> dict:
+        return {"master": [master.detach() for master in self.master], "adamw": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for param, master, saved in zip(self.params, self.master, state["master"], strict=True):
+                master.copy_(saved)
+                if master is not param:
+                    param.copy_(saved)
+        self.optimizer.load_state_dict(state["adamw"])
+
+
+# The settings a checkpoint and the run resuming it must share: model, task, data and schedule.
+TRAJECTORY_SETTINGS = ("seed", "phases", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "rope_base",
+                       "vocab", "key_alphabet", "key_len", "value_len", "value_choices", "shared_values", "pairs",
+                       "queries", "filler", "phrases", "phrase_len", "lr", "min_lr_ratio", "warmup", "decay_fraction",
+                       "weight_decay", "clip_grad", "answer_weight", "precision")
+
+
+def trajectory_settings(args) -> dict:
+    return {name: getattr(args, name) for name in TRAJECTORY_SETTINGS}
+
+
+def save_checkpoint(path: Path, model, optimizer: MasterWeightAdamW, args, step: int, records: list) -> None:
+    torch.save({"step": step, "settings": trajectory_settings(args), "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "train": records}, path)
+
+
+def load_checkpoint(path: Path, model, optimizer: MasterWeightAdamW, args) -> dict:
+    """Restore weights and optimizer state from ``path``; ``ValueError`` when its run trained something else."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    saved, ours = checkpoint["settings"], trajectory_settings(args)
+    differing = {name: (saved.get(name), ours[name]) for name in ours if saved.get(name) != ours[name]}
+    if differing:
+        raise ValueError(f"--resume {path}: the checkpoint was trained with other settings (saved, this run): "
+                         f"{differing}; pass the same flags as the run that wrote it")
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    return checkpoint
+
 
 class Results:
     """The run's JSON, rewritten atomically on every :meth:`save`."""
@@ -285,18 +335,24 @@ def mean_density(model) -> list[float] | None:
     return [s.density for s in stats] or None
 
 
-def train(model, task, args, device, results: Results, deadline: float | None) -> None:
-    optimizer = MasterWeightAdamW(model, args)
+def train(model, optimizer: MasterWeightAdamW, task, args, device, results: Results, deadline: float | None,
+          start_step: int = 0) -> int:
+    """Train from step ``start_step`` through the phases (the first ``--stop-after-phase`` ones when set); returns
+    the number of steps done."""
     total = sum(phase[2] for phase in args.phases)
+    phases = args.phases[:args.stop_after_phase] if args.stop_after_phase else args.phases
     records = results.data["train"]
     step = 0
     started = time.perf_counter()
-    for seq_len, batch_size, steps, pairs in args.phases:
+    for seq_len, batch_size, steps, pairs in phases:
         phase_task = task if pairs is None else dataclasses.replace(task, num_pairs=pairs)
         for _ in range(steps):
+            if step < start_step:                           # done by the checkpoint's run
+                step += 1
+                continue
             if deadline is not None and time.perf_counter() > deadline:
                 results.data["stopped_early"] = True
-                return
+                return step
             lr = learning_rate(step, total, args)
             batch = phase_task.batch(args.seed, TRAIN_STREAM, step, batch_size, seq_len).to(device)
             losses, predictions = token_losses(model, batch)
@@ -318,6 +374,7 @@ def train(model, task, args, device, results: Results, deadline: float | None) -
                       f"{record['lm_loss']:.4f} | answer {record['answer_loss']:.4f} acc "
                       f"{record['answer_accuracy']:.2f} | {record['elapsed_s']:.0f} s", flush=True)
                 results.save()
+    return step
 
 
 @torch.no_grad()
@@ -381,6 +438,14 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--eval-depths={args.eval_depths} must be fractions in [0, 1], e.g. 0,0.5,1")
     if args.eval_samples < 1 or args.recall_samples < 1:
         parser.error("--eval-samples and --recall-samples must be >= 1")
+    if args.stop_after_phase is not None and not 1 <= args.stop_after_phase < len(args.phases):
+        parser.error(f"--stop-after-phase={args.stop_after_phase} must leave phases to branch into: use 1 .. "
+                     f"{len(args.phases) - 1} for {len(args.phases)} phases")
+    if args.stop_after_phase is not None and args.resume is not None:
+        parser.error("--stop-after-phase and --resume exclude each other: one run writes the checkpoint, the "
+                     "others resume from it")
+    if args.resume is not None and not args.resume.is_file():
+        parser.error(f"--resume {args.resume}: no such checkpoint; run train.py --stop-after-phase K first")
     start = time.perf_counter()
     deadline = None if args.time_budget_s is None else start + args.time_budget_s - args.eval_reserve_s
     if args.threads:
@@ -410,15 +475,30 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "parameters": sum(p.numel() for p in model.parameters()), "settings": settings,
         "mtraining": {k: v for k, v in vars(mtraining).items()}, "task": dataclasses.asdict(task),
-        "steps_planned": sum(phase[2] for phase in args.phases), "steps_done": 0, "stopped_early": False,
-        "status": "training", "train": []})
+        "steps_planned": sum(phase[2] for phase in args.phases[:args.stop_after_phase or len(args.phases)]),
+        "steps_done": 0, "stopped_early": False, "status": "training", "train": []})
+    optimizer = MasterWeightAdamW(model, args)
+    start_step = 0
+    if args.resume is not None:
+        checkpoint = load_checkpoint(args.resume, model, optimizer, args)
+        start_step = checkpoint["step"]
+        results.data.update(resumed_from={"path": str(args.resume), "step": start_step}, steps_done=start_step,
+                            train=checkpoint["train"])
     results.save()
     print(f"[{args.run}] {results.data['parameters'] / 1e6:.1f}M parameters, attention {args.attention}, kernel "
           f"{kernel}, {results.data['precision']}, device {device}", flush=True)
     timings = results.data.setdefault("timing_s", {})
     with rope_tables_on(device):
-        train(model, task, args, device, results, deadline)
+        steps_done = train(model, optimizer, task, args, device, results, deadline, start_step)
         timings["train"] = round(time.perf_counter() - start, 1)
+        if args.stop_after_phase is not None:
+            if results.data["stopped_early"]:
+                raise SystemExit(f"[{args.run}] the time budget ended training at step {steps_done} of "
+                                 f"{results.data['steps_planned']}: no checkpoint written; raise --time-budget-s")
+            save_checkpoint(args.out / f"{args.run}.pt", model, optimizer, args, steps_done, results.data["train"])
+            results.data["status"] = "checkpointed"
+            results.save()
+            return results.data
         results.data["status"] = "evaluating"
         results.save()
         evaluate(model, task, args, device, results)

@@ -315,3 +315,45 @@ def test_schedule_and_phase_parsing():
     for bad in ("256x32", "300x1x1", "256x0x1", "256x1x1x0", "axbxc"):
         with pytest.raises(argparse.ArgumentTypeError):
             train.parse_phases(bad)
+
+
+def test_branch_from_checkpoint_continues_the_uninterrupted_run(smoke_runs, tmp_path):
+    """A dense run resumed from the --stop-after-phase 1 checkpoint repeats the uninterrupted dense run step for step
+    (same weights, optimizer state, data and schedule); a sparse branch shares the first phase's records."""
+    import train
+
+    branches = tmp_path / "runs"
+    with one_process_megatron():
+        shared = train.main(["--run", "shared", "--out", str(tmp_path), "--attention", "dense",
+                             "--stop-after-phase", "1", *SMOKE])
+        dense = train.main(["--run", "dense", "--out", str(branches), "--attention", "dense",
+                            "--resume", str(tmp_path / "shared.pt"), *SMOKE])
+        sparse = train.main(["--run", "sparse", "--out", str(branches), "--attention", "mtraining", "--top-p", "0.9",
+                             "--resume", str(tmp_path / "shared.pt"), *SMOKE])
+    assert shared["status"] == "checkpointed" and shared["steps_done"] == shared["steps_planned"] == 6
+    assert "eval" not in shared and (tmp_path / "shared.pt").is_file()
+    whole = smoke_runs["dense"]
+    for branch in (dense, sparse):
+        assert branch["status"] == "done" and branch["resumed_from"]["step"] == 6 and branch["steps_done"] == 12
+        assert [r["step"] for r in branch["train"]] == list(range(1, 13))
+        assert branch["train"][:6] == shared["train"]
+    for mine, theirs in zip(dense["train"], whole["train"], strict=True):
+        assert mine["lm_loss"] == pytest.approx(theirs["lm_loss"], rel=1e-6), mine["step"]
+    assert dense["eval"]["lm_loss"] == pytest.approx(whole["eval"]["lm_loss"], rel=1e-6)
+    assert sparse["train"][6]["lm_loss"] != pytest.approx(dense["train"][6]["lm_loss"], rel=1e-9)  # attention differs
+
+
+def test_branching_rejects_mismatched_or_missing_checkpoints(tmp_path):
+    import train
+
+    with one_process_megatron():
+        train.main(["--run", "shared", "--out", str(tmp_path), "--attention", "dense", "--stop-after-phase", "1",
+                    *SMOKE])
+        with pytest.raises(ValueError, match=r"'lr': \(0\.003, 0\.002\)"):
+            train.main(["--run", "other", "--out", str(tmp_path), "--attention", "dense",
+                        "--resume", str(tmp_path / "shared.pt"), *SMOKE, "--lr", "2e-3"])
+    assert not (tmp_path / "other.json").exists()
+    for flags in (["--stop-after-phase", "2"], ["--stop-after-phase", "0"], ["--resume", str(tmp_path / "none.pt")],
+                  ["--stop-after-phase", "1", "--resume", str(tmp_path / "shared.pt")]):
+        with pytest.raises(SystemExit):
+            train.main(["--run", "x", "--out", str(tmp_path), "--attention", "dense", *SMOKE, *flags])
