@@ -12,6 +12,8 @@ Variants (``--variants``; the JSON's ``attention`` / ``sparsity_setting``):
 * ``mtraining``: striped sparse ring, top-P 0.9 budgets (``mtraining`` / ``top_p=0.9``);
 * ``mtraining-static``: striped sparse ring, fixed 95 % sparsity (``mtraining`` / ``sparsity=0.95``);
 * ``mtraining-zigzag``: Megatron's zigzag split with top-P 0.9, the layout ablation (``mtraining_zigzag``);
+* ``mtraining-zigzag-static``: the zigzag split with the fixed 95 % sparsity, the ablation of
+  ``mtraining-static`` (random weights make top-P nearly dense, so this is the pair that shows the layout);
 * ``dense``: the dense ring baseline (``dense`` / ``dense``), with ``--dense-kernel`` sdpa_cudnn (default) or
   sdpa_flash over the zigzag layout, or triton (our dense kernels over the striped layout).
 
@@ -143,6 +145,9 @@ SPARSE_VARIANTS = {variant.key: variant for variant in (
     Variant("mtraining-zigzag", "mtraining_zigzag", f"top_p={TOP_P}", "zigzag",
             ("--mtraining-layout", "zigzag", "--mtraining-budget", "top-p", "--mtraining-top-p", str(TOP_P),
              "--mtraining-kernel", "triton")),
+    Variant("mtraining-zigzag-static", "mtraining_zigzag", f"sparsity={STATIC_SPARSITY}", "zigzag",
+            ("--mtraining-layout", "zigzag", "--mtraining-budget", "static", "--mtraining-sparsity",
+             str(STATIC_SPARSITY), "--mtraining-kernel", "triton")),
 )}
 VARIANT_KEYS = (*SPARSE_VARIANTS, "dense")
 

@@ -152,7 +152,7 @@ def launcher_knows_kernel(kernel: str) -> bool:
 def test_default_dry_run_commands_are_accepted_by_the_launcher(megatron_parser):
     """The default matrix: 3 models x 3 lengths x 4 variants x 2 layer counts; every command parses and validates."""
     runs = dry_run_commands()
-    assert len(runs) == 3 * 3 * 4 * 2
+    assert len(runs) == 3 * 3 * len(bench.VARIANT_KEYS) * 2 == 90
     seen = set()
     for comment, env, torchrun in runs:
         assert torchrun.nproc_per_node == "2" and torchrun.standalone
@@ -182,7 +182,7 @@ def test_default_dry_run_commands_are_accepted_by_the_launcher(megatron_parser):
         seen.add((args.mtraining_dense, args.mtraining_layout, args.mtraining_budget, args.mtraining_top_p,
                   args.mtraining_sparsity))
     assert {(False, "striped", "top-p", 0.9, None), (False, "striped", "static", None, 0.95),
-            (False, "zigzag", "top-p", 0.9, None)} <= seen
+            (False, "zigzag", "top-p", 0.9, None), (False, "zigzag", "static", None, 0.95)} <= seen
 
 
 @pytest.mark.parametrize("kernel", bench.DENSE_KERNELS)
@@ -197,7 +197,8 @@ def test_dense_baseline_commands(megatron_parser, kernel):
     assert args.mtraining_layout == ("striped" if kernel == "triton" else "zigzag")
 
 
-@pytest.mark.parametrize("variant", ["mtraining", "mtraining-static", "mtraining-zigzag", "dense"])
+@pytest.mark.parametrize("variant", ["mtraining", "mtraining-static", "mtraining-zigzag", "mtraining-zigzag-static",
+                                     "dense"])
 def test_megatron_validates_each_variant(variant):
     """Megatron's own ``validate_args`` (as the launcher runs it) accepts the flags: bf16, recompute, CP."""
     import torch
