@@ -1,0 +1,175 @@
+"""Launch-config sweep of the Triton attention kernels on one GPU (issue 3: our dense mode ≥ 60 % of cuDNN).
+
+The kernels' launch configs (``num_warps``, ``num_stages``) are constants in
+``mtraining_kernels.triton_backend``, picked from the compiler's resource report rather than by timing.
+This tool times candidates on this GPU, causal, bf16, ``[1, N, Hq, d]``:
+
+* ``forward`` candidates replace ``_forward_config`` and are timed on the forward;
+* ``backward`` candidates replace ``QUERY_MAJOR_CONFIG`` and are timed on the default (atomic) backward;
+
+each on the full causal pattern (our dense mode) and on a pattern calibrated to ``--sparsity``, next to
+torch SDPA cuDNN in the same run. Every candidate's output and gradients are compared with those of the
+current config (relative RMSE, bound ``--rmse-bound``), so a fast but wrong config cannot win. A
+candidate that does not compile (e.g. shared memory) is reported, not fatal. Prints a table; rows go to
+``--jsonl``.
+
+    python tools/tune_triton.py --seq-len 131072 --jsonl /tmp/tune.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch.nn.attention import SDPBackend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import SHAPES, budget_pattern, git_commit, mask_density, measure, time_sdpa  # noqa: E402
+
+from mtraining_kernels import Layout, convert_index, sparse_attention, triton_backend  # noqa: E402
+from mtraining_kernels.reference import full_index  # noqa: E402
+
+FORWARD_CANDIDATES = tuple({"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3, 4))
+BACKWARD_CANDIDATES = tuple({"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (1, 2, 3))
+KERNELS = ("forward", "backward")
+
+
+@contextlib.contextmanager
+def patched(kernel: str, config: dict):
+    """Launch ``kernel``'s Triton kernel with ``config`` inside the block; the module's own config after."""
+    if kernel == "forward":
+        with mock.patch.object(triton_backend, "_forward_config", lambda dim: dict(config)):
+            yield
+    elif kernel == "backward":
+        with mock.patch.dict(triton_backend.QUERY_MAJOR_CONFIG, config, clear=True):
+            yield
+    else:
+        raise ValueError(f"kernel={kernel!r} is unknown; use one of {KERNELS}")
+
+
+def current_config(kernel: str, dim: int) -> dict:
+    return triton_backend._forward_config(dim) if kernel == "forward" else dict(triton_backend.QUERY_MAJOR_CONFIG)
+
+
+def relative_rmse(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖got − expected‖₂ / ‖expected‖₂ in fp64 (0 when both are zero)."""
+    got, expected = got.double(), expected.double()
+    norm = float(expected.norm())
+    return float((got - expected).norm()) / norm if norm else float((got - expected).norm())
+
+
+def attention_outputs(q, k, v, dout, index) -> dict[str, torch.Tensor]:
+    out = sparse_attention(q, k, v, index, backend="triton")
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def worst_rmse(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """(tensor name, relative RMSE) of the tensor that differs most; inf when any value is not finite."""
+    errors = {name: (relative_rmse(got[name], expected[name]) if torch.isfinite(got[name]).all() else float("inf"))
+              for name in expected}
+    name = max(errors, key=errors.get)
+    return name, errors[name]
+
+
+def sweep_pattern(pattern: str, q, k, v, dout, index, density: float, options, record) -> None:
+    """Time every candidate of both kernels on one pattern; ``record(**row)`` each result."""
+    baseline = attention_outputs(q, k, v, dout, index)
+    for kernel, candidates in (("forward", FORWARD_CANDIDATES), ("backward", BACKWARD_CANDIDATES)):
+        current = current_config(kernel, q.shape[-1])
+        for config in candidates:
+            row = dict(pattern=pattern, density=density, kernel=kernel, config=config, current=config == current)
+            try:
+                with patched(kernel, config):
+                    name, rmse = worst_rmse(attention_outputs(q, k, v, dout, index), baseline)
+                    fwd_ms, bwd_ms = measure(lambda: sparse_attention(q, k, v, index, backend="triton"),
+                                             lambda out: torch.autograd.grad(out, (q, k, v), dout),
+                                             options.warmup, options.reps)
+            except Exception as error:           # a config the compiler or the GPU rejects
+                record(**row, status=f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                continue
+            ok = rmse <= options.rmse_bound
+            record(**row, status="ok" if ok else f"wrong: {name} relative RMSE {rmse:.2e}", rmse=rmse,
+                   worst_tensor=name, ms=fwd_ms if kernel == "forward" else bwd_ms)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=131072)
+    parser.add_argument("--shape", default="qwen2.5-3b", choices=list(SHAPES))
+    parser.add_argument("--sparsity", type=float, default=0.95)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rmse-bound", type=float, default=5e-3,
+                        help="largest relative RMSE of out/dq/dk/dv against the current config")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jsonl", type=Path, default=None)
+    options = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_triton.py needs a CUDA device")
+    if options.seq_len % 128 or options.seq_len < 1024:
+        raise SystemExit(f"--seq-len={options.seq_len} must be a multiple of 128 and >= 1024")
+
+    heads, kv_heads, dim = SHAPES[options.shape]
+    device = torch.device("cuda")
+    generator = torch.Generator().manual_seed(options.seed)
+    q, k, v, dout = (torch.randn(1, options.seq_len, h, dim, generator=generator).to(device, torch.bfloat16)
+                     for h in (heads, kv_heads, kv_heads, heads))
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    meta = {"gpu": torch.cuda.get_device_name(), "commit": git_commit(), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "shape": options.shape, "seq_len": options.seq_len, "heads_q": heads, "heads_kv": kv_heads,
+            "head_dim": dim, "dtype": "bf16"}
+    causal_fwd_flops = 4.0 * options.seq_len * (options.seq_len + 1) / 2 * heads * dim   # 4·d per (i ≥ j) entry
+    rows = []
+
+    def record(**fields) -> None:
+        row = {**meta, **fields}
+        if "ms" in row:
+            flops = causal_fwd_flops * row["density"] * (2.5 if row["kernel"] == "backward" else 1.0)
+            row["tflops_actual"] = flops / row["ms"] / 1e9
+        rows.append(row)
+        if options.jsonl:
+            options.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            with open(options.jsonl, "a") as file:
+                file.write(json.dumps(row) + "\n")
+        config = row.get("config", {})
+        print(f"{row['pattern']:8s} {row['kernel']:8s} warps={config.get('num_warps', '-')} "
+              f"stages={config.get('num_stages', '-')}{' (current)' if row.get('current') else ''}: "
+              f"{row.get('ms', float('nan')):9.2f} ms {row.get('tflops_actual', float('nan')):6.1f} TFLOP/s "
+              f"{row['status']}", flush=True)
+
+    fwd_ms, bwd_ms = time_sdpa(SDPBackend.CUDNN_ATTENTION, q.detach(), k.detach(), v.detach(), dout, options.warmup,
+                               options.reps)
+    record(pattern="dense", density=1.0, kernel="forward", config={"impl": "sdpa_cudnn"}, status="ok", ms=fwd_ms)
+    record(pattern="dense", density=1.0, kernel="backward", config={"impl": "sdpa_cudnn"}, status="ok", ms=bwd_ms)
+
+    v_idx, s_idx = full_index(1, heads, options.seq_len, device=device)
+    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, options.seq_len)
+    sweep_pattern("dense", q, k, v, dout, index, 1.0, options, record)
+    del index
+    v_idx, s_idx, _ = budget_pattern(1, heads, options.seq_len, options.sparsity, device, generator)
+    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, options.seq_len)
+    sweep_pattern(f"sparse{options.sparsity:g}", q, k, v, dout, index, mask_density(v_idx, s_idx, options.seq_len),
+                  options, record)
+
+    print("\n| pattern | kernel | config | ms | TFLOP/s (computed) | vs cuDNN | status |\n|---|---|---|---|---|---|---|")
+    cudnn = {row["kernel"]: row["tflops_actual"] for row in rows if row["config"].get("impl") == "sdpa_cudnn"}
+    for row in rows:
+        share = f"{row['tflops_actual'] / cudnn[row['kernel']]:.0%}" if "tflops_actual" in row else "–"
+        ms = f"{row['ms']:.2f}" if "ms" in row else "–"
+        tflops = f"{row['tflops_actual']:.1f}" if "tflops_actual" in row else "–"
+        config = ", ".join(f"{key}={value}" for key, value in row["config"].items())
+        print(f"| {row['pattern']} | {row['kernel']} | {config}{' (current)' if row.get('current') else ''} | {ms} | "
+              f"{tflops} | {share} | {row['status']} |")
+
+
+if __name__ == "__main__":
+    main()
