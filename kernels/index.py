@@ -26,6 +26,10 @@ from .layout import BLOCK_SIZE, Layout
 from .reference import slash_block_hits
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# "auto": the Triton bar-list kernels (triton_index.py) for CUDA tensors, PyTorch ops elsewhere;
+# "torch" / "triton" force one path (tests compare them). "torch" until tests/gpu/test_index_gpu.py has
+# passed on a GPU (the kernels are so far checked by the CPU interpreter only); then "auto".
+_bar_backend = "torch"
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,18 +155,39 @@ def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
     return _csr_offsets(row_starts[1:] - row_starts[:-1], (world, batch, heads, nb)), col
 
 
+def _bar_lists_triton(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
+                      seq_len: int) -> tuple[Tensor, Tensor]:
+    """:func:`_bar_lists` by the Triton kernels of ``triton_index``: a count pass, CSR offsets, a write pass.
+
+    Transient: int32 ``[b, Hq, Vmax]`` candidates and ``[W, b, Hq, nb]`` counts; no sort.
+    """
+    from . import triton_index       # Triton is imported only where its kernels run
+
+    batch, heads, _ = v_idx.shape
+    column = v_idx.long().clamp(max=seq_len - 1)
+    owner, local = layout.to_local(column, seq_len)
+    candidates = triton_index.BarCandidates(v_idx, owner, local, column // BLOCK_SIZE, query_blocks, hit,
+                                            layout.world_size)
+    counts = triton_index.count_bars(candidates)
+    ptr = _csr_offsets(counts.view(-1).long(), (layout.world_size, batch, heads, query_blocks.numel()))
+    col = triton_index.write_bars(candidates, ptr[..., :-1].reshape(-1), int(ptr[-1, -1, -1, -1]))
+    return ptr, col
+
+
 def convert_index(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> BlockBarIndex:
     """Vectorised conversion of ``(v_idx, s_idx)`` ``[b, Hq, ·]`` into ``rank``'s :class:`BlockBarIndex`.
 
     Runs on ``v_idx``'s device with no loop over blocks, columns or ranks. Transient memory: a bool
-    block mask ``[W, b, Hq, nb, nb]`` and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list
-    itself can be that large).
+    block mask ``[W, b, Hq, nb, nb]``; for the bars, on CUDA (Triton kernels) int32 ``[b, Hq, Vmax]``
+    candidates, elsewhere int64 ``[b, Hq, nb, Vmax]`` distances (the bar list itself can be that large).
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)                  # [b, Hq, NB]
     query_blocks, source_blocks = _block_tables(layout, rank, seq_len, v_idx.device)
     blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
-    bar_ptr, bar_col = _bar_lists(v_idx, hit, query_blocks, layout, seq_len)
+    use_triton = _bar_backend == "triton" or (_bar_backend == "auto" and v_idx.is_cuda)
+    bar_lists = _bar_lists_triton if use_triton else _bar_lists
+    bar_ptr, bar_col = bar_lists(v_idx, hit, query_blocks, layout, seq_len)
     return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout)
 
 

@@ -1,0 +1,62 @@
+"""The Triton bar-list kernels (kernels/triton_index.py) run by Triton's CPU interpreter: the conversion
+with them equals the PyTorch conversion element for element, for every layout, W and rank."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # must precede the kernels' @triton.jit
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the Triton interpreter tests run only on machines without CUDA")
+pytest.importorskip("triton")
+
+from mtraining_kernels import index, triton_index  # noqa: E402
+from mtraining_kernels.layout import BLOCK_SIZE, Layout  # noqa: E402
+from test_index import FIELDS, random_index  # noqa: E402
+
+if type(triton_index._bar_rows_kernel).__name__ != "InterpretedFunction":
+    importlib.reload(triton_index)          # imported earlier without the interpreter flag
+
+
+def convert_with(backend: str, monkeypatch, *args) -> index.BlockBarIndex:
+    monkeypatch.setattr(index, "_bar_backend", backend)
+    return index.convert_index(*args)
+
+
+LAYOUTS = [("contiguous", 1), ("contiguous", 2), ("zigzag", 2), ("zigzag", 3), ("striped", 2), ("striped", 4)]
+
+
+@pytest.mark.parametrize("kind, world", LAYOUTS)
+def test_triton_bar_lists_equal_the_pytorch_ones(seed, monkeypatch, kind, world):
+    generator = torch.Generator().manual_seed(seed)
+    layout = Layout(kind, world)
+    seq_len = 2 * world * BLOCK_SIZE * 3                       # 6 blocks per rank: zigzag needs 2 chunks each
+    # wide enough that a row's candidates span more than one loop step of the kernel
+    v_width = triton_index.VERTICALS_PER_STEP + 64
+    v_idx, s_idx = random_index(generator, 2, 3, seq_len, min(v_width, seq_len // 4), 24)
+    for rank in range(world):
+        expected = convert_with("torch", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
+        got = convert_with("triton", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
+        for field in FIELDS:
+            assert torch.equal(getattr(got, field), getattr(expected, field)), (
+                f"seed={seed} {kind} W={world} rank={rank}: {field} differs")
+        assert got.bar_col.dtype == torch.int32 and got.bar_ptr.dtype == torch.int32
+
+
+def test_many_verticals_and_no_verticals(seed, monkeypatch):
+    """Every column a vertical (rows with hundreds of bars over several loop steps), then none at all."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len, layout = 16 * BLOCK_SIZE, Layout("striped", 2)
+    full = torch.arange(seq_len, dtype=torch.int32).expand(1, 2, seq_len).contiguous()
+    _, s_idx = random_index(generator, 1, 2, seq_len, 4, 8)
+    empty = torch.full((1, 2, 64), seq_len, dtype=torch.int32)
+    for v_idx in (full, empty):
+        for rank in range(2):
+            expected = convert_with("torch", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
+            got = convert_with("triton", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
+            for field in FIELDS:
+                assert torch.equal(getattr(got, field), getattr(expected, field)), f"seed={seed}: {field}"
+    assert expected.bar_col.numel() == 0
