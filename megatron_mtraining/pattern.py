@@ -530,7 +530,7 @@ def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Te
     except ValueError as caught:
         error = caught
     agree_on_inputs("distributed index estimation", _AGREED_FIELDS, values, error, group)
-    q_heads, dim = q_local.shape[2], q_local.shape[3]
+    dim = q_local.shape[3]
     top_p = isinstance(budget, TopPBudget)
     v_width, s_width = _list_widths(budget, seq_len)
 
