@@ -30,7 +30,6 @@ from mtraining_kernels.torch_backend import accumulator_dtype
 from .config import flag
 from .consensus import agree_on_inputs
 from .ring import DTYPE_CODES, WIRE_DTYPES, add_and_forward
-from .ring_comm import RingExchange
 from .ring_groups import RingGroups
 
 
@@ -108,7 +107,7 @@ def _ring_forward(q, kv, groups: RingGroups, impl: str, scale: float):
     """The running (out ``[b, 2c, Hq, d]``, lse ``[b, Hq, 2c]``) in the accumulator dtype after all W steps."""
     rank, world, local_len = groups.cp_rank, groups.world_size, q.shape[1]
     acc = accumulator_dtype(q.dtype)
-    exchange = RingExchange(groups.cp)
+    exchange = groups.exchange(groups.cp)
     held, out, lse = kv, None, None
     for step in range(world):
         last = step == world - 1
@@ -131,7 +130,7 @@ def _ring_backward(q, kv, dout, out, lse, groups: RingGroups, impl: str, scale: 
     rank, world, local_len = groups.cp_rank, groups.world_size, q.shape[1]
     acc = lse.dtype
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv_exchange, grad_exchange = RingExchange(groups.cp), RingExchange(groups.cp, tag=1)
+    kv_exchange, grad_exchange = groups.exchange(groups.cp), groups.exchange(groups.cp, tag=1)
     held, partial = kv, None
     for step in range(world):
         last = step == world - 1

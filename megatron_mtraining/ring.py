@@ -71,8 +71,8 @@ def _ring_forward(q, kv, index, groups, backend, scale):
     b, n_loc, hq, d = q.shape
     out = torch.zeros(b, n_loc, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq, n_loc), float("-inf"), dtype=torch.float32, device=q.device)
-    inner_kv = RingExchange(groups.inner)
-    outer_kv = RingExchange(groups.outer) if groups.outer is not None else None
+    inner_kv = groups.exchange(groups.inner)
+    outer_kv = groups.exchange(groups.outer) if groups.outer is not None else None
     chunk = kv
     for o in range(groups.outer_size):
         last_outer = o == groups.outer_size - 1
@@ -107,9 +107,9 @@ def add_and_forward(exchange: RingExchange, arriving, total: torch.Tensor, wire:
 def _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deterministic, wire):
     """Returns (dq fp32, dkv fp32 [2, b, N_loc, Hkv, d]) for this rank's own chunk."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    inner_kv, inner_grad = RingExchange(groups.inner), RingExchange(groups.inner, tag=1)
-    outer_kv = RingExchange(groups.outer) if groups.outer is not None else None
-    outer_grad = RingExchange(groups.outer, tag=1) if groups.outer is not None else None
+    inner_kv, inner_grad = groups.exchange(groups.inner), groups.exchange(groups.inner, tag=1)
+    outer_kv = groups.exchange(groups.outer) if groups.outer is not None else None
+    outer_grad = groups.exchange(groups.outer, tag=1) if groups.outer is not None else None
     chunk, outer_partial = kv, None
     for o in range(groups.outer_size):
         last_outer = o == groups.outer_size - 1

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from .ring_comm import RingExchange
+
 
 @dataclass(frozen=True)
 class RingGroups:
@@ -44,6 +46,11 @@ class RingGroups:
     @property
     def outer_rank(self) -> int:
         return 0 if self.outer is None else dist.get_rank(self.outer)
+
+    def exchange(self, group: dist.ProcessGroup, tag: int = 0) -> RingExchange:
+        """The ring exchange over ``group`` (``inner``, ``outer`` or ``cp``) that the rings use; a subclass may
+        model its links (``slow_link.SlowLinkRingGroups``)."""
+        return RingExchange(group, tag)
 
     def source_of(self, outer_step: int, inner_step: int) -> int:
         """CP rank whose K/V chunk this rank holds at (outer step, inner step)."""

@@ -10,6 +10,11 @@ requested density; the dense ring is the full causal pattern through the same ri
 With ``--sdpa-max-len`` it also times the honest dense baseline: the zigzag dense ring on torch's SDPA
 kernels (``megatron_mtraining.dense_ring``, cuDNN unless ``--sdpa-impl flash``), as pattern ``sdpa_cudnn``
 (or ``sdpa_flash``); its "compute" is the same per-step SDPA calls and merges with no communication.
+With ``--inner-size L`` the sparse ring is hierarchical (inner rings of L ranks, an outer ring over them).
+``--emulate-node-size`` is a benchmark-only emulation (``megatron_mtraining/slow_link.py``): ranks form
+nodes of that many consecutive ranks (a hierarchical ring's nodes are its inner rings) and every transfer
+between nodes is ``--outer-slowdown`` times slower than the intra-node bandwidth measured at the start;
+rows then carry ``emulated_node_size``, ``outer_slowdown`` and ``inner_gbps``.
 Rank 0 prints a table and appends one JSON object per configuration to ``--jsonl``.
 """
 
@@ -28,7 +33,9 @@ import torch.distributed as dist
 from megatron_mtraining.balance import balance_report, realistic_pattern
 from megatron_mtraining.dense_ring import dense_ring_attention, merge_step, zigzag_step
 from megatron_mtraining.ring import ring_attention
-from megatron_mtraining.ring_groups import RingGroups
+from megatron_mtraining.ring_comm import RingExchange
+from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+from megatron_mtraining.slow_link import SlowLink, SlowLinkRingGroups
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.interface import get_backend
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
@@ -49,6 +56,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sdpa-max-len", type=int, default=0,
                         help="also time the zigzag dense ring on torch's SDPA kernels for N up to this length")
     parser.add_argument("--sdpa-impl", choices=IMPLS, default="cudnn", help="SDPA kernel of that dense ring")
+    parser.add_argument("--inner-size", type=int, default=0,
+                        help="hierarchical sparse ring with inner rings of this many ranks (0: flat ring)")
+    parser.add_argument("--emulate-node-size", type=int, default=0,
+                        help="BENCHMARK EMULATION: nodes of this many consecutive ranks whose links to each other are "
+                             "--outer-slowdown times slower than the measured intra-node bandwidth (0: off)")
+    parser.add_argument("--outer-slowdown", type=float, default=10.0)
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -90,6 +103,32 @@ def timed(fn, warmup: int, repeats: int, group) -> float:
         if i >= warmup:
             times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def link_bytes_per_s(group, nbytes: int, device, repeats: int = 5) -> float:
+    """Median one-way bandwidth of a ring exchange of ``nbytes`` over ``group`` (every rank sends and receives)."""
+    exchange = RingExchange(group)
+    payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def hop():
+        exchange.post(payload)
+        exchange.wait()
+    return nbytes / (timed(hop, 1, repeats, group) / 1e3)
+
+
+def ring_groups(args, groups: RingGroups, seq_len: int, device) -> tuple[RingGroups, dict]:
+    """The sparse ring's ``groups`` at ``seq_len``, with emulated slow links when asked, and the row fields that
+    describe them."""
+    world = groups.world_size
+    fields = dict(inner=groups.inner_size, outer=groups.outer_size)
+    if args.emulate_node_size:
+        kv_bytes = 2 * (seq_len // world) * args.kv_heads * args.head_dim * 2
+        inner_bytes_per_s = link_bytes_per_s(groups.inner if groups.inner_size > 1 else groups.cp, kv_bytes, device)
+        link = SlowLink(args.emulate_node_size, args.outer_slowdown, inner_bytes_per_s)
+        groups = SlowLinkRingGroups.wrap(groups, link)
+        fields.update(emulated_node_size=link.node_size, outer_slowdown=link.slowdown,
+                      inner_gbps=round(inner_bytes_per_s / 1e9, 1))
+    return groups, fields
 
 
 def ring_inputs(local_len: int, args, device) -> tuple[torch.Tensor, ...]:
@@ -169,7 +208,7 @@ def time_sdpa_ring(args, seq_len: int, groups: RingGroups, device) -> dict:
 
 
 def result_row(args, commit: str, world: int, seq_len: int, layout: str, pattern: str, density: float, timing: dict,
-               report, device) -> dict:
+               report, device, topology: dict | None = None) -> dict:
     """One JSON row; collective (gathers every rank's compute time). ``report`` is the sparse pattern's balance."""
     per_rank = torch.tensor([timing["comp_ms"]], device=device)
     everyone = [torch.zeros_like(per_rank) for _ in range(world)]
@@ -178,7 +217,8 @@ def result_row(args, commit: str, world: int, seq_len: int, layout: str, pattern
     ring_ms = timing["ring_ms"]
     return dict(
         gpu=torch.cuda.get_device_name(), commit=commit, date=datetime.date.today().isoformat(),
-        world_size=world, inner=world, outer=1, seq_len=seq_len, layout=layout, pattern=pattern,
+        world_size=world, **(topology or dict(inner=world, outer=1)), seq_len=seq_len, layout=layout,
+        pattern=pattern,
         heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim, density=round(density, 4),
         fwd_bwd_ms=round(ring_ms, 3), compute_ms=round(max(comp), 3),
         exposed_comm_frac=round(max(0.0, ring_ms - max(comp)) / ring_ms, 4),
@@ -195,13 +235,15 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda")
-    groups = RingGroups.flat(dist.group.WORLD)
+    flat_groups = RingGroups.flat(dist.group.WORLD)
+    sparse_groups = build_hierarchical_groups(args.inner_size) if args.inner_size else flat_groups
     backend = get_backend(args.backend)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for seq_len in args.seq_lens:
+        groups, topology = ring_groups(args, sparse_groups, seq_len, device)
         if seq_len <= args.sdpa_max_len:
-            timing = time_sdpa_ring(args, seq_len, groups, device)
+            timing = time_sdpa_ring(args, seq_len, flat_groups, device)
             rows.append(result_row(args, commit, world, seq_len, "zigzag", f"sdpa_{args.sdpa_impl}", 1.0, timing,
                                    None, device))
             if rank == 0:
@@ -222,7 +264,8 @@ def main() -> None:
                     ring_inputs(seq_len // world, args, device), args, groups)
                 report = balance_report(v_idx, s_idx, layout, seq_len) if pattern == "sparse" else None
                 timing = dict(ring_ms=ring_ms, comp_ms=comp_ms, blocks=int(count_work(index)[0].sum()))
-                row = result_row(args, commit, world, seq_len, kind, pattern, dens, timing, report, device)
+                row = result_row(args, commit, world, seq_len, kind, pattern, dens, timing, report, device,
+                                 topology)
                 rows.append(row)
                 if rank == 0:
                     print(json.dumps(row), flush=True)
@@ -232,11 +275,12 @@ def main() -> None:
         with open(args.jsonl, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        print(f"{'N':>8} {'layout':>8} {'pattern':>10} {'density':>7} {'fwd+bwd ms':>10} {'compute ms':>10} "
+        print(f"{'N':>8} {'layout':>8} {'pattern':>10} {'LxO':>5} {'density':>7} {'fwd+bwd ms':>10} {'compute ms':>10} "
               f"{'exposed':>7} {'imb.w':>6}")
         for r in rows:
-            print(f"{r['seq_len']:>8} {r['layout']:>8} {r['pattern']:>10} {r['density']:>7.3f} {r['fwd_bwd_ms']:>10.2f} "
-                  f"{r['compute_ms']:>10.2f} {r['exposed_comm_frac']:>7.3f} {r['imbalance_worker']:>6.3f}")
+            print(f"{r['seq_len']:>8} {r['layout']:>8} {r['pattern']:>10} {r['inner']:>2}x{r['outer']:<2} "
+                  f"{r['density']:>7.3f} {r['fwd_bwd_ms']:>10.2f} {r['compute_ms']:>10.2f} "
+                  f"{r['exposed_comm_frac']:>7.3f} {r['imbalance_worker']:>6.3f}")
     dist.destroy_process_group()
 
 

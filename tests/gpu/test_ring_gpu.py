@@ -57,3 +57,45 @@ def test_ring_on_two_gpus_matches_reference(seed, kind, pattern, shape, dtype):
     context = f"seed={seed} {kind} {pattern} {shape} {dtype}"
     for name, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), ours, ref, low):
         assert_close_fa(name, a.cuda(), r, lo, dtype, context)
+
+
+def _emulated_ring_on_gpus(rank, world_size, seed, inner, node_size, delay_s):
+    """(plain vs emulated-slow-link outputs equal?, this rank's delayed?, ms of one delayed exchange)."""
+    from megatron_mtraining.ring import ring_attention
+    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.slow_link import SlowLink, SlowLinkExchange, SlowLinkRingGroups
+
+    device = torch.device("cuda", rank)
+    plain = RingGroups.flat(dist.group.WORLD) if inner == world_size else build_hierarchical_groups(inner_size=inner)
+    slow = SlowLinkRingGroups.wrap(plain, SlowLink(node_size=node_size, slowdown=10.0, inner_bytes_per_s=100e9))
+    q, k, v, dout, v_idx, s_idx = _inputs(seed, (1, 8192, 8, 2, 128), torch.bfloat16, "mixed", device)
+    layout = Layout("striped", world_size)
+    index = convert_index(v_idx, s_idx, layout, rank, 8192)
+    results = []
+    for groups in (plain, slow):
+        local = [layout.shard(t, rank).contiguous().requires_grad_(t is not dout) for t in (q, k, v, dout)]
+        out = ring_attention(local[0], local[1], local[2], index, groups, backend="triton", deterministic=True)
+        out.backward(local[3])
+        results.append([t.detach() for t in (out, local[0].grad, local[1].grad, local[2].grad)])
+    equal = all(torch.equal(a, b) for a, b in zip(*results))
+    payload = torch.empty(2**20, dtype=torch.uint8, device=device)
+    exchange = SlowLinkExchange(dist.group.WORLD, [0, 1], SlowLink(node_size, 2.0, payload.numel() / delay_s))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dist.barrier()
+    start.record()
+    exchange.post(payload)
+    exchange.wait()
+    end.record()
+    end.synchronize()
+    return equal, exchange.slow, start.elapsed_time(end)
+
+
+@pytest.mark.parametrize("inner, node_size", [(2, 1), (1, 1), (2, 2)])  # flat all-slow, hierarchical 1x2, 2x1
+def test_slow_link_emulation_on_two_gpus(seed, inner, node_size):
+    delay_s = 0.05
+    results = run_on_ranks(_emulated_ring_on_gpus, 2, seed, inner, node_size, delay_s, backend="nccl")
+    for rank, (equal, slow, ms) in enumerate(results):
+        assert equal, f"seed={seed} inner={inner} node_size={node_size} rank {rank}: the emulation changed a result"
+        assert slow == (node_size == 1), f"rank {rank}: slow={slow}"
+        if slow:
+            assert ms >= delay_s * 1e3, f"rank {rank}: the delayed exchange took {ms:.2f} ms < {delay_s * 1e3} ms"
