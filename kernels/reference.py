@@ -115,17 +115,19 @@ def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
 
     out ``[b, N, H, d]`` fp32, lse ``[b, H, N]`` fp32. Returns new tensors. A side with lse = −inf
     contributes nothing, whatever its out holds (even NaN); rows where both are −inf stay (out0, −inf).
+    A NaN or +inf lse (from NaN/Inf logits) is not "nothing": it makes the merged row NaN, so a poisoned
+    input reaches the output instead of vanishing.
     """
-    hi = torch.maximum(lse0, lse1)
+    hi = torch.maximum(lse0, lse1)                    # NaN if either side is NaN
     lo = torch.minimum(lse0, lse1)
-    finite = torch.isfinite(hi)
-    lse = torch.where(finite, hi + torch.log1p(torch.exp(lo - hi)), lse0)
-    safe_lse = torch.where(finite, lse, 0.0)
+    empty = hi == float("-inf")                       # both sides empty
+    lse = torch.where(empty, lse0, hi + torch.log1p(torch.exp(lo - hi)))
+    safe_lse = torch.where(empty, 0.0, lse)
 
     def weighted(out_side, lse_side):
         weight = torch.exp(lse_side - safe_lse).transpose(1, 2)[..., None]
-        present = torch.isfinite(lse_side).transpose(1, 2)[..., None]
+        present = (lse_side != float("-inf")).transpose(1, 2)[..., None]
         return torch.where(present, weight * out_side, 0.0)
 
     merged = weighted(out0, lse0) + weighted(out1, lse1)
-    return torch.where(finite.transpose(1, 2)[..., None], merged, out0), lse
+    return torch.where(empty.transpose(1, 2)[..., None], out0, merged), lse

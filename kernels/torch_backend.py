@@ -210,7 +210,7 @@ def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, 
         row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
         probs = scores.sub_(row_max).exp_()
         total = probs.sum(dim=-1, keepdim=True)
-        seen = total > 0
+        seen = total != 0                 # 0: no key in this step; NaN (poisoned logits) is kept, not dropped
         rows_out = torch.bmm(probs, v_rows) / torch.where(seen, total, 1.0)
         rows_lse = torch.where(seen, row_max + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
         step_out[chunk.batch, chunk.qblock, :, chunk.head] = rows_out

@@ -98,7 +98,7 @@ def block_bar_forward_kernel(
         acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v)
 
     # ---- epilogue: stable merge into the running (out, lse); rows without work stay untouched
-    has_work = row_sum > 0.0
+    has_work = row_sum != 0.0          # 0: no key in this step; NaN (poisoned logits) is written, not dropped
     safe_sum = tl.where(has_work, row_sum, 1.0)
     step_lse = (tl.where(has_work, row_max, 0.0) + tl.log2(safe_sum)) * LN2
     step_out = acc / safe_sum[:, None]
