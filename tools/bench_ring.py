@@ -14,7 +14,8 @@ With ``--inner-size L`` the sparse ring is hierarchical (inner rings of L ranks,
 ``--emulate-node-size`` is a benchmark-only emulation (``megatron_mtraining/slow_link.py``): ranks form
 nodes of that many consecutive ranks (a hierarchical ring's nodes are its inner rings) and every transfer
 between nodes is ``--outer-slowdown`` times slower than the intra-node bandwidth measured at the start;
-rows then carry ``emulated_node_size``, ``outer_slowdown`` and ``inner_gbps``.
+rows then carry ``emulated_node_size``, ``outer_slowdown``, ``inner_gbps`` and ``model_fwd_bwd_ms``, the analytic
+model's time (``megatron_mtraining/ring_model.py``) from the measured compute and bandwidth.
 Rank 0 prints a table and appends one JSON object per configuration to ``--jsonl``.
 """
 
@@ -35,6 +36,7 @@ from megatron_mtraining.dense_ring import dense_ring_attention, merge_step, zigz
 from megatron_mtraining.ring import ring_attention
 from megatron_mtraining.ring_comm import RingExchange
 from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+from megatron_mtraining.ring_model import CellCosts, flat_ring, hierarchical_ring
 from megatron_mtraining.slow_link import SlowLink, SlowLinkRingGroups
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.interface import get_backend
@@ -129,6 +131,20 @@ def ring_groups(args, groups: RingGroups, seq_len: int, device) -> tuple[RingGro
         fields.update(emulated_node_size=link.node_size, outer_slowdown=link.slowdown,
                       inner_gbps=round(inner_bytes_per_s / 1e9, 1))
     return groups, fields
+
+
+def model_fwd_bwd_ms(args, seq_len: int, world: int, topology: dict, compute_ms: float) -> float:
+    """The ring model's forward + backward ms for this emulated topology: the measured compute of the slowest
+    rank split evenly over its W cells (forward : backward = 1 : 2.5), bf16 K/V, fp32 gradient wire."""
+    cell_s = compute_ms / world / 1e3
+    inner_bytes_per_s = topology["inner_gbps"] * 1e9
+    chunk = seq_len // world * args.kv_heads * args.head_dim
+    costs = CellCosts(cell_s / 3.5, cell_s * 2.5 / 3.5, kv_bytes=2 * chunk * 2, grad_bytes=2 * chunk * 4,
+                      inner_bytes_per_s=inner_bytes_per_s,
+                      outer_bytes_per_s=inner_bytes_per_s / topology["outer_slowdown"])
+    if topology["outer"] > 1:
+        return hierarchical_ring(costs, topology["inner"], topology["outer"]).total_s * 1e3
+    return flat_ring(costs, world, topology["emulated_node_size"]).total_s * 1e3
 
 
 def ring_inputs(local_len: int, args, device) -> tuple[torch.Tensor, ...]:
@@ -226,6 +242,8 @@ def result_row(args, commit: str, world: int, seq_len: int, layout: str, pattern
         imbalance_step=round(report.step_imbalance, 4) if report else 1.0,
         analytic_worker=round(report.worker_imbalance, 4) if report else 1.0,
         blocks_this_rank=timing["blocks"],
+        **({"model_fwd_bwd_ms": round(model_fwd_bwd_ms(args, seq_len, world, topology, max(comp)), 3)}
+           if topology and "inner_gbps" in topology else {}),
     )
 
 
