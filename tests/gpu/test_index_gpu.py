@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from bench_attention import budget_pattern, median_ms  # noqa: E402
 
 from mtraining_kernels import index  # noqa: E402
-from mtraining_kernels.layout import Layout  # noqa: E402
+from mtraining_kernels.layout import BLOCK_SIZE, Layout  # noqa: E402
+from mtraining_kernels.reference import slash_block_hits  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
@@ -60,5 +61,9 @@ if __name__ == "__main__":
         timings = {name: median_ms(lambda: convert(name, v, s, Layout("contiguous", 1), 0, n), 5)
                    for name in ("torch", "triton")}
         bars = convert("triton", v, s, Layout("contiguous", 1), 0, n).bar_col.numel()
+        hit = slash_block_hits(s, n // BLOCK_SIZE, BLOCK_SIZE)
+        query_blocks, source_blocks = index._block_tables(Layout("contiguous", 1), 0, n, v.device)
+        blocks_ms = median_ms(lambda: index._block_lists(hit, query_blocks, source_blocks), 5)
         print(f"N={n}: conversion {timings['torch']:.1f} ms with PyTorch bars, {timings['triton']:.1f} ms with "
-              f"Triton bars ({bars / 1e6:.1f} M bar entries, Hq = 16, 95 % sparsity pattern)", flush=True)
+              f"Triton bars, of which block lists {blocks_ms:.1f} ms ({bars / 1e6:.1f} M bar entries, Hq = 16, "
+              "95 % sparsity pattern)", flush=True)
