@@ -147,6 +147,27 @@ def eval_losses(run: dict) -> dict[int, float]:
     return dict(zip(evaluation.get("lengths", []), evaluation.get("lm_loss", [])))
 
 
+def paired_accuracy(run: dict, baseline: dict) -> dict[int, dict]:
+    """Per length, the pair-by-pair comparison of two runs on the same evaluation sequences: the accuracy
+    difference (points), its 95 % confidence half-width (normal approximation over the per-sequence
+    differences, each −1, 0 or 1) and how many sequences only one of the two got right. Empty when a run
+    has no per-sequence record or the runs saw different sequences."""
+    mine, theirs = run.get("eval", {}), baseline.get("eval", {})
+    if "correct" not in mine or "correct" not in theirs or mine["depths"] != theirs["depths"] \
+            or mine["samples"] != theirs["samples"]:
+        return {}
+    result = {}
+    for seq_len, ours in zip(mine["lengths"], mine["correct"]):
+        if seq_len not in theirs["lengths"]:
+            continue
+        base = theirs["correct"][theirs["lengths"].index(seq_len)]
+        diff = np.asarray(ours, dtype=float).ravel() - np.asarray(base, dtype=float).ravel()
+        half_width = 1.96 * diff.std(ddof=1) / math.sqrt(diff.size) if diff.size > 1 else float("inf")
+        result[seq_len] = {"delta": diff.mean() * 100, "half_width": half_width * 100,
+                           "only_run": int((diff > 0).sum()), "only_baseline": int((diff < 0).sum()), "n": diff.size}
+    return result
+
+
 def comparison_rows(runs: list[dict], baseline: dict | None, lengths: list[int], values_of, show, delta) -> list[str]:
     """One markdown row per run: ``show(value)`` per length, with ``(delta(value, baseline value))`` for
     runs other than the baseline; "n/a" where a run has no value."""
@@ -214,6 +235,17 @@ def summary(runs: list[dict], baseline_name: str, figures: dict[str, str]) -> st
                   "|---|" + "---|" * len(lengths)]
         lines += comparison_rows(runs, baseline, lengths, mean_accuracy_by_length,
                                  lambda value: f"{value * 100:.1f}", lambda value, base: f"{(value - base) * 100:+.1f}")
+        paired = {run["run"]: paired_accuracy(run, baseline) for run in runs if baseline and run is not baseline}
+        if any(paired.values()):
+            lines += ["", "Paired on the same sequences: Δ accuracy vs baseline in points, 95 % interval, and the "
+                      "sequences only the baseline / only this run answered:", "",
+                      "| run | " + " | ".join(length_label(n) for n in lengths) + " |",
+                      "|---|" + "---|" * len(lengths)]
+            for name, by_length in paired.items():
+                cells = [f"{c['delta']:+.1f} ({c['delta'] - c['half_width']:+.1f} … {c['delta'] + c['half_width']:+.1f}; "
+                         f"{c['only_baseline']} / {c['only_run']})" if (c := by_length.get(n)) else "n/a"
+                         for n in lengths]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines += ["", "Evaluation LM loss (all tokens; relative Δ vs baseline):", "",
                   "| run | " + " | ".join(length_label(n) for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]
@@ -264,8 +296,11 @@ def target_checks(runs: list[dict], baseline: dict | None) -> list[str]:
         if acc_gaps:
             worst = min(acc_gaps, key=acc_gaps.get)
             ok = acc_gaps[worst] >= -ACCURACY_TOLERANCE
+            interval = paired_accuracy(run, baseline).get(worst)
+            detail = (f"; paired 95 % interval {interval['delta'] - interval['half_width']:+.1f} … "
+                      f"{interval['delta'] + interval['half_width']:+.1f}" if interval else "")
             checks.append(f"{run['run']}: accuracy within 1 point of {baseline['run']} at every trained length: "
-                          f"{'PASS' if ok else 'FAIL'} (worst {acc_gaps[worst] * 100:+.1f} points at {worst})")
+                          f"{'PASS' if ok else 'FAIL'} (worst {acc_gaps[worst] * 100:+.1f} points at {worst}{detail})")
         if loss_gaps:
             worst = max(loss_gaps, key=lambda n: abs(loss_gaps[n]))
             ok = all(abs(gap) <= LOSS_TOLERANCE for gap in loss_gaps.values())

@@ -379,28 +379,33 @@ def train(model, optimizer: MasterWeightAdamW, task, args, device, results: Resu
 
 @torch.no_grad()
 def evaluate(model, task, args, device, results: Results) -> None:
-    """Retrieval accuracy of the depth-controlled query per (length, depth), and LM/answer loss per length."""
+    """Retrieval accuracy of the depth-controlled query per (length, depth), and LM/answer loss per length.
+
+    ``correct[length][depth]`` keeps each sequence's 0/1 (the same sequences for every run of a seed), so that
+    runs can be compared pair by pair."""
     model.eval()
     lengths, depths = args.eval_lengths, args.eval_depths
     evaluation = {"lengths": lengths, "depths": depths, "samples": args.eval_samples, "accuracy": [],
-                  "lm_loss": [], "answer_loss": []}
+                  "correct": [], "lm_loss": [], "answer_loss": []}
     results.data["eval"] = evaluation
     for seq_len in lengths:
         per_forward = max(1, min(args.eval_samples, args.eval_tokens // seq_len))
-        row, loss_sum, answer_sum, token_count, answer_count = [], 0.0, 0.0, 0.0, 0.0
+        row, per_sequence, loss_sum, answer_sum, token_count, answer_count = [], [], 0.0, 0.0, 0.0, 0.0
         for depth in depths:
-            correct = 0
+            correct = []
             for first in range(0, args.eval_samples, per_forward):
                 size = min(per_forward, args.eval_samples - first)
                 batch = task.batch(args.seed, EVAL_STREAM, first, size, seq_len, target_depth=depth).to(device)
                 losses, predictions = token_losses(model, batch)
-                correct += int(query_correct(predictions, batch.labels, batch.answer_slots)[:, batch.target].sum())
+                correct += query_correct(predictions, batch.labels, batch.answer_slots)[:, batch.target].int().tolist()
                 loss_sum += float((losses * batch.loss_mask).sum())
                 token_count += float(batch.loss_mask.sum())
                 answer_sum += float((losses * batch.answer_mask).sum())
                 answer_count += float(batch.answer_mask.sum())
-            row.append(correct / args.eval_samples)
+            row.append(sum(correct) / args.eval_samples)
+            per_sequence.append(correct)
         evaluation["accuracy"].append(row)
+        evaluation["correct"].append(per_sequence)
         evaluation["lm_loss"].append(loss_sum / token_count)
         evaluation["answer_loss"].append(answer_sum / answer_count)
         print(f"[{args.run}] eval len {seq_len}: accuracy {sum(row) / len(row):.3f} by depth "

@@ -277,6 +277,7 @@ def test_report_writes_figures_and_summary(smoke_runs, tmp_path):
     text = (tmp_path / "figures" / "quality_summary.md").read_text()
     assert "sparse: accuracy within 1 point of dense" in text and "LM loss within 2%" in text
     assert "recall >= 0.9 in every layer" in text
+    assert "Paired on the same sequences" in text and "| sparse | " in text.split("Paired on the same sequences")[1]
     learned = max(np.mean(row) for row in smoke_runs["dense"]["eval"]["accuracy"]) >= report.LEARNED_ACCURACY
     assert ("WARNING: dense reaches at most" in text) != learned       # 12 steps hardly learn the task
     # a run killed before its evaluation still reports (its cells n/a)
@@ -357,3 +358,29 @@ def test_branching_rejects_mismatched_or_missing_checkpoints(tmp_path):
                   ["--stop-after-phase", "1", "--resume", str(tmp_path / "shared.pt")]):
         with pytest.raises(SystemExit):
             train.main(["--run", "x", "--out", str(tmp_path), "--attention", "dense", *SMOKE, *flags])
+
+
+def test_evaluation_keeps_every_sequence_and_report_pairs_them(smoke_runs):
+    """eval.correct holds each evaluated sequence's 0/1 ([length][depth][sample], consistent with the accuracy),
+    and the report's paired comparison counts the sequences one run got and the other did not."""
+    import report
+
+    dense = smoke_runs["dense"]
+    evaluation = dense["eval"]
+    assert [len(by_depth) for by_depth in evaluation["correct"]] == [len(evaluation["depths"])]
+    for row, by_depth in zip(evaluation["accuracy"], evaluation["correct"]):
+        assert [sum(c) / evaluation["samples"] for c in by_depth] == row
+        assert all(len(c) == evaluation["samples"] and set(c) <= {0, 1} for c in by_depth)
+
+    def run_with(correct):                      # 2 depths x 4 samples at one length
+        return {"run": "x", "eval": {"lengths": [512], "depths": [0.0, 1.0], "samples": 4, "correct": [correct]}}
+
+    base = run_with([[1, 1, 0, 0], [1, 0, 1, 0]])
+    other = run_with([[1, 0, 0, 1], [1, 0, 1, 1]])          # differences: 0 −1 0 +1 | 0 0 0 +1
+    (got,) = report.paired_accuracy(other, base).values()
+    diff = np.array([0, -1, 0, 1, 0, 0, 0, 1], dtype=float)
+    assert got["delta"] == pytest.approx(100 * diff.mean())
+    assert got["half_width"] == pytest.approx(100 * 1.96 * diff.std(ddof=1) / np.sqrt(8))
+    assert (got["only_baseline"], got["only_run"], got["n"]) == (1, 2, 8)
+    other_depths = {"run": "y", "eval": {"lengths": [512], "depths": [0.0], "samples": 4, "correct": [[[1, 1, 1, 1]]]}}
+    assert report.paired_accuracy(other_depths, base) == {}          # not the same sequences: no pairing
