@@ -34,6 +34,7 @@ import triton.language as tl
 
 ROWS_PER_TILE = 64          # the estimation rows, L ≤ 64: one tile
 LOGIT_KEYS_PER_TILE = 128   # keys per logits tile (4 warps: each thread owns one key column of 64 rows)
+LOGIT_UNROLL = 8            # head dimensions per logits-loop iteration (1 when d is not a multiple)
 SCORE_KEYS_PER_TILE = 32    # columns per score tile (fp64 work: 16 elements per thread at 4 warps)
 _KERNEL_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 # positions of the fp64 constants in the tensor built by _constants
@@ -71,9 +72,12 @@ def _logits_kernel(
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_ob, stride_oh, stride_or,
     num_rows, num_keys, group_size, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    """One tile of 64 rows × BLOCK_N keys of one (query head, sample); Q_BY_DIM is fp32 ``[b, Hq, d, L]``."""
+    """One tile of 64 rows × BLOCK_N keys of one (query head, sample); Q_BY_DIM is fp32 ``[b, Hq, d, L]``.
+
+    The d-loop runs UNROLL dimensions per iteration (their loads can be issued together); the additions stay
+    one per dimension in the order t = 0 … d−1, so the bits do not depend on UNROLL."""
     head = tl.program_id(1)
     sample = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
@@ -85,10 +89,15 @@ def _logits_kernel(
     q_t = tl.load(q_ptrs, mask=row_ok, other=0.0)
     k_t = tl.load(k_ptrs, mask=col_ok, other=0.0).to(tl.float32)
     acc = q_t[:, None] * k_t[None, :]
-    for t in range(1, HEAD_DIM):
-        q_t = tl.load(q_ptrs + t * stride_qd, mask=row_ok, other=0.0)
-        k_t = tl.load(k_ptrs + t * stride_kd, mask=col_ok, other=0.0).to(tl.float32)
+    for u in tl.static_range(1, UNROLL):                                 # t = 1 … UNROLL − 1
+        q_t = tl.load(q_ptrs + u * stride_qd, mask=row_ok, other=0.0)
+        k_t = tl.load(k_ptrs + u * stride_kd, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + q_t[:, None] * k_t[None, :]
+    for first in range(UNROLL, HEAD_DIM, UNROLL):                        # then UNROLL at a time, in order
+        for u in tl.static_range(UNROLL):
+            q_t = tl.load(q_ptrs + (first + u) * stride_qd, mask=row_ok, other=0.0)
+            k_t = tl.load(k_ptrs + (first + u) * stride_kd, mask=col_ok, other=0.0).to(tl.float32)
+            acc = acc + q_t[:, None] * k_t[None, :]
     logits = acc * scale
     q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
     k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
@@ -294,7 +303,8 @@ def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.
         k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         logits.stride(0), logits.stride(1), logits.stride(2),
         num_rows, num_keys, q_heads // kv_heads, scale,
-        HEAD_DIM=dim, BLOCK_M=ROWS_PER_TILE, BLOCK_N=keys_per_tile, num_warps=num_warps, enable_fp_fusion=False,
+        HEAD_DIM=dim, BLOCK_M=ROWS_PER_TILE, BLOCK_N=keys_per_tile,
+        UNROLL=LOGIT_UNROLL if dim % LOGIT_UNROLL == 0 else 1, num_warps=num_warps, enable_fp_fusion=False,
     )
     return logits
 

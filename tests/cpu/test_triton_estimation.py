@@ -61,6 +61,7 @@ def draw_qk(gen, batch, seq_len, q_heads, kv_heads, dim, dtype):
     (1, 320, 4, 2, 64, 64, torch.bfloat16, None),     # GQA 2:1, 5 key tiles
     (2, 200, 2, 2, 32, 37, torch.float32, 0.1),       # MHA, b = 2, L < 64, a scale that is no fp32 number
     (1, 192, 2, 1, 128, 64, torch.float16, None),     # d = 128
+    (1, 130, 2, 1, 12, 20, torch.float32, None),      # d not a multiple of the logits loop's unroll
 ])
 @pytest.mark.parametrize("key_order", ["ascending", "shuffled"])
 def test_logits_are_bit_equal(seed, batch, seq_len, q_heads, kv_heads, dim, rows, dtype, scale, key_order):
