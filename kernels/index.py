@@ -26,10 +26,10 @@ from .layout import BLOCK_SIZE, Layout
 from .reference import slash_block_hits
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-# "auto": the Triton bar-list kernels (triton_index.py) for CUDA tensors, PyTorch ops elsewhere;
+# "auto": the Triton list kernels (triton_index.py) for CUDA tensors, PyTorch ops elsewhere;
 # "torch" / "triton" force one path (tests compare them). "torch" until tests/gpu/test_index_gpu.py has
 # passed on a GPU (the kernels are so far checked by the CPU interpreter only); then "auto".
-_bar_backend = "torch"
+_conversion_backend = "torch"
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,39 +155,52 @@ def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
     return _csr_offsets(row_starts[1:] - row_starts[:-1], (world, batch, heads, nb)), col
 
 
-def _bar_lists_triton(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
-                      seq_len: int) -> tuple[Tensor, Tensor]:
-    """:func:`_bar_lists` by the Triton kernels of ``triton_index``: a count pass, CSR offsets, a write pass.
-
-    Transient: int32 ``[b, Hq, Vmax]`` candidates and ``[W, b, Hq, nb]`` counts; no sort.
-    """
+def _lists_triton(candidates, shape: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
+    """CSR lists by the Triton kernels of ``triton_index``: a count pass, the offsets, a write pass."""
     from . import triton_index       # Triton is imported only where its kernels run
 
-    batch, heads, _ = v_idx.shape
+    counts = triton_index.count_rows(candidates)
+    ptr = _csr_offsets(counts.view(-1).long(), shape)
+    return ptr, triton_index.write_rows(candidates, ptr[..., :-1].reshape(-1), int(ptr[-1, -1, -1, -1]))
+
+
+def _block_lists_triton(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_block_lists` without the ``[W, b, Hq, nb, nb]`` mask."""
+    from .triton_index import block_candidates
+
+    shape = (source_blocks.shape[0], *hit.shape[:2], query_blocks.numel())
+    return _lists_triton(block_candidates(source_blocks, query_blocks, hit), shape)
+
+
+def _bar_lists_triton(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
+                      seq_len: int) -> tuple[Tensor, Tensor]:
+    """:func:`_bar_lists` without the int64 ``[b, Hq, nb, Vmax]`` temporaries and the sort."""
+    from .triton_index import bar_candidates
+
     column = v_idx.long().clamp(max=seq_len - 1)
     owner, local = layout.to_local(column, seq_len)
-    candidates = triton_index.BarCandidates(v_idx, owner, local, column // BLOCK_SIZE, query_blocks, hit,
-                                            layout.world_size)
-    counts = triton_index.count_bars(candidates)
-    ptr = _csr_offsets(counts.view(-1).long(), (layout.world_size, batch, heads, query_blocks.numel()))
-    col = triton_index.write_bars(candidates, ptr[..., :-1].reshape(-1), int(ptr[-1, -1, -1, -1]))
-    return ptr, col
+    candidates = bar_candidates(owner, local, column // BLOCK_SIZE, query_blocks, hit, layout.world_size)
+    return _lists_triton(candidates, (layout.world_size, *v_idx.shape[:2], query_blocks.numel()))
 
 
 def convert_index(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> BlockBarIndex:
     """Vectorised conversion of ``(v_idx, s_idx)`` ``[b, Hq, ·]`` into ``rank``'s :class:`BlockBarIndex`.
 
-    Runs on ``v_idx``'s device with no loop over blocks, columns or ranks. Transient memory: a bool
-    block mask ``[W, b, Hq, nb, nb]``; for the bars, on CUDA (Triton kernels) int32 ``[b, Hq, Vmax]``
-    candidates, elsewhere int64 ``[b, Hq, nb, Vmax]`` distances (the bar list itself can be that large).
+    Runs on ``v_idx``'s device with no loop over blocks, columns or ranks. Transient memory: with the
+    Triton kernels (``_conversion_backend``) int32 candidates and row counts only; with PyTorch ops a bool
+    block mask ``[W, b, Hq, nb, nb]`` and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list itself
+    can be that large).
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)                  # [b, Hq, NB]
     query_blocks, source_blocks = _block_tables(layout, rank, seq_len, v_idx.device)
-    blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
-    use_triton = _bar_backend == "triton" or (_bar_backend == "auto" and v_idx.is_cuda)
-    bar_lists = _bar_lists_triton if use_triton else _bar_lists
-    bar_ptr, bar_col = bar_lists(v_idx, hit, query_blocks, layout, seq_len)
+    use_triton = _conversion_backend == "triton" or (_conversion_backend == "auto" and v_idx.is_cuda)
+    if use_triton:
+        blk_ptr, blk_col = _block_lists_triton(hit, query_blocks, source_blocks)
+        bar_ptr, bar_col = _bar_lists_triton(v_idx, hit, query_blocks, layout, seq_len)
+    else:
+        blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
+        bar_ptr, bar_col = _bar_lists(v_idx, hit, query_blocks, layout, seq_len)
     return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout)
 
 

@@ -1,92 +1,136 @@
-"""Triton kernels of the index conversion's bar lists (DESIGN.md §2.6), equal to the PyTorch conversion's.
+"""Triton kernels of the index conversion (DESIGN.md §2.6): the block and bar lists, equal to the PyTorch ones.
 
-The PyTorch path (``index._bar_lists``) materialises int64 ``[b, Hq, nb, Vmax]`` temporaries and sorts
-every bar entry (about 135 M at 512K with 4K verticals on one GPU). Here one kernel runs twice over the
-verticals, one program per row (source rank w, b, query head h, local query block i):
+The PyTorch conversion (``index._block_lists`` / ``index._bar_lists``) materialises a bool
+``[W, b, Hq, nb, nb]`` block mask and int64 ``[b, Hq, nb, Vmax]`` bar distances, then runs ``nonzero`` and
+a sort of every bar entry (about 135 M at 512K with 4K verticals on one GPU). Here one kernel runs twice
+per list, one program per row (source rank w, b, query head h, local query block i):
 
-* :func:`count_bars` — how many bars each row has (the caller turns the counts into CSR offsets);
-* :func:`write_bars` — the bars themselves, stored from each row's offset in vertical order.
+* :func:`count_rows` — how many entries each row has (the caller turns the counts into CSR offsets);
+* :func:`write_rows` — the entries themselves, stored from each row's offset in candidate order.
 
-A row's candidates are the verticals whose key block is before the row's query block, a prefix of the
-ascending list (``prefix [b·Hq, nb]``, from ``torch.searchsorted``); a candidate is a bar of the row when
-source w owns it and its block is not active (``hit[b, h, qb − kb] == 0``). Vertical order is ascending
-local column, because every layout keeps a rank's positions in global order, so the lists equal the
-PyTorch path's sorted ones element for element.
+A row's candidates form a prefix of an ascending list (``prefix``, from ``torch.searchsorted``):
+
+* **blocks** — source w's key blocks kb ≤ qb, kept when active (``hit[b, h, qb − kb]``); block j is stored
+  as its two 64-wide sub-tiles 2j, 2j+1;
+* **bars** — the verticals with kb < qb, kept when source w owns them and their block is not active; stored
+  as local columns, which every layout keeps in global order, so the lists equal the sorted PyTorch ones.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-VERTICALS_PER_STEP = 128   # candidates one program reads per loop step
+CANDIDATES_PER_STEP = 128   # candidates one program reads per loop step
 
 
 @triton.jit
-def _bar_rows_kernel(key_block_ptr, owner_ptr, local_ptr, prefix_ptr, hit_ptr, query_block_ptr, row_start_ptr,
-                     count_ptr, col_ptr, width, num_global_blocks, num_local_blocks, batch_heads,
-                     WRITE: tl.constexpr, STEP: tl.constexpr):
+def _list_rows_kernel(KEY_BLOCK, OWNER, VALUE, PREFIX, HIT, QUERY_BLOCK, ROW_START, COUNT, COL,
+                      cand_stride_bh, cand_stride_w, prefix_stride_bh, prefix_stride_w,
+                      num_global_blocks, num_local_blocks, batch_heads,
+                      BARS: tl.constexpr, WRITE: tl.constexpr, STEP: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1)
     w = tl.program_id(2)
     row = (w * batch_heads + bh) * num_local_blocks + i
-    query_block = tl.load(query_block_ptr + i)
-    prefix = tl.load(prefix_ptr + bh * num_local_blocks + i)
+    query_block = tl.load(QUERY_BLOCK + i)
+    candidates = bh * cand_stride_bh + w * cand_stride_w
+    prefix = tl.load(PREFIX + bh * prefix_stride_bh + w * prefix_stride_w + i)
     found = 0
     for start in range(0, prefix, STEP):
         offsets = start + tl.arange(0, STEP)
         inside = offsets < prefix
-        key_block = tl.load(key_block_ptr + bh * width + offsets, mask=inside, other=0)
-        owner = tl.load(owner_ptr + bh * width + offsets, mask=inside, other=-1)
-        mine = inside & (owner == w)
-        active = tl.load(hit_ptr + bh * num_global_blocks + (query_block - key_block), mask=mine, other=1)
-        take = mine & (active == 0)
+        key_block = tl.load(KEY_BLOCK + candidates + offsets, mask=inside, other=0)
+        if BARS:
+            inside = inside & (tl.load(OWNER + candidates + offsets, mask=inside, other=-1) == w)
+        active = tl.load(HIT + bh * num_global_blocks + (query_block - key_block), mask=inside, other=0)
+        if BARS:
+            take = inside & (active == 0)
+        else:
+            take = inside & (active != 0)
         if WRITE:
-            position = tl.load(row_start_ptr + row) + found + tl.cumsum(take.to(tl.int32), 0) - 1
-            column = tl.load(local_ptr + bh * width + offsets, mask=take, other=0)
-            tl.store(col_ptr + position, column, mask=take)
+            rank_in_row = found + tl.cumsum(take.to(tl.int32), 0) - 1
+            if BARS:
+                column = tl.load(VALUE + candidates + offsets, mask=take, other=0)
+                tl.store(COL + tl.load(ROW_START + row) + rank_in_row, column, mask=take)
+            else:
+                position = tl.load(ROW_START + row) + 2 * rank_in_row
+                tl.store(COL + position, 2 * offsets, mask=take)
+                tl.store(COL + position + 1, 2 * offsets + 1, mask=take)
         found += tl.sum(take.to(tl.int32), 0)
     if not WRITE:
-        tl.store(count_ptr + row, found)
+        if BARS:
+            tl.store(COUNT + row, found)
+        else:
+            tl.store(COUNT + row, 2 * found)                     # two sub-tiles per block
 
 
-class BarCandidates:
-    """The verticals of ``v_idx`` ``[b, Hq, V]`` in kernel form: int32 ``[b·Hq, V]`` key block, owner rank and
-    local column, and ``prefix [b·Hq, nb]``, the number of verticals before each local query block."""
+class ListCandidates(NamedTuple):
+    """One list's candidates in kernel form (int32, contiguous); build with :func:`block_candidates` or
+    :func:`bar_candidates`."""
 
-    def __init__(self, v_idx: torch.Tensor, owner: torch.Tensor, local: torch.Tensor, key_block: torch.Tensor,
-                 query_blocks: torch.Tensor, hit: torch.Tensor, world_size: int):
-        batch, heads, width = v_idx.shape
-        self.batch_heads, self.width, self.world_size = batch * heads, width, world_size
-        self.key_block = key_block.reshape(batch * heads, width).to(torch.int32).contiguous()
-        self.owner = owner.reshape(batch * heads, width).to(torch.int32).contiguous()
-        self.local = local.reshape(batch * heads, width).to(torch.int32).contiguous()
-        self.query_blocks = query_blocks.to(torch.int32).contiguous()
-        targets = self.query_blocks.expand(batch * heads, -1).contiguous()
-        self.prefix = torch.searchsorted(self.key_block, targets).to(torch.int32).contiguous()
-        self.hit = hit.reshape(batch * heads, -1).to(torch.int8).contiguous()
-
-    def _launch(self, row_start: torch.Tensor, counts: torch.Tensor, col: torch.Tensor, write: bool) -> None:
-        num_local_blocks = self.query_blocks.numel()
-        grid = (num_local_blocks, self.batch_heads, self.world_size)
-        _bar_rows_kernel[grid](self.key_block, self.owner, self.local, self.prefix, self.hit, self.query_blocks,
-                               row_start, counts, col, self.width, self.hit.shape[1], num_local_blocks,
-                               self.batch_heads, WRITE=write, STEP=VERTICALS_PER_STEP)
+    bars: bool
+    key_block: torch.Tensor     # blocks: source key blocks [W, nb]; bars: verticals' key blocks [b·Hq, V]
+    owner: torch.Tensor         # bars: the verticals' source ranks [b·Hq, V] (blocks: key_block, unread)
+    value: torch.Tensor         # bars: the verticals' local columns [b·Hq, V] (blocks: key_block, unread)
+    prefix: torch.Tensor        # candidates before each local query block: blocks [W, nb], bars [b·Hq, nb]
+    hit: torch.Tensor           # int8 [b·Hq, NB], hit[bh, δ] = block diagonal δ is active
+    query_blocks: torch.Tensor  # [nb] global ids of this rank's query blocks
+    world_size: int
+    batch_heads: int
 
 
-def count_bars(candidates: BarCandidates) -> torch.Tensor:
-    """Bars per row, int32 ``[W, b·Hq, nb]``."""
-    shape = (candidates.world_size, candidates.batch_heads, candidates.query_blocks.numel())
-    counts = torch.empty(shape, dtype=torch.int32, device=candidates.key_block.device)
-    candidates._launch(counts, counts, counts, write=False)      # row_start and col are not read
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+def block_candidates(source_blocks: torch.Tensor, query_blocks: torch.Tensor, hit: torch.Tensor) -> ListCandidates:
+    """``source_blocks [W, nb]`` (global ids, ascending per source), ``query_blocks [nb]``, ``hit [b, Hq, NB]``."""
+    world, nb = source_blocks.shape
+    key_block = _int32(source_blocks)
+    queries = _int32(query_blocks)
+    prefix = _int32(torch.searchsorted(key_block, queries.expand(world, nb).contiguous(), right=True))
+    flat_hit = hit.reshape(-1, hit.shape[-1]).to(torch.int8).contiguous()
+    return ListCandidates(False, key_block, key_block, key_block, prefix, flat_hit, queries, world, flat_hit.shape[0])
+
+
+def bar_candidates(owner: torch.Tensor, local: torch.Tensor, key_block: torch.Tensor, query_blocks: torch.Tensor,
+                   hit: torch.Tensor, world_size: int) -> ListCandidates:
+    """The verticals' ``owner``, ``local`` column and ``key_block``, each ``[b, Hq, V]`` (ascending per row)."""
+    rows = key_block.shape[0] * key_block.shape[1]
+    blocks = _int32(key_block.reshape(rows, -1))
+    queries = _int32(query_blocks)
+    prefix = _int32(torch.searchsorted(blocks, queries.expand(rows, -1).contiguous()))
+    flat_hit = hit.reshape(rows, -1).to(torch.int8).contiguous()
+    return ListCandidates(True, blocks, _int32(owner.reshape(rows, -1)), _int32(local.reshape(rows, -1)), prefix,
+                          flat_hit, queries, world_size, rows)
+
+
+def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, col: torch.Tensor, write: bool) -> None:
+    num_local_blocks = c.query_blocks.numel()
+    width = c.key_block.shape[1]
+    cand_strides = (width, 0) if c.bars else (0, width)
+    prefix_strides = (num_local_blocks, 0) if c.bars else (0, num_local_blocks)
+    _list_rows_kernel[(num_local_blocks, c.batch_heads, c.world_size)](
+        c.key_block, c.owner, c.value, c.prefix, c.hit, c.query_blocks, row_start, counts, col,
+        *cand_strides, *prefix_strides, c.hit.shape[1], num_local_blocks, c.batch_heads,
+        BARS=c.bars, WRITE=write, STEP=CANDIDATES_PER_STEP)
+
+
+def count_rows(c: ListCandidates) -> torch.Tensor:
+    """Entries per row, int32 ``[W, b·Hq, nb]``."""
+    counts = torch.empty((c.world_size, c.batch_heads, c.query_blocks.numel()), dtype=torch.int32,
+                         device=c.key_block.device)
+    _launch(c, counts, counts, counts, write=False)                 # row_start and col are not read
     return counts
 
 
-def write_bars(candidates: BarCandidates, row_start: torch.Tensor, total: int) -> torch.Tensor:
-    """The bar columns, int32 ``[total]``: row r's bars at ``row_start[r] …`` (``row_start`` int32, rows as
-    :func:`count_bars`'s, flattened)."""
-    col = torch.empty(total, dtype=torch.int32, device=candidates.key_block.device)
+def write_rows(c: ListCandidates, row_start: torch.Tensor, total: int) -> torch.Tensor:
+    """The entries, int32 ``[total]``: row r's at ``row_start[r] …`` (rows as :func:`count_rows`'s, flattened)."""
+    col = torch.empty(total, dtype=torch.int32, device=c.key_block.device)
     if total:
-        candidates._launch(row_start.to(torch.int32).contiguous(), row_start, col, write=True)
+        _launch(c, _int32(row_start), row_start, col, write=True)
     return col

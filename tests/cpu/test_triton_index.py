@@ -17,12 +17,12 @@ from mtraining_kernels import index, triton_index  # noqa: E402
 from mtraining_kernels.layout import BLOCK_SIZE, Layout  # noqa: E402
 from test_index import FIELDS, random_index  # noqa: E402
 
-if type(triton_index._bar_rows_kernel).__name__ != "InterpretedFunction":
+if type(triton_index._list_rows_kernel).__name__ != "InterpretedFunction":
     importlib.reload(triton_index)          # imported earlier without the interpreter flag
 
 
 def convert_with(backend: str, monkeypatch, *args) -> index.BlockBarIndex:
-    monkeypatch.setattr(index, "_bar_backend", backend)
+    monkeypatch.setattr(index, "_conversion_backend", backend)
     return index.convert_index(*args)
 
 
@@ -35,7 +35,7 @@ def test_triton_bar_lists_equal_the_pytorch_ones(seed, monkeypatch, kind, world)
     layout = Layout(kind, world)
     seq_len = 2 * world * BLOCK_SIZE * 3                       # 6 blocks per rank: zigzag needs 2 chunks each
     # wide enough that a row's candidates span more than one loop step of the kernel
-    v_width = triton_index.VERTICALS_PER_STEP + 64
+    v_width = triton_index.CANDIDATES_PER_STEP + 64
     v_idx, s_idx = random_index(generator, 2, 3, seq_len, min(v_width, seq_len // 4), 24)
     for rank in range(world):
         expected = convert_with("torch", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
@@ -60,3 +60,18 @@ def test_many_verticals_and_no_verticals(seed, monkeypatch):
             for field in FIELDS:
                 assert torch.equal(getattr(got, field), getattr(expected, field)), f"seed={seed}: {field}"
     assert expected.bar_col.numel() == 0
+
+
+def test_rows_longer_than_one_loop_step_of_blocks(seed, monkeypatch):
+    """160 query blocks, a slash on every block diagonal and random verticals: the last rows hold more blocks
+    than one kernel loop step reads."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = 160 * BLOCK_SIZE
+    v_idx, _ = random_index(generator, 1, 2, seq_len, 16, 4)
+    s_idx = torch.arange(0, seq_len, BLOCK_SIZE, dtype=torch.int32).expand(1, 2, -1).contiguous()
+    expected = convert_with("torch", monkeypatch, v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+    got = convert_with("triton", monkeypatch, v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+    longest = int((expected.blk_ptr[..., 1:] - expected.blk_ptr[..., :-1]).max()) // 2
+    assert longest > triton_index.CANDIDATES_PER_STEP, f"longest block row {longest}: the test checks one step only"
+    for field in FIELDS:
+        assert torch.equal(getattr(got, field), getattr(expected, field)), f"seed={seed}: {field} differs"

@@ -1,10 +1,10 @@
-"""The index conversion on a CUDA device: the Triton bar-list kernels against the PyTorch path (DESIGN.md §2.6).
+"""The index conversion on a CUDA device: the Triton list kernels against the PyTorch path (DESIGN.md §2.6).
 
 Both paths run on the same GPU on benchmark-like patterns (30 sinks + N/128 random verticals, window +
-random slashes) and random test patterns; every list must be ``torch.equal``. Up to N = 128K, layouts
+random slashes); every list must be ``torch.equal``. Up to N = 128K, layouts
 contiguous (W = 1) and striped / zigzag (W = 2, both ranks).
 
-Run as a script to time the conversion, PyTorch bars against Triton bars (not a test):
+Run as a script to time the conversion, PyTorch ops against the Triton kernels (not a test):
 ``python tests/gpu/test_index_gpu.py 131072 524288``.
 """
 
@@ -27,13 +27,13 @@ FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
 
 
 def convert(backend: str, v_idx, s_idx, layout: Layout, rank: int, seq_len: int) -> index.BlockBarIndex:
-    with mock.patch.object(index, "_bar_backend", backend):
+    with mock.patch.object(index, "_conversion_backend", backend):
         return index.convert_index(v_idx, s_idx, layout, rank, seq_len)
 
 
 @pytest.mark.parametrize("seq_len", [32768, 131072])
 @pytest.mark.parametrize("kind, world", [("contiguous", 1), ("striped", 2), ("zigzag", 2)])
-def test_triton_bars_equal_the_pytorch_bars(seed, seq_len, kind, world):
+def test_triton_lists_equal_the_pytorch_lists(seed, seq_len, kind, world):
     generator = torch.Generator().manual_seed(seed)
     v_idx, s_idx, _ = budget_pattern(1, 16, seq_len, 0.95, "cuda", generator)
     layout = Layout(kind, world)
@@ -64,6 +64,6 @@ if __name__ == "__main__":
         hit = slash_block_hits(s, n // BLOCK_SIZE, BLOCK_SIZE)
         query_blocks, source_blocks = index._block_tables(Layout("contiguous", 1), 0, n, v.device)
         blocks_ms = median_ms(lambda: index._block_lists(hit, query_blocks, source_blocks), 5)
-        print(f"N={n}: conversion {timings['torch']:.1f} ms with PyTorch bars, {timings['triton']:.1f} ms with "
-              f"Triton bars, of which block lists {blocks_ms:.1f} ms ({bars / 1e6:.1f} M bar entries, Hq = 16, "
+        print(f"N={n}: conversion {timings['torch']:.1f} ms with PyTorch ops (block lists {blocks_ms:.1f} ms), "
+              f"{timings['triton']:.1f} ms with the Triton kernels ({bars / 1e6:.1f} M bar entries, Hq = 16, "
               "95 % sparsity pattern)", flush=True)
