@@ -135,19 +135,23 @@ class Variant:
         return self.dense_kernel is None
 
 
+BUDGETS = {  # sparsity_setting → the launcher's budget flags
+    f"top_p={TOP_P}": ("--mtraining-budget", "top-p", "--mtraining-top-p", str(TOP_P)),
+    f"sparsity={STATIC_SPARSITY}": ("--mtraining-budget", "static", "--mtraining-sparsity", str(STATIC_SPARSITY)),
+}
+
+
+def sparse_variant(key: str, layout: str, sparsity_setting: str) -> Variant:
+    attention = "mtraining" if layout == "striped" else f"mtraining_{layout}"
+    flags = ("--mtraining-layout", layout, *BUDGETS[sparsity_setting], "--mtraining-kernel", "triton")
+    return Variant(key, attention, sparsity_setting, layout, flags)
+
+
 SPARSE_VARIANTS = {variant.key: variant for variant in (
-    Variant("mtraining", "mtraining", f"top_p={TOP_P}", "striped",
-            ("--mtraining-layout", "striped", "--mtraining-budget", "top-p", "--mtraining-top-p", str(TOP_P),
-             "--mtraining-kernel", "triton")),
-    Variant("mtraining-static", "mtraining", f"sparsity={STATIC_SPARSITY}", "striped",
-            ("--mtraining-layout", "striped", "--mtraining-budget", "static", "--mtraining-sparsity",
-             str(STATIC_SPARSITY), "--mtraining-kernel", "triton")),
-    Variant("mtraining-zigzag", "mtraining_zigzag", f"top_p={TOP_P}", "zigzag",
-            ("--mtraining-layout", "zigzag", "--mtraining-budget", "top-p", "--mtraining-top-p", str(TOP_P),
-             "--mtraining-kernel", "triton")),
-    Variant("mtraining-zigzag-static", "mtraining_zigzag", f"sparsity={STATIC_SPARSITY}", "zigzag",
-            ("--mtraining-layout", "zigzag", "--mtraining-budget", "static", "--mtraining-sparsity",
-             str(STATIC_SPARSITY), "--mtraining-kernel", "triton")),
+    sparse_variant("mtraining", "striped", f"top_p={TOP_P}"),
+    sparse_variant("mtraining-static", "striped", f"sparsity={STATIC_SPARSITY}"),
+    sparse_variant("mtraining-zigzag", "zigzag", f"top_p={TOP_P}"),
+    sparse_variant("mtraining-zigzag-static", "zigzag", f"sparsity={STATIC_SPARSITY}"),
 )}
 VARIANT_KEYS = (*SPARSE_VARIANTS, "dense")
 
