@@ -27,9 +27,8 @@ from .reference import slash_block_hits
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 # "auto": the Triton list kernels (triton_index.py) for CUDA tensors, PyTorch ops elsewhere;
-# "torch" / "triton" force one path (tests compare them). "torch" until tests/gpu/test_index_gpu.py has
-# passed on a GPU (the kernels are so far checked by the CPU interpreter only); then "auto".
-_conversion_backend = "torch"
+# "torch" / "triton" force one path (tests compare them, tests/gpu/test_index_gpu.py on a GPU).
+_conversion_backend = "auto"
 
 
 @dataclass(frozen=True, eq=False)
