@@ -33,9 +33,14 @@ import triton
 import triton.language as tl
 
 ROWS_PER_TILE = 64          # the estimation rows, L ≤ 64: one tile
-LOGIT_KEYS_PER_TILE = 128   # keys per logits tile (4 warps: each thread owns one key column of 64 rows)
+# Tile shapes and warps timed on an H200 at N = 512K (tests/gpu/test_estimation_gpu.py script mode,
+# docs/benchmarks.md): logits 128 keys × 2 warps 9.95 ms (4 warps 14.1), scores 128 columns × 8 warps
+# 9.0 ms static (32 × 4: 13.6). They set the launch only, never a bit of the results.
+LOGIT_KEYS_PER_TILE = 128   # keys per logits tile
+LOGIT_NUM_WARPS = 2
 LOGIT_UNROLL = 8            # head dimensions per logits-loop iteration (1 when d is not a multiple)
-SCORE_KEYS_PER_TILE = 32    # columns per score tile (fp64 work: 16 elements per thread at 4 warps)
+SCORE_KEYS_PER_TILE = 128   # columns per vertical / slash score tile
+SCORE_NUM_WARPS = 8
 _KERNEL_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 # positions of the fp64 constants in the tensor built by _constants
 _ONE, _STATIC_LIMIT, _EXP_FLOOR, _LOG2_E, _FIRST_COEFFICIENT = (tl.constexpr(i) for i in range(5))
@@ -273,7 +278,7 @@ def _row_stats(logits: torch.Tensor, row_tensor: torch.Tensor, name: str, dtype:
 
 def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, k_positions: torch.Tensor,
                       softmax_scale: float, *, keys_per_tile: int = LOGIT_KEYS_PER_TILE,
-                      num_warps: int = 4) -> torch.Tensor:
+                      num_warps: int = LOGIT_NUM_WARPS) -> torch.Tensor:
     """ℓ = scale·⟨q_i, k_j⟩: fp32 ``[b, Hq, L, n]``, −inf where k_positions[j] > q_positions[i].
 
     ``q_rows [b, L, Hq, d]`` (L ≤ 64) and global positions ``q_positions [L]``; ``k [b, n, Hkv, d]``
@@ -343,7 +348,8 @@ def _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denom
     vertical = torch.empty(batch, q_heads, num_keys, dtype=torch.int64, device=logits.device)
     slash = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=logits.device)
     shared = (logits.stride(0), logits.stride(1), logits.stride(2), row_max.stride(0), row_max.stride(1))
-    meta = dict(TOP_P=top_p, NUM_COEFFICIENTS=len(rules.exp2_coefficients), BLOCK_M=ROWS_PER_TILE, **_KERNEL_OPTIONS)
+    meta = dict(TOP_P=top_p, NUM_COEFFICIENTS=len(rules.exp2_coefficients), BLOCK_M=ROWS_PER_TILE,
+                num_warps=SCORE_NUM_WARPS, enable_fp_fusion=False)
     _vertical_kernel[(triton.cdiv(num_keys, SCORE_KEYS_PER_TILE), q_heads, batch)](
         logits, row_max, denominators, constants, vertical,
         *shared, vertical.stride(0), vertical.stride(1),

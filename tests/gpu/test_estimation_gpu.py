@@ -145,7 +145,7 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
     scale = dim ** -0.5
     old_repeats = 2 if seq_len > 200_000 else 3
     tiles = {}
-    for keys_per_tile, num_warps in ((64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8)):
+    for keys_per_tile, num_warps in ((64, 1), (64, 2), (128, 1), (128, 2), (128, 4), (256, 2), (256, 4)):
         tiles[f"{keys_per_tile}x{num_warps}w"] = round(_median_ms(lambda: triton_estimation.estimation_logits(
             q[:, seq_len - 64:], q_positions, k, k_positions, scale, keys_per_tile=keys_per_tile,
             num_warps=num_warps), 5), 2)
@@ -153,10 +153,9 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
     sweep_logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
     for mode in BUDGETS:
         tiles = {}
-        for keys_per_tile, num_warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
-            options = dict(triton_estimation._KERNEL_OPTIONS, num_warps=num_warps)
+        for keys_per_tile, num_warps in ((32, 4), (64, 8), (128, 4), (128, 8), (128, 16), (256, 8), (256, 16)):
             with mock.patch.object(triton_estimation, "SCORE_KEYS_PER_TILE", keys_per_tile), \
-                    mock.patch.object(triton_estimation, "_KERNEL_OPTIONS", options):
+                    mock.patch.object(triton_estimation, "SCORE_NUM_WARPS", num_warps):
                 tiles[f"{keys_per_tile}x{num_warps}w"] = round(_median_ms(lambda: pattern._vertical_and_slash_scores(
                     sweep_logits, mode == "top_p", q_positions, k_positions, seq_len), 5), 2)
         print(f"N={seq_len} {mode}: score kernels ms by keys per tile x warps: {tiles}", flush=True)
