@@ -5,7 +5,8 @@
   (every rank's forward steps, then every backward step), returned in global token order;
 * :func:`reference_attention` — fp32/fp64 (or low-precision) masked reference with autograd
   gradients, one query head at a time so that long sequences fit in memory;
-* :func:`assert_close_fa` — DESIGN.md §6: max|ours − ref| ≤ 2·max|lowprec − ref| + ε and relative RMSE.
+* :func:`assert_close_fa` — DESIGN.md §6: max|ours − ref| ≤ 2·max|lowprec − ref| + ε and relative RMSE;
+* :func:`poisoned_attention` — ``sparse_attention`` forward + backward with one NaN/Inf in q, k or v.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mtraining_kernels.index import convert_index
+from mtraining_kernels.interface import sparse_attention
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.reference import full_index, reference_sparse_attention, vertical_slash_mask
 from patterns import random_index
@@ -122,3 +124,27 @@ def assert_close_fa(name: str, ours: torch.Tensor, ref: torch.Tensor, lowprec: t
         f"{name}: max error {error:.3e} > 2 x low-precision error {baseline:.3e} + eps {epsilon:.3e} ({context})")
     rmse = ((ours - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert rmse < rmse_bound, f"{name}: relative RMSE {rmse:.3e} >= {rmse_bound:g} ({context})"
+
+
+def poisoned_attention(seed: int, poison: str, backend_name: str, dtype: torch.dtype, shape: tuple[int, int, int, int],
+                       device: str = "cpu"):
+    """(out, [dq, dk, dv], fp64 reference out, context) of ``sparse_attention`` on a ``mixed`` pattern with
+    one ``poison`` ("q nan", "k nan", "k inf" or "v nan") at a random position; ``shape`` = (N, Hq, Hkv, d).
+    Results and the reference come back on the CPU."""
+    seq_len, heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, seq_len, heads, dim, generator=gen)
+    k, v = (torch.randn(1, seq_len, kv_heads, dim, generator=gen) for _ in range(2))
+    v_idx, s_idx = make_index(1, heads, seq_len, "mixed", gen)
+    position = int(torch.randint(0, seq_len, (1,), generator=gen))
+    tensor = {"q": q, "k": k, "v": v}[poison[0]]
+    # +Inf where the last query head at the same position gets a +Inf logit (a −Inf logit only hides the key)
+    tensor[0, position, -1, 0] = float("inf") * q[0, position, -1, 0].sign() if poison.endswith("inf") else float("nan")
+    leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    index = convert_index(v_idx.to(device), s_idx.to(device), Layout("contiguous", 1), 0, seq_len)
+    out = sparse_attention(*leaves, index, backend=backend_name)
+    out.float().square().sum().backward()
+    ref_out, _ = reference_sparse_attention(*(t.double() for t in (q, k, v)),
+                                            vertical_slash_mask(v_idx, s_idx, seq_len))
+    context = f"seed={seed} {backend_name} {dtype} {poison} at position {position} on {device}"
+    return out.detach().cpu(), [leaf.grad.cpu() for leaf in leaves], ref_out, context

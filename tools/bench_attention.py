@@ -4,7 +4,9 @@ Causal attention, one GPU, shapes ``[b, N, H, d]``. For every N and shape it tim
 
 * ``mtraining`` — ``sparse_attention(..., backend="triton")`` on a vertical-slash pattern whose
   budgets are calibrated to a target sparsity (30 sinks + N/128 random verticals, the 100-offset
-  window + random slashes; DESIGN.md §2.1 mask), default (atomic) backward;
+  window + random slashes; DESIGN.md §2.1 mask), default (atomic) backward; and, for every ``--top-p``,
+  on the pattern that the top-P estimator selects on structured q/k (``structured_qk.py``: a local band,
+  a distant diagonal, sinks and hub columns — random q/k have no structure to find), timed on those q/k;
 * ``mtraining_deterministic`` — the same with ``deterministic=True`` (only with ``--deterministic``);
 * ``mtraining_dense`` — our kernels on the full causal pattern (N ≤ ``--dense-max-len``);
 * ``sdpa_cudnn`` / ``sdpa_flash`` — ``F.scaled_dot_product_attention(is_causal=True)`` with the cuDNN
@@ -12,8 +14,9 @@ Causal attention, one GPU, shapes ``[b, N, H, d]``. For every N and shape it tim
 
 Timing: CUDA events around the forward and around the backward (``torch.autograd.grad``) of each
 repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
-(``megatron_mtraining.pattern.estimate_vertical_slash`` with the pattern's static budget) plus the
-conversion (``convert_index``); estimation needs no Megatron, and is skipped if it cannot be imported.
+(``megatron_mtraining.pattern.estimate_vertical_slash`` with the pattern's static budget, or the top-P
+budget on the structured inputs) plus the conversion (``convert_index``); estimation is skipped for the
+fixed budgets if ``megatron_mtraining`` cannot be imported, and the ``--top-p`` rows then refuse to run.
 FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed forward 4·|M|·d·Hq
 (|M| per head), backward 2.5× forward.
 
@@ -27,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -43,6 +46,9 @@ from mtraining_kernels import Layout, convert_index, sparse_attention
 from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.layout import BLOCK_SIZE
 from mtraining_kernels.reference import full_index, slash_block_hits
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from structured_qk import structured_qk  # noqa: E402
 
 SHAPES = {"qwen2.5-3b": (16, 2, 128), "mha": (16, 16, 128)}   # (Hq, Hkv, d)
 SINKS, WINDOW = 30, 100
@@ -195,6 +201,17 @@ def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, f
     return convert, estimate
 
 
+def top_p_estimator():
+    """(estimate_vertical_slash, TopPBudget) from megatron_mtraining; SystemExit naming the fix if absent."""
+    try:
+        from megatron_mtraining.budget import TopPBudget
+        from megatron_mtraining.pattern import estimate_vertical_slash
+    except ImportError as err:
+        raise SystemExit(f"--top-p needs megatron_mtraining importable ({err}); install the package or pass "
+                         "--top-p with no values") from err
+    return estimate_vertical_slash, TopPBudget
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
@@ -202,6 +219,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shape-max-len", nargs="*", default=["mha=131072"],
                         help="per-shape largest N, e.g. mha=131072")
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95])
+    parser.add_argument("--top-p", type=float, nargs="*", default=[0.9],
+                        help="top-P budgets estimated on structured q/k (none: only the fixed budgets)")
     parser.add_argument("--dense-max-len", type=int, default=131072, help="largest N for mtraining_dense")
     parser.add_argument("--flash-max-len", type=int, default=131072, help="largest N for sdpa_flash")
     parser.add_argument("--cudnn-max-len", type=int, default=524288, help="largest N for sdpa_cudnn")
@@ -229,6 +248,10 @@ def main(argv=None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA device")
+    budgets = []
+    if args.top_p:
+        estimate_vertical_slash, TopPBudget = top_p_estimator()
+        budgets = [TopPBudget(p) for p in args.top_p]                  # validates every p before any work
 
     device = torch.device("cuda")
     base = {"gpu": torch.cuda.get_device_name(), "commit": args.commit or git_commit(),
@@ -308,6 +331,23 @@ def main(argv=None) -> None:
                     print(f"# {impl} at N={seq_len} failed: {str(err).splitlines()[0]}", file=sys.stderr)
                     continue
                 record(impl=impl, fwd_ms=fwd_ms, bwd_ms=bwd_ms, density=1.0, index_ms=0.0, **common)
+
+            if budgets:
+                q, k = (t.to(torch.bfloat16).requires_grad_() for t in structured_qk(
+                    args.batch, seq_len, heads, kv_heads, dim, generator=gen, device=device))
+            for budget in budgets:
+                v_idx, s_idx = estimate_vertical_slash(q.detach(), k.detach(), budget)[:2]
+                estimate_ms = median_ms(functools.partial(estimate_vertical_slash, q.detach(), k.detach(), budget), 3)
+                convert_ms = median_ms(lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len), 3)
+                index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+                extra = dict(top_p=budget.p, inputs="structured", density=mask_density(v_idx, s_idx, seq_len),
+                             slashes=int((s_idx < seq_len).sum(-1).max()),
+                             verticals=int((v_idx < seq_len).sum(-1).max()), convert_ms=convert_ms,
+                             estimate_ms=estimate_ms, index_ms=convert_ms + estimate_ms)
+                torch.cuda.reset_peak_memory_stats()
+                fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, args.reps)
+                record(impl="mtraining", fwd_ms=fwd_ms, bwd_ms=bwd_ms, **common, **extra)
+                del index
             del q, k, v, dout
 
     write_table(rows, args.table)
@@ -345,7 +385,8 @@ def write_table(rows: list[dict], path: str) -> None:
         de, ac = r["dense_equiv_tflops"], r["actual_tflops"]
         cu = r.get("vs_sdpa_cudnn")
         fl = r.get("vs_sdpa_flash")
-        cells = [r["shape"], r["seq_len"], r["impl"], f"{r['density']:.4f}", f"{r['fwd_ms']:.2f}",
+        impl = r["impl"] + (f" (top-P {r['top_p']})" if "top_p" in r else "")
+        cells = [r["shape"], r["seq_len"], impl, f"{r['density']:.4f}", f"{r['fwd_ms']:.2f}",
                  f"{r['bwd_ms']:.2f}", f"{r['fwd_ms'] + r['bwd_ms']:.2f}", f"{r['index_ms']:.2f}",
                  f"{de['fwd']:.0f}/{de['bwd']:.0f}/{de['fwd_bwd']:.0f}", f"{ac['fwd_bwd']:.0f}",
                  f"{cu['fwd']:.2f}/{cu['bwd']:.2f}/{cu['fwd_bwd']:.2f}" if cu else "–",
@@ -355,6 +396,12 @@ def write_table(rows: list[dict], path: str) -> None:
     with open(path, "w") as f:
         f.write(text)
     print(text)
+
+
+def pattern_label(row: dict) -> str:
+    if "top_p" in row:
+        return f" top-P {row['top_p']:.2f} (structured q/k)"
+    return "" if row["impl"] == "mtraining_dense" else f" sparsity {row.get('target_sparsity', 0):.2f}"
 
 
 def write_plot(rows: list[dict], path: str) -> None:
@@ -369,8 +416,7 @@ def write_plot(rows: list[dict], path: str) -> None:
     for r in _speedups(rows):
         if "vs_sdpa_cudnn" not in r:
             continue
-        label = f"{r['shape']} {r['impl']}" + ("" if r["impl"] == "mtraining_dense" else
-                                              f" sparsity {r.get('target_sparsity', 0):.2f}")
+        label = f"{r['shape']} {r['impl']}" + pattern_label(r)
         series.setdefault(label, []).append((r["seq_len"], r["vs_sdpa_cudnn"]["fwd_bwd"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in sorted(series.items()):

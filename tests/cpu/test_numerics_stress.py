@@ -12,10 +12,9 @@ Findings recorded here (docs/testing.md, "Reliability"):
 * the kernels are accurate at ±1e4 logits, but the production autograd path computes
   delta = rowsum(dout ⊙ out) from the bf16-rounded output, as FlashAttention does, so its dq/dk are
   within the §6 rule of FlashAttention's gradients, not of the exact ones, at such logits;
-* NaN/Inf in q/k: the estimator does not detect it (it returns a valid index), and both backends give
-  the rows whose logits hold NaN out = 0 and lse = −inf instead of NaN (strict ``xfail``); the
-  gradients do become NaN, so Megatron's --check-for-nan-in-loss-and-grad stops the step at the
-  gradient norm. A NaN in v reaches the output and is stopped at the loss.
+* NaN/Inf in q, k or v: the estimator does not detect it (it returns a valid index); both backends give
+  exactly the rows whose logits (or values) hold NaN/Inf a NaN output, as the reference does, and the
+  gradients become NaN, so Megatron's --check-for-nan-in-loss-and-grad stops the step at the loss.
 """
 
 import importlib
@@ -37,7 +36,8 @@ from mtraining_kernels.index import convert_index  # noqa: E402
 from mtraining_kernels.interface import sparse_attention  # noqa: E402
 from mtraining_kernels.layout import Layout  # noqa: E402
 from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask  # noqa: E402
-from triton_cases import assert_close_fa, make_index, reference_attention, ring_attention  # noqa: E402
+from triton_cases import (assert_close_fa, make_index, poisoned_attention, reference_attention,  # noqa: E402
+                          ring_attention)
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 SEQ_LEN, HEADS, KV_HEADS, DIM = 512, 2, 1, 64
@@ -299,33 +299,13 @@ BACKENDS = [pytest.param("torch_blocksparse", torch.float32, id="torch-fp32"),
             pytest.param("triton", torch.float16, id="triton-fp16", marks=STRESS[1].marks)]
 
 
-def _poisoned_attention(seed: int, poison: str, backend_name: str, dtype: torch.dtype):
-    """sparse_attention forward + backward with one NaN/Inf in q, k or v; also the fp64 reference output."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, SEQ_LEN, HEADS, DIM, generator=gen)
-    k, v = (torch.randn(1, SEQ_LEN, KV_HEADS, DIM, generator=gen) for _ in range(2))
-    v_idx, s_idx = make_index(1, HEADS, SEQ_LEN, "mixed", gen)
-    position = int(torch.randint(0, SEQ_LEN, (1,), generator=gen))
-    tensor = {"q": q, "k": k, "v": v}[poison[0]]
-    # +Inf where the last query head at the same position gets a +Inf logit (a −Inf logit only hides the key)
-    tensor[0, position, -1, 0] = float("inf") * q[0, position, -1, 0].sign() if poison.endswith("inf") else float("nan")
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out = sparse_attention(*leaves, convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, SEQ_LEN),
-                           backend=backend_name)
-    out.float().square().sum().backward()
-    ref_out, _ = reference_sparse_attention(*(t.double() for t in (q, k, v)),
-                                            vertical_slash_mask(v_idx, s_idx, SEQ_LEN))
-    context = f"seed={seed} {backend_name} {poison} at position {position}"
-    return out.detach(), [leaf.grad for leaf in leaves], ref_out, context
-
-
 @pytest.mark.parametrize("backend_name, dtype", BACKENDS)
 @pytest.mark.parametrize("poison", POISONS)
 def test_nan_or_inf_inputs_reach_the_loss_or_the_gradients(seed, poison, backend_name, dtype):
     """What Megatron's --check-for-nan-in-loss-and-grad (on by default) sees: a NaN/Inf in q, k or v makes the
     outputs that read it NaN (caught at the loss) and dq, dk and dv NaN (caught at the gradient norm, before
     the optimizer step)."""
-    out, grads, _, context = _poisoned_attention(seed, poison, backend_name, dtype)
+    out, grads, _, context = poisoned_attention(seed, poison, backend_name, dtype, (SEQ_LEN, HEADS, KV_HEADS, DIM))
     assert torch.isnan(out).any(), f"a {poison} vanished from the output ({context})"
     for name, grad in zip("qkv", grads):
         assert torch.isnan(grad).any(), f"d{name} has no NaN, so the gradient check would miss it ({context})"
@@ -334,7 +314,7 @@ def test_nan_or_inf_inputs_reach_the_loss_or_the_gradients(seed, poison, backend
 @pytest.mark.parametrize("backend_name, dtype", BACKENDS)
 @pytest.mark.parametrize("poison", POISONS[:3])
 def test_nan_or_inf_in_q_k_reach_exactly_the_outputs_that_read_them(seed, poison, backend_name, dtype):
-    out, _, ref_out, context = _poisoned_attention(seed, poison, backend_name, dtype)
+    out, _, ref_out, context = poisoned_attention(seed, poison, backend_name, dtype, (SEQ_LEN, HEADS, KV_HEADS, DIM))
     assert torch.isnan(ref_out).any(), f"the poison reaches nothing in the reference ({context})"
     assert torch.equal(torch.isnan(out), torch.isnan(ref_out)), f"NaN outputs differ from the reference ({context})"
 

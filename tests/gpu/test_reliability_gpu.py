@@ -8,6 +8,7 @@ tests/distributed/test_no_hang.py).
   kernels round P and dS to bf16 for the tensor-core products (as FlashAttention does), which gives
   5e-3 … 6.4e-3 (H200, 2026-11-30), where plain bf16 PyTorch attention is at 3 … 7 (300-700 %). Those
   two use a 1e-2 bound; everything else keeps §6's.
+* NaN/Inf in q, k or v reaches exactly the output rows that read it, and every gradient.
 * The ring's consensus over NCCL: one GPU with a different sequence length makes both ranks raise a
   ``ValueError`` within seconds (under a 20 s collective timeout), and the pair then runs a good call.
 """
@@ -26,7 +27,7 @@ from mtraining_kernels import triton_backend
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
 from patterns import random_index
-from triton_cases import assert_close_fa, reference_attention, ring_attention
+from triton_cases import assert_close_fa, poisoned_attention, reference_attention, ring_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -96,6 +97,19 @@ def _inconsistent_then_good(rank: int, world_size: int, seed: int) -> dict:
     seconds = time.monotonic() - start
     _ring_call(rank, world_size, seed, local_len=1024)
     return {"raised": raised, "seconds": seconds}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("poison", ["q nan", "k nan", "k inf", "v nan"])
+def test_nan_or_inf_inputs_reach_exactly_the_outputs_that_read_them(seed, poison, dtype):
+    """The Triton kernels on the GPU: a NaN/Inf in q, k or v makes exactly the output rows NaN that the fp64
+    reference makes NaN (so Megatron's NaN check stops the step at the loss), and dq, dk, dv NaN."""
+    out, grads, ref_out, context = poisoned_attention(seed, poison, "triton", dtype, (SEQ_LEN, HEADS, KV_HEADS, DIM),
+                                                      device="cuda")
+    assert torch.isnan(ref_out).any(), f"the poison reaches nothing in the reference ({context})"
+    assert torch.equal(torch.isnan(out), torch.isnan(ref_out)), f"NaN outputs differ from the reference ({context})"
+    for name, grad in zip("qkv", grads):
+        assert torch.isnan(grad).any(), f"d{name} has no NaN, so the gradient check would miss it ({context})"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
