@@ -45,17 +45,38 @@ def _step_lists(index: BlockBarIndex) -> tuple[torch.Tensor, torch.Tensor, torch
     return index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col
 
 
+def replay_output_error(q: torch.Tensor, replay_output) -> str:
+    """Why ``replay_output`` cannot stand in for this call's forward, or '' (None, or (out, lse) of an
+    earlier forward: out like ``q`` ``[b, N, Hq, d]``, lse float ``[b, Hq, N]``, on q's device)."""
+    if replay_output is None:
+        return ""
+    if not isinstance(replay_output, tuple) or len(replay_output) != 2:
+        return f"replay_output must be the (out, lse) pair of an earlier forward, got {type(replay_output).__name__}"
+    out, lse = replay_output
+    batch, seq_len, heads, _ = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        return (f"replay_output out {tuple(out.shape)} {out.dtype} on {out.device} must match q {tuple(q.shape)} "
+                f"{q.dtype} on {q.device}; pass the out of the same call's first forward")
+    if lse.shape != (batch, heads, seq_len) or not lse.is_floating_point() or lse.device != q.device:
+        return (f"replay_output lse {tuple(lse.shape)} {lse.dtype} must be a float [b, Hq, N] = "
+                f"{(batch, heads, seq_len)} on {q.device}; pass the lse of the same call's first forward")
+    return ""
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, index: BlockBarIndex, softmax_scale: float, backend: ModuleType,
-                deterministic: bool):
-        batch, seq_len, heads, _ = q.shape
-        acc = accumulator_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
-        backend.block_bar_forward(q, k, v, *_step_lists(index), out, lse, causal_diag=True,
-                                  softmax_scale=softmax_scale)
-        out = out.to(q.dtype)
+                deterministic: bool, replay_output):
+        if replay_output is None:
+            batch, seq_len, heads, _ = q.shape
+            acc = accumulator_dtype(q.dtype)
+            out = torch.zeros(q.shape, dtype=acc, device=q.device)
+            lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
+            backend.block_bar_forward(q, k, v, *_step_lists(index), out, lse, causal_diag=True,
+                                      softmax_scale=softmax_scale)
+            out = out.to(q.dtype)
+        else:
+            out, lse = replay_output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.softmax_scale, ctx.backend, ctx.deterministic = index, softmax_scale, backend, deterministic
         ctx.mark_non_differentiable(lse)
@@ -73,7 +94,7 @@ class _SparseAttention(torch.autograd.Function):
         ctx.backend.block_bar_backward(q, k, v, dout, lse, delta, *_step_lists(ctx.index), dq, dk, dv,
                                        causal_diag=True, softmax_scale=ctx.softmax_scale,
                                        deterministic=ctx.deterministic)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _check_single_device(q: torch.Tensor, index: BlockBarIndex) -> None:
@@ -90,17 +111,21 @@ def _check_single_device(q: torch.Tensor, index: BlockBarIndex) -> None:
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockBarIndex, *,
                      softmax_scale: float | None = None, backend: str = "torch_blocksparse",
-                     return_lse: bool = False, deterministic: bool = False):
+                     return_lse: bool = False, deterministic: bool = False, replay_output=None):
     """Causal vertical-slash sparse attention on one device, differentiable in q, k, v.
 
     ``index`` is ``convert_index(v_idx, s_idx, Layout(kind, 1), 0, N)``. Returns out
     ``[b, N, Hq, d]`` in q's dtype and, with ``return_lse``, lse ``[b, Hq, N]`` (fp32; fp64 for fp64
     inputs; not differentiable). ``deterministic`` makes the backward bitwise repeatable.
+    ``replay_output``: (out, lse) of an earlier forward of the same q, k, v and index (activation
+    recomputation); the forward is skipped and they are returned, with this call's backward.
     """
     _check_single_device(q, index)
+    if error := replay_output_error(q, replay_output):
+        raise ValueError(error)
     launcher = get_backend(backend)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = _SparseAttention.apply(q, k, v, index, scale, launcher, deterministic)
+    out, lse = _SparseAttention.apply(q, k, v, index, scale, launcher, deterministic, replay_output)
     return (out, lse) if return_lse else out
 
 
@@ -120,8 +145,11 @@ def torch_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 class _DenseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, impl: str):
-        out, lse = sdpa_backend.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, impl=impl)
+    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, impl: str, replay_output):
+        if replay_output is None:
+            out, lse = sdpa_backend.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, impl=impl)
+        else:
+            out, lse = replay_output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.setup = (causal, softmax_scale, impl)
         ctx.mark_non_differentiable(lse)
@@ -133,20 +161,22 @@ class _DenseAttention(torch.autograd.Function):
         causal, softmax_scale, impl = ctx.setup
         dq, dk, dv = sdpa_backend.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                      softmax_scale=softmax_scale, impl=impl)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "cudnn", causal: bool = True,
-                    softmax_scale: float | None = None, return_lse: bool = False):
+                    softmax_scale: float | None = None, return_lse: bool = False, replay_output=None):
     """Dense attention on one device on torch's SDPA kernels (``sdpa_backend``), differentiable in q, k, v.
 
     q ``[b, N, Hq, d]``, k/v ``[b, N, Hkv, d]``; ``impl`` is ``"cudnn"`` (CUDA) or ``"flash"`` (CUDA, or
     torch's CPU flash kernel). Returns out ``[b, N, Hq, d]`` in q's dtype and, with ``return_lse``, lse
-    ``[b, Hq, N]`` (fp32; not differentiable).
+    ``[b, Hq, N]`` (fp32; not differentiable). ``replay_output`` as in :func:`sparse_attention`.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor [b, N, Hq, d], got {getattr(q, 'shape', type(q))}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     sdpa_backend.check_step_inputs(q, k, v, causal=causal, softmax_scale=scale, impl=impl)   # before autograd
-    out, lse = _DenseAttention.apply(q, k, v, causal, scale, impl)
+    if error := replay_output_error(q, replay_output):
+        raise ValueError(error)
+    out, lse = _DenseAttention.apply(q, k, v, causal, scale, impl, replay_output)
     return (out, lse) if return_lse else out

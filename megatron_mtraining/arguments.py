@@ -92,6 +92,10 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "--hierarchical-context-parallel-sizes L O)")
     group.add_argument(flag("stats_interval"), type=int, default=_default("stats_interval"),
                        help="log MTraining metrics (density, imbalance, index time) every N iterations; 0 = never")
+    group.add_argument(flag("keep_attention_output"), action="store_true",
+                       help="with --recompute-granularity full: keep each layer's attention output (and lse) from "
+                            "the first forward so that the recomputation skips attention (N_loc x hidden x 2 bytes "
+                            "more per layer and rank)")
     group.add_argument(LOSS_CHUNK_SIZE_FLAG, type=int, default=0,
                        help="compute the output layer and cross-entropy in chunks of N positions per CP rank, "
                             "recomputed in backward, so the full logits never exist (e.g. 8192 for 512K "
@@ -160,6 +164,10 @@ def _check_megatron_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
     if reorders and args.position_embedding_type == "mrope":
         raise ValueError(f"--position-embedding-type mrope is not supported with {flag('layout')}={config.layout}; "
                          "use rope or yarn")
+    if config.keep_attention_output and args.recompute_granularity != "full":
+        raise ValueError(f"{flag('keep_attention_output')} only saves work when layers are recomputed "
+                         f"(--recompute-granularity full), but it is {args.recompute_granularity}; add "
+                         f"--recompute-granularity full or drop {flag('keep_attention_output')}")
     if args.mtraining_loss_chunk_size < 0:
         raise ValueError(f"{LOSS_CHUNK_SIZE_FLAG}={args.mtraining_loss_chunk_size} must be >= 0 (0 computes the "
                          "full logits)")

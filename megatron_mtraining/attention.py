@@ -6,7 +6,8 @@ call the module
 
 1. estimates the layer's vertical-slash index on the global sequence from the last 64 queries
    (or, under recomputation, takes it from the layer's :class:`IndexCache`); dense layers use the
-   full pattern instead;
+   full pattern instead; with ``keep_attention_output`` the cache also holds the first forward's
+   output and lse, and the recomputation runs no attention forward, only its backward;
 2. converts it into this rank's block/bar lists (``mtraining_kernels.index.convert_index``);
 3. runs the single-device kernels (CP = 1) or the flat/hierarchical sparse ring over
    ``pg_collection.cp`` (CP > 1).
@@ -146,6 +147,14 @@ class _LayerIndex:
     block_bar: BlockBarIndex
 
 
+@dataclass(frozen=True, eq=False)
+class _Checkpointed:
+    """What the first forward of a recomputed layer keeps for the replay."""
+
+    index: _LayerIndex | None                               # the estimated index (sparse layers only)
+    output: tuple[torch.Tensor, torch.Tensor] | None        # (out, lse) with keep_attention_output
+
+
 @lru_cache(maxsize=4)
 def _full_pattern_index(batch: int, heads: int, seq_len: int, layout: Layout, rank: int,
                         device: torch.device) -> _LayerIndex:
@@ -242,23 +251,38 @@ class MTrainingAttention(MegatronModule):
         local_len, batch, heads, head_dim = query.shape
         q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))         # [b, s, heads, d]
         seq_len = local_len * self.cp_size
+        self.layout.validate(seq_len, BLOCK_SIZE)
         mt = self.mtraining
+        estimates = mt.sdpa_impl is None and not self.dense
+        kind = forward_kind() if estimates or mt.keep_attention_output else ForwardKind.PLAIN
+        cache_key = IndexKey(seq_len, batch, heads, self.layout)
+        replayed = self.index_cache.pop(cache_key, probe_checksum(q)) if kind is ForwardKind.REPLAY else None
+        replay_output = None if replayed is None else replayed.output
         if mt.sdpa_impl is not None:
-            out = self._sdpa_attention(q, k, v, seq_len)
-            return out.permute(1, 0, 2, 3).reshape(local_len, batch, heads * head_dim)
-        index = self._layer_index(q, k, seq_len)
-        if self.cp_size > 1:
-            out = ring_attention(q, k, v, index.block_bar, self.ring_groups, backend=mt.kernel,
-                                 softmax_scale=self.softmax_scale, deterministic=mt.deterministic,
-                                 grad_wire_dtype=mt.grad_wire_dtype)
-        elif mt.kernel == "reference":
-            mask = vertical_slash_mask(index.v_idx, index.s_idx, seq_len)
-            out = reference_sparse_attention(q, k, v, mask, softmax_scale=self.softmax_scale)[0].to(q.dtype)
+            index = None
+            out, lse = self._sdpa_attention(q, k, v, seq_len, replay_output)
         else:
-            out = sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), index.block_bar,
-                                   softmax_scale=self.softmax_scale, backend=mt.kernel,
-                                   deterministic=mt.deterministic)
+            index = replayed.index if replayed is not None and estimates else self._layer_index(q, k, seq_len)
+            out, lse = self._sparse_attention(q, k, v, seq_len, index, replay_output)
+        if kind is ForwardKind.CHECKPOINTED:
+            self.index_cache.push(cache_key, probe_checksum(q), _Checkpointed(
+                index if estimates else None, (out, lse) if mt.keep_attention_output else None))
         return out.permute(1, 0, 2, 3).reshape(local_len, batch, heads * head_dim)
+
+    def _sparse_attention(self, q, k, v, seq_len: int, index: _LayerIndex, replay_output):
+        """(out ``[b, s, heads, d]``, lse) through the ring (CP > 1) or the single-device kernels."""
+        mt = self.mtraining
+        if self.cp_size > 1:
+            return ring_attention(q, k, v, index.block_bar, self.ring_groups, backend=mt.kernel,
+                                  softmax_scale=self.softmax_scale, deterministic=mt.deterministic,
+                                  grad_wire_dtype=mt.grad_wire_dtype, return_lse=True, replay_output=replay_output)
+        if mt.kernel == "reference":                    # plain autograd (keep_attention_output is refused)
+            mask = vertical_slash_mask(index.v_idx, index.s_idx, seq_len)
+            out, lse = reference_sparse_attention(q, k, v, mask, softmax_scale=self.softmax_scale)
+            return out.to(q.dtype), lse
+        return sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), index.block_bar,
+                                softmax_scale=self.softmax_scale, backend=mt.kernel, deterministic=mt.deterministic,
+                                return_lse=True, replay_output=replay_output)
 
     def _check_call(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
         if attention_mask is not None:
@@ -282,33 +306,28 @@ class MTrainingAttention(MegatronModule):
             raise ValueError(f"query has {heads} heads on each of {self.tp_size} TP ranks, but the model has "
                              f"{self.config.num_attention_heads}")
 
-    def _sdpa_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """Dense causal attention on torch's SDPA kernels, no index: ``[b, s, heads, d]`` → ``[b, s, heads, d]``."""
-        self.layout.validate(seq_len, BLOCK_SIZE)
+    def _sdpa_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, replay_output):
+        """Dense causal attention on torch's SDPA kernels, no index: (out ``[b, s, heads, d]``, lse)."""
         if self.training:
             self.last_stats = AttentionStats(self.layer_number, True, None, None, self.layout, seq_len, None)
         mt = self.mtraining
         if self.cp_size > 1:
             return dense_ring_attention(q, k, v, self.layout, self.ring_groups, impl=mt.sdpa_impl,
-                                        softmax_scale=self.softmax_scale, grad_wire_dtype=mt.grad_wire_dtype)
+                                        softmax_scale=self.softmax_scale, grad_wire_dtype=mt.grad_wire_dtype,
+                                        return_lse=True, replay_output=replay_output)
         return dense_attention(q.contiguous(), k.contiguous(), v.contiguous(), impl=mt.sdpa_impl,
-                               softmax_scale=self.softmax_scale)
+                               softmax_scale=self.softmax_scale, return_lse=True, replay_output=replay_output)
 
     # ------------------------------------------------------------------ index
     def _layer_index(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> _LayerIndex:
-        """The index of this call: full pattern, cached (replay) or freshly estimated."""
+        """The index of a first forward: the full pattern (dense layers) or freshly estimated."""
         batch, _, heads, _ = q.shape
-        self.layout.validate(seq_len, BLOCK_SIZE)
         if self.dense:
             index = _full_pattern_index(batch, heads, seq_len, self.layout, self.cp_rank, q.device)
             if self.training:
                 self.last_stats = AttentionStats(self.layer_number, True, index.v_idx, index.s_idx, self.layout,
                                                  seq_len, None)
             return index
-        kind = forward_kind()
-        key = IndexKey(seq_len, batch, heads, self.layout)
-        if kind is ForwardKind.REPLAY:
-            return self.index_cache.pop(key, probe_checksum(q))
         stopwatch = _Stopwatch(q.device)
         with torch.no_grad():
             estimated = self._estimate(q.detach(), k.detach(), seq_len)
@@ -316,8 +335,6 @@ class MTrainingAttention(MegatronModule):
         self.estimations += 1
         index = _LayerIndex(estimated.v_idx, estimated.s_idx,
                             convert_index(estimated.v_idx, estimated.s_idx, self.layout, self.cp_rank, seq_len))
-        if kind is ForwardKind.CHECKPOINTED:
-            self.index_cache.push(key, probe_checksum(q), index)
         if self.training:
             self.last_stats = AttentionStats(self.layer_number, False, index.v_idx, index.s_idx, self.layout,
                                              seq_len, stopwatch)

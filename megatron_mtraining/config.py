@@ -51,7 +51,9 @@ class MTrainingConfig:
     ``dense_layers`` are 1-based global layer numbers computed with the full pattern through the same
     ring; ``dense=True`` does that for every layer (the dense baseline). ``kernel`` ``sdpa_cudnn`` /
     ``sdpa_flash`` is the dense baseline on torch's SDPA kernels instead (no index; needs ``dense=True``,
-    and with CP > 1 the zigzag layout and the flat ring).
+    and with CP > 1 the zigzag layout and the flat ring). ``keep_attention_output`` keeps each layer's
+    attention output and lse from the first forward of a full activation recomputation, so that the
+    recomputation skips the attention forward (costs N_loc·Hq·d activations per layer and rank).
     """
 
     layout: str = "striped"
@@ -74,6 +76,7 @@ class MTrainingConfig:
     ring: str = "flat"
     inner_ring_size: int | None = None
     stats_interval: int = 1
+    keep_attention_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, (list, range)):
@@ -83,6 +86,9 @@ class MTrainingConfig:
         self._check_budget_settings()
         self._check_dense_layers()
         self._check_sdpa_settings()
+        if self.keep_attention_output and self.kernel == "reference":
+            raise ValueError(f"{flag('keep_attention_output')} needs a kernel with a separate backward; "
+                             f"{flag('kernel')}=reference is plain autograd; use triton or torch_blocksparse")
         if self.inner_ring_size is not None and self.ring != "hierarchical":
             raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size} only applies to the hierarchical "
                              f"ring, but {flag('ring')}={self.ring}; add {flag('ring')} hierarchical or drop it")
@@ -94,7 +100,7 @@ class MTrainingConfig:
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"{flag(name)}={value!r} is unknown; use one of {', '.join(choices)}")
-        for name in ("deterministic", "dense"):
+        for name in ("deterministic", "dense", "keep_attention_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)} must be a bool, got {getattr(self, name)!r}")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtraining_kernels.interface import replay_output_error
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.sdpa_backend import attention_backward, attention_forward, check_step_inputs
 from mtraining_kernels.torch_backend import accumulator_dtype
@@ -90,14 +91,15 @@ def _signature_error(q, k, v, layout: Layout, groups: RingGroups, impl: str, sof
     return ""
 
 
-_RING_FIELDS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype")
+_RING_FIELDS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "replay")
 
 
-def check_dense_ring_inputs(q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale=None) -> None:
-    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad or differ in shape or dtype
-    (one small all-gather over the CP group, as :func:`megatron_mtraining.ring.check_ring_inputs`)."""
-    error = _signature_error(q, k, v, layout, groups, impl, softmax_scale)
-    values = None if error else [*q.shape, *k.shape, DTYPE_CODES.get(q.dtype, -1)]
+def check_dense_ring_inputs(q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale=None,
+                            replay_output=None) -> None:
+    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad or differ in shape or dtype, or
+    in replaying (one small all-gather over the CP group, as :func:`megatron_mtraining.ring.check_ring_inputs`)."""
+    error = _signature_error(q, k, v, layout, groups, impl, softmax_scale) or replay_output_error(q, replay_output)
+    values = None if error else [*q.shape, *k.shape, DTYPE_CODES.get(q.dtype, -1), int(replay_output is not None)]
     agree_on_inputs("dense ring attention", _RING_FIELDS, values,
                     ValueError(f"dense ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
                     groups.cp)
@@ -156,10 +158,13 @@ class DenseRingAttention(torch.autograd.Function):
     """Autograd function of the zigzag dense ring; see :func:`dense_ring_attention`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups, impl, scale, grad_wire):
+    def forward(ctx, q, k, v, groups, impl, scale, grad_wire, replay_output):
         kv = torch.stack([k, v])
-        out, lse = _ring_forward(q, kv, groups, impl, scale)
-        out_cast = out.to(q.dtype)
+        if replay_output is None:
+            out, lse = _ring_forward(q, kv, groups, impl, scale)
+            out_cast = out.to(q.dtype)
+        else:
+            out_cast, lse = replay_output
         ctx.save_for_backward(q, kv, out_cast, lse)
         ctx.setup = (groups, impl, scale, grad_wire)
         ctx.mark_non_differentiable(lse)
@@ -169,22 +174,23 @@ class DenseRingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, kv, out, lse = ctx.saved_tensors
         dq, dkv = _ring_backward(q, kv, dout.contiguous(), out, lse, *ctx.setup)
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None
 
 
 def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, groups: RingGroups, *,
                          impl: str = "cudnn", softmax_scale: float | None = None, grad_wire_dtype: str = "fp32",
-                         return_lse: bool = False):
+                         return_lse: bool = False, replay_output=None):
     """Dense causal attention of this rank's queries against the whole CP group, on SDPA ``impl`` kernels.
 
     q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in ``layout`` = ``Layout("zigzag", W)`` over the
     flat ring ``groups``; ``impl`` is ``"cudnn"`` or ``"flash"`` (see ``mtraining_kernels.sdpa_backend``).
-    Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse ``[b, Hq, N_loc]``, fp32).
+    Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse ``[b, Hq, N_loc]``, fp32). ``replay_output``
+    as in :func:`megatron_mtraining.ring.ring_attention`.
     """
     if grad_wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-    check_dense_ring_inputs(q, k, v, layout, groups, impl, softmax_scale)
+    check_dense_ring_inputs(q, k, v, layout, groups, impl, softmax_scale, replay_output)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = DenseRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), groups, impl, scale,
-                                        WIRE_DTYPES[grad_wire_dtype])
+                                        WIRE_DTYPES[grad_wire_dtype], replay_output)
     return (out, lse) if return_lse else out

@@ -1,11 +1,13 @@
-"""Per-layer FIFO cache of estimated indices for activation recomputation (DESIGN.md §2.2 "Reuse").
+"""Per-layer FIFO cache of what a recomputation replays (DESIGN.md §2.2 "Reuse"): the estimated index
+and, with ``--mtraining-keep-attention-output``, the attention output and lse.
 
 Megatron's selective (``core_attn``) and full recomputation run a layer's forward twice: once
 inside ``tensor_parallel.checkpoint`` during the forward pass, and again inside autograd's backward.
 The replay must not re-estimate the index (twice the collectives, and the pattern could change
 between forward and backward). So:
 
-* a forward inside a Megatron checkpoint that is *not* running inside a backward pushes its index;
+* a forward inside a Megatron checkpoint that is *not* running inside a backward pushes its index
+  (and its output when kept);
 * a forward running inside a backward (the replay) pops the oldest entry;
 * a plain forward (no recomputation) neither pushes nor pops.
 
@@ -104,9 +106,9 @@ class IndexCache:
         """The oldest entry's value; raises ``RuntimeError`` if there is none or it does not match."""
         if not self._entries:
             raise RuntimeError(
-                f"{self.owner}: a recomputation replayed the forward but no index was cached; the first "
+                f"{self.owner}: a recomputation replayed the forward but nothing was cached; the first "
                 "forward must run inside Megatron's tensor_parallel.checkpoint (selective core_attn or full "
-                "recompute) so that its index is kept for the replay")
+                "recompute) so that its index (and output) is kept for the replay")
         cached_key, cached_checksum, value = self._entries.popleft()
         if cached_key != key:
             raise RuntimeError(f"{self.owner}: the recomputation's input {key} differs from the cached "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from mtraining_kernels.index import BlockBarIndex
-from mtraining_kernels.interface import get_backend
+from mtraining_kernels.interface import get_backend, replay_output_error
 
 from .consensus import agree_on_inputs
 from .ring_comm import RingExchange
@@ -49,18 +49,20 @@ def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
     return ""
 
 
-_RING_FIELDS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "N")
+_RING_FIELDS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "N", "replay")
 
 
-def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups) -> None:
-    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad or differ in shape or dtype.
+def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups, replay_output=None) -> None:
+    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad or differ in shape or dtype, or
+    if some ranks replay an earlier forward's output and others do not.
 
     Every call agrees over the CP group (one small all-gather, :func:`agree_on_inputs`): skipping it for
     inputs seen before would let a rank whose input changed enter the all-gather while its peers enter
     the ring.
     """
-    error = _signature_error(q, k, v, index, groups)
-    values = None if error else [*q.shape, *k.shape, DTYPE_CODES.get(q.dtype, -1), index.seq_len]
+    error = _signature_error(q, k, v, index, groups) or replay_output_error(q, replay_output)
+    values = None if error else [*q.shape, *k.shape, DTYPE_CODES.get(q.dtype, -1), index.seq_len,
+                                 int(replay_output is not None)]
     agree_on_inputs("ring attention", _RING_FIELDS, values,
                     ValueError(f"ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
                     groups.cp)
@@ -146,11 +148,14 @@ class SparseRingAttention(torch.autograd.Function):
     """Autograd function for the flat and hierarchical sparse rings; see :func:`ring_attention`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, groups, backend_name, scale, deterministic, grad_wire):
+    def forward(ctx, q, k, v, index, groups, backend_name, scale, deterministic, grad_wire, replay_output):
         backend = get_backend(backend_name)
         kv = torch.stack([k, v])
-        out, lse = _ring_forward(q, kv, index, groups, backend, scale)
-        out_cast = out.to(q.dtype)
+        if replay_output is None:
+            out, lse = _ring_forward(q, kv, index, groups, backend, scale)
+            out_cast = out.to(q.dtype)
+        else:
+            out_cast, lse = replay_output
         ctx.save_for_backward(q, kv, out_cast, lse)
         ctx.setup = (index, groups, backend, scale, deterministic, grad_wire)
         ctx.mark_non_differentiable(lse)
@@ -164,22 +169,24 @@ class SparseRingAttention(torch.autograd.Function):
         delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()   # [b, Hq, N_loc]
         dq, dkv = _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deterministic,
                                  grad_wire)
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockBarIndex,
                    groups: RingGroups, *, backend: str = "triton", softmax_scale: float | None = None,
                    deterministic: bool = False, grad_wire_dtype: str = "fp32",
-                   return_lse: bool = False):
+                   return_lse: bool = False, replay_output=None):
     """Causal vertical-slash sparse attention of this rank's queries against the whole CP group.
 
     q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in the layout ``index`` was built for.
-    Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse fp32 ``[b, Hq, N_loc]``).
+    Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse fp32 ``[b, Hq, N_loc]``). ``replay_output``:
+    (out, lse) of an earlier forward of the same inputs (activation recomputation); the ring forward is
+    skipped and they are returned, with this call's backward.
     """
     if grad_wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-    check_ring_inputs(q, k, v, index, groups)
+    check_ring_inputs(q, k, v, index, groups, replay_output)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = SparseRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index, groups,
-                                         backend, scale, deterministic, WIRE_DTYPES[grad_wire_dtype])
+                                         backend, scale, deterministic, WIRE_DTYPES[grad_wire_dtype], replay_output)
     return (out, lse) if return_lse else out

@@ -76,6 +76,7 @@ DENSE_KERNELS = ("sdpa_cudnn", "sdpa_flash", "triton")
 LOCAL_IMPL_FLAGS = ("--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion",
                     "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion")
 RECOMPUTE_FLAGS = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+KEEP_ATTENTION = "full-keep-attention"
 RUN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",                 # Megatron asserts it for CP on Hopper
            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # less fragmentation at 512K
 DENSITY_LINE = re.compile(r"mtraining \| iteration +(\d+) \| density ([0-9.]+)")
@@ -235,25 +236,28 @@ def output_layer_flops(shape: ModelShape, seq_len: int) -> float:
 
 
 def iteration_flops(shape: ModelShape, seq_len: int, num_layers: int, density: float = 1.0, *,
-                    recompute_layers: bool = False, recompute_output: bool = False) -> float:
+                    recompute_layers: bool = False, recompute_attention: bool = True,
+                    recompute_output: bool = False) -> float:
     """FLOPs of one training iteration of one ``seq_len``-token sequence (all ranks together).
 
     Forward + backward = 3 x forward. With ``recompute_layers`` (full activation recompute) every layer's
-    forward runs once more, with ``recompute_output`` (chunked loss) the output layer's: hardware FLOPs.
-    Without both: model FLOPs, what MFU counts.
+    forward runs once more (without attention's when not ``recompute_attention``: the kept attention
+    output), with ``recompute_output`` (chunked loss) the output layer's: hardware FLOPs. Without both:
+    model FLOPs, what MFU counts.
     """
-    layer = layer_linear_flops(shape, seq_len) + layer_attention_flops(shape, seq_len, density)
+    attention = layer_attention_flops(shape, seq_len, density)
+    layer = layer_linear_flops(shape, seq_len) + attention
     output = output_layer_flops(shape, seq_len)
     total = 3 * (num_layers * layer + output)
     if recompute_layers:
-        total += num_layers * layer
+        total += num_layers * (layer if recompute_attention else layer - attention)
     if recompute_output:
         total += output
     return total
 
 
 def throughput(shape: ModelShape, seq_len: int, iter_ms: float, density: float, gpus: int, peak_tflops: float,
-               recompute: bool, loss_chunked: bool) -> dict:
+               recompute: str, loss_chunked: bool) -> dict:
     """Tokens/s, TFLOP/s per GPU (dense-equivalent, actually computed, hardware) and MFU of one iteration time."""
     seconds = iter_ms / 1e3
 
@@ -262,8 +266,9 @@ def throughput(shape: ModelShape, seq_len: int, iter_ms: float, density: float, 
 
     dense = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers))
     actual = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density))
-    hardware = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density, recompute_layers=recompute,
-                                              recompute_output=loss_chunked))
+    hardware = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density,
+                                              recompute_layers=recompute != "none",
+                                              recompute_attention=recompute == "full", recompute_output=loss_chunked))
     return {"tokens_per_s": seq_len / seconds, "tflops_per_gpu_dense_equiv": dense, "tflops_per_gpu_actual": actual,
             "tflops_per_gpu_hardware": hardware, "mfu_dense_equiv": dense / peak_tflops,
             "mfu_actual": actual / peak_tflops}
@@ -279,7 +284,8 @@ def launcher_flags(config: Config, num_layers: int, schedule: Schedule, options:
             "--lr", "1e-5", "--min-lr", "1e-5", "--lr-decay-style", "constant", "--weight-decay", "0.1",
             "--clip-grad", "1.0", "--seed", "1234", "--bf16",
             "--context-parallel-size", str(options.cp), "--cp-comm-type", "p2p",
-            *(RECOMPUTE_FLAGS if options.recompute == "full" else ()),
+            *(RECOMPUTE_FLAGS if options.recompute != "none" else ()),
+            *(("--mtraining-keep-attention-output",) if options.recompute == KEEP_ATTENTION else ()),
             *(("--use-distributed-optimizer",) if options.distributed_optimizer else ()),
             "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
             "--distributed-timeout-minutes", "30", *LOCAL_IMPL_FLAGS,
@@ -416,7 +422,8 @@ def estimate_run_seconds(config: Config, num_layers: int, schedule: Schedule, op
     """A rough estimate of one run's wall time: start-up, plus its iterations at ``--assumed-tflops`` per GPU."""
     density = ASSUMED_SPARSE_DENSITY if config.variant.sparse else 1.0
     flops = iteration_flops(config.model, config.seq_len, num_layers, density,
-                            recompute_layers=options.recompute == "full", recompute_output=options.loss_chunk_size > 0)
+                            recompute_layers=options.recompute != "none",
+                            recompute_attention=options.recompute == "full", recompute_output=options.loss_chunk_size > 0)
     iteration_s = flops / options.cp / (options.assumed_tflops * 1e12)
     return options.startup_s + schedule.train_iters * iteration_s
 
@@ -469,7 +476,7 @@ def measured_row(config: Config, options: argparse.Namespace, meta: dict, points
     row = base_row(config, options, meta, [point["layers"] for point in points], commands)
     row.update(status="ok", iter_ms=result["iter_ms"], density=density,
                **throughput(config.model, config.seq_len, result["iter_ms"], density, options.cp,
-                            options.peak_tflops, options.recompute == "full", options.loss_chunk_size > 0),
+                            options.peak_tflops, options.recompute, options.loss_chunk_size > 0),
                peak_mem_gb=deepest["peak_mem_gb"], reserved_mem_gb=deepest["reserved_mem_gb"],
                peak_mem_layers=deepest["layers"],
                attention_share=result["attention_share"], fit=result["fit"], points=points)
@@ -663,8 +670,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--full-depth", action="store_true", help="time the real layer count instead (memory fit)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per run")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations per run (median)")
-    parser.add_argument("--recompute", choices=("full", "none"), default="full",
-                        help="full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    parser.add_argument("--recompute", choices=("full", KEEP_ATTENTION, "none"), default="full",
+                        help="full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1; "
+                             f"{KEEP_ATTENTION}: that plus --mtraining-keep-attention-output (the recomputation "
+                             "skips attention)")
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
                         help="--use-distributed-optimizer: optimizer state sharded over the CP ranks (3B at 512K "
                              "does not fit 2 H200s without it)")

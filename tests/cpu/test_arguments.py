@@ -67,6 +67,8 @@ def test_defaults_give_the_design_settings_and_megatron_defaults_fit_mtraining(p
     ("--mtraining-deterministic --mtraining-stats-interval 0", dict(deterministic=True, stats_interval=0)),
     ("--spec megatron_mtraining.spec get_gpt_layer_mtraining_spec --mtraining-loss-chunk-size 8192", {}),
     ("--mtraining-layout contiguous --cp-comm-type p2p --position-embedding-type yarn", dict(layout="contiguous")),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+     "--mtraining-keep-attention-output", dict(keep_attention_output=True)),
 ])
 def test_valid_combinations_are_accepted(parser, extra, expected):
     config = validate_mtraining_args(_parse(parser, extra))
@@ -143,6 +145,8 @@ def test_contradictory_mtraining_flags_are_rejected(parser, extra, cp, message):
     ("--mtraining-kernel reference", "--mtraining-kernel=reference runs on one device only"),
     ("--mtraining-stripe-granularity 96", "--mtraining-stripe-granularity=96"),
     ("--mtraining-last-q 65", "--mtraining-last-q=65"),
+    ("--mtraining-keep-attention-output", "add --recompute-granularity full or drop --mtraining-keep-attention-output"),
+    ("--recompute-granularity selective --mtraining-keep-attention-output", "but it is selective"),
 ])
 def test_flags_that_conflict_with_megatron_or_the_model_are_rejected(parser, extra, message):
     with pytest.raises(ValueError) as error:

@@ -59,6 +59,8 @@ def test_flops_of_a_tiny_shape_by_hand():
     # full recompute runs each layer's forward again (3 x 2016), the chunked loss the output layer's (480)
     assert bench.iteration_flops(TINY, n, 3, recompute_layers=True) == 19584 + 6048
     assert bench.iteration_flops(TINY, n, 3, recompute_output=True) == 19584 + 480
+    # with the attention output kept the recomputation skips attention's 288 per layer
+    assert bench.iteration_flops(TINY, n, 3, recompute_layers=True, recompute_attention=False) == 19584 + 3 * 1728
     assert bench.iteration_flops(TINY, n, 2) == 3 * (2 * 2016 + 480)
 
 
@@ -84,7 +86,7 @@ def test_attention_dominates_qwen25_3b_at_512k():
 
 def test_throughput_by_hand():
     n, iter_ms, gpus, peak = 6, 2.0, 2, 1e-9     # peak in TFLOP/s, tiny so that the MFU is readable
-    result = bench.throughput(TINY, n, iter_ms, density=0.5, gpus=gpus, peak_tflops=peak, recompute=True,
+    result = bench.throughput(TINY, n, iter_ms, density=0.5, gpus=gpus, peak_tflops=peak, recompute="full",
                               loss_chunked=True)
     assert result["tokens_per_s"] == pytest.approx(6 / 0.002)
     dense = 19584 / 2 / 0.002 / 1e12
@@ -147,6 +149,15 @@ def launcher_knows_kernel(kernel: str) -> bool:
     from megatron_mtraining.config import KERNELS
 
     return kernel in KERNELS
+
+
+def test_kept_attention_output_mode_reaches_the_launcher(megatron_parser):
+    runs = dry_run_commands("--models", "0.5b", "--seq-lens", "131072", "--variants", "mtraining-static,dense",
+                            "--recompute", bench.KEEP_ATTENTION)
+    assert len(runs) == 2 * 2
+    for _, _, torchrun in runs:
+        args = launcher_args(megatron_parser, torchrun)
+        assert args.recompute_granularity == "full" and args.mtraining_keep_attention_output
 
 
 def test_default_dry_run_commands_are_accepted_by_the_launcher(megatron_parser):

@@ -126,6 +126,25 @@ def test_merge_step_into_a_row_range_equals_reference_merge(seed):
 
 
 # ------------------------------------------------------------------------------------------ bad input
+def _replay_rank(rank, world_size, seed):
+    """Gradients of a plain dense-ring call vs a call replaying its (out, lse) with no SDPA forward."""
+    from megatron_mtraining import dense_ring
+    from megatron_mtraining.ring_groups import RingGroups
+    from replay import replay_matches
+
+    layout, groups = Layout("zigzag", world_size), RingGroups.flat(dist.group.WORLD)
+    local = [layout.shard(t, rank).clone() for t in _inputs(seed, 1, 256, 4, 2, 16)]
+
+    def attention(q, k, v, replay_output):
+        return dense_ring.dense_ring_attention(q, k, v, layout, groups, impl="flash", return_lse=True,
+                                               replay_output=replay_output)
+    return replay_matches(attention, local[:3], local[3], dense_ring, "attention_forward")
+
+
+def test_replayed_output_gives_the_same_gradients_without_a_forward(distributed, seed):
+    assert distributed(_replay_rank, 2, seed) == [True, True], f"seed={seed}"
+
+
 def _bad_dense_ring_input(rank, world_size, problem):
     from megatron_mtraining.dense_ring import dense_ring_attention
     from megatron_mtraining.ring_groups import RingGroups

@@ -418,25 +418,54 @@ def _record_replays(model) -> list[int]:
     return replays
 
 
-def _recompute_reuse(seed) -> dict:
-    """Sparse CP = 1 model: plain vs selective core_attn vs full recomputation, from the same weights."""
-    from megatron_mtraining.config import MTrainingConfig
+def _count_forward_launches(module, name: str) -> list[int]:
+    """Replace ``module.name`` (an attention forward launcher) with a wrapper that appends 1 per call."""
+    calls, launch = [], getattr(module, name)
 
-    mt = MTrainingConfig(kernel="torch_blocksparse", **ATTENTION_BUDGET)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return launch(*args, **kwargs)
+    setattr(module, name, counted)
+    return calls
+
+
+def _recompute_reuse(seed) -> dict:
+    """CP = 1 models: plain vs selective core_attn vs full recomputation, from the same weights; full
+    recomputation again with ``keep_attention_output`` (sparse, and dense on torch's CPU flash SDPA kernel),
+    counting the attention forward launches."""
+    from megatron_mtraining.config import MTrainingConfig
+    from mtraining_kernels import sdpa_backend, torch_backend
+
+    sparse = MTrainingConfig(kernel="torch_blocksparse", **ATTENTION_BUDGET)
+    kept = MTrainingConfig(kernel="torch_blocksparse", keep_attention_output=True, **ATTENTION_BUDGET)
+    dense = MTrainingConfig(kernel="sdpa_flash", dense=True, layout="zigzag")
+    dense_kept = MTrainingConfig(kernel="sdpa_flash", dense=True, layout="zigzag", keep_attention_output=True)
     batch = _batch(seed)
-    modes = {"plain": {}, "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    runs = {"plain": (sparse, {}), "selective": (sparse, dict(recompute_granularity="selective",
+                                                              recompute_modules=["core_attn"])),
+            "full": (sparse, full), "full kept": (kept, full), "dense full": (dense, full),
+            "dense full kept": (dense_kept, full), "dense plain": (dense, {})}
     results, report = {}, {}
-    for name, extra in modes.items():
-        model = _build_model(mt, seed=seed, **extra)
-        replays = _record_replays(model)
-        results[name] = _train_step(model, batch, mt.layout_for(1))
-        report[f"{name} estimations"] = [m.estimations for m in _attention_modules(model)]
-        report[f"{name} replays"] = sorted(replays)
-    for name in ("selective", "full"):
-        report[f"{name} grads equal"] = all(torch.equal(results[name][1][k], results["plain"][1][k])
-                                            for k in results["plain"][1])
-        report[f"{name} loss equal"] = bool(torch.equal(results[name][0], results["plain"][0]))
+    sparse_launch, dense_launch = torch_backend.block_bar_forward, sdpa_backend.attention_forward
+    try:
+        for name, (mt, extra) in runs.items():
+            model = _build_model(mt, seed=seed, **extra)
+            replays = _record_replays(model)
+            launches = _count_forward_launches(sdpa_backend if mt.sdpa_impl else torch_backend,
+                                               "attention_forward" if mt.sdpa_impl else "block_bar_forward")
+            results[name] = _train_step(model, batch, mt.layout_for(1))
+            torch_backend.block_bar_forward, sdpa_backend.attention_forward = sparse_launch, dense_launch
+            report[f"{name} estimations"] = [m.estimations for m in _attention_modules(model)]
+            report[f"{name} replays"] = sorted(replays)
+            report[f"{name} forward launches"] = len(launches)
+    finally:
+        torch_backend.block_bar_forward, sdpa_backend.attention_forward = sparse_launch, dense_launch
+    for name, baseline in (("selective", "plain"), ("full", "plain"), ("full kept", "plain"),
+                           ("dense full", "dense plain"), ("dense full kept", "dense plain")):
+        report[f"{name} grads equal"] = all(torch.equal(results[name][1][k], results[baseline][1][k])
+                                            for k in results[baseline][1])
+        report[f"{name} loss equal"] = bool(torch.equal(results[name][0], results[baseline][0]))
     return report
 
 
@@ -549,15 +578,26 @@ def test_attention_matches_reference_on_its_estimated_index(single_rank_report):
 def test_recompute_reuses_cached_index(single_rank_report):
     seed, report = single_rank_report
     recompute = report["recompute"]
-    for mode in ("plain", "selective", "full"):
+    for mode in ("plain", "selective", "full", "full kept"):
         assert recompute[f"{mode} estimations"] == [1] * NUM_LAYERS, \
             f"{mode}: estimations per layer {recompute[f'{mode} estimations']} (seed={seed})"
-    assert recompute["plain replays"] == []
-    for mode in ("selective", "full"):
+    assert recompute["plain replays"] == [] and recompute["dense full replays"] == []
+    for mode in ("selective", "full", "full kept", "dense full kept"):
         assert recompute[f"{mode} replays"] == list(range(1, NUM_LAYERS + 1)), \
             f"{mode}: every layer must replay once from the cache, got {recompute[f'{mode} replays']}"
+    for mode in ("selective", "full", "full kept", "dense full", "dense full kept"):
         assert recompute[f"{mode} loss equal"] and recompute[f"{mode} grads equal"], \
             f"{mode} recomputation changed the loss or gradients (seed={seed})"
+
+
+def test_kept_attention_output_skips_the_recomputed_attention_forward(single_rank_report):
+    seed, report = single_rank_report
+    recompute = report["recompute"]
+    for mode, expected in (("plain", NUM_LAYERS), ("full", 2 * NUM_LAYERS), ("full kept", NUM_LAYERS),
+                           ("dense plain", NUM_LAYERS), ("dense full", 2 * NUM_LAYERS),
+                           ("dense full kept", NUM_LAYERS)):
+        assert recompute[f"{mode} forward launches"] == expected, \
+            f"{mode}: {recompute[f'{mode} forward launches']} attention forwards, expected {expected} (seed={seed})"
 
 
 def test_recompute_checksum_mismatch_raises(single_rank_report):

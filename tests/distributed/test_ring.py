@@ -136,7 +136,12 @@ def _bad_ring_input(rank, world_size, problem):
             q, k, v = (t[:, :, :, :8].contiguous() for t in (q, k, v))
         if problem == "hierarchy_does_not_tile":
             build_hierarchical_groups(inner_size=3)
-        ring_attention(q, k, v, index, groups, backend="torch_blocksparse")
+        replay = None
+        if problem == "replay_on_one_rank" and rank == 1:
+            replay = (torch.zeros_like(q), torch.zeros(1, 2, q.shape[1]))
+        if problem == "replay_of_other_shape" and rank == 1:
+            replay = (torch.zeros_like(q), torch.zeros(1, 2, q.shape[1] + 1))
+        ring_attention(q, k, v, index, groups, backend="torch_blocksparse", replay_output=replay)
     except ValueError as err:
         return str(err)
     return None
@@ -146,6 +151,8 @@ def _bad_ring_input(rank, world_size, problem):
     ("index_for_another_rank", "invalid on rank\\(s\\) \\[1\\]|built for world_size=2, rank=0 but this is CP rank 1"),
     ("shapes_differ", r"ring attention: the ranks of the group disagree on \{'d': \[16, 8\]"),
     ("hierarchy_does_not_tile", "inner_size=3 does not divide the CP size 2"),
+    ("replay_on_one_rank", r"ring attention: the ranks of the group disagree on \{'replay': \[0, 1\]"),
+    ("replay_of_other_shape", r"invalid on rank\(s\) \[1\]|replay_output lse \(1, 2, 513\)"),
 ])
 def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, message):
     import re
@@ -153,3 +160,25 @@ def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, me
     errors = distributed(_bad_ring_input, 2, problem, timeout=60, collective_timeout=20)
     for rank, error in enumerate(errors):
         assert error is not None and re.search(message, error), f"rank {rank}: {error!r}"
+
+
+def _replay_rank(rank, world_size, seed):
+    """Gradients of a plain ring call vs a call replaying the plain call's (out, lse) with no forward launch."""
+    from megatron_mtraining.ring import ring_attention
+    from megatron_mtraining.ring_groups import RingGroups
+    from mtraining_kernels import torch_backend
+    from replay import replay_matches
+
+    n, layout, groups = 1024, Layout("striped", world_size), RingGroups.flat(dist.group.WORLD)
+    q, k, v, dout, v_idx, s_idx = _inputs(seed, 1, n, 4, 2, 16, n // 4, n // 256 + 2, False)
+    local = [layout.shard(t, rank, dim=1).clone() for t in (q, k, v, dout)]
+    index = convert_index(v_idx, s_idx, layout, rank, n)
+
+    def attention(q, k, v, replay_output):
+        return ring_attention(q, k, v, index, groups, backend="torch_blocksparse", return_lse=True,
+                              replay_output=replay_output)
+    return replay_matches(attention, local[:3], local[3], torch_backend, "block_bar_forward")
+
+
+def test_replayed_output_gives_the_same_gradients_without_a_forward(distributed, seed):
+    assert distributed(_replay_rank, 2, seed) == [True, True], f"seed={seed}"
