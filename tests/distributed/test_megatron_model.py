@@ -275,9 +275,39 @@ def _rope_checks(cp: int) -> dict[str, float]:
     return diffs
 
 
+def _kept_output_over_the_ring(seed, world_size, pattern_file) -> dict:
+    """CP = world: full recomputation with and without the kept attention output, same weights and batch
+    (sparse, and the full pattern through the same ring): bitwise equal losses and gradients."""
+    import dataclasses
+
+    from mtraining_kernels import torch_backend
+
+    _init_parallel(1, world_size)
+    batch = _batch(seed)
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    report = {}
+    for kind in ("sparse", "full"):
+        results = {}
+        for keep in (False, True):
+            mt = dataclasses.replace(_mtraining(kind, pattern_file), keep_attention_output=keep)
+            model = _build_model(mt, cp=world_size, seed=seed, **full)
+            launch = torch_backend.block_bar_forward
+            launches = _count_forward_launches(torch_backend, "block_bar_forward")
+            try:
+                results[keep] = _train_step(model, batch, mt.layout_for(world_size))
+            finally:
+                torch_backend.block_bar_forward = launch
+            report[f"{kind} keep={keep} forward launches"] = len(launches)
+        (loss, grads, _), (kept_loss, kept_grads, _) = results[False], results[True]
+        report[f"{kind} equal"] = bool(torch.equal(loss, kept_loss)) and all(
+            torch.equal(grads[name], kept_grads[name]) for name in grads)
+    return report
+
+
 def _multi_rank_report(rank, world_size, layouts, seed, workdir, pattern_file):
     report = {}
     with megatron_on_cpu():
+        report["kept output"] = _kept_output_over_the_ring(seed, world_size, pattern_file)
         for kind in ("full", "sparse"):
             try:
                 report[kind] = _equivalence(kind, layouts, seed, workdir, pattern_file)
@@ -328,6 +358,16 @@ def _assert_equivalent(report, seed: int) -> None:
                 assert value == 0.0, f"{name}: {key} did not load bit-exactly from the checkpoint (seed={seed})"
             elif key.startswith("grad"):
                 assert value <= GRAD_RTOL, f"{name}: {key} differs by {value:.2e} relative (seed={seed})"
+
+
+def test_kept_attention_output_over_the_ring(multi_rank_report):
+    world, seed, report = multi_rank_report
+    kept = report["kept output"]
+    for kind in ("sparse", "full"):
+        assert kept[f"{kind} equal"], f"{kind}: the kept output changed the loss or gradients (seed={seed})"
+        # one launch per ring step (W per layer) per forward; the recomputation adds a second forward unless kept
+        assert kept[f"{kind} keep=False forward launches"] == 2 * NUM_LAYERS * world, f"{kind}: {kept} (seed={seed})"
+        assert kept[f"{kind} keep=True forward launches"] == NUM_LAYERS * world, f"{kind}: {kept} (seed={seed})"
 
 
 def test_full_pattern_matches_cp1_model(multi_rank_report):
