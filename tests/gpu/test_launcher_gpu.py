@@ -127,6 +127,20 @@ def test_deterministic_runs_and_resume_are_bitwise_identical(tmp_path):
     assert _losses(first)[-1] < _losses(first)[0]
 
 
+@pytest.mark.parametrize("pipeline", [1, 2], ids=["cp2", "pp2"])
+def test_kept_attention_output_trains_bitwise_like_the_plain_recomputation(tmp_path, pipeline):
+    """Full recomputation with and without --mtraining-keep-attention-output, --deterministic-mode: the same
+    losses, grad norms and gradients bitwise (CP = 2 sparse over the ring; PP = 2 with 1F1B's several
+    micro-batches in flight, which the per-layer FIFO must replay in order)."""
+    parallel = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"] if pipeline == 2 else []
+    flags = [*_model_flags(1 if pipeline == 2 else 2), *parallel, "--deterministic-mode", "--train-iters", "6",
+             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    hash_grads = {"MTRAINING_PROBE_HASH_GRADS": "1"}
+    plain, _ = launch(tmp_path / "plain", flags, hash_grads)
+    kept, _ = launch(tmp_path / "kept", [*flags, "--mtraining-keep-attention-output"], hash_grads)
+    assert not _identical(plain, kept, range(1, 7))
+
+
 def test_long_run_memory_is_flat(tmp_path):
     """200 iterations at 16K tokens (CP = 2, sparse): the memory held between iterations does not grow
     (iterations 101-200 never hold more than 11-100 did)."""
