@@ -1,4 +1,5 @@
-"""Sparse ring attention over NCCL on 2 GPUs with the Triton backend, vs the fp32 reference."""
+"""Sparse ring attention over NCCL with the Triton backend, vs the fp32 reference: on 2 GPUs, and on every GPU
+of a 4- or 8-GPU host (flat and hierarchical rings)."""
 
 import pytest
 import torch
@@ -30,33 +31,54 @@ def _inputs(seed, shape, dtype, pattern, device):
     return q, k, v, dout, v_idx.to(device), s_idx.to(device)
 
 
-def _ring_on_gpus(rank, world_size, seed, kind, pattern, shape, dtype, wire):
+def _ring_on_gpus(rank, world_size, seed, kind, pattern, shape, dtype, wire, inner=None):
     from megatron_mtraining.ring import ring_attention
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
 
     device = torch.device("cuda", rank)
     q, k, v, dout, v_idx, s_idx = _inputs(seed, shape, dtype, pattern, device)
     layout = Layout(kind, world_size)
     local = [layout.shard(t, rank).contiguous().requires_grad_(t is not dout) for t in (q, k, v, dout)]
     index = convert_index(v_idx, s_idx, layout, rank, shape[1])
-    out, lse = ring_attention(local[0], local[1], local[2], index, RingGroups.flat(dist.group.WORLD),
-                              backend="triton", grad_wire_dtype=wire, return_lse=True)
+    groups = RingGroups.flat(dist.group.WORLD) if inner is None else build_hierarchical_groups(inner_size=inner)
+    out, lse = ring_attention(local[0], local[1], local[2], index, groups, backend="triton", grad_wire_dtype=wire,
+                              return_lse=True)
     out.backward(local[3])
     return [t.detach().cpu() for t in (out, lse.transpose(1, 2), local[0].grad, local[1].grad, local[2].grad)]
 
 
-@pytest.mark.parametrize("kind, pattern, shape, dtype", CASES)
-def test_ring_on_two_gpus_matches_reference(seed, kind, pattern, shape, dtype):
-    results = run_on_ranks(_ring_on_gpus, 2, seed, kind, pattern, shape, dtype, "fp32", backend="nccl")
-    layout = Layout(kind, 2)
+def _assert_matches_reference(results, seed, kind, pattern, shape, dtype, context):
+    layout = Layout(kind, len(results))
     ours = [layout.unshard([r[i] for r in results]) for i in range(5)]
     ours[1] = ours[1].transpose(1, 2)
     q, k, v, dout, v_idx, s_idx = _inputs(seed, shape, dtype, pattern, torch.device("cuda", 0))
     ref = reference_attention(q, k, v, dout, v_idx, s_idx, torch.float32)
     low = reference_attention(q, k, v, dout, v_idx, s_idx, dtype)
-    context = f"seed={seed} {kind} {pattern} {shape} {dtype}"
     for name, a, r, lo in zip(("out", "lse", "dq", "dk", "dv"), ours, ref, low):
         assert_close_fa(name, a.cuda(), r, lo, dtype, context)
+
+
+@pytest.mark.parametrize("kind, pattern, shape, dtype", CASES)
+def test_ring_on_two_gpus_matches_reference(seed, kind, pattern, shape, dtype):
+    results = run_on_ranks(_ring_on_gpus, 2, seed, kind, pattern, shape, dtype, "fp32", backend="nccl")
+    _assert_matches_reference(results, seed, kind, pattern, shape, dtype, f"seed={seed} {kind} {pattern} {shape}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 or more GPUs")
+@pytest.mark.parametrize("inner", [None, 2, 4], ids=["flat", "inner2", "inner4"])
+@pytest.mark.parametrize("kind", ["striped", "zigzag"])
+def test_ring_on_every_gpu_matches_reference(seed, kind, inner):
+    """W = all GPUs of the host (4 or 8): the flat ring, and the hierarchical ring with inner rings of 2 and 4
+    GPUs where they leave at least two outer steps."""
+    world = torch.cuda.device_count()
+    if inner is not None and (world % inner or world // inner < 2):
+        pytest.skip(f"an inner ring of {inner} leaves no outer ring on {world} GPUs")
+    inner_size = inner
+    pattern, shape, dtype = "mixed", (1, 16384, 8, 2, 128), torch.bfloat16
+    results = run_on_ranks(_ring_on_gpus, world, seed, kind, pattern, shape, dtype, "fp32", inner_size,
+                           backend="nccl")
+    _assert_matches_reference(results, seed, kind, pattern, shape, dtype,
+                              f"seed={seed} W={world} inner={inner_size} {kind} {shape}")
 
 
 def _emulated_ring_on_gpus(rank, world_size, seed, inner, node_size, delay_s):
