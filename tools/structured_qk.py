@@ -6,7 +6,7 @@ ingredients the vertical-slash pattern describes (DESIGN.md §2.1), plus unit Ga
 dimension (random logits of standard deviation ≈ 1 after the 1/√d scale):
 
 * a **local band**: every key head carries one content vector on the RoPE pairs ``BAND_PAIRS`` (rotation
-  periods of ≈ 12 to 4000 tokens), and every query head a scaled copy, so the logit of offset δ is a
+  periods of ≈ 12 to 28,000 tokens), and every query head a scaled copy, so the logit of offset δ is a
   sum of cos(θ_f·δ) terms, peaking at δ = 0 and decaying within a few hundred tokens;
 * a **distant slash**: a second copy, in the key rotated back by a per-head offset δ₀ ∈ [256, N/4], so the
   same bump sits at offset δ₀ (a head that attends a fixed distance back);
@@ -28,7 +28,7 @@ import math
 
 import torch
 
-BAND_PAIRS = range(3, 40)    # RoPE pairs carrying the band (θ_f from 0.53 to 1.8e-4 at base 1e6, d = 128)
+BAND_PAIRS = range(3, 40)    # RoPE pairs carrying the band (θ_f from 0.52 to 2.2e-4 at base 1e6, d = 128)
 BAND_AMPLITUDE = 1.9         # per pair, in keys; queries carry it times their head's scale
 SINKS, HUB_EVERY = 4, 2048
 SINK_LOGIT, HUB_LOGIT = 14.0, 10.0
