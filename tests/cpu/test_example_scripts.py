@@ -111,6 +111,18 @@ def test_documented_dense_baseline_is_accepted(parser, tmp_path):
     assert (args.mtraining_dense, args.mtraining_layout, args.mtraining_kernel) == (True, "zigzag", "sdpa_cudnn")
 
 
+def test_documented_kept_attention_output_is_accepted(parser, tmp_path):
+    """docs/user_journey.md's --mtraining-keep-attention-output in EXTRA_ARGS: the 3B script recomputes fully."""
+    checkpoint = _checkpoint(tmp_path / "ckpt", "3B")
+    extra = "--mtraining-keep-attention-output"
+    assert f'EXTRA_ARGS="{extra}"' in (REPO / "docs" / "user_journey.md").read_text()
+    result = _dry_run("examples/qwen2.5-3b_32k_to_512k.sh", {"CHECKPOINT": str(checkpoint), "DATA_PREFIX": "data/x",
+                                                              "EXTRA_ARGS": extra}, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    args = _parsed(parser, _launch_command(result.stdout)[1])
+    assert args.mtraining_keep_attention_output and args.recompute_granularity == "full"
+
+
 def test_multinode_sbatch_dry_run_uses_the_hierarchical_ring(parser, tmp_path):
     checkpoint = _checkpoint(tmp_path / "ckpt", "3B")
     result = _dry_run("examples/slurm/qwen2.5-3b_512k_multinode.sbatch",
