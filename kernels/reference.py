@@ -45,8 +45,9 @@ def vertical_columns(v_idx: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def vertical_slash_mask(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int,
-                        block_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """The exact causal mask M of DESIGN.md §2.1: bool ``[b, Hq, N, N]`` (query i, key j).
+                        block_size: int = BLOCK_SIZE, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact causal mask M of DESIGN.md §2.1: bool ``[b, Hq, N, N]`` (query i, key j), or only the query
+    rows ``rows [r]`` (int, on s_idx's device): ``[b, Hq, r, N]``.
 
     ``M[i, j] = j ≤ i and (A[qb(i), kb(j)] or j ∈ v_idx)`` with the Toeplitz block mask
     ``A[qb, kb] = kb == qb or (kb < qb and hit[qb − kb])``.
@@ -60,9 +61,10 @@ def vertical_slash_mask(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int,
     qb = torch.arange(num_blocks, device=s_idx.device)
     delta = qb[:, None] - qb[None, :]                                        # [NB, NB]
     block = (delta >= 0) & hit[..., delta.clamp(min=0)]                      # [b, H, NB, NB]
-    token = block.repeat_interleave(block_size, -2).repeat_interleave(block_size, -1)
+    query_rows = torch.arange(seq_len, device=s_idx.device) if rows is None else rows
+    token = block[..., query_rows // block_size, :].repeat_interleave(block_size, -1)   # [b, H, r, N]
     token = token | vertical_columns(v_idx, seq_len)[..., None, :]
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=s_idx.device).tril()
+    causal = torch.arange(seq_len, device=s_idx.device)[None, :] <= query_rows[:, None]
     return token & causal
 
 

@@ -19,24 +19,7 @@ import torch
 from megatron_mtraining import pattern
 from megatron_mtraining.attention import MTrainingAttention, mask_density
 from megatron_mtraining.config import MTrainingConfig
-from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.reference import slash_block_hits, vertical_columns
-
-
-def mask_rows(v_idx: torch.Tensor, s_idx: torch.Tensor, rows: torch.Tensor, seq_len: int,
-              keys: int | None = None) -> torch.Tensor:
-    """Rows ``rows [r]`` of the §2.1 mask over key columns 0 … keys−1: bool ``[b, Hq, r, keys]``.
-
-    Same definition as ``vertical_slash_mask``: causal, and (key block active by the slash block
-    hits, the diagonal block always) or the key column is a vertical.
-    """
-    keys = seq_len if keys is None else keys
-    hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE)                         # [b, H, NB]
-    columns = torch.arange(keys, device=rows.device)
-    distance = rows[:, None] // BLOCK_SIZE - columns[None, :] // BLOCK_SIZE       # [r, keys]
-    block_on = hit[..., distance.clamp(min=0)] & (distance >= 0)
-    vertical = vertical_columns(v_idx, seq_len)[..., None, :keys]
-    return (block_on | vertical) & (columns[None, :] <= rows[:, None])
+from mtraining_kernels.reference import vertical_slash_mask
 
 
 def covered_mass(q: torch.Tensor, k: torch.Tensor, v_idx: torch.Tensor, s_idx: torch.Tensor,
@@ -59,7 +42,7 @@ def covered_mass(q: torch.Tensor, k: torch.Tensor, v_idx: torch.Tensor, s_idx: t
         logits = logits.mul_(scale).masked_fill_(rows[:, None] < torch.arange(stop, device=q.device)[None, :],
                                                  float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        inside = mask_rows(v_idx, s_idx, rows, seq_len, keys=stop)
+        inside = vertical_slash_mask(v_idx, s_idx, seq_len, rows=rows)[..., :stop]
         total += (probs * inside).sum(dim=(-1, -2)).double()
     return total / seq_len
 

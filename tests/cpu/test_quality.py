@@ -27,7 +27,7 @@ import torch
 QUALITY = Path(__file__).resolve().parents[2] / "examples" / "quality"
 sys.path.insert(0, str(QUALITY))
 
-from recall import covered_mass, mask_rows  # noqa: E402
+from recall import covered_mass  # noqa: E402
 from tasks import BOS, KV, QUERY, RetrievalTask, query_correct  # noqa: E402
 
 from mtraining_kernels.reference import full_index, vertical_slash_mask  # noqa: E402
@@ -141,16 +141,6 @@ def _random_index(gen: torch.Generator, batch: int, heads: int, seq_len: int, wi
     v_idx = torch.randint(0, seq_len + 1, (batch, heads, width), generator=gen).sort(-1).values.int()
     s_idx = torch.randint(0, seq_len + 1, (batch, heads, width), generator=gen).sort(-1).values.int()
     return v_idx, s_idx
-
-
-def test_mask_rows_equal_reference_mask(seed):
-    gen = torch.Generator().manual_seed(seed)
-    seq_len = 512
-    v_idx, s_idx = _random_index(gen, 2, 3, seq_len)
-    reference = vertical_slash_mask(v_idx, s_idx, seq_len)
-    rows = torch.arange(100, 300)
-    assert torch.equal(mask_rows(v_idx, s_idx, rows, seq_len), reference[:, :, 100:300])
-    assert torch.equal(mask_rows(v_idx, s_idx, rows, seq_len, keys=300), reference[:, :, 100:300, :300])
 
 
 def test_full_pattern_covers_all_mass(seed):

@@ -54,6 +54,17 @@ def test_mask_matches_brute_force_definition(seed, block, num_blocks, heads):
                 f"{int((mask[b, h] != expected).sum())} pairs differ")
 
 
+def test_mask_rows_are_rows_of_the_full_mask(seed):
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = 512
+    v_idx = torch.randint(0, seq_len + 1, (2, 3, 16), generator=gen).sort(-1).values.int()
+    s_idx = torch.randint(0, seq_len + 1, (2, 3, 16), generator=gen).sort(-1).values.int()
+    reference = vertical_slash_mask(v_idx, s_idx, seq_len)
+    rows = torch.arange(100, 300)
+    assert torch.equal(vertical_slash_mask(v_idx, s_idx, seq_len, rows=rows), reference[:, :, 100:300])
+    assert torch.equal(vertical_slash_mask(v_idx, s_idx, seq_len, rows=rows)[..., :300], reference[:, :, 100:300, :300])
+
+
 def test_slash_band_touches_one_or_two_block_distances():
     # s = a·B + t switches on distance a, and a + 1 when t > 0 (B = 128, 4 blocks, sentinel 512)
     s_idx = torch.tensor([[[128, 512], [130, 512], [127, 512], [512, 512]]], dtype=torch.int32)
