@@ -36,7 +36,7 @@ from megatron_mtraining.dense_ring import dense_ring_attention, merge_step, zigz
 from megatron_mtraining.ring import ring_attention
 from megatron_mtraining.ring_comm import RingExchange
 from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
-from megatron_mtraining.ring_model import CellCosts, flat_ring, hierarchical_ring
+from megatron_mtraining.ring_model import CellCosts, flat_ring, hierarchical_ring, hop_bytes
 from megatron_mtraining.slow_link import SlowLink, SlowLinkRingGroups
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.interface import get_backend
@@ -124,7 +124,7 @@ def ring_groups(args, groups: RingGroups, seq_len: int, device) -> tuple[RingGro
     world = groups.world_size
     fields = dict(inner=groups.inner_size, outer=groups.outer_size)
     if args.emulate_node_size:
-        kv_bytes = 2 * (seq_len // world) * args.kv_heads * args.head_dim * 2
+        kv_bytes, _ = hop_bytes(seq_len, world, args.kv_heads, args.head_dim)
         inner_bytes_per_s = link_bytes_per_s(groups.inner if groups.inner_size > 1 else groups.cp, kv_bytes, device)
         link = SlowLink(args.emulate_node_size, args.outer_slowdown, inner_bytes_per_s)
         groups = SlowLinkRingGroups.wrap(groups, link)
@@ -138,8 +138,8 @@ def model_fwd_bwd_ms(args, seq_len: int, world: int, topology: dict, compute_ms:
     rank split evenly over its W cells (forward : backward = 1 : 2.5), bf16 K/V, fp32 gradient wire."""
     cell_s = compute_ms / world / 1e3
     inner_bytes_per_s = topology["inner_gbps"] * 1e9
-    chunk = seq_len // world * args.kv_heads * args.head_dim
-    costs = CellCosts(cell_s / 3.5, cell_s * 2.5 / 3.5, kv_bytes=2 * chunk * 2, grad_bytes=2 * chunk * 4,
+    kv_bytes, grad_bytes = hop_bytes(seq_len, world, args.kv_heads, args.head_dim)
+    costs = CellCosts(cell_s / 3.5, cell_s * 2.5 / 3.5, kv_bytes=kv_bytes, grad_bytes=grad_bytes,
                       inner_bytes_per_s=inner_bytes_per_s,
                       outer_bytes_per_s=inner_bytes_per_s / topology["outer_slowdown"])
     if topology["outer"] > 1:
