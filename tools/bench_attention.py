@@ -22,7 +22,8 @@ FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed
 
 Writes one JSON object per (configuration, implementation) to ``--jsonl`` (appending), a markdown
 table to ``--table`` and a plot of speedup over cuDNN against N to ``--plot``; ``--report-only``
-rebuilds the table and plot from an existing JSONL (e.g. on a machine with matplotlib).
+rebuilds the table and plot from the latest run in an existing JSONL (the rows sharing its last row's
+``date``; e.g. on a machine with matplotlib).
 Example: ``python tools/bench_attention.py --seq-lens 32768 131072 524288 --sparsities 0.9 0.95``.
 """
 
@@ -238,11 +239,11 @@ def main(argv=None) -> None:
                         help="also print per-kernel CUDA times (torch.profiler) of one sparse fwd+bwd per N, "
                              "default and deterministic")
     parser.add_argument("--report-only", action="store_true",
-                        help="measure nothing: rebuild --table and --plot from the rows in --jsonl")
+                        help="measure nothing: rebuild --table and --plot from the latest run in --jsonl")
     args = parser.parse_args(argv)
     if args.report_only:
         with open(args.jsonl) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+            rows = latest_run([json.loads(line) for line in f if line.strip()])
         write_table(rows, args.table)
         write_plot(rows, args.plot)
         return
@@ -355,22 +356,23 @@ def main(argv=None) -> None:
 
 
 # ---------------------------------------------------------------------------------------- reports
-def _speedups(rows: list[dict]) -> list[dict]:
-    """Each non-SDPA row with its speedups over cuDNN and flash at the same shape and N."""
-    out = []
-    for row in rows:
-        if row["impl"].startswith("sdpa"):
-            continue
-        enriched = dict(row)
-        for name in ("sdpa_cudnn", "sdpa_flash"):
-            base = next((r for r in rows if r["impl"] == name and r["shape"] == row["shape"]
-                         and r["seq_len"] == row["seq_len"]), None)
-            if base:
-                enriched[f"vs_{name}"] = {
-                    "fwd": base["fwd_ms"] / row["fwd_ms"], "bwd": base["bwd_ms"] / row["bwd_ms"],
-                    "fwd_bwd": (base["fwd_ms"] + base["bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"])}
-        out.append(enriched)
-    return out
+def latest_run(rows: list[dict]) -> list[dict]:
+    """The rows of the last run in an appended JSONL: those with the last row's ``date`` (one per run)."""
+    return [r for r in rows if r["date"] == rows[-1]["date"]] if rows else []
+
+
+def with_speedups(row: dict, rows: list[dict]) -> dict:
+    """``row`` plus its speed-ups (``vs_sdpa_cudnn``, ``vs_sdpa_flash``) over the SDPA rows of ``rows`` at the
+    same shape and N in the same run, where there are such rows."""
+    enriched = dict(row)
+    for name in ("sdpa_cudnn", "sdpa_flash"):
+        base = next((r for r in rows if r["impl"] == name and r["shape"] == row["shape"]
+                     and r["seq_len"] == row["seq_len"] and r["date"] == row["date"]), None)
+        if base:
+            enriched[f"vs_{name}"] = {
+                "fwd": base["fwd_ms"] / row["fwd_ms"], "bwd": base["bwd_ms"] / row["bwd_ms"],
+                "fwd_bwd": (base["fwd_ms"] + base["bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"])}
+    return enriched
 
 
 def write_table(rows: list[dict], path: str) -> None:
@@ -379,9 +381,8 @@ def write_table(rows: list[dict], path: str) -> None:
              "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | index ms | dense-eq TFLOP/s (fwd/bwd/all) "
              "| actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × flash (all) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
-    by_key = {(r["shape"], r["seq_len"], r["impl"], r["density"]): r for r in _speedups(rows)}
     for row in rows:
-        r = by_key.get((row["shape"], row["seq_len"], row["impl"], row["density"]), row)
+        r = row if row["impl"].startswith("sdpa") else with_speedups(row, rows)
         de, ac = r["dense_equiv_tflops"], r["actual_tflops"]
         cu = r.get("vs_sdpa_cudnn")
         fl = r.get("vs_sdpa_flash")
@@ -408,30 +409,46 @@ def write_plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
-        print("# matplotlib missing: no plot (run plot_from_jsonl on the JSONL elsewhere)", file=sys.stderr)
+        print("# matplotlib missing: no plot (run --report-only on the JSONL elsewhere)", file=sys.stderr)
         return
-    series: dict[str, list[tuple[int, float]]] = {}
-    for r in _speedups(rows):
+    speedup_figure(rows).savefig(path, dpi=120)
+    print(f"# plot written to {path}")
+
+
+def speedup_figure(rows: list[dict]):
+    """A matplotlib figure of fwd+bwd speed-up over cuDNN against N: one panel per shape, one colour per
+    pattern, deterministic runs dashed."""
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}          # shape -> label -> (N, speed-up)
+    for r in (with_speedups(row, rows) for row in rows if not row["impl"].startswith("sdpa")):
         if "vs_sdpa_cudnn" not in r:
             continue
-        label = f"{r['shape']} {r['impl']}" + pattern_label(r)
-        series.setdefault(label, []).append((r["seq_len"], r["vs_sdpa_cudnn"]["fwd_bwd"]))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, points in sorted(series.items()):
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel("fwd+bwd speedup over SDPA cuDNN (dense causal)")
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(f"{rows[0]['gpu']}, bf16, causal")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"# plot written to {path}")
+        label = ("deterministic" if r["impl"] == "mtraining_deterministic" else "") + pattern_label(r)
+        label = label.strip() or "dense mode"
+        series.setdefault(r["shape"], {}).setdefault(label, []).append((r["seq_len"], r["vs_sdpa_cudnn"]["fwd_bwd"]))
+    labels = sorted({label for by_label in series.values() for label in by_label})
+    colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in
+              enumerate(sorted({label.removeprefix("deterministic ") for label in labels}))}
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4.5), sharey=True, squeeze=False)
+    for ax, (shape, by_label) in zip(axes[0], sorted(series.items())):
+        for label, points in sorted(by_label.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                    color=colors[label.removeprefix("deterministic ")],
+                    linestyle="--" if label.startswith("deterministic") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length N")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(shape)
+    axes[0][0].set_ylabel("fwd+bwd speed-up over SDPA cuDNN (dense causal)")
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines() if not h.get_label().startswith("_")}
+    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"{rows[0]['gpu']}, bf16, causal, batch {rows[0].get('batch', 1)}")
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(labels) - 1) // 3), 1, 1))
+    return fig
 
 
 if __name__ == "__main__":

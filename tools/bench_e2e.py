@@ -579,7 +579,8 @@ def speedup_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
         value = speedup(row, baselines)
         if row["attention"] == "dense" or value is None:
             continue
-        method = "" if row["extrapolated"] else ", full depth"
+        method = ("" if row["extrapolated"] else ", full depth") + (
+            "" if row["recompute"] == "full" else f", recompute {row['recompute']}")
         label = f"{row['model']} {row['attention']} {row['sparsity_setting']}{method}"
         series.setdefault(label, []).append((row["seq_len"], value))
     return {label: sorted(points) for label, points in sorted(series.items())}

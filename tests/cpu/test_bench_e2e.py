@@ -579,10 +579,15 @@ def test_speedup_series_one_line_per_model_variant_and_method():
              row(setting="sparsity=0.95", tokens_per_s=500.0, seq_len=524288),
              row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=10.0, extrapolated=False),
              row(tokens_per_s=40.0, extrapolated=False)]
-    assert bench.speedup_series(rows) == {
+    kept = [row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=125.0, seq_len=131072),
+            row(tokens_per_s=250.0, seq_len=131072)]
+    for r in kept:
+        r["recompute"] = "full-keep-attention"
+    assert bench.speedup_series(rows + kept) == {
         "qwen2.5-3b mtraining sparsity=0.95": [(524288, 5.0)],
         "qwen2.5-3b mtraining top_p=0.9": [(131072, 1.5), (524288, 3.0)],
-        "qwen2.5-3b mtraining top_p=0.9, full depth": [(524288, 4.0)]}
+        "qwen2.5-3b mtraining top_p=0.9, full depth": [(524288, 4.0)],
+        "qwen2.5-3b mtraining top_p=0.9, recompute full-keep-attention": [(131072, 2.0)]}
 
 
 def test_table_shows_measured_failed_and_skipped_rows():
