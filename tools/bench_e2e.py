@@ -3,6 +3,7 @@
     python tools/bench_e2e.py --models 0.5b,1.5b,3b --seq-lens 131072,262144,524288   # on 2 GPUs
     python tools/bench_e2e.py --dry-run        # print the launcher commands (no GPU needed)
     python tools/bench_e2e.py --plot-only      # table and chart from the JSONL
+    python tools/bench_e2e.py --compare-runs   # configurations measured twice: the latest run vs the one before
 
 Each configuration (model shape x sequence length x attention variant) trains with the real launcher through
 ``tools/train_probe.py`` (``torchrun --nproc-per-node CP``): random weights, Megatron's mock data, bf16, local
@@ -617,6 +618,48 @@ def write_plot(rows: list[dict], path: Path) -> None:
     print(f"# chart written to {path}")
 
 
+def configuration_key(row: dict) -> tuple:
+    """One configuration across runs: its comparison key, attention variant, sparsity setting and dense kernel."""
+    return (*comparison_key(row), row["attention"], row["sparsity_setting"], row["dense_kernel"])
+
+
+def run_to_run(rows: list[dict]) -> str:
+    """A markdown table: each configuration measured in two or more runs, its latest run against the one before.
+
+    Per-layer and fixed ms come from the fits (extrapolated rows) and × dense from the dense row of the same
+    invocation (same ``date``), where it measured one, so the ratio's drift is visible next to its parts'."""
+    runs: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row.get("status") == "ok":
+            runs.setdefault(configuration_key(row), []).append(row)
+    same_invocation = {(comparison_key(r), r["date"]): r for r in rows
+                       if r.get("status") == "ok" and r["attention"] == "dense"}
+
+    def ratio(row: dict) -> float | None:
+        dense = same_invocation.get((comparison_key(row), row["date"]))
+        return None if dense is None or row["attention"] == "dense" else row["tokens_per_s"] / dense["tokens_per_s"]
+
+    def change(before: float | None, now: float | None, spec: str) -> str:
+        text = f"{_number(before, spec)} → {_number(now, spec)}"
+        return text if before is None or now is None else f"{text} ({100 * (now / before - 1):+.1f} %)"
+
+    lines = ["| model | N | attention | setting | recompute | runs (before → now) | per layer ms | fixed ms | "
+             "tokens/s | × dense (same run) |", "|" + "---|" * 10]
+    for key, measured in runs.items():
+        if len(measured) < 2:
+            continue
+        before, now = measured[-2], measured[-1]
+        fits = [r.get("fit") or {} for r in (before, now)]
+        lines.append(" | ".join([
+            f"| {now['model']}", f"{now['seq_len'] // 1024}K", now["attention"], now["sparsity_setting"],
+            now["recompute"], f"{before['commit']} {before['date'][:16]} → {now['commit']} {now['date'][:16]}",
+            change(fits[0].get("per_layer_ms"), fits[1].get("per_layer_ms"), ".0f"),
+            change(fits[0].get("fixed_ms"), fits[1].get("fixed_ms"), ".0f"),
+            change(before["tokens_per_s"], now["tokens_per_s"], ",.0f"),
+            change(ratio(before), ratio(now), ".2f") + " |"]))
+    return "\n".join(lines)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -696,6 +739,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the commands and estimates, run nothing")
     mode.add_argument("--plot-only", action="store_true", help="table and chart from --jsonl, run nothing")
+    mode.add_argument("--compare-runs", action="store_true",
+                      help="run nothing: each configuration measured more than once in --jsonl, latest vs previous")
     options = parser.parse_args(argv)
     _check_options(parser, options)
     return options
@@ -786,6 +831,8 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     if options.dry_run:
         dry_run(options)
+    elif options.compare_runs:
+        print(run_to_run(read_jsonl(options.jsonl)))
     elif options.plot_only:
         rows = read_jsonl(options.jsonl)
         print(format_table(rows, dense_baselines(rows)))

@@ -590,6 +590,27 @@ def test_speedup_series_one_line_per_model_variant_and_method():
         "qwen2.5-3b mtraining top_p=0.9, recompute full-keep-attention": [(131072, 2.0)]}
 
 
+def test_compare_runs_puts_each_configurations_latest_run_next_to_the_one_before():
+    def dated(date, **kwargs):
+        r = row(**kwargs)
+        r.update(date=date, commit=f"c{date[-1]}", fit={"per_layer_ms": 1000.0 / kwargs["tokens_per_s"], "fixed_ms": 5.0})
+        return r
+
+    dense = dict(attention="dense", setting="dense", kernel="sdpa_cudnn")
+    rows = [dated("2026-01-01T00:00:01", tokens_per_s=200.0),              # sparse alone: no × dense that run
+            dated("2026-01-02T00:00:02", tokens_per_s=100.0, **dense),
+            dated("2026-01-02T00:00:02", tokens_per_s=250.0),              # 2.5x the dense of its run
+            dated("2026-01-02T00:00:02", tokens_per_s=90.0, model="qwen2.5-1.5b"),   # measured once: no line
+            row(status="failed")]
+    lines = bench.run_to_run(rows).splitlines()
+    assert len(lines) == 3, lines                                        # header, rule, the one repeated config
+    cells = lines[2].split(" | ")
+    assert cells[2] == "mtraining" and "c1 2026-01-01T00:00 → c2 2026-01-02T00:00" in cells[5]
+    assert cells[6] == "5 → 4 (-20.0 %)"                                 # per layer ms
+    assert cells[8] == "200 → 250 (+25.0 %)"
+    assert cells[9] == "– → 2.50 |"
+
+
 def test_table_shows_measured_failed_and_skipped_rows():
     rows = [row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=100.0), row(tokens_per_s=550.0),
             row(model="qwen2.5-1.5b", status="failed")]
