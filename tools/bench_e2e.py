@@ -518,12 +518,17 @@ def comparison_key(row: dict) -> tuple:
     return row["gpu"], row["cp"], row["model"], row["seq_len"], row["recompute"], row["extrapolated"]
 
 
+def configuration_key(row: dict) -> tuple:
+    """One configuration across runs: its comparison key, attention variant, sparsity setting and dense kernel."""
+    return (*comparison_key(row), row["attention"], row["sparsity_setting"], row["dense_kernel"])
+
+
 def latest_rows(rows: list[dict]) -> list[dict]:
     """The last measured row of each (comparison key, attention, sparsity setting, dense kernel), in file order."""
     latest = {}
     for row in rows:
         if row.get("status") == "ok":
-            latest[(*comparison_key(row), row["attention"], row["sparsity_setting"], row["dense_kernel"])] = row
+            latest[configuration_key(row)] = row
     return list(latest.values())
 
 
@@ -616,11 +621,6 @@ def write_plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     print(f"# chart written to {path}")
-
-
-def configuration_key(row: dict) -> tuple:
-    """One configuration across runs: its comparison key, attention variant, sparsity setting and dense kernel."""
-    return (*comparison_key(row), row["attention"], row["sparsity_setting"], row["dense_kernel"])
 
 
 def run_to_run(rows: list[dict]) -> str:
