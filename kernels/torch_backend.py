@@ -71,6 +71,10 @@ def _check_index(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, k
     if blk_col.numel() and (blk_col.min() < 0 or blk_col.max() >= limit):
         raise ValueError(f"blk_col holds sub-tile indices outside [0, {limit}) = [0, 2*nb); "
                          f"the index was built for another local length")
+    pairs = blk_col.view(-1, 2) if blk_col.numel() % 2 == 0 else None
+    if (blk_ptr % 2).any() or pairs is None or (pairs[:, 0] % 2).any() or (pairs[:, 1] != pairs[:, 0] + 1).any():
+        raise ValueError("blk_col must list each 128-key block j as the sub-tile pair 2j, 2j+1 at an even offset "
+                         "(the Triton forward reads a pair as one tile); build the index with convert_index")
     if bar_col.numel() and (bar_col.min() < 0 or bar_col.max() >= key_len):
         raise ValueError(f"bar_col holds key columns outside [0, {key_len}) = [0, Nk); "
                          f"the index was built for another local length")
@@ -118,7 +122,7 @@ def _padded_entries(start: torch.Tensor, count: torch.Tensor, col: torch.Tensor)
 
 def _chunks(blk_ptr, blk_col, bar_ptr, bar_col, *, causal_diag: bool) -> Iterator[_Chunk]:
     """Rows (b, h, query block) with work, in chunks of bounded score size."""
-    batch, heads, num_blocks = blk_ptr.shape[0], blk_ptr.shape[1], blk_ptr.shape[2] - 1
+    heads, num_blocks = blk_ptr.shape[1], blk_ptr.shape[2] - 1
     device = blk_col.device
     blk_start = blk_ptr[..., :-1].reshape(-1).long()
     blk_count = (blk_ptr[..., 1:] - blk_ptr[..., :-1]).reshape(-1).long()

@@ -2,8 +2,10 @@
 
 One program owns one (128-row local query block i, query head h, sample z). It walks
 
-1. the block list: the listed 64-wide key sub-tiles of the source chunk (the token causal mask is
-   applied only to the diagonal pair 2i, 2i+1, and only when ``CAUSAL_DIAG``);
+1. the block list: the listed 128-key blocks of the source chunk (each two consecutive 64-wide sub-tile
+   entries 2j, 2j+1, as ``convert_index`` writes them), ascending, one 128 × 128 tile per block, in two
+   loops: those before the diagonal without a mask, then (only when ``CAUSAL_DIAG``) the diagonal block
+   i — the list's last pair — with the token causal mask;
 2. the bar list: single key columns gathered by index, 64 at a time (the tail is masked);
 
 with an online softmax in base 2 (``qk_scale_log2 = softmax_scale · log2(e)`` folded into the
@@ -33,6 +35,34 @@ def _online_softmax_step(acc, row_max, row_sum, scores, values):
     row_sum = row_sum * rescale + tl.sum(probs, 1)
     acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values)
     return acc, new_max, row_sum
+
+
+@triton.jit
+def diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG: tl.constexpr):
+    """Where a query block's diagonal sub-tiles (2·qblock, 2·qblock + 1) start in its ascending block list
+    on a diagonal step: among its last ≤ 2 entries, the first at or past the diagonal (a causal step lists
+    nothing later); ``blk_end`` (none) otherwise."""
+    diag_start = blk_end
+    if CAUSAL_DIAG:
+        last = tl.load(BLK_COL + blk_end - 1, mask=blk_end - 1 >= blk_start, other=0)
+        before_last = tl.load(BLK_COL + blk_end - 2, mask=blk_end - 2 >= blk_start, other=0)
+        diag_start -= ((blk_end - 1 >= blk_start) & (last >= 2 * qblock)).to(tl.int32)
+        diag_start -= ((blk_end - 2 >= blk_start) & (before_last >= 2 * qblock)).to(tl.int32)
+    return diag_start
+
+
+@triton.jit
+def _block_tile_step(acc, row_max, row_sum, q, q_rows, k_base, v_base, first_sub_tile, offs_block, offs_d,
+                     stride_kn, stride_vn, qk_scale_log2, SUB_TILE: tl.constexpr, CAUSAL_MASK: tl.constexpr):
+    """Fold the listed 128-key block whose sub-tiles start at ``first_sub_tile`` in (with the token causal
+    mask when ``CAUSAL_MASK``)."""
+    k_rows = (first_sub_tile * SUB_TILE + offs_block).to(tl.int64)
+    k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
+    v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+    scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+    if CAUSAL_MASK:
+        scores = tl.where(k_rows[None, :] <= q_rows[:, None], scores, float("-inf"))
+    return _online_softmax_step(acc, row_max, row_sum, scores, v)
 
 
 @triton.jit
@@ -74,18 +104,18 @@ def block_bar_forward_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # ---- loop 1: listed key sub-tiles
-    for entry in range(blk_start, blk_end):
-        tile = tl.load(BLK_COL + entry)
-        k_rows = (tile * BLOCK_N + offs_n).to(tl.int64)
-        k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
-        v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
-        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
-        if CAUSAL_DIAG:
-            off_diagonal = (tile // 2) != qblock
-            visible = off_diagonal | (k_rows[None, :] <= q_rows[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v)
+    # ---- loop 1: listed key sub-tiles, those before the diagonal unmasked, then the diagonal ones masked
+    diag_start = diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG)
+    # a listed block is two consecutive entries (sub-tiles 2j, 2j + 1): one 128-key tile per pair
+    offs_block = tl.arange(0, BLOCK_M)
+    for entry in range(blk_start, diag_start, 2):
+        acc, row_max, row_sum = _block_tile_step(acc, row_max, row_sum, q, q_rows, k_base, v_base,
+                                                 tl.load(BLK_COL + entry), offs_block, offs_d, stride_kn, stride_vn,
+                                                 qk_scale_log2, BLOCK_N, False)
+    for entry in range(diag_start, blk_end, 2):
+        acc, row_max, row_sum = _block_tile_step(acc, row_max, row_sum, q, q_rows, k_base, v_base,
+                                                 tl.load(BLK_COL + entry), offs_block, offs_d, stride_kn, stride_vn,
+                                                 qk_scale_log2, BLOCK_N, True)
 
     # ---- loop 2: bar columns, gathered 64 at a time (bars are never causal)
     for entry in range(bar_start, bar_end, BLOCK_N):

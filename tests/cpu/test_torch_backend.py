@@ -270,6 +270,7 @@ def _valid_step_args():
     (lambda a: a.update(blk_ptr=a["blk_ptr"].long()), "blk_ptr must be an int32"),
     (lambda a: a.update(bar_ptr=a["bar_ptr"][:, :, :2]), "bar_ptr must have shape"),
     (lambda a: a.update(blk_col=a["blk_col"] + 4), "blk_col holds sub-tile indices"),
+    (lambda a: a.update(blk_col=a["blk_col"].view(-1, 2).flip(1).reshape(-1)), "sub-tile pair 2j, 2j\\+1"),
     (lambda a: a.update(blk_ptr=a["blk_ptr"].flip(-1).contiguous()), "non-decreasing"),
     (lambda a: a.update(out=a["out"].double()), "out has dtype"),
     (lambda a: a.update(out=a["out"].transpose(1, 2).contiguous().transpose(1, 2)), "out must be contiguous"),
