@@ -333,9 +333,10 @@ def main(argv=None) -> None:
                     continue
                 record(impl=impl, fwd_ms=fwd_ms, bwd_ms=bwd_ms, density=1.0, index_ms=0.0, **common)
 
-            if budgets:
+            if budgets:  # own generator: the structured q/k must not depend on which fixed budgets ran
                 q, k = (t.to(torch.bfloat16).requires_grad_() for t in structured_qk(
-                    args.batch, seq_len, heads, kv_heads, dim, generator=gen, device=device))
+                    args.batch, seq_len, heads, kv_heads, dim, generator=torch.Generator().manual_seed(args.seed),
+                    device=device))
             for budget in budgets:
                 v_idx, s_idx = estimate_vertical_slash(q.detach(), k.detach(), budget)[:2]
                 estimate_ms = median_ms(functools.partial(estimate_vertical_slash, q.detach(), k.detach(), budget), 3)
