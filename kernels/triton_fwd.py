@@ -38,7 +38,7 @@ def _online_softmax_step(acc, row_max, row_sum, scores, values):
 
 
 @triton.jit
-def diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG: tl.constexpr):
+def _diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG: tl.constexpr):
     """Where a query block's diagonal sub-tiles (2·qblock, 2·qblock + 1) start in its ascending block list
     on a diagonal step: among its last ≤ 2 entries, the first at or past the diagonal (a causal step lists
     nothing later); ``blk_end`` (none) otherwise."""
@@ -105,7 +105,7 @@ def block_bar_forward_kernel(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     # ---- loop 1: listed key sub-tiles, those before the diagonal unmasked, then the diagonal ones masked
-    diag_start = diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG)
+    diag_start = _diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG)
     # a listed block is two consecutive entries (sub-tiles 2j, 2j + 1): one 128-key tile per pair
     offs_block = tl.arange(0, BLOCK_M)
     for entry in range(blk_start, diag_start, 2):
