@@ -37,8 +37,9 @@ class BlockBarIndex:
 
     blk_ptr int32 ``[W, b, Hq, nb+1]``, blk_col int32 ``[total]``: 64-wide key sub-tiles of the source
     chunk (0 … 2·nb−1), ascending per query block, a listed 128-key block j always as the consecutive
-    pair 2j, 2j+1 (the Triton forward reads each pair as one tile). bar_ptr int32 ``[W, b, Hq, nb+1]``, bar_col int32
-    ``[total]``: local key columns of the source chunk (0 … N_loc−1), ascending per query block.
+    pair 2j, 2j+1 (the Triton forward reads each pair as one tile). bar_ptr int32 ``[W, b, Hq, nb+1]``,
+    bar_col int32 ``[total]``: local key columns of the source chunk (0 … N_loc−1), ascending per query
+    block.
     """
 
     blk_ptr: Tensor

@@ -15,7 +15,8 @@ head dim 64 or 128, any strides with a unit last stride (otherwise they are made
 one step's lists ``blk_ptr``/``bar_ptr`` int32 ``[b, Hq, nb+1]`` with absolute offsets into the
 1-D int32 ``blk_col``/``bar_col`` (see ``mtraining_kernels.index.BlockBarIndex``: each listed block as
 its sub-tile pair 2j, 2j+1, which the forward reads as one tile; values are not checked here, as that
-would cost a device sync per step, the reference backend checks them); fp32, contiguous in-place buffers. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
+would cost a device sync per step, the reference backend checks them); fp32, contiguous in-place buffers.
+Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations

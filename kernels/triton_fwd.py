@@ -39,15 +39,14 @@ def _online_softmax_step(acc, row_max, row_sum, scores, values):
 
 @triton.jit
 def _diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG: tl.constexpr):
-    """Where a query block's diagonal sub-tiles (2·qblock, 2·qblock + 1) start in its ascending block list
-    on a diagonal step: among its last ≤ 2 entries, the first at or past the diagonal (a causal step lists
-    nothing later); ``blk_end`` (none) otherwise."""
+    """Where a query block's diagonal pair (sub-tiles 2·qblock, 2·qblock + 1) starts in its ascending block
+    list on a diagonal step: the last pair when the list reaches the diagonal (a causal step lists nothing
+    later); ``blk_end`` (none) otherwise."""
     diag_start = blk_end
     if CAUSAL_DIAG:
-        last = tl.load(BLK_COL + blk_end - 1, mask=blk_end - 1 >= blk_start, other=0)
-        before_last = tl.load(BLK_COL + blk_end - 2, mask=blk_end - 2 >= blk_start, other=0)
-        diag_start -= ((blk_end - 1 >= blk_start) & (last >= 2 * qblock)).to(tl.int32)
-        diag_start -= ((blk_end - 2 >= blk_start) & (before_last >= 2 * qblock)).to(tl.int32)
+        listed = blk_end > blk_start
+        last = tl.load(BLK_COL + blk_end - 1, mask=listed, other=0)
+        diag_start -= 2 * (listed & (last >= 2 * qblock)).to(tl.int32)
     return diag_start
 
 
