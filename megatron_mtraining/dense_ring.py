@@ -57,12 +57,14 @@ def merge_step(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor, ste
     """Merge one step's ``step_out [b, n, H, d]`` / ``step_lse [b, H, n]`` into the running out/lse, in place.
 
     Every lse of a dense causal ring is finite (each step gives each of its rows ≥ 1 key), so the
-    weights exp(lse − merged) ≤ 1 need none of ``reference.merge_attention``'s −inf handling.
+    weights σ(lse − step_lse) and σ(step_lse − lse) (DESIGN.md §2.4) need none of
+    ``reference.merge_attention``'s −inf handling. They come from the difference of the two lse, not from
+    the rounded merged lse, whose fp32 ulp at large |lse| would scale even the dominant side.
     """
-    merged = torch.logaddexp(lse, step_lse)
-    out.mul_(torch.exp(lse - merged).transpose(1, 2).unsqueeze(-1))
-    out.addcmul_(step_out, torch.exp(step_lse - merged).transpose(1, 2).unsqueeze(-1))
-    lse.copy_(merged)
+    gap = lse - step_lse
+    out.mul_(torch.sigmoid(gap).transpose(1, 2).unsqueeze(-1))
+    out.addcmul_(step_out, torch.sigmoid(-gap).transpose(1, 2).unsqueeze(-1))
+    lse.copy_(torch.logaddexp(lse, step_lse))
 
 
 def _signature_error(q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import io
-import os
 import queue
 import socket
 import traceback

@@ -168,3 +168,21 @@ def test_merge_ignores_whatever_an_empty_side_holds(seed):
     lse1 = torch.randn(1, 2, 4)
     out, lse = merge_attention(out0, lse0, out1, lse1)
     assert torch.equal(out, out1) and torch.equal(lse, lse1), f"seed={seed}"
+
+
+def test_merge_weights_keep_fp32_precision_at_large_lse(seed):
+    """At |lse| ~ 1e4 fp32's ulp is 1e-3: weights taken against the rounded merged lse would be off by up to
+    5e-4 relative on every row (then amplified into dq); against the larger side they stay at a few ulp."""
+    shape_out, shape_lse = (2, 64, 3, 16), (2, 3, 64)
+    lse0 = 1e4 + 100 * torch.rand(shape_lse)
+    lse1 = lse0 - 40 * torch.rand(shape_lse) * torch.where(torch.rand(shape_lse) < 0.5, 1.0, -1.0)
+    out0, out1 = torch.randn(shape_out), torch.randn(shape_out)
+    merged_out, merged_lse = merge_attention(out0, lse0, out1, lse1)
+
+    w0 = torch.sigmoid(lse0.double() - lse1.double()).transpose(1, 2)[..., None]
+    expected = w0 * out0.double() + (1 - w0) * out1.double()
+    scale = w0 * out0.double().abs() + (1 - w0) * out1.double().abs()
+    error = ((merged_out.double() - expected).abs() / scale).max().item()
+    assert error < 8 * torch.finfo(torch.float32).eps, f"seed={seed}: merged out off by {error:.2e} relative"
+    exact_lse = torch.logaddexp(lse0.double(), lse1.double())
+    assert (merged_lse.double() - exact_lse).abs().max().item() <= 1e-3, f"seed={seed}: merged lse"

@@ -7,6 +7,7 @@ Triton 3.8: a 16×16 bf16 product off by 1e10), so bf16 is covered by the GPU te
 """
 
 import importlib
+import math
 import os
 
 import pytest
@@ -121,6 +122,30 @@ def test_rows_without_work_are_untouched_and_empty_state_is_ignored(seed):
         assert torch.equal(dq[idle_out], dq0[idle_out]), f"seed={seed}: dq of idle rows changed"
         assert not torch.equal(dq, dq0), f"seed={seed}: the busy rows got no gradient"
 
+
+def test_merging_a_step_into_its_own_result_keeps_out_bitwise_at_large_logits(seed):
+    """The epilogue's weights come from the lse difference (DESIGN.md §2.4's σ form): merging a step's
+    (out, lse) into a copy of itself gives weights of exactly 1/2, so out keeps every bit and lse gains
+    ln 2, even with |lse| ~ 1e3 where the merged lse's fp32 ulp (6e-5) would shift weights taken against it.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    layout, seq_len = Layout("contiguous", 1), 256
+    v_idx, s_idx = make_index(1, 2, seq_len, "mixed", gen)
+    index = convert_index(v_idx, s_idx, layout, 0, seq_len)
+    q, k, v, _ = make_qkv_dout(1, seq_len, 2, 1, 64, torch.float16, "cpu", gen)
+    out = torch.zeros(q.shape)
+    lse = torch.full((1, 2, seq_len), float("-inf"))
+    step = dict(causal_diag=True, softmax_scale=50.0)                        # logits of several hundred
+    triton_backend.block_bar_forward(q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col,
+                                     out, lse, **step)
+    assert lse.max().item() > 500, f"seed={seed}: the test needs large lse, got {lse.max().item():.0f}"
+    once_out, once_lse = out.clone(), lse.clone()
+    triton_backend.block_bar_forward(q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col,
+                                     out, lse, **step)
+    changed = (out != once_out).sum().item()
+    assert changed == 0, f"seed={seed}: {changed} out entries changed by merging a step with itself"
+    torch.testing.assert_close(lse, once_lse + math.log(2.0), rtol=0, atol=2 * torch.finfo(torch.float32).eps
+                               * lse.abs().max().item(), msg=lambda m: f"seed={seed}: {m}")
 
 def test_deterministic_backward_is_bitwise_repeatable(seed):
     gen = torch.Generator().manual_seed(seed)

@@ -108,13 +108,17 @@ def test_step_plan_covers_the_causal_triangle_once(world):
     assert torch.equal(covered, torch.ones(seq_len, seq_len, dtype=torch.int64).tril())
 
 
-def test_merge_step_into_a_row_range_equals_reference_merge(seed):
-    """The ring merges into views (the second chunk's rows): those rows match merge_attention, the rest stay."""
+@pytest.mark.parametrize("lse_offset", [0.0, 1e4], ids=["lse~4", "lse~1e4"])
+def test_merge_step_into_a_row_range_equals_reference_merge(seed, lse_offset):
+    """The ring merges into views (the second chunk's rows): those rows match merge_attention, the rest stay.
+
+    At |lse| ~ 1e4 (fp32 ulp 1e-3) both merges must take their weights from the lse difference to agree.
+    """
     from megatron_mtraining.dense_ring import merge_step
 
     b, n, h, d = 2, 24, 3, 8
-    out, lse = torch.randn(b, n, h, d), torch.randn(b, h, n) * 4
-    step_out, step_lse = torch.randn(b, n // 2, h, d), torch.randn(b, h, n // 2) * 4
+    out, lse = torch.randn(b, n, h, d), torch.randn(b, h, n) * 4 + lse_offset
+    step_out, step_lse = torch.randn(b, n // 2, h, d), torch.randn(b, h, n // 2) * 4 + lse_offset
     before_out, before_lse = out.clone(), lse.clone()
     expected_out, expected_lse = merge_attention(out[:, n // 2:], lse[:, :, n // 2:], step_out, step_lse)
     merge_step(out[:, n // 2:], lse[:, :, n // 2:], step_out, step_lse)
