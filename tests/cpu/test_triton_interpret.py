@@ -147,6 +147,7 @@ def test_merging_a_step_into_its_own_result_keeps_out_bitwise_at_large_logits(se
     torch.testing.assert_close(lse, once_lse + math.log(2.0), rtol=0, atol=2 * torch.finfo(torch.float32).eps
                                * lse.abs().max().item(), msg=lambda m: f"seed={seed}: {m}")
 
+
 def test_deterministic_backward_is_bitwise_repeatable(seed):
     gen = torch.Generator().manual_seed(seed)
     v_idx, s_idx = make_index(1, 4, 512, "mixed", gen)
