@@ -123,9 +123,9 @@ def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
     hi = torch.maximum(lse0, lse1)                    # NaN if either side is NaN
     lo = torch.minimum(lse0, lse1)
     empty = hi == float("-inf")                       # both sides empty
-    tail = torch.exp(lo - hi)
-    lse = torch.where(empty, lse0, hi + torch.log1p(tail))
     safe_hi = torch.where(empty, 0.0, hi)
+    tail = torch.exp(lo - safe_hi)                    # 0 on empty rows instead of exp(−inf + inf) = NaN
+    lse = torch.where(empty, lse0, hi + torch.log1p(tail))
 
     def weighted(out_side, lse_side):
         # exp(lse_side − lse) without rounding lse first: at |lse| ~ 1e4 its fp32 ulp (1e-3) would scale even
