@@ -6,10 +6,10 @@ Use with Megatron's own parsing (DESIGN.md §3)::
     mtraining = validate_mtraining_args(args)
 
 There is one flag per :class:`~megatron_mtraining.config.MTrainingConfig` field (``top_p`` is
-``--mtraining-top-p``) with the config's defaults, plus the launcher's ``--mtraining-loss-chunk-size``.
-The config validates the MTraining settings; :func:`validate_mtraining_args` adds the checks that
-involve Megatron's own flags (``--spec``, ``--cp-comm-type``, packed sequences, dropout, MTP, RoPE
-type). Every rejection is a ``ValueError`` naming the flag and the fix, raised before any work.
+``--mtraining-top-p``) with the config's defaults, plus the launcher's ``--mtraining-loss-chunk-size``
+and ``--mtraining-check``. The config validates the MTraining settings; :func:`validate_mtraining_args`
+adds the checks that involve Megatron's own flags (``--spec``, ``--cp-comm-type``, packed sequences,
+dropout, MTP, RoPE type). Every rejection is a ``ValueError`` naming the flag and the fix, raised before any work.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from mtraining_kernels.layout import LAYOUT_KINDS
 from .config import BUDGET_MODES, GRAD_WIRE_DTYPES, KERNELS, RINGS, MTrainingConfig, flag
 
 LOSS_CHUNK_SIZE_FLAG = "--mtraining-loss-chunk-size"
+CHECK_FLAG = "--mtraining-check"
 MTRAINING_SPEC = ("megatron_mtraining.spec", "get_gpt_layer_mtraining_spec")
 RING_CP_COMM_TYPES = ("p2p", "a2a+p2p")
 
@@ -100,6 +101,9 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="compute the output layer and cross-entropy in chunks of N positions per CP rank, "
                             "recomputed in backward, so the full logits never exist (e.g. 8192 for 512K "
                             "tokens); 0 = Megatron's full logits")
+    group.add_argument(CHECK_FLAG, action="store_true",
+                       help="validate the whole command for WORLD_SIZE ranks (default 1) as the launcher would, print "
+                            "the resolved configuration and exit; runs without GPU or data, no torchrun needed")
     parser.set_defaults(create_attention_mask_in_dataloader=False, attention_dropout=0.0)
     return parser
 

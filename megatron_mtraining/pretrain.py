@@ -3,22 +3,39 @@
 Run it like Megatron-LM's ``pretrain_gpt.py`` (``torchrun ... -m megatron_mtraining.pretrain <Megatron
 flags> <--mtraining-* flags>``); every Megatron flag keeps its meaning (DESIGN.md §3):
 
-1. ``parse_and_validate_args(extra_args_provider=add_mtraining_args)``, with the ``--mtraining-*``
-   checks run on the command line first (unless the model settings come from ``--use-checkpoint-args``
-   or ``--yaml-cfg``) so that bad combinations fail with a message naming the flag;
+1. ``parse_and_validate_args(extra_args_provider=launcher_args)``, with the ``--mtraining-*`` checks
+   and :func:`~megatron_mtraining.launch_check.check_launch_flags` (Megatron pitfalls: evaluation
+   settings, head dims, missing files) run on the command line first (unless the model settings come
+   from ``--use-checkpoint-args`` or ``--yaml-cfg``) so that bad combinations fail with a message
+   naming the flag. Without Transformer Engine the launcher uses Megatron's local implementation and
+   turns off the TE/Apex fusions, and says so in one line;
 2. ``gpt_config_from_args`` with :func:`~megatron_mtraining.spec.get_gpt_layer_mtraining_spec` as the
    layer spec, a pre-wrap hook that gives every model chunk layout-aware RoPE, and a
    ``finalize_model_grads_func`` that also checks the index caches and logs MTraining metrics;
 3. ``pretrain(...)`` with :class:`MTrainingForwardStep` (our :func:`get_batch`: Megatron's TP
    broadcast, then this CP rank's positions in the MTraining layout; zigzag keeps Megatron's split)
    and Megatron's ``GPTDataset``/``MockGPTDataset`` (``--mock-data``) provider.
+
+``python -m megatron_mtraining.pretrain --mtraining-check <flags>`` (no torchrun, no GPU, no data read)
+validates the command for ``WORLD_SIZE`` ranks and prints the resolved configuration
+(:func:`~megatron_mtraining.launch_check.run_check`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+import re
+import sys
+import warnings
 from dataclasses import dataclass
 from functools import partial
+
+# megatron-core warns on import about every Transformer Engine / Apex fallback; the launcher says it in one line
+LIBRARY_NOISE = r".*(Transformer Engine|Apex|transformer-engine|absl\.logging|Could not determine rank)"
+warnings.filterwarnings("ignore", message=LIBRARY_NOISE, category=UserWarning)
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)   # "No CUDA runtime" on CPU machines
 
 import torch
 import torch.distributed as dist
@@ -27,6 +44,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.enums import ModelType
+from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
 from megatron.training import (get_args, get_tensorboard_writer, get_timers, get_tokenizer, get_wandb_writer,
@@ -44,6 +62,7 @@ from .chunked_loss import ChunkedLossOutputProcessor
 from .config import MTrainingConfig
 from .consensus import collective_device
 from .index_cache import assert_index_caches_empty
+from .launch_check import check_launch_flags, run_check
 from .layout import install_layout_rope, select_layout_positions
 from .spec import get_gpt_layer_mtraining_spec
 
@@ -268,11 +287,51 @@ datasets_provider.is_distributed = True
 
 
 # ------------------------------------------------------------------------------------------ entry point
-def _validated_or_exit(args) -> MTrainingConfig:
+# Megatron's defaults that need Transformer Engine or Apex, and the local implementation's values for them
+LOCAL_IMPLEMENTATION_DEFAULTS = {"transformer_impl": "local", "apply_rope_fusion": False,
+                                 "gradient_accumulation_fusion": False, "bias_swiglu_fusion": False,
+                                 "no_persist_layer_norm": True, "masked_softmax_fusion": False}
+LOCAL_IMPLEMENTATION_NOTE = ("Transformer Engine is not installed: using --transformer-impl local with --no-rope-fusion "
+                             "--no-gradient-accumulation-fusion --no-bias-swiglu-fusion --no-persist-layer-norm "
+                             "--no-masked-softmax-fusion")
+_PERCENT_SIGNS = re.compile(r"%%|%\([a-z_]+\)[a-z]|%")   # escaped, a format field, or a bare sign
+
+
+def launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's ``extra_args_provider`` of the launcher: the ``--mtraining-*`` flags, and two launcher defaults.
+
+    Without Transformer Engine the defaults are the local implementation's (:data:`LOCAL_IMPLEMENTATION_DEFAULTS`;
+    an explicit ``--transformer-impl transformer_engine`` is refused by :func:`check_transformer_impl`).
+    Help strings with a bare ``%`` (one of megatron-core's) are escaped so that ``--help`` prints.
+    """
+    add_mtraining_args(parser)
+    if not HAVE_TE:
+        parser.set_defaults(**LOCAL_IMPLEMENTATION_DEFAULTS)
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = _PERCENT_SIGNS.sub(lambda sign: "%%" if sign[0] == "%" else sign[0], action.help)
+    return parser
+
+
+def check_transformer_impl(args) -> None:
+    if args.transformer_impl == "transformer_engine" and not HAVE_TE:
+        raise ValueError("--transformer-impl transformer_engine but Transformer Engine does not import; install it "
+                         "(pip install 'megatron-mtraining[te]') or drop the flag (the launcher then uses the local "
+                         "implementation)")
+
+
+def _validated_or_exit(check, *args) -> MTrainingConfig:
     try:
-        return validate_mtraining_args(args)
+        return check(*args)
     except ValueError as error:
         raise SystemExit(f"megatron_mtraining.pretrain: error: {error}") from None
+
+
+def _check_command_line(command_line) -> MTrainingConfig:
+    check_transformer_impl(command_line)
+    mtraining = validate_mtraining_args(command_line)
+    check_launch_flags(command_line, mtraining)
+    return mtraining
 
 
 def _use_prebuilt_dataset_helpers() -> None:
@@ -291,13 +350,20 @@ def _use_prebuilt_dataset_helpers() -> None:
 
 
 def main() -> None:
-    """Parse Megatron's and MTraining's flags from ``sys.argv`` and train."""
-    _use_prebuilt_dataset_helpers()
-    command_line = parse_args(extra_args_provider=add_mtraining_args)
+    """Parse Megatron's and MTraining's flags from ``sys.argv`` and train (or, with ``--mtraining-check``, check)."""
+    command_line = parse_args(extra_args_provider=launcher_args)
+    if command_line.mtraining_check:
+        if not HAVE_TE:
+            print(LOCAL_IMPLEMENTATION_NOTE)
+        check_transformer_impl(command_line)
+        sys.exit(_validated_or_exit(run_check, command_line))
     if not command_line.use_checkpoint_args and command_line.yaml_cfg is None:
-        _validated_or_exit(command_line)     # before Megatron's own asserts, which give less helpful messages
-    args = parse_and_validate_args(extra_args_provider=add_mtraining_args)
-    mtraining = _validated_or_exit(args)
+        _validated_or_exit(_check_command_line, command_line)   # before Megatron's asserts, which say less
+    if not HAVE_TE and command_line.rank == 0:
+        print(LOCAL_IMPLEMENTATION_NOTE, flush=True)
+    _use_prebuilt_dataset_helpers()
+    args = parse_and_validate_args(extra_args_provider=launcher_args)
+    mtraining = _validated_or_exit(validate_mtraining_args, args)
     args.hierarchical_context_parallel_sizes = hierarchical_cp_sizes(args, mtraining)
     config = pretrain_cfg_container_from_args(args, mtraining_model_config(args, mtraining))
     run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
