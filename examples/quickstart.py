@@ -9,8 +9,11 @@
   instead, around the same pieces: the same flags parsed and validated by Megatron and
   ``megatron_mtraining.arguments``, the same ``GPTModel`` built by the launcher's model config
   (MTraining layer spec, layout RoPE), Megatron's ``MockGPTDataset`` split into the striped layout by
-  ``select_layout_positions``, and the same metrics. Kernels: ``torch_blocksparse``. One line per step
-  with the loss, the attention density and the ring's worker/step imbalance; about a minute on 2 cores.
+  ``select_layout_positions``, and the same metrics. Kernels: ``torch_blocksparse``; about a minute on 2 cores.
+
+The output says first what runs (the model, sequence, CP layout and budget) and how to read density and
+imbalance, then one line per step (loss, density, worker/step imbalance, time) and a closing summary
+with what to try next. Megatron's warnings about Transformer Engine and Apex being absent are silenced.
 
 The model: 2 layers, hidden 256, 4 query heads in 2 KV groups of head dim 64, SwiGLU, RMSNorm
 (eps 1e-6), QKV bias, RoPE base 1e6, tied embeddings (Qwen2's shape, scaled down), 4,096-token
@@ -25,13 +28,15 @@ import importlib.util
 import io
 import logging
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
 import time
 import warnings
 from datetime import timedelta
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,16 +66,119 @@ GPU_FLAGS = ["--bf16", "--mtraining-kernel", "triton", "--log-interval", "1", "-
              *([] if importlib.util.find_spec("transformer_engine") else LOCAL_IMPL_FLAGS)]
 CPU_FLAGS = ["--mtraining-kernel", "torch_blocksparse", "--use-cpu-initialization", *LOCAL_IMPL_FLAGS]
 
+# Megatron warns on import that these optional libraries are absent; the demo runs without them on purpose
+ABSENT_LIBRARY_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                           "Only transformer-engine>=", "absl.logging is not installed")
+NEXT_STEPS = [
+    "next: make test                                 the test suite (GPU tests skip without CUDA)",
+    "      docs/user_journey.md                      Qwen2.5 from Hugging Face to a 512K-context model and back",
+    "      examples/qwen2.5-0.5b_1gpu_demo.sh        a real model at 64K tokens on one or two GPUs",
+    "      examples/qwen2.5-3b_32k_to_512k.sh        the full 32K -> 512K recipe",
+]
+
+
+# ------------------------------------------------------------------------------------------ output
+def _flag(name: str) -> str:
+    """The value the demo gives to ``name``."""
+    return TINY_QWEN2[TINY_QWEN2.index(name) + 1]
+
+
+def introduction(steps: int, launcher_command: Sequence[str] | None = None) -> list[str]:
+    """What runs, in plain words (the launcher's command, or the CPU loop and why), and how to read the step lines."""
+    if launcher_command:
+        runs = [f"  runs      the real launcher on {CONTEXT_PARALLEL} GPUs (Megatron's training loop, Triton kernels):",
+                f"            {shlex.join(launcher_command)}"]
+    else:
+        runs = [f"  runs      a minimal training loop in {CONTEXT_PARALLEL} gloo processes: Megatron's `pretrain` needs "
+                "CUDA, so this",
+                "            loop drives the launcher's pieces itself (flags, model, mock data, metrics); with",
+                f"            >= {CONTEXT_PARALLEL} GPUs this script runs the real launcher, "
+                "torchrun -m megatron_mtraining.pretrain"]
+    return [
+        f"MTraining quickstart: {steps} training steps of a tiny GPT with dynamic sparse attention",
+        *runs,
+        f"  model     Qwen2-shaped: {_flag('--num-layers')} layers, hidden {_flag('--hidden-size')}, "
+        f"{_flag('--num-attention-heads')} query heads in {_flag('--num-query-groups')} KV groups, "
+        f"vocabulary {_flag('--vocab-size')}, Megatron's mock data",
+        f"  sequence  {_flag('--seq-length')} tokens split over CP = {CONTEXT_PARALLEL} ranks in the "
+        f"{_flag('--mtraining-layout')} layout (stripes dealt out in turn,",
+        "            so that every rank gets an equal share of the causal attention work)",
+        f"  budget    per head, the key columns and diagonals holding {float(_flag('--mtraining-top-p')):.0%} of the "
+        f"estimated attention mass",
+        f"            (at most {_flag('--mtraining-cap')} of each), plus the first {_flag('--mtraining-sink-tokens')} "
+        f"tokens and a {_flag('--mtraining-local-window')}-token local window",
+        "reading the step lines:",
+        "  density    fraction of the causal attention area computed (1.0 = dense attention)",
+        "  imbalance  max/mean of the ring's attention work over ranks (worker) and over ring steps (step);",
+        "             1.0 = perfectly balanced",
+    ]
+
+
+def step_line(record: dict, steps: int) -> str:
+    """One training step: loss, density, worker/step imbalance and time."""
+    return (f"step {record['step']:3d}/{steps} | loss {record['loss']:.4f} | density {record['density']:.3f} | "
+            f"worker imbalance {record['worker_imbalance']:.3f} | step imbalance {record['step_imbalance']:.3f} | "
+            f"{record['seconds']:.1f} s")
+
+
+def summary(records: Sequence[dict]) -> list[str]:
+    """The run in numbers: steps, first -> last loss, mean density (= share of dense work), worst imbalance, time."""
+    density = sum(record["density"] for record in records) / len(records)
+    worker = max(record["worker_imbalance"] for record in records)
+    step = max(record["step_imbalance"] for record in records)
+    return [f"summary: {len(records)} steps, loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}, "
+            f"{sum(record['seconds'] for record in records):.1f} s of steps",
+            f"         mean density {density:.3f}: the sparse attention did {density:.0%} of dense attention's work",
+            f"         worst imbalance: worker {worker:.3f}, step {step:.3f}"]
+
 
 # ------------------------------------------------------------------------------------------ GPU: the launcher
-def run_launcher(steps: int) -> int:
-    """``torchrun -m megatron_mtraining.pretrain`` on CONTEXT_PARALLEL GPUs; returns its exit code."""
-    flags = [*TINY_QWEN2, *GPU_FLAGS, "--train-iters", str(steps)]
+MEGATRON_ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.* elapsed time per iteration \(ms\): ([\d.]+) \|"
+                                     r".* lm loss: ([-+.\dE]+) \|")
+MTRAINING_METRICS_LINE = re.compile(r"mtraining \| iteration\s+(\d+) \| density ([\d.]+) \| worker imbalance ([\d.]+)"
+                                    r" \| step imbalance ([\d.]+)")
+
+
+def records_from_launcher_log(lines: Iterable[str]) -> list[dict]:
+    """Step records like ``train_on_cpu``'s, from the launcher's output (Megatron's and MTraining's lines)."""
+    records: dict[int, dict] = {}
+    for line in lines:
+        if match := MEGATRON_ITERATION_LINE.search(line):
+            records.setdefault(int(match[1]), {}).update(seconds=float(match[2]) / 1e3, loss=float(match[3]))
+        elif match := MTRAINING_METRICS_LINE.search(line):
+            records.setdefault(int(match[1]), {}).update(density=float(match[2]), worker_imbalance=float(match[3]),
+                                                         step_imbalance=float(match[4]))
+    return [{"step": step, **record} for step, record in sorted(records.items()) if len(record) == 5]
+
+
+def _echoed(lines: Iterable[str]) -> Iterator[str]:
+    """``lines``, each printed as it passes."""
+    for line in lines:
+        print(line, end="", flush=True)
+        yield line
+
+
+def run_launcher(steps: int, extra_flags: Sequence[str] = ()) -> int:
+    """``torchrun -m megatron_mtraining.pretrain`` on CONTEXT_PARALLEL GPUs, output passed on; returns its exit code."""
+    flags = [*TINY_QWEN2, *GPU_FLAGS, "--train-iters", str(steps), *extra_flags]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={CONTEXT_PARALLEL}",
                "-m", "megatron_mtraining.pretrain", *flags]
-    print(" ".join(command), flush=True)
-    # Megatron asserts this setting for context parallelism on Hopper and older GPUs
-    return subprocess.call(command, env=dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1"))
+    print("\n".join(introduction(steps, command)), flush=True)
+    print("starting torchrun: Megatron prints its arguments and set-up, then one line per iteration and an "
+          "'mtraining' line with\nthe density and imbalance; iteration 1 compiles the Triton kernels and is the "
+          "slowest ...", flush=True)
+    # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for context parallelism on Hopper and older GPUs
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env["PYTHONWARNINGS"] = ",".join([*filter(None, [os.environ.get("PYTHONWARNINGS")]),
+                                      *(f"ignore:{message}" for message in ABSENT_LIBRARY_WARNINGS)])
+    env.setdefault("OMP_NUM_THREADS", "1")          # torchrun's default, set here so that it does not warn about it
+    started = time.perf_counter()
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as launcher:
+        records = records_from_launcher_log(_echoed(launcher.stdout))
+    if launcher.returncode == 0 and records:
+        print("\n".join([*summary(records), f"finished in {time.perf_counter() - started:.1f} s, start-up included",
+                         *NEXT_STEPS]), flush=True)
+    return launcher.returncode
 
 
 # ------------------------------------------------------------------------------------------ CPU: a minimal loop
@@ -108,8 +216,8 @@ def rope_tables_on_cpu():
 def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> list[dict]:
     """Train on this gloo process group (one rank per CP rank); returns one record per step on every rank.
 
-    ``report(line)`` is called on rank 0 with one line per step; ``extra_flags`` are appended to the
-    demo's flags (e.g. another ``--seed``).
+    ``report(line)`` is called on rank 0 once the model is built and then with one line per step;
+    ``extra_flags`` are appended to the demo's flags (e.g. another ``--seed``).
     """
     from megatron.core import parallel_state
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -135,7 +243,8 @@ def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> l
         layout = mtraining.layout_for(args.context_parallel_size)
         torch.manual_seed(args.seed)
         model_config = mtraining_model_config(args, mtraining)
-        model = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
+        with contextlib.redirect_stdout(io.StringIO()):             # Megatron prints the padded vocabulary size
+            model = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
         for hook in model_config.pre_wrap_hooks:
             (model,) = hook([model])
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
@@ -144,6 +253,10 @@ def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> l
         dataset_config = gpt_dataset_config_from_args(args, build_tokenizer(args))
         dataset, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [steps, 0, 0], lambda: True,
                                                       dataset_config).build()
+        if dist.get_rank() == 0:
+            parameters = sum(param.numel() for param in model.parameters())
+            report(f"model built: {parameters / 1e6:.1f} M parameters, a full copy on each rank (CP splits the "
+                   "sequence, not the model);\nstep 1 is the slowest (one-time set-up) ...")
         records = []
         with rope_tables_on_cpu():
             for step in range(steps):
@@ -168,45 +281,59 @@ def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> l
                           "seconds": time.perf_counter() - started}
                 records.append(record)
                 if dist.get_rank() == 0:
-                    report(f"step {record['step']:3d}/{steps} | loss {record['loss']:.4f} | density "
-                           f"{record['density']:.3f} | worker imbalance {record['worker_imbalance']:.3f} | step "
-                           f"imbalance {record['step_imbalance']:.3f} | {record['seconds']:.1f} s")
+                    report(step_line(record, steps))
         return records
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _cpu_rank(rank: int, port: int, steps: int) -> None:
+def silence_expected_warnings() -> None:
+    """Hide ABSENT_LIBRARY_WARNINGS, torch's no-CUDA note and Megatron's set-up log; errors still show."""
+    for message in ABSENT_LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message))
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    logging.getLogger("megatron").setLevel(logging.ERROR)         # Megatron logs its set-up at INFO level
+
+
+def _cpu_rank(rank: int, port: int, steps: int, extra_flags: Sequence[str]) -> None:
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", module="megatron")           # Apex/TE fallbacks are expected on a CPU
-    logging.getLogger("megatron").setLevel(logging.ERROR)
+    silence_expected_warnings()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                           world_size=CONTEXT_PARALLEL, timeout=timedelta(minutes=5))
+                            world_size=CONTEXT_PARALLEL, timeout=timedelta(minutes=5))
     try:
-        train_on_cpu(steps, report=lambda line: print(line, flush=True))
+        records = train_on_cpu(steps, report=lambda line: print(line, flush=True), extra_flags=extra_flags)
+        if rank == 0:
+            print("\n".join(summary(records)), flush=True)
     finally:
         dist.destroy_process_group()
 
 
-def run_on_cpu(steps: int) -> None:
+def run_on_cpu(steps: int, extra_flags: Sequence[str] = ()) -> None:
+    """The CPU loop in CONTEXT_PARALLEL gloo processes, with the demo's introduction and closing lines."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    print(f"CPU demo: {CONTEXT_PARALLEL} gloo processes, CP = {CONTEXT_PARALLEL} (striped), sparse attention "
-          f"(torch_blocksparse), {steps} steps", flush=True)
-    mp.spawn(_cpu_rank, args=(port, steps), nprocs=CONTEXT_PARALLEL)
+    print("\n".join(introduction(steps)), flush=True)
+    print(f"starting {CONTEXT_PARALLEL} processes: importing Megatron, building the model and the mock data ...",
+          flush=True)
+    started = time.perf_counter()
+    mp.spawn(_cpu_rank, args=(port, steps, list(extra_flags)), nprocs=CONTEXT_PARALLEL)
+    print("\n".join([f"finished in {time.perf_counter() - started:.1f} s, start-up included", *NEXT_STEPS]),
+          flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps")
     parser.add_argument("--cpu", action="store_true", help="run the CPU loop even when GPUs are present")
+    parser.add_argument("--seed", type=int, help=f"seed of the initialisation and data (default {_flag('--seed')})")
     options = parser.parse_args()
     if options.steps < 1:
         parser.error(f"--steps={options.steps} must be >= 1")
+    extra_flags = [] if options.seed is None else ["--seed", str(options.seed)]
     if torch.cuda.device_count() >= CONTEXT_PARALLEL and not options.cpu:
-        sys.exit(run_launcher(options.steps))
-    run_on_cpu(options.steps)
+        sys.exit(run_launcher(options.steps, extra_flags))
+    run_on_cpu(options.steps, extra_flags)
 
 
 if __name__ == "__main__":
