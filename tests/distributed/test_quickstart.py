@@ -1,39 +1,129 @@
-"""The CPU quickstart (examples/quickstart.py, ``make demo``) trains.
+"""The CPU quickstart (examples/quickstart.py, ``make demo``) trains and explains what it does.
 
-Its training loop runs briefly on 2 gloo ranks exactly as the demo does (CP = 2, striped layout,
-top-P sparse attention through the torch_blocksparse ring, chunked loss, Megatron's mock data) with a
-fresh ``--seed``: the loss falls, both ranks agree on it, the attention is sparse and the striped
-ring is balanced.
+One run of the demo as a user starts it (``--cpu``, a fresh ``--seed``; 2 gloo processes, CP = 2,
+striped layout, top-P sparse attention through the torch_blocksparse ring, chunked loss, Megatron's
+mock data) is checked for everything: the loss falls, the attention is sparse and the striped ring
+balanced; the output says what runs and what density and imbalance mean before the first step, its
+summary agrees with the step lines, and Megatron's Transformer Engine / Apex warnings are absent.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
 STEPS = 6
 LOSS_DROP = 0.5                 # nats, mean of the last 3 steps below the mean of the first 3
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.py")
+STEP_LINE = re.compile(r"^step +(?P<step>\d+)/(?P<steps>\d+) \| loss (?P<loss>[\d.]+) \| density (?P<density>[\d.]+) "
+                       r"\| worker imbalance (?P<worker>[\d.]+) \| step imbalance (?P<ring_step>[\d.]+) "
+                       r"\| (?P<seconds>[\d.]+) s$", re.MULTILINE)
+SUMMARY = re.compile(r"^summary: (?P<steps>\d+) steps, loss (?P<first>[\d.]+) -> (?P<last>[\d.]+), "
+                     r"(?P<seconds>[\d.]+) s of steps\n"
+                     r" +mean density (?P<density>[\d.]+): the sparse attention did (?P<percent>\d+)% of dense "
+                     r"attention's work\n"
+                     r" +worst imbalance: worker (?P<worker>[\d.]+), step (?P<ring_step>[\d.]+)$", re.MULTILINE)
+LIBRARY_WARNING = re.compile(r"warn|transformer.engine|apex|absl", re.IGNORECASE)
 
 
-def _train(rank, world_size, steps, seed):
+def _quickstart():
     spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
     quickstart = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(quickstart)
-    return quickstart.train_on_cpu(steps, report=lambda line: None, extra_flags=["--seed", str(seed % 2**31)])
+    return quickstart
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """(output, seed) of one CPU run of the demo; stdout and stderr together, as a user sees them."""
+    seed = int.from_bytes(os.urandom(4), "little") % 2**31
+    run = subprocess.run([sys.executable, QUICKSTART, "--cpu", "--steps", str(STEPS), "--seed", str(seed)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert run.returncode == 0, f"the demo failed (seed={seed}):\n{run.stdout}"
+    return run.stdout, seed
+
+
+def _steps(output: str) -> list[dict]:
+    return [match.groupdict() for match in STEP_LINE.finditer(output)]
 
 
 @pytest.mark.slow           # about a minute: two ranks build Megatron's model and mock data, then train
-def test_quickstart_loss_falls(distributed, seed):
-    records = distributed(_train, 2, STEPS, seed, timeout=600)
-    losses = [record["loss"] for record in records[0]]
-    assert len(losses) == STEPS
-    assert losses == [record["loss"] for record in records[1]], f"ranks disagree on the loss (seed={seed})"
+def test_quickstart_loss_falls_with_sparse_balanced_attention(demo):
+    output, seed = demo
+    steps = _steps(output)
+    assert [int(step["step"]) for step in steps] == list(range(1, STEPS + 1)), output
+    assert {int(step["steps"]) for step in steps} == {STEPS}, output
+    losses = [float(step["loss"]) for step in steps]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - LOSS_DROP, f"loss did not fall: {losses} (seed={seed})"
-    for record in records[0]:
-        assert 0.05 < record["density"] < 0.95, f"step {record['step']}: density {record['density']} (seed={seed})"
-        assert 1.0 <= record["worker_imbalance"] < 1.2, f"step {record['step']}: {record} (seed={seed})"
-        assert 1.0 <= record["step_imbalance"] < 1.5, f"step {record['step']}: {record} (seed={seed})"
+    for step in steps:
+        assert 0.05 < float(step["density"]) < 0.95, f"{step} (seed={seed})"
+        assert 1.0 <= float(step["worker"]) < 1.2, f"{step} (seed={seed})"
+        assert 1.0 <= float(step["ring_step"]) < 1.5, f"{step} (seed={seed})"
+
+
+@pytest.mark.slow
+def test_quickstart_explains_itself_before_the_first_step(demo):
+    output, _ = demo
+    first_step = STEP_LINE.search(output).start()
+    before = output[:first_step]
+    assert "a minimal training loop in 2 gloo processes: Megatron's `pretrain` needs CUDA" in before, output
+    for words in ("2 layers, hidden 256", "4096 tokens split over CP = 2 ranks in the striped layout",
+                  "90% of the estimated attention mass",
+                  "density    fraction of the causal attention area computed (1.0 = dense attention)",
+                  "imbalance  max/mean of the ring's attention work over ranks (worker) and over ring steps (step)",
+                  "1.0 = perfectly balanced"):
+        assert words in before, f"{words!r} not before the first step:\n{output}"
+    starting = before.index("starting 2 processes: importing Megatron, building the model")
+    built = before.index("model built: ")
+    assert starting < built, output
+    assert "step 1 is the slowest" in before[built:], output
+    assert "next: make test" in output[first_step:] and "docs/user_journey.md" in output[first_step:], output
+
+
+@pytest.mark.slow
+def test_quickstart_summary_agrees_with_the_step_lines(demo):
+    output, seed = demo
+    steps = _steps(output)
+    summaries = list(SUMMARY.finditer(output))
+    assert len(summaries) == 1, output
+    summary = summaries[0]
+    assert summary.start() > STEP_LINE.search(output).start(), output
+    assert int(summary["steps"]) == len(steps) == STEPS, output
+    assert (summary["first"], summary["last"]) == (steps[0]["loss"], steps[-1]["loss"]), output
+    densities = [float(step["density"]) for step in steps]
+    mean_density = float(summary["density"])
+    assert abs(mean_density - sum(densities) / len(densities)) <= 1e-3, f"seed={seed}\n{output}"
+    assert abs(int(summary["percent"]) - 100 * mean_density) <= 0.5 + 1e-9, output
+    assert float(summary["worker"]) == max(float(step["worker"]) for step in steps), output
+    assert float(summary["ring_step"]) == max(float(step["ring_step"]) for step in steps), output
+    step_seconds = sum(float(step["seconds"]) for step in steps)
+    assert abs(float(summary["seconds"]) - step_seconds) <= 0.05 * (STEPS + 1), output
+    total = re.search(r"^finished in ([\d.]+) s, start-up included$", output, re.MULTILINE)
+    assert total and float(total[1]) >= float(summary["seconds"]), output
+
+
+@pytest.mark.slow
+def test_quickstart_hides_library_warnings(demo):
+    output, _ = demo
+    assert not LIBRARY_WARNING.search(output), output
+
+
+def test_launcher_log_gives_the_step_records(capsys):
+    """The GPU path's summary reads Megatron's iteration lines and the launcher's metrics lines."""
+    from megatron_mtraining.pretrain import StepMetrics, log_step_metrics
+
+    log_step_metrics(StepMetrics({1: 0.25, 2: 0.35}, 1.25, 1.125, 0.004), iteration=1)
+    metrics_line = capsys.readouterr().out
+    megatron_lines = [f" [timestamp] iteration {iteration:8d}/{2:8d} | consumed samples: "
+                      f"{iteration:12d} | elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.000000E-03 | "
+                      f"global batch size:     1 | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.234 | "
+                      for iteration, ms, loss in ((1, 2500.0, 6.25), (2, 125.0, 5.5))]
+    records = _quickstart().records_from_launcher_log(["noise\n", metrics_line, *megatron_lines])
+    assert records == [{"step": 1, "seconds": 2.5, "loss": 6.25, "density": 0.3, "worker_imbalance": 1.25,
+                        "step_imbalance": 1.125}], records   # iteration 2 has no metrics line: left out
