@@ -3,37 +3,81 @@
 #
 #   CHECKPOINT=checkpoints/qwen2.5-3b-mcore DATA_PREFIX=data/long_docs bash examples/qwen2.5-3b_32k_to_512k.sh
 #   bash examples/qwen2.5-3b_32k_to_512k.sh --dry-run     # or DRY_RUN=1: print the command, run nothing
+#   bash examples/qwen2.5-3b_32k_to_512k.sh --check       # or CHECK=1: print it, then validate it on this machine
 #
 # CHECKPOINT is the directory written by tools/convert_qwen2_hf_to_megatron.py; its megatron_model_args.sh
 # supplies the model flags and the tokenizer. DATA_PREFIX is the --output-prefix of tools/preprocess_data.py
 # (or MOCK_DATA=1 for synthetic data). Training checkpoints go to SAVE_DIR, from which a rerun resumes.
+# A dry run or check needs neither: without CHECKPOINT the model flags come from examples/models/$MODEL.sh and
+# the command has no --pretrained-checkpoint; without data it uses --mock-data (both said in a comment line).
+# The check runs `WORLD_SIZE=<GPUs> $PYTHON -m megatron_mtraining.pretrain --mtraining-check <the flags>`: the
+# launcher parses and validates the command as the run would, on CPU, and reads no checkpoint or data.
 #
-# Each SEQ_LEN-token sequence is split over CP = (GPUS_PER_NODE x NNODES) / TP ranks in MTraining's striped
-# layout. When a CP group spans nodes (examples/slurm/*.sbatch sets NNODES, NODE_RANK and MASTER_ADDR) the
-# ring is hierarchical: an inner ring over the GPUs of a node inside an outer ring over the nodes.
+# The GPUs (GPUS_PER_NODE x NNODES) are split into TP x PP x CP x DP (Megatron's order tp-cp-ep-dp-pp). Each
+# SEQ_LEN-token sequence is split over the CP ranks in MTraining's striped layout. A CP group either fits in a
+# node (flat ring) or spans whole nodes (examples/slurm/*.sbatch sets NNODES, NODE_RANK and MASTER_ADDR): then
+# the ring is hierarchical, an inner ring over the CP ranks of a node inside an outer ring over the nodes.
 #
-# Environment (default): SEQ_LEN (524288), GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR
-# (localhost), MASTER_PORT (6000), TP (1), GLOBAL_BATCH_SIZE (8), TRAIN_ITERS (1000), LR (1e-5), MIN_LR
-# (1e-6), WARMUP_ITERS (20), SAVE_DIR (checkpoints/qwen2.5-3b-512k), SAVE_INTERVAL (100), TOP_P (0.9),
-# LOSS_CHUNK_SIZE (8192), PYTHON (python), EXTRA_ARGS (appended to the launcher's flags).
+# Settings (environment variables, default):
+#   MODEL (qwen2.5-3b)            model size: examples/models/$MODEL.sh gives the model flags when CHECKPOINT is
+#                                 unset; it also names SAVE_DIR's default
+#   CHECKPOINT                    converted checkpoint (required for a run, not for --dry-run / --check)
+#   TOKENIZER                     replaces the model flags' --tokenizer-model (presets: the hub name, e.g.
+#                                 Qwen/Qwen2.5-3B; a checkpoint: the Hugging Face directory it was converted from)
+#   DATA_PREFIX, MOCK_DATA (0)    training data, or MOCK_DATA=1 for synthetic data (one is required for a run)
+#   SPLIT (98,2,0)                train,valid,test percentages of DATA_PREFIX's documents (integers, sum 100)
+#   EVAL_INTERVAL (100), EVAL_ITERS (1)   validation every EVAL_INTERVAL iterations, EVAL_ITERS batches each
+#                                 (EVAL_ITERS=0: no validation)
+#   SEQ_LEN (524288), GLOBAL_BATCH_SIZE (8), TRAIN_ITERS (1000), LR (1e-5), MIN_LR (1e-6), WARMUP_ITERS (20)
+#   BUDGET (top-p)                top-p: per-head budgets covering TOP_P (0.9) of the attention mass;
+#                                 static: SPARSITY (0.95, the benchmarks' budget) or VERTICAL_SIZE + SLASH_SIZE
+#   GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (6000)
+#   TP (1), PP (1), CP (GPUs / (TP x PP))   tensor, pipeline and context parallel sizes; TP divides
+#                                 GPUS_PER_NODE; DP = GPUs / (TP x PP x CP) must be a whole number
+#   SAVE_DIR (checkpoints/$MODEL-<SEQ_LEN/1024>k), SAVE_INTERVAL (100), LOSS_CHUNK_SIZE (8192)
+#   PYTHON (python), EXTRA_ARGS (appended to the launcher's flags, e.g. --transformer-impl local)
 set -euo pipefail
 
+EXAMPLES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+MODELS_DIR="$EXAMPLES/models"
+MODEL_ARGS_FILE=megatron_model_args.sh
+
+fail() {
+  echo "$(basename "$0"): error: $*" >&2
+  exit 2
+}
+
+# ------------------------------------------------------------------------------------------ mode
+usage="usage: $0 [--dry-run | --check]  (settings are environment variables, see the header of $0)"
 DRY_RUN=${DRY_RUN:-0}
+CHECK=${CHECK:-0}
+[[ "$DRY_RUN" == [01] ]] || fail "DRY_RUN=$DRY_RUN must be 0 or 1"
+[[ "$CHECK" == [01] ]] || fail "CHECK=$CHECK must be 0 or 1"
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    *) echo "usage: $0 [--dry-run]  (settings are environment variables, see the header of $0)" >&2; exit 2 ;;
+    --check) CHECK=1 ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
 done
-
-: "${CHECKPOINT:?set CHECKPOINT to the directory written by tools/convert_qwen2_hf_to_megatron.py}"
-if [[ ! -f "$CHECKPOINT/megatron_model_args.sh" ]]; then
-  echo "error: $CHECKPOINT/megatron_model_args.sh not found;" \
-       "convert the model with tools/convert_qwen2_hf_to_megatron.py" >&2
-  exit 1
+if (( DRY_RUN && CHECK )); then
+  fail "--dry-run (DRY_RUN=1) and --check (CHECK=1) together; pick one (--check also prints the command)"
 fi
-source "$CHECKPOINT/megatron_model_args.sh"      # defines MODEL_ARGS
+PRINT_ONLY=$(( DRY_RUN || CHECK ))
 
+# ------------------------------------------------------------------------------------------ settings
+require_integer() {     # NAME MINIMUM: the variable NAME holds an integer >= MINIMUM
+  local value=${!1}
+  [[ "$value" =~ ^(0|[1-9][0-9]*)$ ]] && (( value >= $2 )) || fail "$1=$value must be an integer >= $2"
+}
+require_number() {      # NAME: the variable NAME holds a decimal number such as 1e-5 or 0.9
+  [[ "${!1}" =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || fail "$1=${!1} must be a number, e.g. 1e-5 or 0.9"
+}
+number_satisfies() {    # VALUE CONDITION: awk's CONDITION on x holds for the number VALUE
+  awk -v x="$1" "BEGIN { exit !($2) }"
+}
+
+MODEL=${MODEL:-qwen2.5-3b}
 SEQ_LEN=${SEQ_LEN:-524288}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NNODES=${NNODES:-1}
@@ -41,65 +85,203 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 TP=${TP:-1}
-CP=$((GPUS_PER_NODE * NNODES / TP))
-CP_PER_NODE=$((GPUS_PER_NODE / TP))
-SAVE_DIR=${SAVE_DIR:-checkpoints/qwen2.5-3b-512k}
+PP=${PP:-1}
+GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-8}
+TRAIN_ITERS=${TRAIN_ITERS:-1000}
+LR=${LR:-1e-5}
+MIN_LR=${MIN_LR:-1e-6}
+WARMUP_ITERS=${WARMUP_ITERS:-20}
+SAVE_INTERVAL=${SAVE_INTERVAL:-100}
+EVAL_INTERVAL=${EVAL_INTERVAL:-100}
+EVAL_ITERS=${EVAL_ITERS:-1}
+SPLIT=${SPLIT:-98,2,0}
+BUDGET=${BUDGET:-top-p}
+LOSS_CHUNK_SIZE=${LOSS_CHUNK_SIZE:-8192}
+MOCK_DATA=${MOCK_DATA:-0}
 PYTHON=${PYTHON:-python}
 
-if (( GPUS_PER_NODE % TP )); then
-  echo "error: TP=$TP must divide GPUS_PER_NODE=$GPUS_PER_NODE (tensor parallelism stays inside a node)" >&2
-  exit 1
-fi
+for name in SEQ_LEN GPUS_PER_NODE NNODES TP PP GLOBAL_BATCH_SIZE TRAIN_ITERS SAVE_INTERVAL EVAL_INTERVAL \
+            MASTER_PORT; do
+  require_integer "$name" 1
+done
+for name in NODE_RANK WARMUP_ITERS EVAL_ITERS LOSS_CHUNK_SIZE; do
+  require_integer "$name" 0
+done
+SAVE_DIR=${SAVE_DIR:-checkpoints/$MODEL-$(( SEQ_LEN / 1024 ))k}     # after SEQ_LEN is known to be a number
+require_number LR
+require_number MIN_LR
+[[ "$MOCK_DATA" == [01] ]] || fail "MOCK_DATA=$MOCK_DATA must be 0 or 1"
+(( NODE_RANK < NNODES )) || fail "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
 
-if [[ "${MOCK_DATA:-0}" == 1 ]]; then
-  DATA_ARGS=(--mock-data)
+# ------------------------------------------------------------------------------------------ model
+available_models() {
+  local preset names=()
+  for preset in "$MODELS_DIR"/*.sh; do
+    names+=("$(basename "$preset" .sh)")
+  done
+  echo "${names[*]}"
+}
+[[ "$MODEL" =~ ^[A-Za-z0-9._-]+$ && -f "$MODELS_DIR/$MODEL.sh" ]] ||
+  fail "MODEL=$MODEL is not a model preset of $MODELS_DIR; use one of: $(available_models)"
+if [[ -n "${CHECKPOINT:-}" ]]; then
+  [[ -f "$CHECKPOINT/$MODEL_ARGS_FILE" ]] ||
+    fail "CHECKPOINT=$CHECKPOINT has no $MODEL_ARGS_FILE; give the --output-dir of" \
+         "tools/convert_qwen2_hf_to_megatron.py"
+  source "$CHECKPOINT/$MODEL_ARGS_FILE"      # defines MODEL_ARGS
+  MODEL_SOURCE="$CHECKPOINT/$MODEL_ARGS_FILE"
+  CHECKPOINT_ARGS=(--pretrained-checkpoint "$CHECKPOINT")
+elif (( PRINT_ONLY )); then
+  source "$MODELS_DIR/$MODEL.sh"             # defines MODEL_ARGS
+  MODEL_SOURCE="examples/models/$MODEL.sh (no CHECKPOINT: no --pretrained-checkpoint; a run needs CHECKPOINT)"
+  CHECKPOINT_ARGS=()
 else
-  : "${DATA_PREFIX:?set DATA_PREFIX to the --output-prefix of tools/preprocess_data.py (or MOCK_DATA=1)}"
-  DATA_ARGS=(--data-path "$DATA_PREFIX" --split 100,0,0 --data-cache-path "$SAVE_DIR/data_cache")
+  fail "set CHECKPOINT to the directory written by tools/convert_qwen2_hf_to_megatron.py (--dry-run and --check" \
+       "work without one)"
+fi
+if [[ -n "${TOKENIZER:-}" ]]; then
+  replaced=0
+  for index in "${!MODEL_ARGS[@]}"; do
+    if [[ "${MODEL_ARGS[index]}" == --tokenizer-model ]]; then
+      MODEL_ARGS[index + 1]=$TOKENIZER
+      replaced=1
+    fi
+  done
+  (( replaced )) || fail "TOKENIZER=$TOKENIZER: $MODEL_SOURCE has no --tokenizer-model to replace; add" \
+                         "--tokenizer-model through EXTRA_ARGS instead"
 fi
 
-PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --context-parallel-size "$CP" --cp-comm-type p2p)
+# ------------------------------------------------------------------------------------------ parallel layout
+GPU_COUNT=$(( GPUS_PER_NODE * NNODES ))
+(( GPUS_PER_NODE % TP == 0 )) ||
+  fail "TP=$TP must divide GPUS_PER_NODE=$GPUS_PER_NODE (tensor parallelism stays inside a node)"
+(( GPU_COUNT % (TP * PP) == 0 )) ||
+  fail "TP=$TP x PP=$PP must divide the $GPU_COUNT GPUs (GPUS_PER_NODE=$GPUS_PER_NODE x NNODES=$NNODES)"
+CP=${CP:-$(( GPU_COUNT / (TP * PP) ))}
+require_integer CP 1
+(( GPU_COUNT / (TP * PP) % CP == 0 )) ||
+  fail "CP=$CP must divide GPUs / (TP x PP) = $GPU_COUNT / ($TP x $PP) = $(( GPU_COUNT / (TP * PP) )) so that" \
+       "DP = GPUs / (TP x PP x CP) is a whole number"
+DP=$(( GPU_COUNT / (TP * PP * CP) ))
+(( GLOBAL_BATCH_SIZE % DP == 0 )) ||
+  fail "GLOBAL_BATCH_SIZE=$GLOBAL_BATCH_SIZE must be a multiple of DP=$DP (one sequence per micro-batch)"
+
+CP_SPAN=$(( TP * CP ))      # consecutive ranks of one CP group (with its TP ranks)
+if (( GPUS_PER_NODE % CP_SPAN == 0 )); then
+  RING="flat"
+  MTRAINING_RING_ARGS=(--mtraining-ring flat)
+elif (( CP_SPAN % GPUS_PER_NODE == 0 )); then
+  CP_PER_NODE=$(( GPUS_PER_NODE / TP ))
+  RING="hierarchical (inner $CP_PER_NODE per node x outer $(( CP / CP_PER_NODE )) nodes)"
+  MTRAINING_RING_ARGS=(--mtraining-ring hierarchical --mtraining-inner-ring-size "$CP_PER_NODE")
+else
+  fail "TP=$TP x CP=$CP = $CP_SPAN GPUs per CP group neither fits in a node nor spans whole nodes" \
+       "(GPUS_PER_NODE=$GPUS_PER_NODE); choose CP with TP x CP dividing $GPUS_PER_NODE or a multiple of it"
+fi
+PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+               --context-parallel-size "$CP" --cp-comm-type p2p)
 if (( TP > 1 )); then
   PARALLEL_ARGS+=(--sequence-parallel)
 fi
-if (( NNODES > 1 )); then
-  MTRAINING_RING_ARGS=(--mtraining-ring hierarchical --mtraining-inner-ring-size "$CP_PER_NODE")
+
+# ------------------------------------------------------------------------------------------ budget
+case "$BUDGET" in
+  top-p)
+    for name in SPARSITY VERTICAL_SIZE SLASH_SIZE; do
+      [[ -z "${!name:-}" ]] || fail "$name=${!name} is a static-budget setting; add BUDGET=static or unset $name"
+    done
+    TOP_P=${TOP_P:-0.9}
+    require_number TOP_P
+    number_satisfies "$TOP_P" "x > 0 && x <= 1" || fail "TOP_P=$TOP_P must be in (0, 1], e.g. 0.9"
+    BUDGET_ARGS=(--mtraining-budget top-p --mtraining-top-p "$TOP_P")
+    ;;
+  static)
+    [[ -z "${TOP_P:-}" ]] || fail "TOP_P=$TOP_P is a top-p setting, but BUDGET=static; unset TOP_P or use BUDGET=top-p"
+    if [[ -n "${VERTICAL_SIZE:-}${SLASH_SIZE:-}" ]]; then
+      [[ -z "${SPARSITY:-}" ]] || fail "SPARSITY=$SPARSITY and VERTICAL_SIZE/SLASH_SIZE both set a static budget;" \
+                                       "give SPARSITY or VERTICAL_SIZE + SLASH_SIZE"
+      [[ -n "${VERTICAL_SIZE:-}" && -n "${SLASH_SIZE:-}" ]] ||
+        fail "a static budget pair needs both VERTICAL_SIZE and SLASH_SIZE (got VERTICAL_SIZE=${VERTICAL_SIZE:-}," \
+             "SLASH_SIZE=${SLASH_SIZE:-})"
+      require_integer VERTICAL_SIZE 1
+      require_integer SLASH_SIZE 1
+      BUDGET_ARGS=(--mtraining-budget static --mtraining-vertical-size "$VERTICAL_SIZE"
+                   --mtraining-slash-size "$SLASH_SIZE")
+    else
+      SPARSITY=${SPARSITY:-0.95}
+      require_number SPARSITY
+      number_satisfies "$SPARSITY" "x >= 0 && x < 1" || fail "SPARSITY=$SPARSITY must be in [0, 1), e.g. 0.95"
+      BUDGET_ARGS=(--mtraining-budget static --mtraining-sparsity "$SPARSITY")
+    fi
+    ;;
+  *) fail "BUDGET=$BUDGET is not a budget; use top-p (with TOP_P) or static (with SPARSITY or VERTICAL_SIZE +" \
+          "SLASH_SIZE)" ;;
+esac
+
+# ------------------------------------------------------------------------------------------ data and evaluation
+[[ "$SPLIT" =~ ^([0-9]+),([0-9]+),([0-9]+)$ ]] ||
+  fail "SPLIT=$SPLIT must be three integer percentages train,valid,test, e.g. 98,2,0"
+VALID_PERCENT=$(( 10#${BASH_REMATCH[2]} ))
+(( 10#${BASH_REMATCH[1]} + VALID_PERCENT + 10#${BASH_REMATCH[3]} == 100 )) ||
+  fail "SPLIT=$SPLIT must add up to 100 (train,valid,test percentages), e.g. 98,2,0"
+(( 10#${BASH_REMATCH[1]} > 0 )) || fail "SPLIT=$SPLIT leaves no training data; give the train share, e.g. 98,2,0"
+(( EVAL_ITERS == 0 || VALID_PERCENT > 0 )) ||
+  fail "SPLIT=$SPLIT has no validation share but EVAL_ITERS=$EVAL_ITERS; give one (e.g. SPLIT=98,2,0) or set" \
+       "EVAL_ITERS=0"
+
+if [[ "$MOCK_DATA" == 1 ]]; then
+  DATA_ARGS=(--mock-data --split "$SPLIT")
+  DATA_SOURCE="--mock-data (MOCK_DATA=1: synthetic data)"
+elif [[ -n "${DATA_PREFIX:-}" ]]; then
+  DATA_ARGS=(--data-path "$DATA_PREFIX" --split "$SPLIT" --data-cache-path "$SAVE_DIR/data_cache")
+  DATA_SOURCE="$DATA_PREFIX"
+elif (( PRINT_ONLY )); then
+  DATA_ARGS=(--mock-data --split "$SPLIT")
+  DATA_SOURCE="--mock-data (no DATA_PREFIX; a run needs DATA_PREFIX or MOCK_DATA=1)"
 else
-  MTRAINING_RING_ARGS=(--mtraining-ring flat)
+  fail "set DATA_PREFIX to the --output-prefix of tools/preprocess_data.py (or MOCK_DATA=1 for synthetic data)"
 fi
 
+# ------------------------------------------------------------------------------------------ command
 TRAINING_ARGS=(
   --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
-  --micro-batch-size 1 --global-batch-size "${GLOBAL_BATCH_SIZE:-8}"
-  --train-iters "${TRAIN_ITERS:-1000}"
-  --lr "${LR:-1e-5}" --min-lr "${MIN_LR:-1e-6}" --lr-decay-style cosine --lr-warmup-iters "${WARMUP_ITERS:-20}"
+  --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH_SIZE"
+  --train-iters "$TRAIN_ITERS"
+  --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS"
   --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
   --bf16 --use-distributed-optimizer
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
-  --pretrained-checkpoint "$CHECKPOINT" --load "$SAVE_DIR" --save "$SAVE_DIR"
-  --save-interval "${SAVE_INTERVAL:-100}" --ckpt-format torch_dist
-  --log-interval 1 --eval-iters 0 --tensorboard-dir "$SAVE_DIR/tensorboard"
+  "${CHECKPOINT_ARGS[@]}" --load "$SAVE_DIR" --save "$SAVE_DIR"
+  --save-interval "$SAVE_INTERVAL" --ckpt-format torch_dist
+  --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
+  --log-interval 1 --tensorboard-dir "$SAVE_DIR/tensorboard"
   --distributed-timeout-minutes 60 --seed 1234
 )
 MTRAINING_ARGS=(
-  --mtraining-layout striped --mtraining-budget top-p --mtraining-top-p "${TOP_P:-0.9}"
-  --mtraining-kernel triton --mtraining-loss-chunk-size "${LOSS_CHUNK_SIZE:-8192}" --mtraining-stats-interval 10
+  --mtraining-layout striped "${BUDGET_ARGS[@]}"
+  --mtraining-kernel triton --mtraining-loss-chunk-size "$LOSS_CHUNK_SIZE" --mtraining-stats-interval 10
   "${MTRAINING_RING_ARGS[@]}"
 )
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+LAUNCHER_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}"
+               "${MTRAINING_ARGS[@]}" "${EXTRA[@]}")
 
 COMMAND=(
   "$PYTHON" -m torch.distributed.run
   --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-  -m megatron_mtraining.pretrain
-  "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${MTRAINING_ARGS[@]}"
-  "${EXTRA[@]}"
+  -m megatron_mtraining.pretrain "${LAUNCHER_ARGS[@]}"
 )
 
-if [[ "$DRY_RUN" == 1 ]]; then
+if (( PRINT_ONLY )); then
+  echo "# model flags: $MODEL_SOURCE"
+  echo "# data: $DATA_SOURCE"
+  echo "# layout: GPUS_PER_NODE $GPUS_PER_NODE x NNODES $NNODES = TP $TP x PP $PP x CP $CP x DP $DP; CP ring: $RING"
   printf '%q ' "${COMMAND[@]}"
   echo
+  if (( CHECK )); then
+    echo "# check: WORLD_SIZE=$GPU_COUNT $PYTHON -m megatron_mtraining.pretrain --mtraining-check <the flags above>"
+    WORLD_SIZE=$GPU_COUNT exec "$PYTHON" -m megatron_mtraining.pretrain --mtraining-check "${LAUNCHER_ARGS[@]}"
+  fi
   exit 0
 fi
 
