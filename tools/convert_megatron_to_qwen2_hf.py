@@ -1,4 +1,4 @@
-"""Convert a Megatron-Core ``torch_dist`` Qwen2 checkpoint to a Hugging Face directory (DESIGN.md §4).
+"""Convert a Megatron-Core ``torch_dist`` Qwen2 or dense Qwen3 checkpoint to a Hugging Face directory (DESIGN.md §4).
 
     python tools/convert_megatron_to_qwen2_hf.py --checkpoint checkpoints/qwen2.5-3b-512k \\
         --output-dir Qwen2.5-3B-512K --hf-reference Qwen2.5-3B
@@ -6,13 +6,15 @@
 ``--checkpoint`` is a checkpoint root (its ``latest_checkpointed_iteration.txt`` picks ``release/`` or
 ``iter_XXXXXXX/``) or one of those directories; it may come from any TP/PP/CP run, optimizer state
 included (only the model is read). The architecture comes from the checkpoint's ``args`` (RoPE base,
-YaRN, ``max_position_embeddings`` of the run) and is checked against the stored tensors.
-``--hf-reference`` (default: the run's ``--tokenizer-model`` when that is a model directory) supplies
-the token ids of ``config.json`` and the tokenizer and generation files, which are copied.
+YaRN, ``max_position_embeddings`` of the run; ``--qk-layernorm`` makes it Qwen3, with ``--kv-channels``
+as ``head_dim``) and is checked against the stored tensors. ``--hf-reference`` (default: the run's
+``--tokenizer-model`` when that is a model directory) supplies the token ids of ``config.json`` and the
+tokenizer and generation files, which are copied; it must be the same model (family and shapes).
 
-The result loads with ``transformers.AutoModelForCausalLM.from_pretrained``. Tensors are read one layer
-at a time and written in safetensors shards of at most ``--max-shard-size``; the output appears only
-complete (temporary directory renamed at the end). Runs on CPU.
+The result (``model_type`` ``qwen2`` or ``qwen3``) loads with ``transformers.AutoModelForCausalLM.from_pretrained``.
+Every input is checked before anything is written; then tensors are read one layer at a time and written
+in safetensors shards of at most ``--max-shard-size``; the output appears only complete (temporary
+directory renamed at the end). Runs on CPU (a one-process gloo group reads the checkpoint).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from qwen2_mapping import (DTYPES, QwenArchitecture, TensorMapping, check_output_dir, conversion_steps,
-                           parse_size, resolve_checkpoint_dir, single_process_group, staged_output_dir,
-                           tensor_mappings)
+                           parse_size, read_hf_config, resolve_checkpoint_dir, single_process_group,
+                           staged_output_dir, tensor_mappings)
 
 COPIED_REFERENCE_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                           "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
@@ -81,14 +83,10 @@ def reference_config(reference: Path | None, arch: QwenArchitecture) -> dict | N
     """The reference model's ``config.json``, checked to have ``arch``'s shapes (RoPE and length may differ)."""
     if reference is None:
         return None
-    path = Path(reference) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"--hf-reference {reference} has no config.json; give the original Hugging Face model "
-                         "directory")
-    config = json.loads(path.read_text())
-    ref = QwenArchitecture.from_hf_config(config, str(path))
-    shape_fields = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                    "vocab_size", "tie_embeddings")
+    config = read_hf_config(reference, "--hf-reference")
+    ref = QwenArchitecture.from_hf_config(config, str(Path(reference) / "config.json"))
+    shape_fields = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_query_groups", "kv_channels", "vocab_size", "tie_embeddings")
     differing = [f"{name}: reference {getattr(ref, name)}, checkpoint {getattr(arch, name)}"
                  for name in shape_fields if getattr(ref, name) != getattr(arch, name)]
     if differing:
@@ -161,7 +159,8 @@ def convert(checkpoint: Path, output_dir: Path, *, hf_reference: Path | None = N
         if reference is None:
             print("note: no --hf-reference (and the run's --tokenizer-model is not a model directory here): "
                   "config.json gets no token ids and no tokenizer files are copied", file=sys.stderr)
-        check_output_dir(output_dir, overwrite)
+        protected = {"--checkpoint": checkpoint_dir} | ({} if reference is None else {"--hf-reference": reference})
+        check_output_dir(output_dir, overwrite, protected)
         shards = plan_shards(arch, out_dtype, max_bytes)
         file_of = {name: file for names, file in zip(shards, _shard_names(len(shards))) for name in names}
         strategy = TorchDistLoadShardedStrategy(cache_metadata=True)
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                        max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     except ValueError as error:
         raise SystemExit(f"convert_megatron_to_qwen2_hf: error: {error}") from None
-    print(f"wrote {args.output_dir} ({arch.num_layers} layers, max_position_embeddings "
+    print(f"wrote {args.output_dir} ({arch.family}, {arch.num_layers} layers, max_position_embeddings "
           f"{arch.max_position_embeddings}, rope_theta {arch.rotary_base}"
           f"{f', YaRN x{arch.yarn_factor}' if arch.yarn_factor else ''}); load it with "
           "transformers.AutoModelForCausalLM.from_pretrained")

@@ -1,26 +1,30 @@
-"""Convert a Hugging Face Qwen2/Qwen2.5 checkpoint into a Megatron-Core ``torch_dist`` checkpoint (DESIGN.md §4).
+"""Convert a Hugging Face Qwen2/Qwen2.5 or dense Qwen3 checkpoint into a Megatron-Core ``torch_dist`` checkpoint
+(DESIGN.md §4).
 
     python tools/convert_qwen2_hf_to_megatron.py --hf-dir Qwen2.5-3B --output-dir checkpoints/qwen2.5-3b-mcore
 
-The output directory holds
+Runs on a CPU-only machine or on a GPU node alike (it uses no GPU). The output directory holds
 
 * ``latest_checkpointed_iteration.txt`` (``release``) and ``release/``, the ``torch_dist`` checkpoint.
   Megatron reshards it at load, so any TP/PP loads it: ``--pretrained-checkpoint <output-dir>`` (or
   ``--load <output-dir> --finetune --no-load-optim --no-load-rng``). Its ``args`` reproduce the model.
 * ``megatron_model_args.sh``, the matching Megatron model flags as a bash array ``MODEL_ARGS`` that the
-  example scripts source (the tokenizer is ``--hf-dir``).
+  example scripts source (the tokenizer is ``--hf-dir``). Qwen2 gets ``--add-qkv-bias``; Qwen3
+  (``model_type: qwen3``) gets ``--qk-layernorm`` (its per-head q/k RMSNorm) and ``--kv-channels`` from
+  its ``head_dim``. Qwen2/Qwen3 MoE and other model types are refused.
 
 Context extension changes RoPE only (no weights): ``--rotary-base`` sets a new base θ (ABF), or
 ``--yarn-factor F`` selects Megatron's YaRN with the original length ``--yarn-original-max-position-embeddings``
 (default: the model's ``max_position_embeddings``). Both go into the args file and the checkpoint's args.
 
-Tensors are read one at a time from the safetensors files, converted (per-query-group QKV interleave,
-gate/up concatenation) and staged each in its own memory-mapped file inside the output's temporary
-directory, so the process holds about one tensor in anonymous memory. Everything is checked before
-anything is written, and the output appears only complete (temporary directory renamed at the end).
+Every input is checked first (paths, config.json, architecture, tensor names/shapes/dtypes, output
+directory, options); only then are tensors read one at a time from the safetensors files, converted
+(per-query-group QKV interleave, gate/up concatenation) and staged each in its own memory-mapped file
+inside the output's temporary directory, so the process holds about one tensor in anonymous memory.
+The output appears only complete (temporary directory renamed at the end).
 
-Megatron's ``torch_dist`` writer synchronises and reduces a status flag on the current CUDA device and
-measures memory with ``psutil``: run this on a GPU node (it uses no GPU memory to speak of).
+Megatron's ``torch_dist`` writer runs in a one-process gloo group. Without CUDA,
+:func:`torch_dist_writer_on_cpu` keeps its few CUDA calls on the CPU for the duration of the save.
 """
 
 from __future__ import annotations
@@ -29,17 +33,20 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import queue
 import shutil
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
+from unittest import mock
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from qwen2_mapping import (DTYPES, EXTRA_STATE_KEYS, LM_HEAD, MODEL_ARGS_FILE, RELEASE_DIR, TRACKER_FILE,
-                           QwenArchitecture, check_output_dir, conversion_steps, expected_hf_shapes,
+                           QwenArchitecture, check_output_dir, conversion_steps, expected_hf_shapes, read_hf_config,
                            single_process_group, staged_output_dir, write_model_args)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -49,7 +56,7 @@ CHECKPOINT_CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_a
 
 
 class HFCheckpoint:
-    """A checked Hugging Face Qwen2 directory: config, architecture and lazy tensor reads.
+    """A checked Hugging Face Qwen2/Qwen3 directory: config, architecture and lazy tensor reads.
 
     Use as a context manager (it keeps the safetensors files open). Construction reads only
     ``config.json`` and the safetensors headers, plus the embedding and ``lm_head`` when a tied model
@@ -58,14 +65,8 @@ class HFCheckpoint:
 
     def __init__(self, hf_dir: Path):
         self.hf_dir = Path(hf_dir)
-        config_path = self.hf_dir / "config.json"
-        if not config_path.is_file():
-            raise ValueError(f"--hf-dir {self.hf_dir} has no config.json; give a Hugging Face model directory")
-        try:
-            self.config = json.loads(config_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{config_path} is not valid JSON ({error}); re-download it") from None
-        self.arch = QwenArchitecture.from_hf_config(self.config, str(config_path))
+        self.config = read_hf_config(self.hf_dir, "--hf-dir")
+        self.arch = QwenArchitecture.from_hf_config(self.config, str(self.hf_dir / "config.json"))
         self._stack = ExitStack()
         try:
             self._files = {path: self._open(path) for path in self._safetensors_files()}
@@ -128,8 +129,11 @@ class HFCheckpoint:
         unexpected = sorted(present - set(expected) - {LM_HEAD})
         if unexpected:
             listed = ", ".join(unexpected[:3]) + (" …" if len(unexpected) > 3 else "")
-            raise ValueError(f"{self.hf_dir}: tensors that a Qwen2 model of this config does not have: {listed} "
-                             "(is num_hidden_layers right?)")
+            has_qk_norms = any(name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
+                               for name in unexpected)
+            hint = "; q_norm/k_norm are Qwen3's: is model_type 'qwen3'?" if has_qk_norms else ""
+            raise ValueError(f"{self.hf_dir}: tensors that a {self.arch.family} model of this config does not have: "
+                             f"{listed} (is num_hidden_layers right?{hint})")
         for name, shape in expected.items():
             tensor_slice = self._files[self._owner[name]].get_slice(name)
             found = tuple(tensor_slice.get_shape())
@@ -137,8 +141,8 @@ class HFCheckpoint:
                 raise ValueError(f"{name} has shape {list(found)} but config.json (hidden_size "
                                  f"{self.arch.hidden_size}, vocab_size {self.arch.vocab_size}, intermediate_size "
                                  f"{self.arch.ffn_hidden_size}, heads {self.arch.num_attention_heads}/"
-                                 f"{self.arch.num_query_groups}) implies {list(shape)}; the config does not match the "
-                                 "weights")
+                                 f"{self.arch.num_query_groups}, head dim {self.arch.kv_channels}) implies "
+                                 f"{list(shape)}; the config does not match the weights")
             if tensor_slice.get_dtype() not in FLOAT_DTYPES:
                 raise ValueError(f"{name} has dtype {tensor_slice.get_dtype()}; expected one of {FLOAT_DTYPES}")
         if self.arch.tie_embeddings and LM_HEAD in present:
@@ -159,6 +163,11 @@ def extend_context(arch: QwenArchitecture, rotary_base: int | None = None, yarn_
             raise ValueError(f"--rotary-base {rotary_base} must be a positive integer, e.g. 10000000")
         return dataclasses.replace(arch, rotary_base=rotary_base)
     if yarn_factor is not None:
+        if yarn_factor <= 1:
+            raise ValueError(f"--yarn-factor {yarn_factor} must be > 1 (target length / original length, e.g. 16)")
+        if yarn_original_max_position_embeddings is not None and yarn_original_max_position_embeddings < 1:
+            raise ValueError(f"--yarn-original-max-position-embeddings {yarn_original_max_position_embeddings} must "
+                             "be a positive integer, e.g. 32768")
         original = yarn_original_max_position_embeddings or arch.max_position_embeddings
         return dataclasses.replace(arch, yarn_factor=yarn_factor, yarn_original_max_position_embeddings=original)
     return arch
@@ -210,16 +219,40 @@ def convert(hf_dir: Path, output_dir: Path, *, dtype: str = "bf16", rotary_base:
     output_dir, hf_dir = Path(output_dir), Path(hf_dir).resolve()
     with HFCheckpoint(hf_dir) as hf:
         arch = extend_context(hf.arch, rotary_base, yarn_factor, yarn_original_max_position_embeddings)
-        check_output_dir(output_dir, overwrite)
+        check_output_dir(output_dir, overwrite, {"--hf-dir": hf_dir})
+        if importlib.util.find_spec("psutil") is None:
+            raise ValueError("Megatron's torch_dist writer needs psutil (a dependency of this project); "
+                             "pip install psutil")
         model_flags = arch.megatron_flags(str(hf_dir))
         args = checkpoint_args(model_flags, arch)
-        with staged_output_dir(output_dir) as staging, single_process_group():
+        with staged_output_dir(output_dir) as staging, single_process_group(), torch_dist_writer_on_cpu():
             staged = _convert_tensors(hf, arch, staging / ".staging", DTYPES[dtype])
             _save(arch, staged, args, staging / RELEASE_DIR)
             shutil.rmtree(staging / ".staging")
             (staging / TRACKER_FILE).write_text(RELEASE_DIR)
             write_model_args(staging / MODEL_ARGS_FILE, model_flags, str(hf_dir))
     return arch
+
+
+@contextmanager
+def torch_dist_writer_on_cpu() -> Iterator[None]:
+    """Let Megatron's ``torch_dist`` writer save from this one-process gloo group without CUDA; restored on exit.
+
+    With CUDA nothing is replaced. Without it, for the duration of the block: ``torch.cuda.current_device``
+    → ``"cpu"`` (the writer broadcasts its failure flag as a tensor on the current device),
+    ``torch.cuda.synchronize`` → no-op (called after the copy to host memory, where the tensors already
+    are), and the write-results queue → an in-process ``queue.Queue`` (a synchronous save writes from
+    threads of this process; the stock queue would start a ``multiprocessing`` manager process).
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    with (mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
+          mock.patch.object(torch.cuda, "synchronize", lambda device=None: None),
+          mock.patch.object(filesystem_async, "_results_queue", queue.Queue())):
+        yield
 
 
 def _convert_tensors(hf: HFCheckpoint, arch: QwenArchitecture, staging: Path,
@@ -245,15 +278,6 @@ def _save(arch: QwenArchitecture, staged: dict, args: argparse.Namespace, checkp
     dist_checkpointing.save(state_dict, str(checkpoint_dir), content_metadata=dict(CHECKPOINT_CONTENT_METADATA))
 
 
-def check_writer_environment() -> None:
-    """Refuse to start where Megatron's ``torch_dist`` writer cannot run (no CUDA device, no psutil)."""
-    if not torch.cuda.is_available():
-        raise ValueError("Megatron's torch_dist writer needs a CUDA device; run the conversion on a GPU node (e.g. "
-                         "srun --gpus=1 python tools/convert_qwen2_hf_to_megatron.py ...)")
-    if importlib.util.find_spec("psutil") is None:
-        raise ValueError("Megatron's torch_dist writer needs psutil; pip install psutil")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-dir", required=True, type=Path,
@@ -273,15 +297,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        check_writer_environment()
         arch = convert(args.hf_dir, args.output_dir, dtype=args.dtype, rotary_base=args.rotary_base,
                        yarn_factor=args.yarn_factor,
                        yarn_original_max_position_embeddings=args.yarn_original_max_position_embeddings,
                        overwrite=args.overwrite)
     except ValueError as error:
         raise SystemExit(f"convert_qwen2_hf_to_megatron: error: {error}") from None
-    print(f"wrote {args.output_dir} ({arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}, "
-          f"{'tied' if arch.tie_embeddings else 'untied'} embeddings). Train with:\n"
+    print(f"wrote {args.output_dir} ({arch.family}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab "
+          f"{arch.vocab_size}, {'tied' if arch.tie_embeddings else 'untied'} embeddings). Train with:\n"
           f"  source {args.output_dir / MODEL_ARGS_FILE}\n"
           f"  ... -m megatron_mtraining.pretrain \"${{MODEL_ARGS[@]}}\" --pretrained-checkpoint {args.output_dir} ...")
 

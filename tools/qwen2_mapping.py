@@ -1,10 +1,12 @@
-"""Qwen2/Qwen2.5 ⇄ Megatron-Core mapping shared by both checkpoint converters (DESIGN.md §4).
+"""Qwen2/Qwen2.5/Qwen3 (dense) ⇄ Megatron-Core mapping shared by both checkpoint converters (DESIGN.md §4).
 
-* :class:`QwenArchitecture` — the numbers that define a Qwen2 model, read from a Hugging Face
-  ``config.json`` (:meth:`~QwenArchitecture.from_hf_config`) or from Megatron's parsed arguments
+* :class:`QwenArchitecture` — the numbers that define a Qwen2 or Qwen3 dense model, read from a Hugging
+  Face ``config.json`` (:meth:`~QwenArchitecture.from_hf_config`) or from Megatron's parsed arguments
   (:meth:`~QwenArchitecture.from_megatron_args`), and written back as a Hugging Face config
   (:meth:`~QwenArchitecture.hf_config`) or as Megatron model flags
-  (:meth:`~QwenArchitecture.megatron_flags`).
+  (:meth:`~QwenArchitecture.megatron_flags`). The two families differ in attention only: Qwen2 has a
+  QKV bias and head dim ``hidden_size / num_attention_heads``; Qwen3 has no bias, a per-head RMSNorm of
+  q and k before RoPE (Megatron's ``--qk-layernorm``) and an explicit ``head_dim`` (``--kv-channels``).
 * :data:`TENSOR_MAP` — every tensor of the ``torch_dist`` checkpoint under its Transformer Engine key
   (the local spec saves under the same keys), its Hugging Face sources and the two conversions:
   the per-query-group QKV interleave and the gate/up concatenation. In ``torch_dist`` the per-layer
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import shutil
@@ -33,7 +36,10 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE_DIR = "release"
 MODEL_ARGS_FILE = "megatron_model_args.sh"
 MODEL_ARGS_VARIABLE = "MODEL_ARGS"
-HF_ARCHITECTURE = "Qwen2ForCausalLM"
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}     # model_type: causal-LM class
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+SUPPORTED_MODELS = ("this converter maps Qwen2/Qwen2.5 (model_type 'qwen2', Qwen2ForCausalLM) and dense Qwen3 "
+                    "(model_type 'qwen3', Qwen3ForCausalLM) checkpoints only")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 YARN_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings", "rope_theta")
@@ -71,17 +77,21 @@ def _rope_settings(config: dict, source: str) -> tuple[float, dict | None]:
 
 @dataclass(frozen=True)
 class QwenArchitecture:
-    """A Qwen2 decoder: shapes, norm epsilon, RoPE (base θ, optional YaRN) and embedding tying.
+    """A Qwen2 or dense Qwen3 decoder: shapes, norm epsilon, RoPE (base θ, optional YaRN) and embedding tying.
 
-    Head dim is ``hidden_size // num_attention_heads`` (Qwen2 has no separate head dim).
-    ``max_position_embeddings`` is the length the weights were trained for (the HF field).
+    ``model_type`` is the Hugging Face one, ``"qwen2"`` (QKV bias) or ``"qwen3"`` (per-head q/k RMSNorm,
+    no bias). ``kv_channels`` is the head dim: ``hidden_size // num_attention_heads`` for Qwen2, the
+    config's ``head_dim`` for Qwen3. ``max_position_embeddings`` is the length the weights were trained
+    for (the HF field).
     """
 
+    model_type: str
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
     num_attention_heads: int
     num_query_groups: int
+    kv_channels: int
     vocab_size: int
     tie_embeddings: bool
     norm_epsilon: float
@@ -91,9 +101,11 @@ class QwenArchitecture:
     yarn_original_max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                             f"{self.num_attention_heads}")
+        if self.model_type not in HF_ARCHITECTURES:
+            raise ValueError(f"model_type={self.model_type!r} is not one of {sorted(HF_ARCHITECTURES)}")
+        if self.model_type == "qwen2" and self.kv_channels * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"head dim {self.kv_channels} differs from hidden_size/num_attention_heads = "
+                             f"{self.hidden_size}/{self.num_attention_heads}; Qwen2 ties them")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by the "
                              f"{self.num_query_groups} key/value heads (query groups)")
@@ -103,8 +115,17 @@ class QwenArchitecture:
             raise ValueError(f"YaRN factor {self.yarn_factor} must be > 1 (it is target length / original length)")
 
     @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def family(self) -> str:
+        """``Qwen2`` or ``Qwen3``, for messages."""
+        return self.model_type.capitalize()
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2"
+
+    @property
+    def qk_layernorm(self) -> bool:
+        return self.model_type == "qwen3"
 
     @property
     def heads_per_group(self) -> int:
@@ -114,32 +135,47 @@ class QwenArchitecture:
     @classmethod
     def from_hf_config(cls, config: dict, source: str = "config.json") -> "QwenArchitecture":
         """Read and check a Hugging Face ``config.json`` (as a dict); ``source`` names it in errors."""
-        model_type = config.get("model_type")
-        if model_type != "qwen2":
-            raise ValueError(f"{source}: model_type={model_type!r} is not Qwen2; this converter maps Qwen2 and "
-                             "Qwen2.5 checkpoints only (model_type 'qwen2')")
-        architectures = config.get("architectures") or [HF_ARCHITECTURE]
-        if HF_ARCHITECTURE not in architectures:
-            raise ValueError(f"{source}: architectures={architectures} has no {HF_ARCHITECTURE}; only the causal-LM "
-                             "head is mapped")
+        model_type, architectures = config.get("model_type"), config.get("architectures")
+        if model_type in MOE_MODEL_TYPES:
+            raise ValueError(f"{source}: model_type={model_type!r} (architectures={architectures}) is a "
+                             f"mixture-of-experts model, which is not mapped; {SUPPORTED_MODELS}")
+        if model_type not in HF_ARCHITECTURES:
+            raise ValueError(f"{source}: model_type={model_type!r} (architectures={architectures}) is not "
+                             f"supported; {SUPPORTED_MODELS}")
+        family, architecture = model_type.capitalize(), HF_ARCHITECTURES[model_type]
+        if architecture not in (architectures or [architecture]):
+            raise ValueError(f"{source}: architectures={architectures} has no {architecture}; only the causal-LM "
+                             f"head of model_type {model_type!r} is mapped")
         if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not mapped; Qwen2 uses silu (SwiGLU)")
+            raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not mapped; {family} uses silu "
+                             "(SwiGLU)")
         if config.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is not mapped; Megatron runs full causal attention "
                              "here (set use_sliding_window to false if the model does not need it)")
         layer_types = set(config.get("layer_types") or ["full_attention"])
         if layer_types != {"full_attention"}:
             raise ValueError(f"{source}: layer_types {sorted(layer_types)} are not mapped; only full_attention is")
+        if model_type == "qwen3" and config.get("attention_bias"):
+            raise ValueError(f"{source}: attention_bias=true is not mapped: it adds a bias to q/k/v and o_proj, "
+                             "Megatron's --add-qkv-bias to q/k/v only (Qwen3 checkpoints have attention_bias=false)")
 
         def required(key: str) -> int:
             return _positive_int(config.get(key), key, source)
 
         hidden = required("hidden_size")
         heads = required("num_attention_heads")
-        head_dim = config.get("head_dim")
-        if head_dim is not None and head_dim * heads != hidden:
-            raise ValueError(f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads = "
-                             f"{hidden}/{heads}; Qwen2 ties them")
+        if model_type == "qwen3":
+            if "head_dim" not in config:
+                raise ValueError(f"{source}: Qwen3 config has no head_dim; add the model's head dim (e.g. 128), "
+                                 "transformers' default for a missing one depends on its version")
+            head_dim = required("head_dim")
+        else:
+            if hidden % heads:
+                raise ValueError(f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+            head_dim = hidden // heads
+            if config.get("head_dim") not in (None, head_dim):
+                raise ValueError(f"{source}: head_dim={config['head_dim']} differs from hidden_size/"
+                                 f"num_attention_heads = {hidden}/{heads}; Qwen2 ties them")
         theta, scaling = _rope_settings(config, source)
         if theta != int(theta):
             raise ValueError(f"{source}: rope_theta={theta} is not an integer; Megatron's --rotary-base is")
@@ -152,22 +188,23 @@ class QwenArchitecture:
             yarn_original = int(scaling.get("original_max_position_embeddings", max_positions))
         epsilon = config.get("rms_norm_eps")
         if not isinstance(epsilon, float) or epsilon <= 0:
-            raise ValueError(f"{source}: rms_norm_eps={epsilon!r} must be a positive number (Qwen2.5: 1e-06)")
-        return cls(num_layers=required("num_hidden_layers"), hidden_size=hidden,
+            raise ValueError(f"{source}: rms_norm_eps={epsilon!r} must be a positive number (Qwen2.5, Qwen3: 1e-06)")
+        return cls(model_type=model_type, num_layers=required("num_hidden_layers"), hidden_size=hidden,
                    ffn_hidden_size=required("intermediate_size"), num_attention_heads=heads,
-                   num_query_groups=required("num_key_value_heads"), vocab_size=required("vocab_size"),
-                   tie_embeddings=bool(config.get("tie_word_embeddings", False)), norm_epsilon=epsilon,
-                   rotary_base=int(theta), max_position_embeddings=max_positions, yarn_factor=yarn_factor,
-                   yarn_original_max_position_embeddings=yarn_original)
+                   num_query_groups=required("num_key_value_heads"), kv_channels=head_dim,
+                   vocab_size=required("vocab_size"), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   norm_epsilon=epsilon, rotary_base=int(theta), max_position_embeddings=max_positions,
+                   yarn_factor=yarn_factor, yarn_original_max_position_embeddings=yarn_original)
 
     def hf_config(self, base: dict | None, dtype: torch.dtype) -> dict:
-        """A Qwen2 ``config.json`` dict: ``base`` (e.g. the original model's, for token ids) with this architecture.
+        """A Qwen2 or Qwen3 ``config.json`` dict: ``base`` (the original model's, for token ids) with this architecture.
 
         RoPE is written as ``rope_theta``/``rope_scaling``, which every transformers version reads.
         """
-        config = {key: value for key, value in (base or {}).items() if key not in ("rope_parameters", "dtype")}
+        config = {key: value for key, value in (base or {}).items()
+                  if key not in ("rope_parameters", "dtype", "head_dim", "layer_types", "attention_bias")}
         config.update({
-            "architectures": [HF_ARCHITECTURE], "model_type": "qwen2", "hidden_act": "silu",
+            "architectures": [HF_ARCHITECTURES[self.model_type]], "model_type": self.model_type, "hidden_act": "silu",
             "hidden_size": self.hidden_size, "intermediate_size": self.ffn_hidden_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_query_groups, "vocab_size": self.vocab_size,
@@ -178,8 +215,8 @@ class QwenArchitecture:
                 "original_max_position_embeddings": self.yarn_original_max_position_embeddings},
             "use_sliding_window": False, "torch_dtype": HF_DTYPE_NAMES[dtype],
         })
-        config.pop("head_dim", None)
-        config.pop("layer_types", None)
+        if self.model_type == "qwen3":
+            config.update({"head_dim": self.kv_channels, "attention_bias": False})
         return config
 
     # ---------------------------------------------------------------------------------- Megatron
@@ -192,7 +229,8 @@ class QwenArchitecture:
                  "--ffn-hidden-size", str(self.ffn_hidden_size), "--num-attention-heads", str(self.num_attention_heads),
                  "--group-query-attention", "--num-query-groups", str(self.num_query_groups),
                  "--kv-channels", str(self.kv_channels), "--normalization", "RMSNorm",
-                 "--norm-epsilon", repr(self.norm_epsilon), "--swiglu", "--disable-bias-linear", "--add-qkv-bias",
+                 "--norm-epsilon", repr(self.norm_epsilon), "--swiglu", "--disable-bias-linear",
+                 "--add-qkv-bias" if self.qkv_bias else "--qk-layernorm",
                  "--rotary-percent", "1.0", "--rotary-base", str(self.rotary_base)]
         if self.yarn_factor is None:
             flags += ["--position-embedding-type", "rope"]
@@ -206,31 +244,35 @@ class QwenArchitecture:
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "QwenArchitecture":
-        """The architecture of Megatron's parsed arguments (e.g. a checkpoint's ``args``); refuses non-Qwen2 models."""
-        expected = {"swiglu": True, "add_qkv_bias": True, "add_bias_linear": False, "normalization": "RMSNorm",
-                    "rotary_percent": 1.0, "qk_layernorm": False, "num_experts": None, "rotary_interleaved": False,
-                    "multi_latent_attention": False}
-        wrong = [f"{name}={getattr(args, name, value)!r} (Qwen2: {value!r})" for name, value in expected.items()
+        """The architecture of Megatron's parsed arguments (e.g. a checkpoint's ``args``).
+
+        ``qk_layernorm`` tells the family (set: Qwen3, unset: Qwen2); a model that is neither is refused.
+        """
+        model_type = "qwen3" if getattr(args, "qk_layernorm", False) else "qwen2"
+        family = model_type.capitalize()
+        expected = {"swiglu": True, "add_qkv_bias": model_type == "qwen2", "add_bias_linear": False,
+                    "normalization": "RMSNorm", "rotary_percent": 1.0, "qk_l2_norm": False, "num_experts": None,
+                    "rotary_interleaved": False, "multi_latent_attention": False}
+        wrong = [f"{name}={getattr(args, name, value)!r} ({family}: {value!r})" for name, value in expected.items()
                  if getattr(args, name, value) != value]
         if getattr(args, "position_embedding_type", None) not in ("rope", "yarn"):
             wrong.append(f"position_embedding_type={getattr(args, 'position_embedding_type', None)!r} "
-                         "(Qwen2: 'rope' or 'yarn')")
+                         f"({family}: 'rope' or 'yarn')")
         if wrong:
-            raise ValueError(f"the Megatron model is not Qwen2-shaped: {', '.join(wrong)}")
+            raise ValueError(f"the Megatron model is not {family}-shaped: {', '.join(wrong)} (read as {family} "
+                             f"because qk_layernorm={model_type == 'qwen3'})")
         heads = args.num_attention_heads
-        if args.kv_channels not in (None, args.hidden_size // heads):
-            raise ValueError(f"kv_channels={args.kv_channels} differs from hidden_size/num_attention_heads = "
-                             f"{args.hidden_size}/{heads}; Qwen2 ties them")
         if args.padded_vocab_size is None:
             raise ValueError("the Megatron arguments have no padded_vocab_size; the vocabulary size is unknown")
         max_positions = args.max_position_embeddings or args.seq_length
         if max_positions is None:
             raise ValueError("the Megatron arguments have neither max_position_embeddings nor seq_length")
         yarn = args.position_embedding_type == "yarn"
-        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-                   num_attention_heads=heads,
+        return cls(model_type=model_type, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                   ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=heads,
                    num_query_groups=args.num_query_groups if args.group_query_attention else heads,
-                   vocab_size=args.padded_vocab_size, tie_embeddings=not args.untie_embeddings_and_output_weights,
+                   kv_channels=args.kv_channels or args.hidden_size // heads, vocab_size=args.padded_vocab_size,
+                   tie_embeddings=not args.untie_embeddings_and_output_weights,
                    norm_epsilon=args.layernorm_epsilon, rotary_base=args.rotary_base,
                    max_position_embeddings=max_positions,
                    yarn_factor=args.rotary_scaling_factor if yarn else None,
@@ -266,6 +308,8 @@ class TensorMapping:
                 "decoder.layers.self_attention.linear_qkv.weight": (qkv_rows, h),
                 "decoder.layers.self_attention.linear_qkv.bias": (qkv_rows,),
                 "decoder.layers.self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
+                "decoder.layers.self_attention.q_layernorm.weight": (d,),
+                "decoder.layers.self_attention.k_layernorm.weight": (d,),
                 "decoder.layers.mlp.linear_fc1.layer_norm_weight": (h,),
                 "decoder.layers.mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h),
                 "decoder.layers.mlp.linear_fc2.weight": (h, arch.ffn_hidden_size)}[self.key]
@@ -306,6 +350,8 @@ TENSOR_MAP = (
                   tuple(_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), QKV),
     TensorMapping("decoder.layers.self_attention.linear_qkv.bias",
                   tuple(_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV),
+    TensorMapping("decoder.layers.self_attention.q_layernorm.weight", (_LAYER + "self_attn.q_norm.weight",), COPY),
+    TensorMapping("decoder.layers.self_attention.k_layernorm.weight", (_LAYER + "self_attn.k_norm.weight",), COPY),
     TensorMapping("decoder.layers.self_attention.linear_proj.weight", (_LAYER + "self_attn.o_proj.weight",), COPY),
     TensorMapping("decoder.layers.mlp.linear_fc1.layer_norm_weight", (_LAYER + "post_attention_layernorm.weight",),
                   COPY),
@@ -320,11 +366,20 @@ TENSOR_MAP = (
 EXTRA_STATE_KEYS = tuple(f"decoder.layers.{module}._extra_state" for module in (
     "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
 LM_HEAD = "lm_head.weight"
+QKV_BIAS_KEY = "decoder.layers.self_attention.linear_qkv.bias"
+QK_LAYERNORM_KEYS = ("decoder.layers.self_attention.q_layernorm.weight",
+                     "decoder.layers.self_attention.k_layernorm.weight")
 
 
 def tensor_mappings(arch: QwenArchitecture) -> list[TensorMapping]:
-    """The tensors of ``arch``'s checkpoint: all of :data:`TENSOR_MAP`, without the output layer when tied."""
-    return [m for m in TENSOR_MAP if not (arch.tie_embeddings and m.key == "output_layer.weight")]
+    """The tensors of ``arch``'s checkpoint: :data:`TENSOR_MAP` less what ``arch`` lacks.
+
+    The QKV bias is Qwen2's only, the q/k norms are Qwen3's only, the output layer is there only when untied.
+    """
+    left_out = {QKV_BIAS_KEY} if not arch.qkv_bias else set()
+    left_out |= set(QK_LAYERNORM_KEYS) if not arch.qk_layernorm else set()
+    left_out |= {"output_layer.weight"} if arch.tie_embeddings else set()
+    return [m for m in TENSOR_MAP if m.key not in left_out]
 
 
 def conversion_steps(arch: QwenArchitecture) -> list[tuple[int | None, list[TensorMapping]]]:
@@ -363,9 +418,30 @@ def split_qkv(qkv: torch.Tensor, arch: QwenArchitecture) -> tuple[torch.Tensor, 
 
 
 # ------------------------------------------------------------------------------------------ checkpoint directory
+def read_hf_config(directory: Path, option: str) -> dict:
+    """The ``config.json`` of the Hugging Face model ``directory`` (given as ``option``), as a dict."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{option} {directory} is not a directory; give a Hugging Face model directory "
+                         "(config.json, *.safetensors)")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{option} {directory} has no config.json; give a Hugging Face model directory")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); re-download it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object; re-download it")
+    return config
+
+
 def resolve_checkpoint_dir(path: Path) -> Path:
     """The ``torch_dist`` directory of ``path``: a checkpoint root (tracker file) or ``release``/``iter_*`` itself."""
     path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"--checkpoint {path} is not a directory; give the checkpoint root (with {TRACKER_FILE}) "
+                         "or its release/iter_XXXXXXX directory")
     tracker = path / TRACKER_FILE
     if tracker.is_file():
         text = tracker.read_text().strip()
@@ -381,10 +457,18 @@ def resolve_checkpoint_dir(path: Path) -> Path:
     return path
 
 
-def check_output_dir(output: Path, overwrite: bool) -> None:
-    """Refuse an ``output`` that is a file, or a non-empty directory unless ``overwrite``."""
+def check_output_dir(output: Path, overwrite: bool, inputs: dict[str, Path]) -> None:
+    """Refuse an ``output`` that is a file, a non-empty directory unless ``overwrite``, or one holding an input.
+
+    ``inputs`` maps option names (e.g. ``--hf-dir``) to the directories the conversion reads, which replacing
+    ``output`` must not delete.
+    """
     if output.exists() and not output.is_dir():
         raise ValueError(f"--output-dir {output} is a file; give a directory path")
+    for option, path in inputs.items():
+        if Path(path).resolve().is_relative_to(output.resolve()):
+            raise ValueError(f"--output-dir {output} holds {option} {path}, which the conversion reads; choose "
+                             "another --output-dir")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise ValueError(f"--output-dir {output} is not empty (it may hold a checkpoint); choose another directory "
                          "or pass --overwrite to replace it")
