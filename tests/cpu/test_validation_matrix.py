@@ -407,10 +407,11 @@ ROWS = [
                         r"\(--mtraining-deterministic, also implied by --deterministic-mode\); drop it or use "
                         r"--mtraining-kernel triton"),
     # --- tools
-    Invalid("converter: not a Qwen2 config",
+    Invalid("converter: not a Qwen2 or Qwen3 config",
             lambda tmp: to_megatron.convert(_hf_directory(tmp, _llama_config()), tmp / "out"),
-            ValueError, r"model_type='llama' is not Qwen2; .*Qwen2 and Qwen2\.5 checkpoints only \(model_type "
-                        r"'qwen2'\)"),
+            ValueError, r"model_type='llama' \(architectures=\['LlamaForCausalLM'\]\) is not supported; this "
+                        r"converter maps Qwen2/Qwen2\.5 .* and dense Qwen3 \(model_type 'qwen3', Qwen3ForCausalLM\) "
+                        r"checkpoints only"),
     Invalid("converter: config.json is not JSON",
             lambda tmp: to_megatron.convert(_hf_directory(tmp, "{not json"), tmp / "out"),
             ValueError, r"config\.json is not valid JSON .*; re-download it"),
