@@ -1,34 +1,49 @@
-"""Tokenise JSONL or plain-text documents into a Megatron indexed dataset (``<prefix>.bin`` and ``<prefix>.idx``).
+"""Tokenise JSONL or plain-text documents into a Megatron indexed dataset (``<prefix>.bin`` and ``<prefix>.idx``)
+with the training launcher's own tokenizer.
 
-    python tools/preprocess_data.py --input books.jsonl papers.jsonl --tokenizer Qwen2.5-3B \\
+    python tools/preprocess_data.py --input books.jsonl papers.jsonl \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model models/Qwen2.5-3B \\
         --output-prefix data/long_docs --workers 16 --target-length 524288
 
 * **Inputs.** ``*.jsonl``/``*.json`` files hold one JSON object per line; its ``--json-key`` (default
   ``text``) is one document. Any other file is one plain-text document. Files must be UTF-8; blank
   lines are skipped, empty documents are skipped and counted.
-* **Tokenizer.** A Hugging Face directory with ``tokenizer.json`` (e.g. the Qwen2.5 model directory,
-  the same one the launcher's ``--tokenizer-model`` names), a ``tokenizer.json`` file, or a
-  SentencePiece ``*.model``. Text is encoded as Megatron's tokenizers do (Hugging Face: with the
-  tokenizer's own special-token template; SentencePiece: plain ids).
-* **Output.** Each document is one sequence: its ids followed by the end-of-document token
-  (``--eod-token``; default the ``eos_token`` of ``tokenizer_config.json``, or SentencePiece's end
-  of sentence), written through ``megatron.core.datasets.indexed_dataset`` (uint16 ids when the
-  vocabulary fits, else int32, as ``GPTDataset`` expects). Train with ``--data-path <prefix>``. The files
-  are written under temporary names and renamed at the end; existing outputs need ``--overwrite``.
+* **Tokenizer.** The one the launcher (``python -m megatron_mtraining.pretrain``) uses: pass the
+  ``--tokenizer-type`` and ``--tokenizer-model`` values you pass to training, i.e. ``HuggingFaceTokenizer``
+  with a local Hugging Face model or tokenizer directory, or ``SentencePieceTokenizer`` (or
+  ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``) with a ``.model`` file. Megatron's other tokenizer
+  flags that change the ids (``--tokenizer-special-tokens``, ``--tokenizer-hf-no-include-special-tokens``,
+  ``--no-tokenizer-sentencepiece-ignore-extra-whitespaces``, ...; see ``--help``) are accepted too and
+  must match training's. ``--tokenizer PATH`` is short for both flags: a ``*.model`` file is a
+  ``SentencePieceTokenizer``, anything else a ``HuggingFaceTokenizer`` directory. The tokenizer is
+  Megatron's ``build_tokenizer`` of these settings, the tokenizer that ``get_tokenizer()`` returns in the
+  launcher, and each document is its ``tokenize(text)``: preprocessing and training share one tokenizer.
+* **Output.** Each document is one sequence: its ids followed by the tokenizer's ``eod`` (what
+  ``GPTDataset`` takes as end of document; ``--eod-token``, if given, must name that token), written
+  through ``megatron.core.datasets.indexed_dataset`` (uint16 ids when the vocabulary fits, else int32, as
+  ``GPTDataset`` expects). Train with ``--data-path <prefix>``. The files are written under temporary
+  names and renamed at the end; existing outputs need ``--overwrite``.
 * **Summary.** Documents, tokens, and how many documents (and what share of the tokens) reach
   ``--target-length`` tokens, i.e. can fill a whole training sequence on their own.
+
+Megatron's warnings that Transformer Engine or Apex are not installed (irrelevant to tokenising) are
+not shown; every other warning and error is.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import logging
 import multiprocessing
 import os
 import uuid
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy
 from tqdm import tqdm
@@ -37,84 +52,118 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 BLOCK_BYTES = 16 * 2 ** 20          # text handed to the workers at a time (two blocks are in flight)
 UINT16_VOCAB_LIMIT = 2 ** 16        # GPTDatasetConfig reads uint16 ids up to this vocabulary size
 
+HUGGINGFACE_TYPE = "HuggingFaceTokenizer"
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = (HUGGINGFACE_TYPE, *SENTENCEPIECE_TYPES)
+HUGGINGFACE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+# Megatron's tokenizer settings (TokenizerConfig fields) besides type and model that change the ids of a
+# Hugging Face or SentencePiece tokenizer; the command line takes them under Megatron's own flag names.
+MEGATRON_TOKENIZER_OPTIONS = ("vocab_file", "merge_file", "metadata_path", "special_tokens", "tokenizer_hf_no_use_fast",
+                              "tokenizer_hf_no_include_special_tokens", "trust_remote_code",
+                              "tokenizer_sentencepiece_legacy", "tokenizer_sentencepiece_ignore_extra_whitespaces")
+# How Megatron's warnings about what tokenising does not use (Transformer Engine, Apex, absl, a rank) begin.
+IRRELEVANT_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                       "Only transformer-engine", "absl.logging is not installed", "Could not determine rank")
+
+
+@contextlib.contextmanager
+def _without_irrelevant_warnings() -> Iterator[None]:
+    """Hide what Megatron (and torch, on import) says about Transformer Engine, Apex, absl, CUDA or a rank
+    being absent: none of them takes part in tokenising. Other warnings and all errors still show."""
+    cuda_logger = logging.getLogger("torch.utils.cpp_extension")        # "No CUDA runtime is found"
+    level = cuda_logger.level
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="|".join(IRRELEVANT_WARNINGS), category=UserWarning)
+        cuda_logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            cuda_logger.setLevel(level)
+
 
 @dataclass(frozen=True)
 class TokenizerSource:
-    """Where the tokenizer comes from (picklable, so that worker processes load their own copy)."""
+    """The launcher's tokenizer flags (picklable, so that worker processes build their own tokenizer).
 
-    path: Path
+    ``options`` maps :data:`MEGATRON_TOKENIZER_OPTIONS` names to values; absent ones keep Megatron's defaults.
+    ``model_flag`` is the flag that gave ``tokenizer_model``, for messages.
+    """
+
+    tokenizer_type: str
+    tokenizer_model: Path
+    options: dict[str, Any] = field(default_factory=dict)
     eod_token: str | None = None
+    model_flag: str = "--tokenizer-model"
 
-    @property
-    def is_sentencepiece(self) -> bool:
-        return self.path.suffix == ".model"
+    @classmethod
+    def from_path(cls, path: Path, **settings) -> TokenizerSource:
+        """``--tokenizer PATH``: a ``*.model`` file is a SentencePiece model, anything else a Hugging Face directory."""
+        path = Path(path)
+        return cls(SENTENCEPIECE_TYPES[0] if path.suffix == ".model" else HUGGINGFACE_TYPE, path,
+                   model_flag="--tokenizer", **settings)
+
+    def check(self) -> None:
+        """``ValueError`` naming the flag and the fix when Megatron could not build this tokenizer."""
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ValueError(f"--tokenizer-type {self.tokenizer_type} is not one preprocess_data builds; pass the "
+                             f"launcher's --tokenizer-type, one of {', '.join(TOKENIZER_TYPES)}")
+        unknown = sorted(set(self.options) - set(MEGATRON_TOKENIZER_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown tokenizer options {unknown}; known: {', '.join(MEGATRON_TOKENIZER_OPTIONS)}")
+        path, flag = self.tokenizer_model, f"{self.model_flag} {self.tokenizer_model}"
+        if not path.exists():
+            raise ValueError(f"{flag} does not exist; give the local tokenizer path that training's --tokenizer-model "
+                             "names (download a Hugging Face hub model first, e.g. `huggingface-cli download NAME "
+                             "--local-dir DIR`, and pass DIR to both)")
+        if self.tokenizer_type == HUGGINGFACE_TYPE:
+            if not path.is_dir():
+                raise ValueError(f"{flag} is a file; a {HUGGINGFACE_TYPE} is a directory: give the one that holds it "
+                                 "(or a SentencePiece .model with --tokenizer-type SentencePieceTokenizer)")
+            if not any((path / name).is_file() for name in HUGGINGFACE_TOKENIZER_FILES):
+                raise ValueError(f"{flag} holds no tokenizer files (none of {', '.join(HUGGINGFACE_TOKENIZER_FILES)}); "
+                                 "give the Hugging Face model or tokenizer directory")
+        elif not path.is_file():
+            raise ValueError(f"{flag} is a directory; a {self.tokenizer_type} needs the SentencePiece .model file "
+                             f"(or pass --tokenizer-type {HUGGINGFACE_TYPE} for a Hugging Face directory)")
+
+    def launcher_args(self) -> argparse.Namespace:
+        """The launcher's tokenizer arguments: Megatron's ``TokenizerConfig`` defaults with these settings."""
+        from megatron.training.config import TokenizerConfig
+
+        settings = dataclasses.asdict(TokenizerConfig())
+        settings.update(self.options, tokenizer_type=self.tokenizer_type, tokenizer_model=str(self.tokenizer_model))
+        settings["pad_vocab_size"] = False      # padding sizes the model's embedding table; the ids do not change
+        return argparse.Namespace(**settings)
 
 
 class DocumentTokenizer:
-    """A Hugging Face ``tokenizers`` or SentencePiece tokenizer that turns a document into ids + EOD."""
+    """Megatron's tokenizer of a :class:`TokenizerSource`, built as the launcher builds it; a document -> ids + EOD."""
 
     def __init__(self, source: TokenizerSource):
-        self.source = source
-        if source.is_sentencepiece:
-            self._load_sentencepiece(source)
-        else:
-            self._load_huggingface(source)
-        if not 0 <= self.eod_id < self.vocab_size:
-            raise ValueError(f"end-of-document id {self.eod_id} is outside the vocabulary of {self.vocab_size}")
+        source.check()
+        with _without_irrelevant_warnings():
+            from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
-    def _load_sentencepiece(self, source: TokenizerSource) -> None:
-        import sentencepiece
-
-        if not source.path.is_file():
-            raise ValueError(f"--tokenizer {source.path} does not exist; give a SentencePiece .model file")
-        try:
-            self._sentencepiece = sentencepiece.SentencePieceProcessor(model_file=str(source.path))
-        except (RuntimeError, OSError) as error:
-            raise ValueError(f"--tokenizer {source.path} is not a SentencePiece model ({error})") from None
-        self.vocab_size = self._sentencepiece.get_piece_size()
-        if source.eod_token is None:
-            self.eod_id = self._sentencepiece.eos_id()
-            if self.eod_id < 0:
-                raise ValueError(f"{source.path} has no end-of-sentence piece; name the end-of-document piece with "
-                                 "--eod-token")
-        else:
-            self.eod_id = self._sentencepiece.piece_to_id(source.eod_token)
-            if self.eod_id == self._sentencepiece.unk_id() and source.eod_token != self._sentencepiece.id_to_piece(
-                    self.eod_id):
-                raise ValueError(f"--eod-token {source.eod_token!r} is not a piece of {source.path}")
-        self._hf = None
-
-    def _load_huggingface(self, source: TokenizerSource) -> None:
-        from tokenizers import Tokenizer
-
-        tokenizer_file = source.path / "tokenizer.json" if source.path.is_dir() else source.path
-        if not tokenizer_file.is_file():
-            raise ValueError(f"--tokenizer {source.path}: no tokenizer.json there; give a Hugging Face model or "
-                             "tokenizer directory, a tokenizer.json file or a SentencePiece .model file")
-        try:
-            self._hf = Tokenizer.from_file(str(tokenizer_file))
-        except Exception as error:  # noqa: BLE001 - the Rust library raises a bare Exception for bad files
-            raise ValueError(f"{tokenizer_file} is not a Hugging Face tokenizer ({error})") from None
-        self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
-        eod_token = source.eod_token or _configured_eos_token(tokenizer_file.parent / "tokenizer_config.json")
-        if eod_token is None:
-            raise ValueError(f"{tokenizer_file.parent} has no tokenizer_config.json with an eos_token; name the "
-                             "end-of-document token with --eod-token (Qwen2.5: '<|endoftext|>')")
-        self.eod_id = self._hf.token_to_id(eod_token)
-        if self.eod_id is None:
-            raise ValueError(f"end-of-document token {eod_token!r} is not in {tokenizer_file}")
+            try:
+                self.megatron = build_tokenizer(source.launcher_args())
+            except (ValueError, OSError, RuntimeError) as error:
+                raise ValueError(f"Megatron's {source.tokenizer_type} cannot load {source.tokenizer_model}: "
+                                 f"{error}") from None
+        self.vocab_size = self.megatron.vocab_size
+        self.eod_id = self.megatron.eod
+        if self.eod_id is None or not 0 <= self.eod_id < self.vocab_size:
+            raise ValueError(f"{source.tokenizer_model} has no end-of-document token (Megatron's eod is "
+                             f"{self.eod_id}); give it one, for training too: an eos_token in tokenizer_config.json, "
+                             "or a SentencePiece model trained with an eos piece")
+        eod_token = self.megatron.inv_vocab[self.eod_id]
+        if source.eod_token is not None and source.eod_token != eod_token:
+            raise ValueError(f"--eod-token {source.eod_token!r} is not the end-of-document token of "
+                             f"{source.tokenizer_model} ({eod_token!r}, id {self.eod_id}), which GPTDataset uses; "
+                             "drop --eod-token")
 
     def encode(self, text: str) -> numpy.ndarray:
-        """int64 ids of ``text`` followed by the end-of-document id."""
-        ids = self._hf.encode(text).ids if self._hf is not None else self._sentencepiece.encode(text)
-        return numpy.array(ids + [self.eod_id], dtype=numpy.int64)
-
-
-def _configured_eos_token(config_path: Path) -> str | None:
-    if not config_path.is_file():
-        return None
-    eos = json.loads(config_path.read_text()).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+        """int64 ids of ``text`` (the launcher tokenizer's ``tokenize``) followed by the end-of-document id."""
+        return numpy.array(self.megatron.tokenize(text) + [self.eod_id], dtype=numpy.int64)
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -255,7 +304,8 @@ def preprocess(inputs: list[Path], tokenizer: TokenizerSource, output_prefix: Pa
 
     Documents keep their input order. Nothing is left under the output names if anything fails.
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    with _without_irrelevant_warnings():
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     inputs, output_prefix = [Path(path) for path in inputs], Path(output_prefix)
     check_inputs(inputs, output_prefix, overwrite, workers, target_length, json_key)
@@ -309,29 +359,55 @@ def _tokenised_documents(inputs: list[Path], json_key: str, source: TokenizerSou
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    with _without_irrelevant_warnings():
+        from megatron.training.argument_utils import ArgumentGroupFactory
+        from megatron.training.config import TokenizerConfig
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, type=Path,
                         help="JSONL files (*.jsonl, *.json) or plain-text files (one document each)")
     parser.add_argument("--json-key", default="text", help="JSONL key holding the document text")
-    parser.add_argument("--tokenizer", required=True, type=Path,
-                        help="Hugging Face directory or tokenizer.json, or a SentencePiece .model")
-    parser.add_argument("--eod-token", default=None,
-                        help="end-of-document token appended to every document (default: the tokenizer's eos)")
     parser.add_argument("--output-prefix", required=True, type=Path,
                         help="writes <prefix>.bin and <prefix>.idx; train with --data-path <prefix>")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="tokenising processes")
     parser.add_argument("--target-length", type=int, default=524288,
                         help="training sequence length for the summary's count of long documents")
     parser.add_argument("--overwrite", action="store_true", help="replace existing <prefix>.bin/.idx")
+    tokenizer = parser.add_argument_group("tokenizer", "the launcher's tokenizer: give the values training gets")
+    tokenizer.add_argument("--tokenizer-type", default=None, help=f"one of {', '.join(TOKENIZER_TYPES)}")
+    tokenizer.add_argument("--tokenizer-model", type=Path, default=None,
+                           help="Hugging Face model or tokenizer directory, or SentencePiece .model file")
+    tokenizer.add_argument("--tokenizer", type=Path, default=None,
+                           help=f"instead of the two above: a *.model file ({SENTENCEPIECE_TYPES[0]}) or a "
+                                f"directory ({HUGGINGFACE_TYPE})")
+    tokenizer.add_argument("--eod-token", default=None,
+                           help="the end-of-document token, checked against the tokenizer's (never substituted)")
+    other_settings = [item.name for item in dataclasses.fields(TokenizerConfig)
+                      if item.name not in MEGATRON_TOKENIZER_OPTIONS]
+    ArgumentGroupFactory(TokenizerConfig, exclude=other_settings).build_group(
+        parser, "Megatron tokenizer options (as in training; they change the ids)")
     return parser.parse_args(argv)
+
+
+def tokenizer_source(args: argparse.Namespace) -> TokenizerSource:
+    """The :class:`TokenizerSource` of the command line; ``ValueError`` when its tokenizer flags do not fit together."""
+    options = {name: getattr(args, name) for name in MEGATRON_TOKENIZER_OPTIONS}
+    if args.tokenizer is not None:
+        if args.tokenizer_type is not None or args.tokenizer_model is not None:
+            raise ValueError("--tokenizer is short for --tokenizer-type and --tokenizer-model; give either it or "
+                             "them")
+        return TokenizerSource.from_path(args.tokenizer, options=options, eod_token=args.eod_token)
+    if args.tokenizer_type is None or args.tokenizer_model is None:
+        raise ValueError("give the launcher's --tokenizer-type and --tokenizer-model (the values training gets), or "
+                         "--tokenizer PATH")
+    return TokenizerSource(args.tokenizer_type, args.tokenizer_model, options=options, eod_token=args.eod_token)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        summary = preprocess(args.input, TokenizerSource(args.tokenizer, args.eod_token), args.output_prefix,
-                             json_key=args.json_key, workers=args.workers, target_length=args.target_length,
-                             overwrite=args.overwrite)
+        summary = preprocess(args.input, tokenizer_source(args), args.output_prefix, json_key=args.json_key,
+                             workers=args.workers, target_length=args.target_length, overwrite=args.overwrite)
     except ValueError as error:
         raise SystemExit(f"preprocess_data: error: {error}") from None
     print(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx\n{summary.report()}")
