@@ -2,8 +2,8 @@
 
 :func:`check_launch_flags` rejects command lines that Megatron would accept and then fail on after
 minutes of start-up (the validation-set size divides ``--train-iters`` by an unset
-``--eval-interval``; evaluation asked of an empty validation split; head dims the chosen kernel cannot
-run; missing checkpoint or data files). :func:`run_check` is ``--mtraining-check``: on any machine (no
+``--eval-interval``; evaluation asked of an empty validation split; a warm-up as long as the run; head
+dims the chosen kernel cannot run; missing checkpoint or data files). :func:`run_check` is ``--mtraining-check``: on any machine (no
 GPU, no data read) it parses and validates the whole command as the launcher would for ``WORLD_SIZE``
 ranks, builds the model config, and prints the resolved configuration — what a user runs before
 submitting a 512K job.
@@ -67,6 +67,16 @@ def _check_evaluation(args: argparse.Namespace) -> None:
                              "--eval-iters 0")
 
 
+def _check_schedule(args: argparse.Namespace) -> None:
+    if args.train_iters is None or not args.lr_warmup_iters:
+        return
+    decay = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters >= decay:
+        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay length {decay} "
+                         "(--lr-decay-iters, default --train-iters), or Megatron's scheduler stops the run after "
+                         "building the model; lower --lr-warmup-iters or raise --train-iters")
+
+
 def data_prefixes(args: argparse.Namespace) -> list[str]:
     """The indexed-dataset prefixes of ``--data-path`` and the per-split paths (weights dropped)."""
     from megatron.training.utils import get_blend_and_blend_per_split
@@ -101,6 +111,7 @@ def check_launch_flags(args: argparse.Namespace, mtraining: MTrainingConfig, *, 
     """
     _check_head_dim(args, mtraining)
     _check_evaluation(args)
+    _check_schedule(args)
     if require_files:
         missing = missing_paths(args)
         if missing:

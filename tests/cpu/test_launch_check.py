@@ -26,10 +26,10 @@ QWEN25_3B = ("--num-layers 36 --hidden-size 2048 --ffn-hidden-size 11008 --num-a
              "--position-embedding-type rope --make-vocab-size-divisible-by 1 --padded-vocab-size 151936 "
              "--tokenizer-type HuggingFaceTokenizer --tokenizer-model Qwen/Qwen2.5-3B")
 RUN_512K = ("--seq-length 524288 --max-position-embeddings 524288 --micro-batch-size 1 --global-batch-size 8 "
-            "--train-iters 1000 --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --bf16 --use-distributed-optimizer "
-            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --eval-iters 10 "
-            "--eval-interval 100 --cp-comm-type p2p --mtraining-budget static --mtraining-sparsity 0.95 "
-            "--mtraining-loss-chunk-size 8192")
+            "--train-iters 1000 --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --lr-warmup-iters 20 --bf16 "
+            "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 1 --eval-iters 10 --eval-interval 100 --cp-comm-type p2p --mtraining-budget static "
+            "--mtraining-sparsity 0.95 --mtraining-loss-chunk-size 8192")
 
 
 def _command_line(monkeypatch, flags: str, world_size: int):
@@ -93,6 +93,7 @@ def test_a_real_launch_refuses_missing_files(monkeypatch, tmp_path):
     ("--eval-interval 100", "", r"--eval-interval is not set.*add --eval-interval N"),
     ("--split 98,2,0", "--split 100,0,0", r"--eval-iters 10 evaluates on the validation split, but --split 100,0,0"),
     ("--kv-channels 128", "--kv-channels 96", r"head dim 96 .* --mtraining-kernel triton, which supports 64, 128"),
+    ("--train-iters 1000", "--train-iters 20", r"--lr-warmup-iters 20 must be smaller than the decay length 20"),
 ])
 def test_megatron_pitfalls_fail_before_work(monkeypatch, tmp_path, valid, broken, message):
     """Each case breaks one setting of an otherwise valid real-data command."""

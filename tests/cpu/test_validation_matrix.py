@@ -243,10 +243,12 @@ def _llama_config() -> str:
 
 def _word_level_tokenizer(tmp: Path) -> preprocess_data.TokenizerSource:
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
-    path = tmp / "tokenizer.json"
-    Tokenizer(models.WordLevel({"<unk>": 0, "<eod>": 1}, unk_token="<unk>")).save(str(path))
-    return preprocess_data.TokenizerSource(path, eod_token="<eod>")
+    folder = tmp / "tokenizer"
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "<eod>": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eod>").save_pretrained(folder)
+    return preprocess_data.TokenizerSource("HuggingFaceTokenizer", folder)
 
 
 def _preprocess(tmp: Path, name: str, content: bytes):

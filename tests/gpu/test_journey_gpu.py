@@ -102,7 +102,8 @@ def journey(request, tmp_path_factory) -> dict[str, Path]:
     _run([sys.executable, "tools/convert_qwen2_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--output-dir",
           str(checkpoint)], root / "convert.log")
     data_prefix = root / "data" / "docs"
-    _run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--tokenizer", str(hf_dir),
+    _run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--tokenizer-type", "HuggingFaceTokenizer",
+          "--tokenizer-model", str(hf_dir),
           "--output-prefix", str(data_prefix), "--workers", "2", "--target-length", str(SEQ_LEN)],
          root / "preprocess.log")
     return {"name": request.param, "root": root, "hf": hf_dir, "checkpoint": checkpoint, "data": data_prefix}
@@ -110,7 +111,8 @@ def journey(request, tmp_path_factory) -> dict[str, Path]:
 
 def _script_env(journey: dict, save_dir: Path, **settings: str) -> dict[str, str]:
     return {"CHECKPOINT": str(journey["checkpoint"]), "DATA_PREFIX": str(journey["data"]), "SAVE_DIR": str(save_dir),
-            "PYTHON": sys.executable, "SEQ_LEN": str(SEQ_LEN), "GLOBAL_BATCH_SIZE": "1", "MASTER_PORT": _free_port(),
+            "PYTHON": sys.executable, "SEQ_LEN": str(SEQ_LEN), "GLOBAL_BATCH_SIZE": "1", "WARMUP_ITERS": "1",
+            "MASTER_PORT": _free_port(),
             **settings}
 
 
