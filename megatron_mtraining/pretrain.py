@@ -63,6 +63,7 @@ from .config import MTrainingConfig
 from .consensus import collective_device
 from .index_cache import assert_index_caches_empty
 from .launch_check import check_launch_flags, run_check
+from .megatron_compat import fill_optimizer_state_before_loading
 from .layout import install_layout_rope, select_layout_positions
 from .spec import get_gpt_layer_mtraining_spec
 
@@ -362,6 +363,7 @@ def main() -> None:
     if not HAVE_TE and command_line.rank == 0:
         print(LOCAL_IMPLEMENTATION_NOTE, flush=True)
     _use_prebuilt_dataset_helpers()
+    fill_optimizer_state_before_loading()
     args = parse_and_validate_args(extra_args_provider=launcher_args)
     mtraining = _validated_or_exit(validate_mtraining_args, args)
     args.hierarchical_context_parallel_sizes = hierarchical_cp_sizes(args, mtraining)

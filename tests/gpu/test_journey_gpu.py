@@ -204,7 +204,8 @@ def test_512k_recipe_runs_a_few_iterations_with_the_static_budget(journey):
     root = journey["root"]
     log = _run(["bash", "examples/qwen2.5-3b_32k_to_512k.sh"], root / "recipe.log",
                _script_env(journey, root / "recipe-run", GPUS_PER_NODE="1", TRAIN_ITERS="3", SAVE_INTERVAL="3",
-                           EVAL_INTERVAL="3", EVAL_ITERS="1", SPLIT="90,10,0", BUDGET="static", SPARSITY="0.9"))
+                           EVAL_INTERVAL="3", EVAL_ITERS="1", SPLIT="90,10,0", BUDGET="static", SPARSITY="0.9",
+                           EXTRA_ARGS="--mtraining-stats-interval 1"))
     assert _iterations(log)[-1] == 3
     densities = [float(value) for value in re.findall(r"mtraining \| iteration +\d+ \| density ([0-9.]+)", log)]
     assert densities and all(value < 0.5 for value in densities), densities
