@@ -133,6 +133,7 @@ def _megatron_logits(journey: dict, iteration_dir: Path, tokens: torch.Tensor, p
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.training.arguments import add_megatron_arguments
     from megatron.training.models.gpt import GPTModelBuilder
 
@@ -149,6 +150,7 @@ def _megatron_logits(journey: dict, iteration_dir: Path, tokens: torch.Tensor, p
     dist.init_process_group("nccl", init_method=f"file://{port_file}", rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(0)              # Megatron's GPU weight init draws from this tracker
         model = GPTModelBuilder(mtraining_model_config(args, validate_mtraining_args(args))).build_model(
             ProcessGroupCollection.use_mpu_process_groups()).cuda()
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iteration_dir), strict="raise_all")
@@ -164,7 +166,8 @@ def _megatron_logits(journey: dict, iteration_dir: Path, tokens: torch.Tensor, p
 
 def test_demo_script_trains_evaluates_saves_resumes_and_converts_back(journey):
     """``examples/qwen2.5-0.5b_1gpu_demo.sh`` on the real data: 4 iterations with evaluation and a save, then a
-    resume to 6 at twice the length with the static budget, then back to Hugging Face."""
+    resume to 6 at twice the length with the static budget (a longer run: Megatron needs
+    ``--override-opt_param-scheduler`` to take the new schedule), then back to Hugging Face."""
     root, save_dir = journey["root"], journey["root"] / "demo-run"
     settings = dict(TRAIN_ITERS="4", SAVE_INTERVAL="4", EVAL_INTERVAL="2", EVAL_ITERS="1", SPLIT="90,10,0",
                     EXTRA_ARGS="--mtraining-stats-interval 1")
@@ -177,7 +180,9 @@ def test_demo_script_trains_evaluates_saves_resumes_and_converts_back(journey):
     assert (save_dir / "iter_0000004").is_dir()
     second = _run(["bash", "examples/qwen2.5-0.5b_1gpu_demo.sh"], root / "demo-2.log",
                   _script_env(journey, save_dir, **dict(settings, TRAIN_ITERS="6", SAVE_INTERVAL="6",
-                                                        SEQ_LEN=str(2 * SEQ_LEN), BUDGET="static", SPARSITY="0.9")))
+                                                        SEQ_LEN=str(2 * SEQ_LEN), BUDGET="static", SPARSITY="0.9",
+                                                        EXTRA_ARGS=f"{settings['EXTRA_ARGS']} "
+                                                                   "--override-opt_param-scheduler")))
     assert re.search(r"loaded checkpoint from .*demo-run.* at iteration 4", second), second[-3000:]
     assert _iterations(second) == [5, 6]
 
