@@ -17,6 +17,7 @@ import io
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from .arguments import CHECK_FLAG, validate_mtraining_args
 from .config import MTrainingConfig, flag
@@ -214,14 +215,13 @@ def resolved_configuration(args: argparse.Namespace, mtraining: MTrainingConfig)
     ]
 
 
-def run_check(command_line: argparse.Namespace, report=print) -> int:
+def run_check(command_line: argparse.Namespace, model_config: Callable, report=print) -> int:
     """``--mtraining-check``: validate ``command_line`` (parsed launcher flags) for ``WORLD_SIZE`` ranks.
 
-    Returns 0 and reports the resolved configuration, or raises ``ValueError``/``AssertionError``
-    with Megatron's or our message. Reads no data and needs no GPU.
+    ``model_config(args, mtraining)`` is the launcher's model-config builder (Megatron's config checks
+    run in it). Returns 0 and reports the resolved configuration, or raises ``ValueError`` with
+    Megatron's or our message. Reads no data and needs no GPU.
     """
-    from .pretrain import mtraining_model_config
-
     validate_mtraining_args(command_line)
     args = _megatron_validated(command_line)
     mtraining = validate_mtraining_args(args)
@@ -232,7 +232,7 @@ def run_check(command_line: argparse.Namespace, report=print) -> int:
     if args.padded_vocab_size is None:
         args.padded_vocab_size = args.vocab_size
     try:
-        mtraining_model_config(args, mtraining)        # Megatron's TransformerConfig checks (fusions, shapes)
+        model_config(args, mtraining)        # Megatron's TransformerConfig checks (fusions, shapes)
     except AssertionError as error:
         raise ValueError(f"Megatron's model config: {error}") from None
     report(f"{CHECK_FLAG}: the command is valid for WORLD_SIZE={args.world_size} ranks")

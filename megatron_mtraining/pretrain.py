@@ -357,7 +357,7 @@ def main() -> None:
         if not HAVE_TE:
             print(LOCAL_IMPLEMENTATION_NOTE)
         check_transformer_impl(command_line)
-        sys.exit(_validated_or_exit(run_check, command_line))
+        sys.exit(_validated_or_exit(run_check, command_line, mtraining_model_config))
     if not command_line.use_checkpoint_args and command_line.yaml_cfg is None:
         _validated_or_exit(_check_command_line, command_line)   # before Megatron's asserts, which say less
     if not HAVE_TE and command_line.rank == 0:

@@ -43,7 +43,8 @@ def _command_line(monkeypatch, flags: str, world_size: int):
 
 def _check(monkeypatch, flags: str, world_size: int = 16) -> list[str]:
     lines = []
-    assert run_check(_command_line(monkeypatch, flags, world_size), report=lines.append) == 0
+    assert run_check(_command_line(monkeypatch, flags, world_size), pretrain.mtraining_model_config,
+                     report=lines.append) == 0
     return lines
 
 
@@ -108,7 +109,7 @@ def test_megatron_pitfalls_fail_before_work(monkeypatch, tmp_path, valid, broken
     with pytest.raises(ValueError, match=message):
         check_launch_flags(command_line, validate_mtraining_args(command_line))
     with pytest.raises(ValueError, match=message):
-        run_check(command_line, report=lambda line: None)
+        run_check(command_line, pretrain.mtraining_model_config, report=lambda line: None)
 
 
 def test_check_refuses_a_world_size_the_parallel_sizes_do_not_divide(monkeypatch):
