@@ -189,7 +189,7 @@ def resolved_configuration(args: argparse.Namespace, mtraining: MTrainingConfig)
     micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
     vocab = args.padded_vocab_size or args.vocab_size
     evaluation = ("off (--eval-iters 0)" if args.eval_iters == 0 else
-                  f"{args.eval_iters} iterations every {args.eval_interval}")
+                  f"every {args.eval_interval} iterations, {args.eval_iters} validation batches each")
     if args.mock_data:
         data = "mock (synthetic tokens)"
     else:

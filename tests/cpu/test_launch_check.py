@@ -62,7 +62,7 @@ def test_check_resolves_a_512k_two_node_command(monkeypatch, tmp_path):
     assert "hierarchical ring (4 inner × 2 outer)" in _line(lines, "sequence")
     assert "head dim 128" in _line(lines, "model")
     assert "target sparsity 0.95" in _line(lines, "attention")
-    assert _line(lines, "evaluation") == "evaluation   10 iterations every 100"
+    assert _line(lines, "evaluation") == "evaluation   every 100 iterations, 10 validation batches each"
 
 
 def test_check_derives_dp_with_tp_and_pp(monkeypatch):
