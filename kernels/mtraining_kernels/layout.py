@@ -145,7 +145,11 @@ class Layout:
         """Inverse of :meth:`shard`: ``parts[r]`` is rank r's part; returns the full sequence."""
         if len(parts) != self.world_size:
             raise ValueError(f"got {len(parts)} parts for world_size={self.world_size}")
-        seq_len = parts[0].shape[dim] * self.world_size
+        lengths = [part.shape[dim] for part in parts]
+        if len(set(lengths)) != 1:
+            raise ValueError(f"parts have unequal lengths {lengths} along dim {dim} (by rank); every rank holds "
+                             f"N/W tokens, so pass the {self.world_size} parts of one sequence")
+        seq_len = lengths[0] * self.world_size
         stacked = torch.cat(list(parts), dim=dim)
         # position in the concatenation of global p = owner(p)·N_loc + local(p)
         rank, local = self.to_local(torch.arange(seq_len, device=stacked.device), seq_len)

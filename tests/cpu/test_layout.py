@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -88,3 +90,17 @@ def test_bad_layouts(kwargs, message):
 def test_bad_rank():
     with pytest.raises(ValueError, match=r"rank=2 is outside \[0, 2\)"):
         Layout("striped", 2).global_positions(512, 2)
+
+
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("extra", [16, -16])
+def test_unshard_refuses_parts_of_unequal_length(kind, extra):
+    layout = Layout(kind, 2, granularity=16)
+    x = torch.arange(2 * 64 * 3).view(2, 64, 3)
+    parts = [layout.shard(x, r) for r in range(2)]
+    parts[1] = torch.cat([parts[1], parts[1][:, :extra]], dim=1) if extra > 0 else parts[1][:, :extra]
+    expected = re.escape(f"parts have unequal lengths {[32, 32 + extra]} along dim 1")
+    with pytest.raises(ValueError, match=expected):
+        layout.unshard(parts)
+    with pytest.raises(ValueError, match=r"unequal lengths"):
+        unshard([p.transpose(0, 1) for p in parts], kind, dim=0, granularity=16)
