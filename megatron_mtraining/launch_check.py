@@ -3,10 +3,11 @@
 :func:`check_launch_flags` rejects command lines that Megatron would accept and then fail on after
 minutes of start-up (the validation-set size divides ``--train-iters`` by an unset
 ``--eval-interval``; evaluation asked of an empty validation split; a warm-up as long as the run; head
-dims the chosen kernel cannot run; missing checkpoint or data files). :func:`run_check` is ``--mtraining-check``: on any machine (no
-GPU, no data read) it parses and validates the whole command as the launcher would for ``WORLD_SIZE``
-ranks, builds the model config, and prints the resolved configuration — what a user runs before
-submitting a 512K job.
+dims the chosen kernel cannot run; missing checkpoint or data files). :func:`check_resumed_schedule`
+runs Megatron's schedule comparison of a resumed run before the model is built. :func:`run_check` is
+``--mtraining-check``: on any machine (no GPU, no data read) it parses and validates the whole command
+as the launcher would for ``WORLD_SIZE`` ranks, builds the model config, and prints the resolved
+configuration — what a user runs before submitting a 512K job.
 """
 
 from __future__ import annotations
@@ -117,6 +118,45 @@ def check_launch_flags(args: argparse.Namespace, mtraining: MTrainingConfig, *, 
         missing = missing_paths(args)
         if missing:
             raise ValueError("not found: " + "; ".join(missing))
+
+
+def latest_iteration_dir(checkpoint_root: str | None) -> Path | None:
+    """The ``iter_XXXXXXX`` directory that ``--load checkpoint_root`` resumes from, or None (nothing saved yet)."""
+    if checkpoint_root is None:
+        return None
+    tracker = Path(checkpoint_root) / CHECKPOINT_TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    iteration = tracker.read_text().strip()
+    return None if iteration == "release" else Path(checkpoint_root) / f"iter_{int(iteration):07d}"
+
+
+def check_resumed_schedule(args: argparse.Namespace) -> None:
+    """Megatron's learning-rate schedule check of a resumed run, before the model is built.
+
+    Megatron compares the run's schedule with the one stored in the ``--load`` checkpoint only after
+    building the model and optimizer, and stops on any difference (e.g. another ``--train-iters``). This
+    runs the same comparison on the stored state. Needs Megatron's global ``args`` (after
+    ``parse_and_validate_args``); reads the checkpoint's common state only (``torch_dist``).
+    """
+    iteration_dir = latest_iteration_dir(args.load)
+    loads_schedule = not (args.finetune or args.no_load_optim or args.override_opt_param_scheduler
+                          or args.use_checkpoint_opt_param_scheduler)
+    if iteration_dir is None or not loads_schedule or args.ckpt_format != "torch_dist":
+        return
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    stored = dist_checkpointing.load_common_state_dict(str(iteration_dir)).get("opt_param_scheduler")
+    if stored is None:
+        return
+    stand_in_optimizer = torch.optim.SGD([torch.zeros(1)], lr=0.0)
+    try:
+        get_optimizer_param_scheduler(stand_in_optimizer).load_state_dict(stored)
+    except AssertionError as error:
+        raise ValueError(f"resuming {iteration_dir}: {error}; add --override-opt_param-scheduler to take this "
+                         "run's schedule, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's") from None
 
 
 @contextlib.contextmanager

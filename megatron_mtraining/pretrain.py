@@ -62,7 +62,7 @@ from .chunked_loss import ChunkedLossOutputProcessor
 from .config import MTrainingConfig
 from .consensus import collective_device
 from .index_cache import assert_index_caches_empty
-from .launch_check import check_launch_flags, run_check
+from .launch_check import check_launch_flags, check_resumed_schedule, run_check
 from .megatron_compat import fill_optimizer_state_before_loading
 from .layout import install_layout_rope, select_layout_positions
 from .spec import get_gpt_layer_mtraining_spec
@@ -366,6 +366,7 @@ def main() -> None:
     fill_optimizer_state_before_loading()
     args = parse_and_validate_args(extra_args_provider=launcher_args)
     mtraining = _validated_or_exit(validate_mtraining_args, args)
+    _validated_or_exit(check_resumed_schedule, args)
     args.hierarchical_context_parallel_sizes = hierarchical_cp_sizes(args, mtraining)
     config = pretrain_cfg_container_from_args(args, mtraining_model_config(args, mtraining))
     run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)

@@ -3,8 +3,8 @@
 ``--help`` prints (megatron-core has a help string with a bare ``%``) and lists the MTraining group;
 ``--mtraining-check`` validates a whole 512K command for ``WORLD_SIZE`` ranks without GPU or data and
 prints the resolved parallel layout; Megatron pitfalls (evaluation sizing, empty validation split,
-head dims the kernel cannot run, missing files, TE asked for but absent) fail before any work with
-a message naming the flag and the fix.
+head dims the kernel cannot run, missing files, TE asked for but absent, a resumed run whose schedule
+differs from the checkpoint's) fail before any work with a message naming the flag and the fix.
 """
 
 from __future__ import annotations
@@ -151,3 +151,60 @@ def test_check_mode_on_the_command_line(tmp_path):
                                          "--mtraining-top-p 0.9".split(), world_size=8)
     assert bad.returncode == 1
     assert "megatron_mtraining.pretrain: error: --mtraining-budget=static does not take" in bad.stderr
+
+
+def _saved_schedule(checkpoint_root: Path, iteration: int, flags: str, monkeypatch) -> None:
+    """A ``torch_dist`` checkpoint at ``iteration`` whose common state holds the schedule of a run with ``flags``."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    from megatron_cpu import megatron_on_cpu
+
+    _set_global_args(monkeypatch, _validated(monkeypatch, flags))
+    schedule = get_optimizer_param_scheduler(torch.optim.SGD([torch.zeros(1)], lr=0.0)).state_dict()
+    directory = checkpoint_root / f"iter_{iteration:07d}"
+    directory.mkdir(parents=True)
+    with megatron_on_cpu():
+        dist.init_process_group("gloo", init_method=f"file://{checkpoint_root / 'store'}", rank=0, world_size=1)
+        try:
+            dist_checkpointing.save({"opt_param_scheduler": schedule, "iteration": iteration}, str(directory))
+        finally:
+            dist.destroy_process_group()
+    (checkpoint_root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def _set_global_args(monkeypatch, args) -> None:
+    """Megatron's global ``args`` for this test only (``get_args()`` reads them)."""
+    from megatron.training import global_vars
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+
+
+def _validated(monkeypatch, flags: str):
+    from megatron.training.arguments import validate_args
+
+    args = _command_line(monkeypatch, flags, world_size=1)
+    validate_args(args)
+    return args
+
+
+def test_a_resumed_run_with_another_schedule_fails_before_the_model_is_built(monkeypatch, tmp_path):
+    from megatron_mtraining.launch_check import check_resumed_schedule
+
+    flags = (f"{QWEN25_3B} {RUN_512K} --context-parallel-size 1 --seq-length 4096 --max-position-embeddings 4096 "
+             f"--mock-data --load {tmp_path / 'run'}")
+    _saved_schedule(tmp_path / "run", 400, flags, monkeypatch)
+    same = _validated(monkeypatch, flags)
+    _set_global_args(monkeypatch, same)
+    check_resumed_schedule(same)                      # the saved run's own schedule resumes
+    longer = _validated(monkeypatch, flags.replace("--train-iters 1000", "--train-iters 2000"))
+    _set_global_args(monkeypatch, longer)
+    with pytest.raises(ValueError, match=r"resuming .*iter_0000400: .*total number of iterations do not match; add "
+                                         r"--override-opt_param-scheduler"):
+        check_resumed_schedule(longer)
+    overridden = _validated(monkeypatch, flags.replace("--train-iters 1000", "--train-iters 2000")
+                            + " --override-opt_param-scheduler")
+    _set_global_args(monkeypatch, overridden)
+    check_resumed_schedule(overridden)
