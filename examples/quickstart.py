@@ -230,7 +230,8 @@ def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> l
     from megatron_mtraining.chunked_loss import ChunkedLossOutputProcessor
     from megatron_mtraining.index_cache import assert_index_caches_empty
     from megatron_mtraining.layout import select_layout_positions
-    from megatron_mtraining.pretrain import gather_step_metrics, gpt_dataset_config_from_args, mtraining_model_config
+    from megatron_mtraining.pretrain import gpt_dataset_config_from_args, mtraining_model_config
+    from megatron_mtraining.step_metrics import gather_step_metrics
 
     args = cpu_args([*TINY_QWEN2, *CPU_FLAGS, "--train-iters", str(steps), *extra_flags])
     if dist.get_world_size() != args.context_parallel_size:

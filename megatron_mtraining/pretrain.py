@@ -29,7 +29,6 @@ import logging
 import re
 import sys
 import warnings
-from dataclasses import dataclass
 from functools import partial
 
 # megatron-core warns on import about every Transformer Engine / Apex fallback; the launcher says it in one line
@@ -42,13 +41,11 @@ import torch.distributed as dist
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.enums import ModelType
 from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
-from megatron.training import (get_args, get_tensorboard_writer, get_timers, get_tokenizer, get_wandb_writer,
-                               inprocess_restart, pretrain, print_rank_0, print_rank_last)
+from megatron.training import get_args, get_timers, get_tokenizer, inprocess_restart, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args, parse_args
 from megatron.training.models import GPTModelConfig
@@ -57,103 +54,16 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 from mtraining_kernels.layout import Layout
 
 from .arguments import add_mtraining_args, hierarchical_cp_sizes, validate_mtraining_args
-from .attention import collect_stats
 from .chunked_loss import ChunkedLossOutputProcessor
 from .config import MTrainingConfig
-from .consensus import collective_device
-from .index_cache import assert_index_caches_empty
 from .launch_check import check_launch_flags, check_resumed_schedule, run_check
-from .megatron_compat import fill_optimizer_state_before_loading
 from .layout import install_layout_rope, select_layout_positions
+from .megatron_compat import fill_optimizer_state_before_loading
 from .spec import get_gpt_layer_mtraining_spec
+from .step_metrics import MTrainingStepEnd
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 SPIKY_LOSS_FACTOR = 10      # Megatron's pretrain_gpt.py: a loss 10x the largest seen so far is spiky
-
-
-# ------------------------------------------------------------------------------------------ metrics
-@dataclass(frozen=True)
-class StepMetrics:
-    """MTraining metrics of one training step (its last micro-batch), reduced over all ranks.
-
-    ``density`` maps 1-based layer numbers to |M| / causal area averaged over samples, heads and
-    ranks (1.0 for dense layers). Imbalances are the worst layer's, from the layer's index
-    (``balance_report``: max/mean of ring work over ranks, and over each ring step). ``index_seconds``
-    sums, over layers, the slowest rank's index estimation time.
-    """
-
-    density: dict[int, float]
-    worker_imbalance: float
-    step_imbalance: float
-    index_seconds: float
-
-    @property
-    def mean_density(self) -> float:
-        return sum(self.density.values()) / len(self.density)
-
-
-def gather_step_metrics(model_chunks, num_layers: int, group: dist.ProcessGroup | None = None) -> StepMetrics | None:
-    """Collective over ``group`` (default: all ranks): the :class:`StepMetrics` of the latest training forward.
-
-    Every rank of ``group`` must call it; returns None when no rank has MTraining attention stats.
-    """
-    device = collective_device(group)
-    sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)        # density sum, reports
-    maxima = torch.zeros(3, num_layers, dtype=torch.float64, device=device)      # worker, step imbalance, seconds
-    for stats in collect_stats(model_chunks):
-        layer = stats.layer_number - 1
-        balance = stats.balance()
-        sums[:, layer] += torch.tensor([stats.density, 1.0], dtype=torch.float64, device=device)
-        maxima[:, layer] = torch.maximum(maxima[:, layer], torch.tensor(
-            [balance.worker_imbalance, balance.step_imbalance, stats.estimation_seconds], dtype=torch.float64,
-            device=device))
-    dist.all_reduce(sums, group=group)
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    sums, maxima = sums.cpu(), maxima.cpu()
-    reported = sums[1] > 0
-    if not reported.any():
-        return None
-    density = {layer + 1: float(sums[0, layer] / sums[1, layer]) for layer in reported.nonzero().flatten().tolist()}
-    return StepMetrics(density, float(maxima[0].max()), float(maxima[1].max()), float(maxima[2].sum()))
-
-
-def log_step_metrics(metrics: StepMetrics, iteration: int) -> None:
-    """One line on the last rank, and scalars to Megatron's TensorBoard and W&B writers (where configured)."""
-    print_rank_last(f" mtraining | iteration {iteration:8d} | density {metrics.mean_density:.4f} | worker imbalance "
-                    f"{metrics.worker_imbalance:.3f} | step imbalance {metrics.step_imbalance:.3f} | index time "
-                    f"{metrics.index_seconds * 1e3:.1f} ms")
-    scalars = {"mtraining/density": metrics.mean_density, "mtraining/worker-imbalance": metrics.worker_imbalance,
-               "mtraining/step-imbalance": metrics.step_imbalance,
-               "mtraining/index-time-ms": metrics.index_seconds * 1e3}
-    scalars.update({f"mtraining/density-layer-{layer:03d}": value for layer, value in metrics.density.items()})
-    writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
-    if writer is not None:
-        for name, value in scalars.items():
-            writer.add_scalar(name, value, iteration)
-    if wandb_writer is not None:
-        wandb_writer.log(scalars, iteration)
-
-
-class MTrainingStepEnd:
-    """The model config's ``finalize_model_grads_func``: Megatron's ``finalize_model_grads``, then MTraining's step end.
-
-    Megatron calls it on every rank once per training step, after the last backward: the index
-    caches must be empty by then (every checkpointed forward was replayed), and every
-    ``stats_interval`` iterations the metrics are gathered and logged.
-    """
-
-    def __init__(self, num_layers: int, stats_interval: int):
-        self.num_layers = num_layers
-        self.stats_interval = stats_interval
-
-    def __call__(self, model_chunks, num_tokens=None, pg_collection=None, force_all_reduce=False):
-        finalize_model_grads(model_chunks, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        assert_index_caches_empty(model_chunks)
-        iteration = get_args().curr_iteration + 1
-        if self.stats_interval and iteration % self.stats_interval == 0:
-            metrics = gather_step_metrics(model_chunks, self.num_layers)
-            if metrics is not None:
-                log_step_metrics(metrics, iteration)
 
 
 # ------------------------------------------------------------------------------------------ model

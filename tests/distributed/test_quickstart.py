@@ -116,7 +116,7 @@ def test_quickstart_hides_library_warnings(demo):
 
 def test_launcher_log_gives_the_step_records(capsys):
     """The GPU path's summary reads Megatron's iteration lines and the launcher's metrics lines."""
-    from megatron_mtraining.pretrain import StepMetrics, log_step_metrics
+    from megatron_mtraining.step_metrics import StepMetrics, log_step_metrics
 
     log_step_metrics(StepMetrics({1: 0.25, 2: 0.35}, 1.25, 1.125, 0.004), iteration=1)
     metrics_line = capsys.readouterr().out
