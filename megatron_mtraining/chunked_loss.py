@@ -1,4 +1,4 @@
-"""Output layer and cross-entropy in sequence chunks, recomputed in backward (issue 5, "512K fits").
+"""Output layer and cross-entropy in sequence chunks, recomputed in backward, so the full logits never exist.
 
 At 512K tokens the logits alone do not fit: Qwen2.5-3B at CP = 2 holds 262,144 positions per rank,
 and [262144, 151936] bf16 logits take 80 GB (the fp32 softmax that cross-entropy keeps for backward

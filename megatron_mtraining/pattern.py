@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from mtraining_kernels.layout import LAYOUT_KINDS, Layout
+from mtraining_kernels.layout import Layout
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from .consensus import agree_on_inputs
@@ -78,7 +78,7 @@ class VerticalSlashIndex(NamedTuple):
 # ---------------------------------------------------------------------------------------------- scores
 # "auto": Triton kernels for CUDA tensors, PyTorch ops elsewhere; "torch" / "triton" force one path
 # (benchmarks of the PyTorch path on a GPU; Triton-interpreter tests on the CPU). Both paths give the
-# same integers: tests/gpu/test_estimation_gpu.py checks it bit for bit on CUDA (H200, 2026-11-30).
+# same integers: tests/gpu/test_estimation_gpu.py checks it bit for bit on CUDA.
 _estimation_backend = "auto"
 
 
@@ -468,31 +468,24 @@ def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, la
     return seq_len
 
 
-# what every rank of a distributed estimation must agree on, as integers (see _agreed_values)
-_AGREED_FIELDS = ("b", "N_loc", "Hq", "Hkv", "d", "dtype", "layout", "granularity", "last_q", "sink_tokens",
-                  "local_window", "softmax_scale*2^32", "top-P", "Vmax", "Smax", "p*2^32 or v_size checksum",
-                  "cap or s_size checksum")
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+# every setting that changes what a distributed estimation sends or computes; the ranks agree on them exactly
+_AGREED_FIELDS = ("b", "N_loc", "Hq", "Hkv", "d", "dtype", "layout", "last_q", "sink_tokens", "local_window",
+                  "softmax_scale", "top-P", "Vmax", "Smax", "p", "cap", "v_size", "s_size")
 
 
 def _agreed_values(q_local, k_local, layout: Layout, budget: StaticHeadBudgets | TopPBudget, seq_len: int,
-                   softmax_scale, last_q: int, sink_tokens: int, local_window: int) -> list[int]:
-    """This rank's values of :data:`_AGREED_FIELDS`, from checked inputs and the resolved budget.
-
-    Per-head static sizes enter as the checksums Σ (h+1)·v_size[h] and Σ (h+1)·s_size[h].
-    """
+                   softmax_scale, last_q: int, sink_tokens: int, local_window: int) -> list:
+    """This rank's values of :data:`_AGREED_FIELDS`, from checked inputs and the resolved budget: the exact
+    scale, p and per-head sizes (None where the budget kind has no such value)."""
     batch, local_len, q_heads, dim = q_local.shape
     scale = dim ** -0.5 if softmax_scale is None else softmax_scale
     v_width, s_width = _list_widths(budget, seq_len)
     if isinstance(budget, TopPBudget):
-        budget_values = [1, v_width, s_width, round(budget.p * FIXED_POINT_ONE), budget.cap]
+        budget_values = [1, v_width, s_width, float(budget.p), budget.cap, None, None]
     else:
-        weights = torch.arange(1, budget.num_heads + 1)
-        budget_values = [0, v_width, s_width, int((budget.v_size * weights).sum()),
-                         int((budget.s_size * weights).sum())]
-    return [batch, local_len, q_heads, k_local.shape[2], dim, _DTYPE_CODES.get(q_local.dtype, 0),
-            LAYOUT_KINDS.index(layout.kind), layout.granularity, last_q, sink_tokens, local_window,
-            round(scale * FIXED_POINT_ONE), *budget_values]
+        budget_values = [0, v_width, s_width, None, None, budget.v_size, budget.s_size]
+    return [batch, local_len, q_heads, k_local.shape[2], dim, q_local.dtype, repr(layout), last_q, sink_tokens,
+            local_window, float(scale), *budget_values]
 
 
 def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Benchmark-only: emulate slower links between "nodes" of one host (issue 8, DESIGN.md §2.5).
+"""Benchmark-only: emulate slower links between "nodes" of one host (DESIGN.md §2.5).
 
 On one host every GPU pair shares NVLink, so a hierarchical ring's outer transfers are as fast as its
 inner ones and the hierarchy has nothing to hide. To measure what it hides, a benchmark groups the CP

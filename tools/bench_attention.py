@@ -1,4 +1,4 @@
-"""Single-GPU benchmark: Triton vertical-slash sparse attention against dense torch SDPA (issue 3, item 5).
+"""Single-GPU benchmark: Triton vertical-slash sparse attention against dense torch SDPA.
 
 Causal attention, one GPU, shapes ``[b, N, H, d]``. For every N and shape it times, in one run:
 

@@ -1,4 +1,4 @@
-"""End-to-end training throughput of MTraining against the dense ring (issue 7): Qwen2.5 shapes, CP ranks of one host.
+"""End-to-end training throughput of MTraining against the dense ring: Qwen2.5 shapes, CP ranks of one host.
 
     python tools/bench_e2e.py --models 0.5b,1.5b,3b --seq-lens 131072,262144,524288   # on 2 GPUs
     python tools/bench_e2e.py --dry-run        # print the launcher commands (no GPU needed)

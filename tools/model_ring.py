@@ -6,7 +6,7 @@ compute rate and measured intra-node bandwidth, with the inter-node link ``--slo
 
     python tools/model_ring.py --worlds 4 8 --seq-lens 262144 524288 1048576 --slowdown 10
 
-Defaults are measured on 2 H200s (docs/benchmarks.md): 270 TFLOP/s of actually computed sparse work, 338
+Defaults are the measurements of docs/benchmarks.md: 270 TFLOP/s of actually computed sparse work, 338
 GB/s one way over NVLink; Qwen2.5-3B attention (16 / 2 heads, d = 128), 5 % density, bf16 K/V, fp32
 gradient wire. Prints a markdown table; "saving" is the hierarchical ring's time less than the flat one's.
 """

@@ -1,4 +1,4 @@
-"""Launch-config sweep of the Triton attention kernels on one GPU (issue 3: our dense mode ≥ 60 % of cuDNN).
+"""Launch-config sweep of the Triton attention kernels on one GPU, against cuDNN in the same run.
 
 The kernels' launch configs (``num_warps``, ``num_stages``) are constants in
 ``mtraining_kernels.triton_backend``, picked from the compiler's resource report rather than by timing.

@@ -105,8 +105,7 @@ def _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch: int, heads: int, num
 # Picked from the compiler's resource report for sm_90 (no register spills, loads pipelined): the
 # forward uses 192-229 registers; the key-major passes walk a query block in 64-row slices, since
 # whole 128-row slices spill with dk/dv [64, d] held in registers. The query-major backward's three
-# pipeline stages were picked by timing (tools/tune_triton.py on an H200, docs/benchmarks.md: 15 % faster
-# than two stages at N = 128K, dense and sparse).
+# pipeline stages were picked by timing (tools/tune_triton.py; the timings are in docs/benchmarks.md).
 def _forward_config(dim: int) -> dict:
     return {"num_warps": 4 if dim == 64 else 8, "num_stages": 3}
 

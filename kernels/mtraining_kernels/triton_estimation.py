@@ -33,9 +33,8 @@ import triton
 import triton.language as tl
 
 ROWS_PER_TILE = 64          # the estimation rows, L ≤ 64: one tile
-# Tile shapes and warps timed on an H200 at N = 512K (tests/gpu/test_estimation_gpu.py script mode,
-# docs/benchmarks.md): logits 128 keys × 2 warps 9.95 ms (4 warps 14.1), scores 128 columns × 8 warps
-# 9.0 ms static (32 × 4: 13.6). They set the launch only, never a bit of the results.
+# Tile shapes and warps are the fastest of those timed at N = 512K (tests/gpu/test_estimation_gpu.py script
+# mode; the timings are in docs/benchmarks.md). They set the launch only, never a bit of the results.
 LOGIT_KEYS_PER_TILE = 128   # keys per logits tile
 LOGIT_NUM_WARPS = 2
 LOGIT_UNROLL = 8            # head dimensions per logits-loop iteration (1 when d is not a multiple)

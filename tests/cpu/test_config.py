@@ -1,4 +1,4 @@
-"""MTrainingConfig: every bad-input rule names its --mtraining-* flag and the fix (issue 5 "Bad input")."""
+"""MTrainingConfig: every bad-input rule names its --mtraining-* flag and the fix."""
 
 import json
 import re

@@ -1,4 +1,4 @@
-"""Numerics under stress (issue 9): extreme and all-equal logits, steps without work, tiny and full
+"""Numerics under stress: extreme and all-equal logits, steps without work, tiny and full
 budgets, NaN/Inf inputs.
 
 Backends: ``torch_blocksparse`` with bf16 inputs (logits up to ±1e4) and, through Triton's CPU

@@ -1,4 +1,4 @@
-"""One table of invalid configurations across the project (issue 9, "validation matrix").
+"""One table of invalid configurations across the project.
 
 Each row calls a real entry point (index conversion, a backend's step launcher, the ring, the estimator,
 the attention module and layer spec, the launcher's argument validation, the converters, the data
@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import sys
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -25,17 +24,17 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
+from megatron_mtraining.conversion import hf_to_megatron, megatron_to_hf
+from megatron_mtraining.conversion.single_process import single_process_group
 from mtraining_kernels import sdpa_backend, torch_backend
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import get_backend, sparse_attention
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.reference import full_index
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import convert_megatron_to_qwen2_hf as to_hf  # noqa: E402
-import convert_qwen2_hf_to_megatron as to_megatron  # noqa: E402
-import preprocess_data  # noqa: E402
-from qwen2_mapping import single_process_group  # noqa: E402
+from tool_modules import load_tool
+
+preprocess_data = load_tool("preprocess_data")
 
 SEQ_LEN, HEADS, KV_HEADS, DIM = 256, 2, 1, 64
 LAUNCHER_BASE = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 1024 "
@@ -410,14 +409,14 @@ ROWS = [
                         r"--mtraining-kernel triton"),
     # --- tools
     Invalid("converter: not a Qwen2 or Qwen3 config",
-            lambda tmp: to_megatron.convert(_hf_directory(tmp, _llama_config()), tmp / "out"),
+            lambda tmp: hf_to_megatron.convert(_hf_directory(tmp, _llama_config()), tmp / "out"),
             ValueError, r"model_type='llama' \(architectures=\['LlamaForCausalLM'\]\) is not supported; this "
                         r"converter maps Qwen2/Qwen2\.5 .* and dense Qwen3 \(model_type 'qwen3', Qwen3ForCausalLM\) "
                         r"checkpoints only"),
     Invalid("converter: config.json is not JSON",
-            lambda tmp: to_megatron.convert(_hf_directory(tmp, "{not json"), tmp / "out"),
+            lambda tmp: hf_to_megatron.convert(_hf_directory(tmp, "{not json"), tmp / "out"),
             ValueError, r"config\.json is not valid JSON .*; re-download it"),
-    Invalid("converter back to HF: unknown dtype", lambda tmp: to_hf.convert(tmp, tmp / "out", dtype="fp8"),
+    Invalid("converter back to HF: unknown dtype", lambda tmp: megatron_to_hf.convert(tmp, tmp / "out", dtype="fp8"),
             ValueError, r"--dtype 'fp8' is not supported; use one of bf16, fp32"),
     Invalid("preprocess: empty input", lambda tmp: _preprocess(tmp, "empty.jsonl", b""),
             ValueError, r"--input \S*empty\.jsonl is empty; drop it from --input"),

@@ -1,4 +1,4 @@
-"""The user journey on one GPU without Transformer Engine, run as documented (issue 18).
+"""The user journey on one GPU without Transformer Engine, run as documented.
 
 For a Qwen2.5-shaped and a Qwen3-shaped random model (tiny: 2 layers, head dim 64) with a tokenizer
 trained here: Hugging Face folder → ``tools/convert_qwen2_hf_to_megatron.py`` → ``tools/preprocess_data.py``

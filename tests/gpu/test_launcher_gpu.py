@@ -1,4 +1,4 @@
-"""The launcher on 2 GPUs (issue #5, #9): CP/TP/PP with sparse and dense attention, bitwise-deterministic
+"""The launcher on 2 GPUs: CP/TP/PP with sparse and dense attention, bitwise-deterministic
 training, checkpoint resume, and flat memory over a long run.
 
 Each case runs ``torchrun tools/train_probe.py <launcher flags>`` (the launcher with a per-iteration record

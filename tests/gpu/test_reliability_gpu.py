@@ -1,4 +1,4 @@
-"""Reliability cases that need CUDA (issue 9; the CPU ones are tests/cpu/test_numerics_stress.py and
+"""Reliability cases that need CUDA (the CPU ones are tests/cpu/test_numerics_stress.py and
 tests/distributed/test_no_hang.py).
 
 * The Triton kernels on the GPU under extreme logits: bf16 inputs with logits up to ±1e4 and fp16 inputs
