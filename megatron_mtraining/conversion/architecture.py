@@ -1,51 +1,35 @@
-"""Qwen2/Qwen2.5/Qwen3 (dense) ⇄ Megatron-Core mapping shared by both checkpoint converters (DESIGN.md §4).
+"""What a Qwen2/Qwen2.5 or dense Qwen3 model is, as each side spells it (DESIGN.md §4).
 
-* :class:`QwenArchitecture` — the numbers that define a Qwen2 or Qwen3 dense model, read from a Hugging
-  Face ``config.json`` (:meth:`~QwenArchitecture.from_hf_config`) or from Megatron's parsed arguments
-  (:meth:`~QwenArchitecture.from_megatron_args`), and written back as a Hugging Face config
-  (:meth:`~QwenArchitecture.hf_config`) or as Megatron model flags
-  (:meth:`~QwenArchitecture.megatron_flags`). The two families differ in attention only: Qwen2 has a
-  QKV bias and head dim ``hidden_size / num_attention_heads``; Qwen3 has no bias, a per-head RMSNorm of
-  q and k before RoPE (Megatron's ``--qk-layernorm``) and an explicit ``head_dim`` (``--kv-channels``).
-* :data:`TENSOR_MAP` — every tensor of the ``torch_dist`` checkpoint under its Transformer Engine key
-  (the local spec saves under the same keys), its Hugging Face sources and the two conversions:
-  the per-query-group QKV interleave and the gate/up concatenation. In ``torch_dist`` the per-layer
-  tensors are one global tensor with a leading ``[num_layers]`` axis; here every tensor is handled
-  one layer at a time (shape without that axis).
-* The checkpoint directory: tracker file, ``release/``, the model-args file the example scripts
-  source, and an output directory that is written under a temporary name and renamed at the end.
+:class:`QwenArchitecture` holds the numbers that define a Qwen2 or Qwen3 dense model, read from a Hugging
+Face ``config.json`` (:meth:`~QwenArchitecture.from_hf_config`) or from Megatron's parsed arguments
+(:meth:`~QwenArchitecture.from_megatron_args`), and written back as a Hugging Face config
+(:meth:`~QwenArchitecture.hf_config`) or as Megatron model flags (:meth:`~QwenArchitecture.megatron_flags`,
+saved for the example scripts by :func:`write_model_args`). The two families differ in attention only:
+Qwen2 has a QKV bias and head dim ``hidden_size / num_attention_heads``; Qwen3 has no bias, a per-head
+RMSNorm of q and k before RoPE (Megatron's ``--qk-layernorm``) and an explicit ``head_dim``
+(``--kv-channels``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import shlex
-import shutil
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-RELEASE_DIR = "release"
 MODEL_ARGS_FILE = "megatron_model_args.sh"
 MODEL_ARGS_VARIABLE = "MODEL_ARGS"
 HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}     # model_type: causal-LM class
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 SUPPORTED_MODELS = ("this converter maps Qwen2/Qwen2.5 (model_type 'qwen2', Qwen2ForCausalLM) and dense Qwen3 "
                     "(model_type 'qwen3', Qwen3ForCausalLM) checkpoints only")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}     # --dtype choices of the written tensors
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 YARN_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings", "rope_theta")
 
 
-# ------------------------------------------------------------------------------------------ architecture
 def _positive_int(value, key: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{source}: {key}={value!r} must be a positive integer")
@@ -279,238 +263,6 @@ class QwenArchitecture:
                    yarn_original_max_position_embeddings=args.yarn_original_max_position_embeddings if yarn else None)
 
 
-# ------------------------------------------------------------------------------------------ tensors
-COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
-
-
-@dataclass(frozen=True)
-class TensorMapping:
-    """One ``torch_dist`` tensor and its Hugging Face sources (``{layer}`` is filled in per layer)."""
-
-    key: str
-    hf_names: tuple[str, ...]
-    kind: str
-
-    @property
-    def per_layer(self) -> bool:
-        return self.key.startswith("decoder.layers.")
-
-    def hf_tensor_names(self, layer: int | None) -> list[str]:
-        return [name.format(layer=layer) for name in self.hf_names]
-
-    def shape(self, arch: QwenArchitecture) -> tuple[int, ...]:
-        """Shape of one layer's (or the only) tensor in Megatron's layout."""
-        h, d = arch.hidden_size, arch.kv_channels
-        qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * d
-        return {"embedding.word_embeddings.weight": (arch.vocab_size, h), "output_layer.weight": (arch.vocab_size, h),
-                "decoder.final_layernorm.weight": (h,),
-                "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (h,),
-                "decoder.layers.self_attention.linear_qkv.weight": (qkv_rows, h),
-                "decoder.layers.self_attention.linear_qkv.bias": (qkv_rows,),
-                "decoder.layers.self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
-                "decoder.layers.self_attention.q_layernorm.weight": (d,),
-                "decoder.layers.self_attention.k_layernorm.weight": (d,),
-                "decoder.layers.mlp.linear_fc1.layer_norm_weight": (h,),
-                "decoder.layers.mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h),
-                "decoder.layers.mlp.linear_fc2.weight": (h, arch.ffn_hidden_size)}[self.key]
-
-    def hf_shapes(self, arch: QwenArchitecture) -> list[tuple[int, ...]]:
-        """Shapes of the Hugging Face sources, in ``hf_names`` order."""
-        shape = self.shape(arch)
-        if self.kind == GATE_UP:
-            return [(arch.ffn_hidden_size, arch.hidden_size)] * 2
-        if self.kind == QKV:
-            q_rows, kv_rows = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
-            return [(rows,) + shape[1:] for rows in (q_rows, kv_rows, kv_rows)]
-        return [shape]
-
-    def to_megatron(self, hf_tensors: list[torch.Tensor], arch: QwenArchitecture) -> torch.Tensor:
-        """Megatron's tensor from the Hugging Face sources (``hf_names`` order)."""
-        if self.kind == QKV:
-            return interleave_qkv(*hf_tensors, arch)
-        if self.kind == GATE_UP:
-            return torch.cat(hf_tensors, dim=0)
-        return hf_tensors[0]
-
-    def to_hf(self, tensor: torch.Tensor, arch: QwenArchitecture) -> list[torch.Tensor]:
-        """The Hugging Face tensors (``hf_names`` order) of Megatron's tensor; inverse of :meth:`to_megatron`."""
-        if self.kind == QKV:
-            return list(split_qkv(tensor, arch))
-        if self.kind == GATE_UP:
-            return list(tensor.chunk(2, dim=0))
-        return [tensor]
-
-
-_LAYER = "model.layers.{layer}."
-TENSOR_MAP = (
-    TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COPY),
-    TensorMapping("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-                  (_LAYER + "input_layernorm.weight",), COPY),
-    TensorMapping("decoder.layers.self_attention.linear_qkv.weight",
-                  tuple(_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), QKV),
-    TensorMapping("decoder.layers.self_attention.linear_qkv.bias",
-                  tuple(_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV),
-    TensorMapping("decoder.layers.self_attention.q_layernorm.weight", (_LAYER + "self_attn.q_norm.weight",), COPY),
-    TensorMapping("decoder.layers.self_attention.k_layernorm.weight", (_LAYER + "self_attn.k_norm.weight",), COPY),
-    TensorMapping("decoder.layers.self_attention.linear_proj.weight", (_LAYER + "self_attn.o_proj.weight",), COPY),
-    TensorMapping("decoder.layers.mlp.linear_fc1.layer_norm_weight", (_LAYER + "post_attention_layernorm.weight",),
-                  COPY),
-    TensorMapping("decoder.layers.mlp.linear_fc1.weight",
-                  (_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"), GATE_UP),
-    TensorMapping("decoder.layers.mlp.linear_fc2.weight", (_LAYER + "mlp.down_proj.weight",), COPY),
-    TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), COPY),
-    TensorMapping("output_layer.weight", ("lm_head.weight",), COPY),
-)
-# Per-layer ``ShardedObject``s every GPTModel layer saves and loads (``None`` for local-spec layers,
-# Transformer Engine's FP8 metadata otherwise).
-EXTRA_STATE_KEYS = tuple(f"decoder.layers.{module}._extra_state" for module in (
-    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
-LM_HEAD = "lm_head.weight"
-QKV_BIAS_KEY = "decoder.layers.self_attention.linear_qkv.bias"
-QK_LAYERNORM_KEYS = ("decoder.layers.self_attention.q_layernorm.weight",
-                     "decoder.layers.self_attention.k_layernorm.weight")
-
-
-def tensor_mappings(arch: QwenArchitecture) -> list[TensorMapping]:
-    """The tensors of ``arch``'s checkpoint: :data:`TENSOR_MAP` less what ``arch`` lacks.
-
-    The QKV bias is Qwen2's only, the q/k norms are Qwen3's only, the output layer is there only when untied.
-    """
-    left_out = {QKV_BIAS_KEY} if not arch.qkv_bias else set()
-    left_out |= set(QK_LAYERNORM_KEYS) if not arch.qk_layernorm else set()
-    left_out |= {"output_layer.weight"} if arch.tie_embeddings else set()
-    return [m for m in TENSOR_MAP if m.key not in left_out]
-
-
-def conversion_steps(arch: QwenArchitecture) -> list[tuple[int | None, list[TensorMapping]]]:
-    """``(layer or None, mappings)`` in checkpoint order: embedding, each layer, final norm and output layer."""
-    mappings = tensor_mappings(arch)
-    steps = [(None, [m for m in mappings if m.key.startswith("embedding.")])]
-    steps += [(layer, [m for m in mappings if m.per_layer]) for layer in range(arch.num_layers)]
-    return steps + [(None, [m for m in mappings if not m.per_layer and not m.key.startswith("embedding.")])]
-
-
-def expected_hf_shapes(arch: QwenArchitecture) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face tensor name of ``arch`` (without a tied ``lm_head``) and its shape."""
-    return {name: shape for layer, mappings in conversion_steps(arch) for m in mappings
-            for name, shape in zip(m.hf_tensor_names(layer), m.hf_shapes(arch))}
-
-
-def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: QwenArchitecture) -> torch.Tensor:
-    """Megatron's fused QKV rows (weight ``[rows, hidden]`` or bias ``[rows]``) from the separate projections.
-
-    For each query group g in order: its ``heads_per_group * d`` q rows, then its d k rows, then its
-    d v rows, so that a tensor-parallel row split gives every rank whole groups.
-    """
-    g, d = arch.num_query_groups, arch.kv_channels
-    trailing = q.shape[1:]
-    grouped = [q.reshape(g, arch.heads_per_group * d, *trailing), k.reshape(g, d, *trailing),
-               v.reshape(g, d, *trailing)]
-    return torch.cat(grouped, dim=1).reshape(-1, *trailing)
-
-
-def split_qkv(qkv: torch.Tensor, arch: QwenArchitecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, k, v) projections of Megatron's fused QKV rows; inverse of :func:`interleave_qkv`."""
-    g, d = arch.num_query_groups, arch.kv_channels
-    trailing = qkv.shape[1:]
-    q, k, v = qkv.reshape(g, (arch.heads_per_group + 2) * d, *trailing).split([arch.heads_per_group * d, d, d], dim=1)
-    return tuple(part.reshape(-1, *trailing).contiguous() for part in (q, k, v))
-
-
-# ------------------------------------------------------------------------------------------ checkpoint directory
-def read_hf_config(directory: Path, option: str) -> dict:
-    """The ``config.json`` of the Hugging Face model ``directory`` (given as ``option``), as a dict."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"{option} {directory} is not a directory; give a Hugging Face model directory "
-                         "(config.json, *.safetensors)")
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{option} {directory} has no config.json; give a Hugging Face model directory")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON ({error}); re-download it") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object; re-download it")
-    return config
-
-
-def resolve_checkpoint_dir(path: Path) -> Path:
-    """The ``torch_dist`` directory of ``path``: a checkpoint root (tracker file) or ``release``/``iter_*`` itself."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"--checkpoint {path} is not a directory; give the checkpoint root (with {TRACKER_FILE}) "
-                         "or its release/iter_XXXXXXX directory")
-    tracker = path / TRACKER_FILE
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text == RELEASE_DIR:
-            path = path / RELEASE_DIR
-        elif text.isdigit():
-            path = path / f"iter_{int(text):07d}"
-        else:
-            raise ValueError(f"{tracker} holds {text!r}; expected 'release' or an iteration number")
-    if not (path / "metadata.json").is_file():
-        raise ValueError(f"{path} is not a Megatron torch_dist checkpoint (no metadata.json, and no {TRACKER_FILE} "
-                         "pointing to one); give the checkpoint root or its release/iter_XXXXXXX directory")
-    return path
-
-
-def check_output_dir(output: Path, overwrite: bool, inputs: dict[str, Path]) -> None:
-    """Refuse an ``output`` that is a file, a non-empty directory unless ``overwrite``, or one holding an input.
-
-    ``inputs`` maps option names (e.g. ``--hf-dir``) to the directories the conversion reads, which replacing
-    ``output`` must not delete.
-    """
-    if output.exists() and not output.is_dir():
-        raise ValueError(f"--output-dir {output} is a file; give a directory path")
-    for option, path in inputs.items():
-        if Path(path).resolve().is_relative_to(output.resolve()):
-            raise ValueError(f"--output-dir {output} holds {option} {path}, which the conversion reads; choose "
-                             "another --output-dir")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise ValueError(f"--output-dir {output} is not empty (it may hold a checkpoint); choose another directory "
-                         "or pass --overwrite to replace it")
-
-
-@contextmanager
-def staged_output_dir(output: Path) -> Iterator[Path]:
-    """Yield a fresh temporary directory next to ``output``; on success it replaces ``output``, on error it is removed.
-
-    Nothing partial is ever visible under ``output``: the swap is a rename on the same file system.
-    """
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if output.exists():
-        previous = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
-        output.rename(previous)
-        staging.rename(output)
-        shutil.rmtree(previous)
-    else:
-        staging.rename(output)
-
-
-@contextmanager
-def single_process_group() -> Iterator[None]:
-    """A one-rank gloo process group for ``dist_checkpointing`` (kept as is when one already exists)."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def write_model_args(path: Path, flags: list[str], source: str) -> None:
     """Write ``flags`` as a bash array :data:`MODEL_ARGS_VARIABLE` for the example scripts to source."""
     use = f'python -m megatron_mtraining.pretrain "${{{MODEL_ARGS_VARIABLE}[@]}}" ...'
@@ -524,14 +276,3 @@ def write_model_args(path: Path, flags: list[str], source: str) -> None:
     lines += ["  " + " ".join(shlex.quote(item) for item in pair) for pair in pairs]
     Path(path).write_text("\n".join(lines + [")", ""]))
 
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as ``5GB``, ``500MB`` or ``1000000`` (decimal units, as Hugging Face uses)."""
-    units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "B": 1}
-    cleaned = text.strip().upper()
-    for suffix, factor in units.items():
-        if cleaned.endswith(suffix) and cleaned[:-len(suffix)].strip().replace(".", "", 1).isdigit():
-            return math.floor(float(cleaned[:-len(suffix)]) * factor)
-    if cleaned.isdigit():
-        return int(cleaned)
-    raise ValueError(f"size {text!r} is not understood; use e.g. 5GB, 500MB or a number of bytes")

@@ -228,7 +228,7 @@ def test_model_flags_are_the_qwen25_architecture(megatron_parser, name):
     import dataclasses
 
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
-    from qwen2_mapping import QwenArchitecture
+    from megatron_mtraining.conversion.architecture import QwenArchitecture
 
     shape = bench.QWEN25[name]
     config = bench.Config(shape, 131072, bench.SPARSE_VARIANTS["mtraining"])

@@ -1,4 +1,5 @@
-"""Qwen2/Qwen3 checkpoint conversion, Hugging Face ⇄ Megatron ``torch_dist`` (tools/convert_*.py, DESIGN.md §4).
+"""Qwen2/Qwen3 checkpoint conversion, Hugging Face ⇄ Megatron ``torch_dist`` (megatron_mtraining/conversion/,
+tools/convert_*.py, DESIGN.md §4).
 
 Tiny random models (2 layers, hidden 64, 4 query heads in 2 KV groups, SwiGLU; every weight, bias and
 norm drawn at random so logits are O(1)) are built with ``transformers``: Qwen2 (QKV bias) tied (one
@@ -30,19 +31,23 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_cpu import megatron_on_cpu
+from megatron_mtraining.conversion import hf_to_megatron, megatron_to_hf
+from megatron_mtraining.conversion.architecture import (MODEL_ARGS_FILE, MODEL_ARGS_VARIABLE, QwenArchitecture,
+                                                        write_model_args)
+from megatron_mtraining.conversion.megatron_checkpoint import read_checkpoint_args
+from megatron_mtraining.conversion.single_process import single_process_group, torch_dist_writer_on_cpu
+from megatron_mtraining.conversion.tensor_map import interleave_qkv, split_qkv
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import convert_megatron_to_qwen2_hf as to_hf  # noqa: E402
-import convert_qwen2_hf_to_megatron as to_megatron  # noqa: E402
-from qwen2_mapping import (MODEL_ARGS_FILE, MODEL_ARGS_VARIABLE, QwenArchitecture, interleave_qkv,  # noqa: E402
-                           single_process_group, split_qkv, write_model_args)
+from megatron_cpu import megatron_on_cpu
+from tool_modules import load_tool
+
+to_megatron_tool = load_tool("convert_qwen2_hf_to_megatron")
+to_hf_tool = load_tool("convert_megatron_to_qwen2_hf")
 
 SEQ_LEN = 256
 VOCAB = 320
@@ -185,8 +190,8 @@ def workdir(tmp_path_factory) -> dict[str, dict[str, Path]]:
         model = _random_hf_model(seed=MODULE_SEED + index, **kind)
         model.save_pretrained(hf_dir, max_shard_size="200KB" if name == "untied" else "5GB")
         (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-        to_megatron.convert(hf_dir, root / f"mcore-{name}", dtype="fp32")
-        to_hf.convert(root / f"mcore-{name}", root / f"back-{name}", hf_reference=hf_dir, dtype="fp32",
+        hf_to_megatron.convert(hf_dir, root / f"mcore-{name}", dtype="fp32")
+        megatron_to_hf.convert(root / f"mcore-{name}", root / f"back-{name}", hf_reference=hf_dir, dtype="fp32",
                       max_shard_size="150KB" if name == "untied" else "5GB")
         dirs[name] = {"hf": hf_dir, "mcore": root / f"mcore-{name}", "back": root / f"back-{name}"}
     return dirs
@@ -258,8 +263,8 @@ def test_sharded_output_has_an_index(workdir):
 def test_bf16_round_trip_is_bit_exact(tmp_path):
     model = _random_hf_model(tied=False, seed=MODULE_SEED + 7).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "hf")
-    to_megatron.convert(tmp_path / "hf", tmp_path / "mcore", dtype="bf16")
-    to_hf.convert(tmp_path / "mcore", tmp_path / "back", dtype="bf16")       # reference: --tokenizer-model
+    hf_to_megatron.convert(tmp_path / "hf", tmp_path / "mcore", dtype="bf16")
+    megatron_to_hf.convert(tmp_path / "mcore", tmp_path / "back", dtype="bf16")       # reference: --tokenizer-model
     original, back = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
     assert sorted(back) == sorted(original)
     assert all(back[key].dtype == torch.bfloat16 and torch.equal(back[key], original[key]) for key in original)
@@ -301,8 +306,8 @@ def test_context_extension_options_reach_megatrons_config(tmp_path):
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     base = QwenArchitecture.from_hf_config(_hf_config(tied=True).to_dict())
-    for arch, rope in ((to_megatron.extend_context(base, rotary_base=10_000_000), "rope"),
-                       (to_megatron.extend_context(base, yarn_factor=16.0), "yarn")):
+    for arch, rope in ((hf_to_megatron.extend_context(base, rotary_base=10_000_000), "rope"),
+                       (hf_to_megatron.extend_context(base, yarn_factor=16.0), "yarn")):
         write_model_args(tmp_path / MODEL_ARGS_FILE, arch.megatron_flags("/tok"), "test")
         flags = sourced_model_args(tmp_path / MODEL_ARGS_FILE) + CPU_FLAGS + ["--seq-length", str(SEQ_LEN)]
         args = _parser().parse_args(flags)
@@ -314,13 +319,13 @@ def test_context_extension_options_reach_megatrons_config(tmp_path):
         else:
             assert args.rotary_base == 10_000_000
     with pytest.raises(ValueError, match="alternative context extensions"):
-        to_megatron.extend_context(base, rotary_base=10_000_000, yarn_factor=4.0)
+        hf_to_megatron.extend_context(base, rotary_base=10_000_000, yarn_factor=4.0)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_checkpoint_stores_megatron_args_of_the_architecture(workdir, name):
     with single_process_group():
-        stored = to_hf.read_checkpoint_args(workdir[name]["mcore"] / "release")
+        stored = read_checkpoint_args(workdir[name]["mcore"] / "release")
     hf_config = json.loads((workdir[name]["hf"] / "config.json").read_text())
     assert QwenArchitecture.from_megatron_args(stored) == QwenArchitecture.from_hf_config(hf_config)
     assert (stored.tensor_model_parallel_size, stored.pipeline_model_parallel_size) == (1, 1)
@@ -354,12 +359,13 @@ def test_command_lines_convert_on_cpu_both_ways(workdir, tmp_path, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cuda_names = (torch.cuda.current_device, torch.cuda.synchronize, filesystem_async._results_queue)
     hf_dir = workdir["qwen3-untied"]["hf"]
-    to_megatron.main(["--hf-dir", str(hf_dir), "--output-dir", str(tmp_path / "mcore"), "--dtype", "fp32"])
+    to_megatron_tool.main(["--hf-dir", str(hf_dir), "--output-dir", str(tmp_path / "mcore"), "--dtype", "fp32"])
     assert "wrote" in capsys.readouterr().out
     assert (torch.cuda.current_device, torch.cuda.synchronize, filesystem_async._results_queue) == cuda_names, \
         "the CPU patches of the torch_dist writer must be undone"
     assert "--qk-layernorm" in sourced_model_args(tmp_path / "mcore" / MODEL_ARGS_FILE)
-    to_hf.main(["--checkpoint", str(tmp_path / "mcore"), "--output-dir", str(tmp_path / "back"), "--dtype", "fp32"])
+    to_hf_tool.main(["--checkpoint", str(tmp_path / "mcore"), "--output-dir", str(tmp_path / "back"),
+                     "--dtype", "fp32"])
     original, back = _tensors(hf_dir), _tensors(tmp_path / "back")
     assert sorted(back) == sorted(original) and all(torch.equal(back[key], original[key]) for key in original)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
@@ -369,10 +375,10 @@ def test_command_lines_convert_on_cpu_both_ways(workdir, tmp_path, monkeypatch, 
 def test_cpu_writer_patches_apply_only_without_cuda_and_are_undone(monkeypatch):
     before = (torch.cuda.current_device, torch.cuda.synchronize)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with to_megatron.torch_dist_writer_on_cpu():
+    with torch_dist_writer_on_cpu():
         assert (torch.cuda.current_device, torch.cuda.synchronize) == before, "nothing may change where CUDA is"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="write failed"), to_megatron.torch_dist_writer_on_cpu():
+    with pytest.raises(RuntimeError, match="write failed"), torch_dist_writer_on_cpu():
         assert torch.cuda.current_device() == "cpu" and torch.cuda.synchronize() is None
         raise RuntimeError("write failed")
     assert (torch.cuda.current_device, torch.cuda.synchronize) == before
@@ -387,7 +393,7 @@ def test_command_line_refuses_a_llama_model_before_writing(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match=r"model_type='llama' \(architectures=\['LlamaForCausalLM'\]\) is not "
                                          r"supported; .*'qwen2', Qwen2ForCausalLM\) and dense Qwen3 \(model_type "
                                          r"'qwen3', Qwen3ForCausalLM\)"):
-        to_megatron.main(["--hf-dir", str(tmp_path / "llama"), "--output-dir", str(tmp_path / "out")])
+        to_megatron_tool.main(["--hf-dir", str(tmp_path / "llama"), "--output-dir", str(tmp_path / "out")])
     assert sorted(os.listdir(tmp_path)) == ["llama"], "nothing may be written for a refused model"
 
 
@@ -455,45 +461,45 @@ def test_bad_hf_input_is_refused_before_writing(workdir, tmp_path, case):
     if tensor_edit is not None:
         _edit_tensors(hf_dir, tensor_edit)
     with pytest.raises(ValueError, match=message):
-        to_megatron.convert(hf_dir, tmp_path / "out")
+        hf_to_megatron.convert(hf_dir, tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == ["hf"], "nothing may be written for bad input"
 
 
 def test_bad_options_are_refused_before_writing(workdir, tmp_path):
     hf_dir = workdir["tied"]["hf"]
     with pytest.raises(ValueError, match=r"--yarn-factor 0.5 must be > 1"):
-        to_megatron.convert(hf_dir, tmp_path / "out", yarn_factor=0.5)
+        hf_to_megatron.convert(hf_dir, tmp_path / "out", yarn_factor=0.5)
     with pytest.raises(ValueError, match=r"--yarn-original-max-position-embeddings needs --yarn-factor"):
-        to_megatron.convert(hf_dir, tmp_path / "out", yarn_original_max_position_embeddings=4096)
+        hf_to_megatron.convert(hf_dir, tmp_path / "out", yarn_original_max_position_embeddings=4096)
     with pytest.raises(ValueError, match=r"--dtype 'fp16' is not supported; use one of bf16, fp32"):
-        to_megatron.convert(hf_dir, tmp_path / "out", dtype="fp16")
+        hf_to_megatron.convert(hf_dir, tmp_path / "out", dtype="fp16")
     assert os.listdir(tmp_path) == []
 
 
 def test_missing_and_corrupt_files_are_refused(workdir, tmp_path):
     with pytest.raises(ValueError, match=r"--hf-dir \S*nowhere is not a directory"):
-        to_megatron.convert(tmp_path / "nowhere", tmp_path / "out")
+        hf_to_megatron.convert(tmp_path / "nowhere", tmp_path / "out")
     hf_dir = _copy(workdir["tied"]["hf"], tmp_path / "no-config")
     (hf_dir / "config.json").unlink()
     with pytest.raises(ValueError, match="has no config.json"):
-        to_megatron.convert(hf_dir, tmp_path / "out")
+        hf_to_megatron.convert(hf_dir, tmp_path / "out")
     hf_dir = _copy(workdir["tied"]["hf"], tmp_path / "garbage")
     (hf_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
-        to_megatron.convert(hf_dir, tmp_path / "out")
+        hf_to_megatron.convert(hf_dir, tmp_path / "out")
     hf_dir = _copy(workdir["tied"]["hf"], tmp_path / "truncated")
     data = (hf_dir / "model.safetensors").read_bytes()
     (hf_dir / "model.safetensors").write_bytes(data[:len(data) // 2])
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        to_megatron.convert(hf_dir, tmp_path / "out")
+        hf_to_megatron.convert(hf_dir, tmp_path / "out")
     hf_dir = _copy(workdir["untied"]["hf"], tmp_path / "missing-shard")
     next(hf_dir.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(ValueError, match="lists shards that are missing"):
-        to_megatron.convert(hf_dir, tmp_path / "out")
+        hf_to_megatron.convert(hf_dir, tmp_path / "out")
     hf_dir = _copy(workdir["tied"]["hf"], tmp_path / "bin-only")
     (hf_dir / "model.safetensors").rename(hf_dir / "pytorch_model.bin")
     with pytest.raises(ValueError, match="no \\*.safetensors files"):
-        to_megatron.convert(hf_dir, tmp_path / "out")
+        hf_to_megatron.convert(hf_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -502,8 +508,8 @@ def test_existing_output_needs_overwrite_and_failed_write_leaves_nothing(workdir
     output.mkdir()
     (output / "old-file").write_text("previous checkpoint")
     with pytest.raises(ValueError, match="not empty.*--overwrite"):
-        to_megatron.convert(workdir["tied"]["hf"], output)
-    to_megatron.convert(workdir["tied"]["hf"], output, dtype="fp32", overwrite=True)
+        hf_to_megatron.convert(workdir["tied"]["hf"], output)
+    hf_to_megatron.convert(workdir["tied"]["hf"], output, dtype="fp32", overwrite=True)
     assert sorted(os.listdir(output)) == sorted([MODEL_ARGS_FILE, "latest_checkpointed_iteration.txt", "release"])
 
     def failing_save(*args, **kwargs):
@@ -513,7 +519,7 @@ def test_existing_output_needs_overwrite_and_failed_write_leaves_nothing(workdir
 
     monkeypatch.setattr(dist_checkpointing, "save", failing_save)
     with pytest.raises(RuntimeError, match="disk full"):
-        to_megatron.convert(workdir["tied"]["hf"], tmp_path / "second", dtype="fp32")
+        hf_to_megatron.convert(workdir["tied"]["hf"], tmp_path / "second", dtype="fp32")
     assert sorted(os.listdir(tmp_path)) == ["out"], "the temporary directory of a failed write must be removed"
 
 
@@ -521,33 +527,33 @@ def test_overwrite_never_replaces_an_input(workdir, tmp_path):
     hf_dir = _copy(workdir["tied"]["hf"], tmp_path / "models" / "hf")
     for output in (hf_dir, hf_dir.parent):
         with pytest.raises(ValueError, match=r"--output-dir \S+ holds --hf-dir \S+, which the conversion reads"):
-            to_megatron.convert(hf_dir, output, overwrite=True)
+            hf_to_megatron.convert(hf_dir, output, overwrite=True)
     checkpoint = tmp_path / "mcore"
     shutil.copytree(workdir["tied"]["mcore"], checkpoint)
     with pytest.raises(ValueError, match=r"--output-dir \S+ holds --checkpoint \S+, which the conversion reads"):
-        to_hf.convert(checkpoint, checkpoint, hf_reference=hf_dir, overwrite=True)
+        megatron_to_hf.convert(checkpoint, checkpoint, hf_reference=hf_dir, overwrite=True)
     with pytest.raises(ValueError, match=r"--output-dir \S+ holds --hf-reference \S+, which the conversion reads"):
-        to_hf.convert(checkpoint, hf_dir, hf_reference=hf_dir, overwrite=True)
+        megatron_to_hf.convert(checkpoint, hf_dir, hf_reference=hf_dir, overwrite=True)
     assert _tensors(hf_dir).keys() == _tensors(workdir["tied"]["hf"]).keys()
     assert (checkpoint / "release" / "metadata.json").is_file()
 
 
 def test_bad_megatron_input_is_refused(workdir, tmp_path):
     with pytest.raises(ValueError, match=r"--checkpoint \S*nowhere is not a directory"):
-        to_hf.convert(tmp_path / "nowhere", tmp_path / "out")
+        megatron_to_hf.convert(tmp_path / "nowhere", tmp_path / "out")
     with pytest.raises(ValueError, match="is not a Megatron torch_dist checkpoint"):
-        to_hf.convert(tmp_path, tmp_path / "out")
+        megatron_to_hf.convert(tmp_path, tmp_path / "out")
     with pytest.raises(ValueError, match="is a different model"):
-        to_hf.convert(workdir["tied"]["mcore"], tmp_path / "out", hf_reference=workdir["untied"]["hf"])
+        megatron_to_hf.convert(workdir["tied"]["mcore"], tmp_path / "out", hf_reference=workdir["untied"]["hf"])
     with pytest.raises(ValueError, match=r"is a different model \(model_type: reference qwen2, checkpoint qwen3; "
                                          r"kv_channels: reference 16, checkpoint 32"):
-        to_hf.convert(workdir["qwen3-tied"]["mcore"], tmp_path / "out", hf_reference=workdir["tied"]["hf"])
+        megatron_to_hf.convert(workdir["qwen3-tied"]["mcore"], tmp_path / "out", hf_reference=workdir["tied"]["hf"])
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="not empty"):
-        to_hf.convert(workdir["tied"]["mcore"], tmp_path / "taken")
+        megatron_to_hf.convert(workdir["tied"]["mcore"], tmp_path / "taken")
     with pytest.raises(ValueError, match="size '5 gigs' is not understood"):
-        to_hf.convert(workdir["tied"]["mcore"], tmp_path / "out", max_shard_size="5 gigs")
+        megatron_to_hf.convert(workdir["tied"]["mcore"], tmp_path / "out", max_shard_size="5 gigs")
     assert not (tmp_path / "out").exists()
     args = _parser().parse_args(sourced_model_args(workdir["tied"]["mcore"] / MODEL_ARGS_FILE))
     args.swiglu = False

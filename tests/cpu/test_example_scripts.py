@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from qwen2_mapping import MODEL_ARGS_FILE, QwenArchitecture, write_model_args  # noqa: E402
+from megatron_mtraining.conversion.architecture import MODEL_ARGS_FILE, QwenArchitecture, write_model_args
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = "examples/qwen2.5-3b_32k_to_512k.sh"
@@ -158,7 +157,7 @@ def test_scripts_pass_bash_syntax_check(script):
 def test_qwen25_preset_is_the_converters_model_args(size):
     preset = REPO / "examples" / "models" / f"qwen2.5-{size.lower()}.sh"
     expected = QwenArchitecture.from_hf_config(QWEN25[size]).megatron_flags(f"Qwen/Qwen2.5-{size}")
-    assert _model_args(preset) == expected, f"{preset} drifted from tools/qwen2_mapping.py's megatron_flags"
+    assert _model_args(preset) == expected, f"{preset} drifted from QwenArchitecture.megatron_flags"
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda path: path.stem)
