@@ -2,7 +2,7 @@
 
 The directory holds ``config.json`` and the weights as ``*.safetensors`` (one file, or shards listed by
 ``model.safetensors.index.json``); every tensor name, shape and dtype that the config implies is checked
-from the safetensors headers alone.
+from the safetensors headers.
 """
 
 from __future__ import annotations
