@@ -19,8 +19,9 @@
 # the ring is hierarchical, an inner ring over the CP ranks of a node inside an outer ring over the nodes.
 #
 # Settings (environment variables, default):
-#   MODEL (qwen2.5-3b)            model size: examples/models/$MODEL.sh gives the model flags when CHECKPOINT is
-#                                 unset; it also names SAVE_DIR's default
+#   MODEL (qwen2.5-3b)            model size (qwen2.5-0.5b/1.5b/3b/7b, qwen3-0.6b/1.7b/4b/8b): examples/models/
+#                                 $MODEL.sh gives the model flags when CHECKPOINT is unset; it also names SAVE_DIR's
+#                                 default
 #   CHECKPOINT                    converted checkpoint (required for a run, not for --dry-run / --check)
 #   TOKENIZER                     replaces the model flags' --tokenizer-model (presets: the hub name, e.g.
 #                                 Qwen/Qwen2.5-3B; a checkpoint: the Hugging Face directory it was converted from)

@@ -22,8 +22,8 @@ from typing import Callable
 
 from .arguments import CHECK_FLAG, validate_mtraining_args
 from .config import MTrainingConfig, flag
+from .conversion.checkpoint_dir import TRACKER_FILE
 
-CHECKPOINT_TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECK_GPU_ARCH = 9     # the check validates as on Hopper (Megatron asks the GPU's architecture when TP or CP > 1)
 
 
@@ -94,9 +94,9 @@ def missing_paths(args: argparse.Namespace) -> list[str]:
     """Files the run reads that do not exist here: the pretrained checkpoint's tracker, each prefix's .bin/.idx."""
     missing = []
     if args.pretrained_checkpoint is not None:
-        tracker = Path(args.pretrained_checkpoint) / CHECKPOINT_TRACKER_FILE
+        tracker = Path(args.pretrained_checkpoint) / TRACKER_FILE
         if not tracker.is_file():
-            missing.append(f"--pretrained-checkpoint {args.pretrained_checkpoint} (no {CHECKPOINT_TRACKER_FILE}; "
+            missing.append(f"--pretrained-checkpoint {args.pretrained_checkpoint} (no {TRACKER_FILE}; "
                            "give the --output-dir of tools/convert_qwen2_hf_to_megatron.py)")
     for prefix in data_prefixes(args):
         absent = [suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
@@ -124,7 +124,7 @@ def latest_iteration_dir(checkpoint_root: str | None) -> Path | None:
     """The ``iter_XXXXXXX`` directory that ``--load checkpoint_root`` resumes from, or None (nothing saved yet)."""
     if checkpoint_root is None:
         return None
-    tracker = Path(checkpoint_root) / CHECKPOINT_TRACKER_FILE
+    tracker = Path(checkpoint_root) / TRACKER_FILE
     if not tracker.is_file():
         return None
     iteration = tracker.read_text().strip()

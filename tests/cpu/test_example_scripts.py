@@ -50,6 +50,21 @@ QWEN25 = {
     "7B": dict(_QWEN25_COMMON, num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
 }
+# config.json of the public dense Qwen3 checkpoints (q/k RMSNorm, no QKV bias, explicit head_dim).
+_QWEN3_COMMON = dict(model_type="qwen3", rope_theta=1000000.0, rms_norm_eps=1e-06, head_dim=128, attention_bias=False,
+                     vocab_size=151936, max_position_embeddings=40960)
+QWEN3 = {
+    "0.6B": dict(_QWEN3_COMMON, num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=3072, tie_word_embeddings=True),
+    "1.7B": dict(_QWEN3_COMMON, num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=6144, tie_word_embeddings=True),
+    "4B": dict(_QWEN3_COMMON, num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=9728, tie_word_embeddings=True),
+    "8B": dict(_QWEN3_COMMON, num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=12288, tie_word_embeddings=False),
+}
+PRESET_CONFIGS = {**{f"qwen2.5-{size.lower()}": (config, f"Qwen/Qwen2.5-{size}") for size, config in QWEN25.items()},
+                  **{f"qwen3-{size.lower()}": (config, f"Qwen/Qwen3-{size}") for size, config in QWEN3.items()}}
 # What each launching script runs by default: (model size, GPUs per node, nodes, CP, ring, inner ring size).
 DEFAULT_LAYOUT = {TRAIN: ("3B", 8, 1, 8, "flat", None), DEMO: ("0.5B", 1, 1, 1, "flat", None),
                   ONE_NODE: ("3B", 8, 1, 8, "flat", None), MULTI_NODE: ("3B", 8, 4, 32, "hierarchical", 8)}
@@ -153,10 +168,15 @@ def test_scripts_pass_bash_syntax_check(script):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("size", sorted(QWEN25))
-def test_qwen25_preset_is_the_converters_model_args(size):
-    preset = REPO / "examples" / "models" / f"qwen2.5-{size.lower()}.sh"
-    expected = QwenArchitecture.from_hf_config(QWEN25[size]).megatron_flags(f"Qwen/Qwen2.5-{size}")
+def test_every_preset_has_its_public_config():
+    assert sorted(preset.stem for preset in PRESETS) == sorted(PRESET_CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_CONFIGS))
+def test_preset_is_the_converters_model_args(name):
+    preset = REPO / "examples" / "models" / f"{name}.sh"
+    config, hub_name = PRESET_CONFIGS[name]
+    expected = QwenArchitecture.from_hf_config(config).megatron_flags(hub_name)
     assert _model_args(preset) == expected, f"{preset} drifted from QwenArchitecture.megatron_flags"
 
 
