@@ -30,7 +30,7 @@ from mtraining_kernels.torch_backend import accumulator_dtype
 
 from .config import flag
 from .consensus import agree_on_inputs
-from .ring import DTYPE_CODES, WIRE_DTYPES, add_and_forward
+from .ring import WIRE_DTYPES, add_and_forward
 from .ring_groups import RingGroups
 
 
@@ -67,8 +67,11 @@ def merge_step(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor, ste
     lse.copy_(torch.logaddexp(lse, step_lse))
 
 
-def _signature_error(q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale) -> str:
+def _signature_error(q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale,
+                     grad_wire_dtype: str) -> str:
     """Why this rank's inputs are unusable, or '' (local checks only; never raises)."""
+    if grad_wire_dtype not in WIRE_DTYPES:
+        return f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
     if groups.outer is not None:
         return (f"the SDPA dense ring is flat only, got a hierarchical ring ({flag('ring')}=hierarchical); use "
                 f"{flag('ring')} flat")
@@ -93,16 +96,24 @@ def _signature_error(q, k, v, layout: Layout, groups: RingGroups, impl: str, sof
     return ""
 
 
-_RING_FIELDS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "replay")
+# every setting that changes what the dense ring sends or computes; the ranks agree on them exactly
+_RING_SETTINGS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "layout", "impl", "softmax_scale",
+                  "grad_wire_dtype", "replay")
 
 
 def check_dense_ring_inputs(q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale=None,
-                            replay_output=None) -> None:
-    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad or differ in shape or dtype, or
-    in replaying (one small all-gather over the CP group, as :func:`megatron_mtraining.ring.check_ring_inputs`)."""
-    error = _signature_error(q, k, v, layout, groups, impl, softmax_scale) or replay_output_error(q, replay_output)
-    values = None if error else [*q.shape, *k.shape, DTYPE_CODES.get(q.dtype, -1), int(replay_output is not None)]
-    agree_on_inputs("dense ring attention", _RING_FIELDS, values,
+                            grad_wire_dtype: str = "fp32", replay_output=None) -> None:
+    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad, or if the ranks differ in any of
+    :data:`_RING_SETTINGS` (shapes, dtype, layout, SDPA impl, resolved softmax scale, dK/dV wire dtype, or
+    in replaying); one small all-gather over the CP group, as :func:`megatron_mtraining.ring.check_ring_inputs`."""
+    error = (_signature_error(q, k, v, layout, groups, impl, softmax_scale, grad_wire_dtype)
+             or replay_output_error(q, replay_output))
+    values = None
+    if not error:
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        values = [*q.shape, *k.shape, q.dtype, repr(layout), impl, float(scale), grad_wire_dtype,
+                  int(replay_output is not None)]
+    agree_on_inputs("dense ring attention", _RING_SETTINGS, values,
                     ValueError(f"dense ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
                     groups.cp)
 
@@ -187,11 +198,9 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layo
     q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in ``layout`` = ``Layout("zigzag", W)`` over the
     flat ring ``groups``; ``impl`` is ``"cudnn"`` or ``"flash"`` (see ``mtraining_kernels.sdpa_backend``).
     Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse ``[b, Hq, N_loc]``, fp32). ``replay_output``
-    as in :func:`megatron_mtraining.ring.ring_attention`.
+    and the agreement on the inputs before the first send as in :func:`megatron_mtraining.ring.ring_attention`.
     """
-    if grad_wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-    check_dense_ring_inputs(q, k, v, layout, groups, impl, softmax_scale, replay_output)
+    check_dense_ring_inputs(q, k, v, layout, groups, impl, softmax_scale, grad_wire_dtype, replay_output)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = DenseRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), groups, impl, scale,
                                         WIRE_DTYPES[grad_wire_dtype], replay_output)

@@ -12,17 +12,33 @@ Inputs are already in the CP layout (the permutation happens once, in the data l
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.interface import get_backend, replay_output_error
+from mtraining_kernels.layout import Layout
 
 from .consensus import agree_on_inputs
 from .ring_comm import RingExchange
 from .ring_groups import RingGroups
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}   # for the consensus
+
+
+def _options_error(backend: str, softmax_scale, grad_wire_dtype: str) -> str:
+    """Why the kernel ``backend``, ``softmax_scale`` or ``grad_wire_dtype`` is unusable, or '' (never raises)."""
+    try:
+        get_backend(backend)
+    except (ValueError, ImportError) as error:
+        return str(error)
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale)):
+        return f"softmax_scale={softmax_scale!r} must be a finite number, or None for 1/sqrt(d)"
+    if grad_wire_dtype not in WIRE_DTYPES:
+        return f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
+    return ""
 
 
 def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
@@ -32,6 +48,9 @@ def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
             return f"{name} must be a 4-D tensor [b, N_loc, heads, d], got {getattr(tensor, 'shape', type(tensor))}"
     if not isinstance(index, BlockBarIndex):
         return f"index must be a BlockBarIndex from convert_index, got {type(index).__name__}"
+    if not isinstance(index.layout, Layout) or index.layout.world_size != index.world_size:
+        return (f"index carries layout {index.layout!r} for world_size={index.world_size}; build it with "
+                "convert_index, which records the layout it was built for")
     b, n_loc, hq, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[1] != n_loc or k.shape[3] != d:
         return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
@@ -49,21 +68,32 @@ def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
     return ""
 
 
-_RING_FIELDS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "N", "replay")
+# every setting that changes what the ring sends or computes; the ranks agree on them exactly
+_RING_SETTINGS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "k dtype", "v dtype", "N",
+                  "index layout", "inner ring size", "outer ring size", "backend", "softmax_scale", "deterministic",
+                  "grad_wire_dtype", "replay")
 
 
-def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups, replay_output=None) -> None:
-    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad or differ in shape or dtype, or
-    if some ranks replay an earlier forward's output and others do not.
+def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups, *, backend: str, softmax_scale,
+                      deterministic: bool, grad_wire_dtype: str, replay_output=None) -> None:
+    """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad, or if the ranks differ in any
+    of :data:`_RING_SETTINGS`: shapes, dtypes, the index's length and layout, the ring's shape, the kernel
+    backend, the (resolved) softmax scale, determinism, the dK/dV wire dtype, or in replaying an earlier
+    forward's output.
 
     Every call agrees over the CP group (one small all-gather, :func:`agree_on_inputs`): skipping it for
     inputs seen before would let a rank whose input changed enter the all-gather while its peers enter
     the ring.
     """
-    error = _signature_error(q, k, v, index, groups) or replay_output_error(q, replay_output)
-    values = None if error else [*q.shape, *k.shape, DTYPE_CODES.get(q.dtype, -1), index.seq_len,
-                                 int(replay_output is not None)]
-    agree_on_inputs("ring attention", _RING_FIELDS, values,
+    error = (_options_error(backend, softmax_scale, grad_wire_dtype) or _signature_error(q, k, v, index, groups)
+             or replay_output_error(q, replay_output))
+    values = None
+    if not error:
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        values = [*q.shape, *k.shape, q.dtype, k.dtype, v.dtype, index.seq_len, repr(index.layout), groups.inner_size,
+                  groups.outer_size, backend, float(scale), bool(deterministic), grad_wire_dtype,
+                  int(replay_output is not None)]
+    agree_on_inputs("ring attention", _RING_SETTINGS, values,
                     ValueError(f"ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
                     groups.cp)
 
@@ -181,11 +211,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Blo
     q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in the layout ``index`` was built for.
     Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse fp32 ``[b, Hq, N_loc]``). ``replay_output``:
     (out, lse) of an earlier forward of the same inputs (activation recomputation); the ring forward is
-    skipped and they are returned, with this call's backward.
+    skipped and they are returned, with this call's backward. Every CP rank must pass the same settings;
+    bad or differing inputs raise a ``ValueError`` on every rank before the first send (:func:`check_ring_inputs`).
     """
-    if grad_wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-    check_ring_inputs(q, k, v, index, groups, replay_output)
+    check_ring_inputs(q, k, v, index, groups, backend=backend, softmax_scale=softmax_scale,
+                      deterministic=deterministic, grad_wire_dtype=grad_wire_dtype, replay_output=replay_output)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = SparseRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index, groups,
                                          backend, scale, deterministic, WIRE_DTYPES[grad_wire_dtype], replay_output)

@@ -155,7 +155,13 @@ def _bad_dense_ring_input(rank, world_size, problem):
 
     layout = Layout("zigzag", world_size)
     q, k, v = (torch.randn(1, 64, h, 16) for h in (4, 1, 1))
-    impl = "flash"
+    impl, wire, scale = "flash", "fp32", None
+    if problem == "wire_differs" and rank == 1:
+        wire = "bf16"
+    if problem == "unknown_wire" and rank == 1:
+        wire = "fp16"
+    if problem == "scale_differs" and rank == 1:
+        scale = 0.3
     if problem == "odd_local_length" and rank == 1:
         q, k, v = (t[:, :63] for t in (q, k, v))
     if problem == "shapes_differ" and rank == 1:
@@ -165,7 +171,8 @@ def _bad_dense_ring_input(rank, world_size, problem):
     if problem == "cudnn_on_cpu":
         impl = "cudnn"
     try:
-        dense_ring_attention(q, k, v, layout, RingGroups.flat(dist.group.WORLD), impl=impl)
+        dense_ring_attention(q, k, v, layout, RingGroups.flat(dist.group.WORLD), impl=impl, softmax_scale=scale,
+                             grad_wire_dtype=wire)
     except ValueError as err:
         return str(err)
     return None
@@ -176,6 +183,9 @@ def _bad_dense_ring_input(rank, world_size, problem):
     ("shapes_differ", r"dense ring attention: the ranks of the group disagree on \{'d': \[16, 8\]"),
     ("striped_layout", r"needs the zigzag layout, got Layout\(kind='striped'.*use --mtraining-layout zigzag"),
     ("cudnn_on_cpu", r"impl='cudnn' needs CUDA tensors, got CPU tensors.*use impl='flash'"),
+    ("wire_differs", r"dense ring attention: the ranks of the group disagree on \{'grad_wire_dtype': \['fp32', 'bf16'\]"),
+    ("unknown_wire", r"invalid on rank\(s\) \[1\]|CP rank 1: grad_wire_dtype='fp16' is not one of"),
+    ("scale_differs", r"dense ring attention: the ranks of the group disagree on \{'softmax_scale': \[0\.25, 0\.3\]"),
 ])
 def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, message):
     errors = distributed(_bad_dense_ring_input, 2, problem, timeout=60, collective_timeout=20)
