@@ -4,19 +4,30 @@ rank), and collect per-rank results.
 Used by every distributed test. The function must be defined at module level (it is pickled into
 the worker processes) and is called as ``fn(rank, world_size, *args)``; its return value must be
 picklable. A rank that raises makes the whole call fail with that rank's traceback; a call that
-exceeds ``timeout`` fails and its processes are killed, so a hang can never block the suite.
+produces no result for ``timeout`` seconds fails and its processes are killed, so a hang can never
+block the suite.
 
 Starting a process that imports torch and Megatron costs seconds, so the W processes of a world
-size are kept between calls (one gloo group each); a failed or timed-out call retires them, and the
-next call starts fresh ones. Tests must leave no global state behind (destroy what they initialise).
+size are kept between calls (one process group each); a failed or timed-out call retires them, and
+the next call starts fresh ones. Tests must leave no global state behind (destroy what they initialise).
+
+Nothing waits on a slow process with a short timeout, so a loaded machine slows the tests down but
+does not fail them: the ranks meet through a ``FileStore`` in a fresh temporary folder (no port to
+pick and race for), wait for each other there (up to :data:`STARTUP_TIMEOUT`) before the process
+group's rendezvous, and every call starts only once every rank has unpickled it (imported its module,
+up to :data:`LOAD_TIMEOUT`); only then do ``timeout`` and the collectives' ``collective_timeout`` run.
 """
 
 from __future__ import annotations
 
 import atexit
 import io
+import os
+import pickle
 import queue
-import socket
+import shutil
+import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -24,34 +35,46 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_STOP = "stop"
+STARTUP_TIMEOUT = 300.0      # seconds for every rank to start, import torch and join the group
+LOAD_TIMEOUT = 300.0         # seconds for every rank to unpickle a call (importing the test's modules)
+_STOP, _GO = "stop", "go"
+_READY, _LOADED, _DONE, _FAILED = "ready", "loaded", "done", "failed"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _wait_for_every_rank(store: dist.Store, rank: int, world_size: int) -> None:
+    """Return once all ``world_size`` ranks have reached this point (or fail after STARTUP_TIMEOUT)."""
+    store.set(f"harness/started/{rank}", "1")
+    store.wait([f"harness/started/{r}" for r in range(world_size)], timedelta(seconds=STARTUP_TIMEOUT))
 
 
-def _worker(rank, world_size, port, backend, tasks, results, collective_timeout):
+def _worker(rank, world_size, store_path, backend, tasks, results, collective_timeout):
     torch.set_num_threads(1)  # W ranks share a few cores; more threads per rank only contend
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=collective_timeout),
-    )
+    store = dist.FileStore(store_path, world_size)
+    _wait_for_every_rank(store, rank, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=collective_timeout))
+    results.put((0, rank, _READY, b""))
     while True:
         task = tasks.get()
         if task == _STOP:
             break
-        call_id, fn, args = task
+        call_id, payload = task
+        try:
+            fn, args = pickle.loads(payload)
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((call_id, rank, _FAILED, traceback.format_exc()))
+            continue
+        results.put((call_id, rank, _LOADED, b""))
+        if tasks.get() != (call_id, _GO):
+            break
         try:
             buffer = io.BytesIO()  # plain bytes: shared-memory tensors would not outlive the message
             torch.save(fn(rank, world_size, *args), buffer)
-            results.put((call_id, rank, True, buffer.getvalue()))
+            results.put((call_id, rank, _DONE, buffer.getvalue()))
         except BaseException:  # noqa: BLE001 - report everything to the parent
-            results.put((call_id, rank, False, traceback.format_exc()))
+            results.put((call_id, rank, _FAILED, traceback.format_exc()))
     dist.destroy_process_group()
 
 
@@ -59,40 +82,60 @@ class _Pool:
     def __init__(self, world_size: int, backend: str, collective_timeout: float):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.folder = tempfile.mkdtemp(prefix="harness-store-")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, backend, self.tasks[r], self.results,
-                                              collective_timeout), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, os.path.join(self.folder, "store"), backend,
+                                              self.tasks[r], self.results, collective_timeout), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
             p.start()
         self.calls = 0
+        try:
+            self._collect(0, _READY, STARTUP_TIMEOUT, "start and join the process group")
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    def _collect(self, call_id: int, status: str, timeout: float, what: str) -> dict:
+        """Payloads by rank of the ``status`` messages of call ``call_id``, one per rank. Raises if a rank
+        failed, died, or sent nothing for ``timeout`` seconds."""
+        collected, failures = {}, []
+        last_message = time.monotonic()
+        while len(collected) + len(failures) < self.world_size:
+            try:
+                message_id, rank, message_status, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+                waited = time.monotonic() - last_message
+                if dead or waited > timeout:
+                    raise TimeoutError(
+                        f"{self.world_size} ranks did not {what} ({waited:.0f}s without a message, limit "
+                        f"{timeout:.0f}s); ranks done: {sorted(collected)}, ranks exited: {dead}") from None
+                continue
+            last_message = time.monotonic()
+            if message_id != call_id:
+                continue
+            if message_status == _FAILED:
+                failures.append(f"--- rank {rank} ---\n{value}")
+            elif message_status == status:
+                collected[rank] = value
+        if failures:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
+        return collected
 
     def run(self, fn, args, timeout):
         self.calls += 1
+        payload = pickle.dumps((fn, args))
         for q in self.tasks:
-            q.put((self.calls, fn, args))
-        collected, failures = {}, []
-        while len(collected) + len(failures) < self.world_size:
-            try:
-                call_id, rank, ok, value = self.results.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"distributed run of {fn.__name__} on {self.world_size} ranks produced no result for "
-                    f"{timeout}s; ranks finished: {sorted(collected)}"
-                ) from None
-            if call_id != self.calls:
-                continue
-            if ok:
-                collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                failures.append(f"--- rank {rank} ---\n{value}")
-        if failures:
-            raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
-        return [collected[r] for r in range(self.world_size)]
+            q.put((self.calls, payload))
+        self._collect(self.calls, _LOADED, LOAD_TIMEOUT, f"load {fn.__name__}")
+        for q in self.tasks:
+            q.put((self.calls, _GO))
+        collected = self._collect(self.calls, _DONE, timeout, f"finish {fn.__name__}")
+        return [torch.load(io.BytesIO(collected[r]), weights_only=False) for r in range(self.world_size)]
 
     def close(self, graceful: bool) -> None:
         if graceful:
@@ -102,6 +145,8 @@ class _Pool:
             p.join(timeout=5 if graceful else 0.1)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _pools: dict[tuple[int, str, float], _Pool] = {}
@@ -116,13 +161,19 @@ def _close_pools() -> None:
 
 def run_on_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 180.0,
                  collective_timeout: float = 60.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    ``timeout``: seconds the call may go without a rank finishing; ``collective_timeout``: seconds a
+    collective of the process group waits.
+    """
     key = (world_size, backend, collective_timeout)
-    if key not in _pools:
-        _pools[key] = _Pool(world_size, backend, collective_timeout)
     try:
+        if key not in _pools:
+            _pools[key] = _Pool(world_size, backend, collective_timeout)
         return _pools[key].run(fn, args, timeout)
     except BaseException:
         # a failed rank may have left its peers inside a collective: retire the whole pool
-        _pools.pop(key).close(graceful=False)
+        pool = _pools.pop(key, None)
+        if pool is not None:
+            pool.close(graceful=False)
         raise
