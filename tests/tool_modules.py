@@ -1,30 +1,27 @@
-"""The command-line modules of ``tools/``, for tests that run a tool's ``main`` (or other command-line code) in-process.
+"""The modules of ``tools/``, for tests that run a tool's code in-process.
 
-``tools/`` is a folder of scripts, not a package, and is not put on ``sys.path`` here: :func:`load_tool` loads
-``tools/<name>.py`` from its file, once, and keeps it in ``sys.modules`` under ``name``. Library code is
-imported from ``megatron_mtraining`` as usual.
+``tools/`` is a folder of scripts, not a package. A script run as ``python tools/<name>.py`` has ``tools/``
+first on ``sys.path``, so tools import their siblings by bare name (``from structured_qk import ...``).
+This module gives tests the same ``sys.path``, and is the one place in the tests that changes it for
+``tools/``: :func:`load_tool` imports ``tools/<name>.py`` as the module ``name``. Library code is imported
+from ``megatron_mtraining`` as usual.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
 
 
 def load_tool(name: str) -> ModuleType:
-    """The module of ``tools/<name>.py`` (the one already loaded under ``name``, if any)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
+    """The module of ``tools/<name>.py``; raises if ``name`` resolves to another module of that name."""
+    module = importlib.import_module(name)
+    if Path(module.__file__).resolve() != TOOLS / f"{name}.py":
+        raise ImportError(f"module {name!r} is {module.__file__}, not tools/{name}.py")
     return module
