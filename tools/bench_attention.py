@@ -48,8 +48,7 @@ from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.layout import BLOCK_SIZE
 from mtraining_kernels.reference import full_index, slash_block_hits
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from structured_qk import structured_qk  # noqa: E402
+from structured_qk import structured_qk
 
 SHAPES = {"qwen2.5-3b": (16, 2, 128), "mha": (16, 16, 128)}   # (Hq, Hkv, d)
 SINKS, WINDOW = 30, 100

@@ -22,19 +22,16 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
-import sys
 from pathlib import Path
 from unittest import mock
 
 import torch
 from torch.nn.attention import SDPBackend
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import SHAPES, budget_pattern, git_commit, mask_density, measure, time_sdpa  # noqa: E402
+from mtraining_kernels import Layout, convert_index, sparse_attention, triton_backend
+from mtraining_kernels.reference import full_index
 
-from mtraining_kernels import Layout, convert_index, sparse_attention, triton_backend  # noqa: E402
-from mtraining_kernels.reference import full_index  # noqa: E402
+from bench_attention import SHAPES, budget_pattern, git_commit, mask_density, measure, time_sdpa
 
 FORWARD_CANDIDATES = tuple({"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3, 4))
 BACKWARD_CANDIDATES = tuple({"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (1, 2, 3))

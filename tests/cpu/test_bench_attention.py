@@ -2,13 +2,12 @@
 rebuilds the table and plot from the latest run of an appended JSONL, and the plot has one panel per shape."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_attention  # noqa: E402
+from tool_modules import load_tool
+
+bench_attention = load_tool("bench_attention")
 
 pytest.importorskip("matplotlib")
 

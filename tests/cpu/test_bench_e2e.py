@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from tool_modules import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO / "examples"))
-import bench_e2e as bench  # noqa: E402
+bench = load_tool("bench_e2e")
 
 # a tiny shape whose FLOPs are counted by hand below
 TINY = bench.ModelShape("tiny", num_layers=3, hidden=4, ffn=8, heads=2, kv_heads=1, head_dim=2, vocab=10)

@@ -31,10 +31,12 @@ import numpy
 import pytest
 import torch
 
+from tool_modules import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-import preprocess_data  # noqa: E402
-from preprocess_data import DocumentTokenizer, TokenizerSource, preprocess  # noqa: E402
+preprocess_data = load_tool("preprocess_data")
+DocumentTokenizer, TokenizerSource = preprocess_data.DocumentTokenizer, preprocess_data.TokenizerSource
+preprocess = preprocess_data.preprocess
 
 # Bundled training text for the tokenizers (written for these tests).
 CORPUS = """\

@@ -2,18 +2,19 @@
 top-P estimator finds a sparse pattern on them where random q/k give a dense one."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-from bench_attention import mask_density  # noqa: E402
-from structured_qk import HUB_EVERY, HUB_LOGIT, SINK_LOGIT, SINKS, structured_qk  # noqa: E402
+from megatron_mtraining.budget import TopPBudget
+from megatron_mtraining.pattern import estimate_vertical_slash
+from tool_modules import load_tool
 
-from megatron_mtraining.budget import TopPBudget  # noqa: E402
-from megatron_mtraining.pattern import estimate_vertical_slash  # noqa: E402
+mask_density = load_tool("bench_attention").mask_density
+structured_qk_tool = load_tool("structured_qk")
+structured_qk = structured_qk_tool.structured_qk
+HUB_EVERY, HUB_LOGIT = structured_qk_tool.HUB_EVERY, structured_qk_tool.HUB_LOGIT
+SINK_LOGIT, SINKS = structured_qk_tool.SINK_LOGIT, structured_qk_tool.SINKS
 
 
 def draw(seed, seq_len=8192, q_heads=4, kv_heads=2, dim=128):

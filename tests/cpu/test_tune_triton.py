@@ -1,16 +1,14 @@
 """tools/tune_triton.py without a GPU: the config patching, the correctness comparison, the candidates."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import tune_triton  # noqa: E402
 
 from mtraining_kernels import triton_backend  # noqa: E402
+from tool_modules import load_tool  # noqa: E402
+
+tune_triton = load_tool("tune_triton")
 
 
 @pytest.mark.parametrize("dim", [64, 128])

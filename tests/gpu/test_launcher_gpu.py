@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tool_modules import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO / "examples"))
 
 pytestmark = [
@@ -52,7 +53,7 @@ def launch(out_dir: Path, flags: list[str], extra_env: dict[str, str] | None = N
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, f"launcher failed ({done.returncode}):\n{' '.join(command)}\n{done.stdout[-6000:]}"
-    from train_probe import read_records
+    read_records = load_tool("train_probe").read_records
 
     return {rank: read_records(out_dir, rank) for rank in (0, 1)}, done.stdout
 
