@@ -5,17 +5,17 @@
 For each (N, layout, pattern) it times forward+backward of ``ring_attention`` (median of CUDA-event
 timings, fresh random inputs per repeat, after warm-up), and the same per-step kernel launches with
 no communication ("compute"); exposed communication is ring time minus the slowest rank's compute.
-The sparse pattern is ``balance.realistic_pattern`` with as many far slashes/verticals as reach the
+The sparse pattern is ``realistic_pattern`` with as many far slashes/verticals as reach the
 requested density; the dense ring is the full causal pattern through the same ring and kernels.
 With ``--sdpa-max-len`` it also times the honest dense baseline: the zigzag dense ring on torch's SDPA
 kernels (``megatron_mtraining.dense_ring``, cuDNN unless ``--sdpa-impl flash``), as pattern ``sdpa_cudnn``
 (or ``sdpa_flash``); its "compute" is the same per-step SDPA calls and merges with no communication.
 With ``--inner-size L`` the sparse ring is hierarchical (inner rings of L ranks, an outer ring over them).
-``--emulate-node-size`` is a benchmark-only emulation (``megatron_mtraining/slow_link.py``): ranks form
-nodes of that many consecutive ranks (a hierarchical ring's nodes are its inner rings) and every transfer
+``--emulate-node-size`` is a benchmark-only emulation (``slow_link.py``): ranks form nodes of that many
+consecutive ranks (a hierarchical ring's nodes are its inner rings) and every transfer
 between nodes is ``--outer-slowdown`` times slower than the intra-node bandwidth measured at the start;
 rows then carry ``emulated_node_size``, ``outer_slowdown``, ``inner_gbps`` and ``model_fwd_bwd_ms``, the analytic
-model's time (``megatron_mtraining/ring_model.py``) from the measured compute and bandwidth.
+model's time (``ring_model.py``) from the measured compute and bandwidth.
 Rank 0 prints a table and appends one JSON object per configuration to ``--jsonl``.
 """
 
@@ -31,18 +31,20 @@ import subprocess
 import torch
 import torch.distributed as dist
 
-from megatron_mtraining.balance import balance_report, realistic_pattern
+from megatron_mtraining.balance import balance_report
 from megatron_mtraining.dense_ring import dense_ring_attention, merge_step, zigzag_step
 from megatron_mtraining.ring import ring_attention
 from megatron_mtraining.ring_comm import RingExchange
 from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
-from megatron_mtraining.ring_model import CellCosts, flat_ring, hierarchical_ring, hop_bytes
-from megatron_mtraining.slow_link import SlowLink, SlowLinkRingGroups
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.interface import get_backend
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.reference import full_index, slash_block_hits
 from mtraining_kernels.sdpa_backend import IMPLS, attention_backward, attention_forward
+
+from realistic_pattern import realistic_pattern
+from ring_model import CellCosts, flat_ring, hierarchical_ring, hop_bytes
+from slow_link import SlowLink, SlowLinkRingGroups
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""Evaluate the analytic ring model (megatron_mtraining/ring_model.py): flat vs hierarchical sparse ring.
+"""Evaluate the analytic ring model (tools/ring_model.py): flat vs hierarchical sparse ring.
 
 For each N and each way to write W = O·L (O nodes of L GPUs), one attention layer's forward + backward
 time on the flat ring (paced by its inter-node hops) and on the hierarchical ring, from a measured
@@ -14,11 +14,8 @@ gradient wire. Prints a markdown table; "saving" is the hierarchical ring's time
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatron_mtraining.ring_model import attention_cell_costs, flat_ring, hierarchical_ring  # noqa: E402
+from ring_model import attention_cell_costs, flat_ring, hierarchical_ring
 
 
 def factorizations(world: int) -> list[tuple[int, int]]:

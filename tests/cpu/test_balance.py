@@ -1,20 +1,17 @@
 """Balance diagnostics (DESIGN.md §2.3): analytic counts == conversion counts, metrics, acceptance."""
 
-import os
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
 
-from megatron_mtraining.balance import (BAR_COST, balance_report, by_step, realistic_pattern,
-                                        source_work)
+from megatron_mtraining.balance import BAR_COST, balance_report, by_step, source_work
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.reference import full_index
+from test_index import conversion_cases, random_index
+from tool_modules import load_tool
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_index import conversion_cases, random_index  # noqa: E402
+realistic_pattern = load_tool("realistic_pattern").realistic_pattern
 
 
 @settings(max_examples=80, deadline=None)

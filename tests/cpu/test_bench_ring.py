@@ -1,13 +1,12 @@
 """tools/bench_ring.py's model column: the analytic ring time it prints next to an emulated measurement."""
 
-import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_ring  # noqa: E402
+from tool_modules import load_tool
+
+bench_ring = load_tool("bench_ring")
 
 ARGS = Namespace(heads=16, kv_heads=2, head_dim=128)
 

@@ -1,11 +1,15 @@
-"""The analytic ring model (megatron_mtraining/ring_model.py): its limits, its consistency between the flat
+"""The analytic ring model (tools/ring_model.py): its limits, its consistency between the flat
 and the hierarchical formulas, and DESIGN.md §2.4's worked example."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_mtraining.ring_model import CellCosts, attention_cell_costs, flat_ring, hierarchical_ring
+from tool_modules import load_tool
+
+ring_model = load_tool("ring_model")
+CellCosts, attention_cell_costs = ring_model.CellCosts, ring_model.attention_cell_costs
+flat_ring, hierarchical_ring = ring_model.flat_ring, ring_model.hierarchical_ring
 
 positive = st.floats(min_value=1e-6, max_value=1.0)
 
@@ -66,11 +70,7 @@ def test_model_tool_table(capsys):
     """tools/model_ring.py: every inner x outer split of each W, and the regimes the model predicts with the
     measured H200 defaults and a 10x slower inter-node link: a link-bound flat ring (N/W = 16K) loses to the
     hierarchy by more than 40 %, a compute-bound one (N/W = 128K) does not."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import model_ring
+    model_ring = load_tool("model_ring")
 
     rows = model_ring.main(["--worlds", "4", "8", "--seq-lens", "131072", "1048576"])
     assert [(r["world"], r["inner"], r["outer"]) for r in rows if r["seq_len"] == 131072] == [(4, 2, 2), (8, 2, 4),

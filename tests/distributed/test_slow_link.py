@@ -11,10 +11,13 @@ import torch.distributed as dist
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
 from patterns import random_index
+from tool_modules import load_tool
+
+slow_link = load_tool("slow_link")
 
 
 def _delay_rank(rank, world_size, node_size, delay_s):
-    from megatron_mtraining.slow_link import SlowLink, SlowLinkExchange
+    SlowLink, SlowLinkExchange = slow_link.SlowLink, slow_link.SlowLinkExchange
 
     tensor = torch.full((4096,), float(rank))
     nbytes = tensor.numel() * tensor.element_size()
@@ -41,7 +44,7 @@ def test_only_transfers_across_nodes_wait_for_the_delay(distributed, world, node
 def _ring_rank(rank, world_size, inner, node_size, seed):
     from megatron_mtraining.ring import ring_attention
     from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
-    from megatron_mtraining.slow_link import SlowLink, SlowLinkRingGroups
+    SlowLink, SlowLinkRingGroups = slow_link.SlowLink, slow_link.SlowLinkRingGroups
 
     plain = RingGroups.flat(dist.group.WORLD) if inner == world_size else build_hierarchical_groups(inner_size=inner)
     slow = SlowLinkRingGroups.wrap(plain, SlowLink(node_size=node_size, slowdown=20.0, inner_bytes_per_s=1e9))
@@ -74,7 +77,7 @@ def test_emulation_changes_no_result(distributed, seed, world, inner, node_size)
 
 
 def test_wrap_and_link_reject_bad_settings():
-    from megatron_mtraining.slow_link import SlowLink
+    SlowLink = slow_link.SlowLink
 
     for kwargs, message in (({"node_size": 0, "slowdown": 2.0, "inner_bytes_per_s": 1.0}, "node_size=0"),
                             ({"node_size": 2, "slowdown": 0.5, "inner_bytes_per_s": 1.0}, "slowdown=0.5"),
@@ -88,7 +91,7 @@ def test_wrap_and_link_reject_bad_settings():
 
 def _wrap_errors_rank(rank, world_size):
     from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
-    from megatron_mtraining.slow_link import SlowLink, SlowLinkRingGroups
+    SlowLink, SlowLinkRingGroups = slow_link.SlowLink, slow_link.SlowLinkRingGroups
 
     errors = []
     for groups, node_size in ((build_hierarchical_groups(inner_size=2), 4), (RingGroups.flat(dist.group.WORLD), 3)):

@@ -8,7 +8,10 @@ import torch.distributed as dist
 from harness import run_on_ranks
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
+from tool_modules import load_tool
 from triton_cases import assert_close_fa, make_index, make_qkv_dout, reference_attention
+
+slow_link = load_tool("slow_link")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,7 +88,8 @@ def _emulated_ring_on_gpus(rank, world_size, seed, inner, node_size, delay_s):
     """(plain vs emulated-slow-link outputs equal?, this rank's delayed?, ms of one delayed exchange)."""
     from megatron_mtraining.ring import ring_attention
     from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
-    from megatron_mtraining.slow_link import SlowLink, SlowLinkExchange, SlowLinkRingGroups
+    SlowLink, SlowLinkExchange = slow_link.SlowLink, slow_link.SlowLinkExchange
+    SlowLinkRingGroups = slow_link.SlowLinkRingGroups
 
     device = torch.device("cuda", rank)
     plain = RingGroups.flat(dist.group.WORLD) if inner == world_size else build_hierarchical_groups(inner_size=inner)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .ring_comm import RingExchange
-from .ring_groups import RingGroups
+from megatron_mtraining.ring_comm import RingExchange
+from megatron_mtraining.ring_groups import RingGroups
 
 
 @dataclass(frozen=True)
