@@ -1,4 +1,4 @@
-"""The benchmark's slow-link emulation (megatron_mtraining/slow_link.py) on gloo CPU ranks, 4 and 8 processes:
+"""The benchmark's slow-link emulation (tools/slow_link.py) on gloo CPU ranks, 4 and 8 processes:
 it delays exactly the transfers that cross an emulated node boundary, by at least the modelled delay,
 and changes no result of the flat or hierarchical ring."""
 
