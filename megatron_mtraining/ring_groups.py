@@ -49,7 +49,7 @@ class RingGroups:
 
     def exchange(self, group: dist.ProcessGroup, tag: int = 0) -> RingExchange:
         """The ring exchange over ``group`` (``inner``, ``outer`` or ``cp``) that the rings use; a subclass may
-        model its links (``slow_link.SlowLinkRingGroups``)."""
+        model its links (the benchmark tools' ``SlowLinkRingGroups``, tools/slow_link.py)."""
         return RingExchange(group, tag)
 
     def source_of(self, outer_step: int, inner_step: int) -> int:
