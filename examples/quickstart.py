@@ -9,7 +9,7 @@
   instead, around the same pieces: the same flags parsed and validated by Megatron and
   ``megatron_mtraining.arguments``, the same ``GPTModel`` built by the launcher's model config
   (MTraining layer spec, layout RoPE), Megatron's ``MockGPTDataset`` split into the striped layout by
-  ``select_layout_positions``, and the same metrics. Kernels: ``torch_blocksparse``; about a minute on 2 cores.
+  ``select_layout_positions``, and the same metrics. Kernels: ``--mtraining-backend torch``; about a minute on 2 cores.
 
 The output says first what runs (the model, sequence, CP layout and budget) and how to read density and
 imbalance, then one line per step (loss, density, worker/step imbalance, time) and a closing summary
@@ -62,9 +62,9 @@ TINY_QWEN2 = [
 # without Transformer Engine, Megatron's local layers and no TE/Apex fusions
 LOCAL_IMPL_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion",
                     "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
-GPU_FLAGS = ["--bf16", "--mtraining-kernel", "triton", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+GPU_FLAGS = ["--bf16", "--mtraining-backend", "triton", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
              *([] if importlib.util.find_spec("transformer_engine") else LOCAL_IMPL_FLAGS)]
-CPU_FLAGS = ["--mtraining-kernel", "torch_blocksparse", "--use-cpu-initialization", *LOCAL_IMPL_FLAGS]
+CPU_FLAGS = ["--mtraining-backend", "torch", "--use-cpu-initialization", *LOCAL_IMPL_FLAGS]
 
 # Megatron warns on import that these optional libraries are absent; the demo runs without them on purpose
 ABSENT_LIBRARY_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",

@@ -259,7 +259,7 @@ TRAINING_ARGS=(
 )
 MTRAINING_ARGS=(
   --mtraining-layout striped "${BUDGET_ARGS[@]}"
-  --mtraining-kernel triton --mtraining-loss-chunk-size "$LOSS_CHUNK_SIZE" --mtraining-stats-interval 10
+  --mtraining-backend triton --mtraining-loss-chunk-size "$LOSS_CHUNK_SIZE" --mtraining-stats-interval 10
   "${MTRAINING_RING_ARGS[@]}"
 )
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"

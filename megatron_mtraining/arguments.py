@@ -7,8 +7,9 @@ Use with Megatron's own parsing (DESIGN.md §3)::
 
 There is one flag per :class:`~megatron_mtraining.config.MTrainingConfig` field (``top_p`` is
 ``--mtraining-top-p``) with the config's defaults, plus the launcher's ``--mtraining-loss-chunk-size``
-and ``--mtraining-check``. The config validates the MTraining settings; :func:`validate_mtraining_args`
-adds the checks that involve Megatron's own flags (``--spec``, ``--cp-comm-type``, packed sequences,
+and ``--mtraining-check``; the former ``--mtraining-kernel`` is refused with the flags that replace
+its value (``KERNEL_FLAG_REPLACEMENTS``). The config validates the MTraining settings;
+:func:`validate_mtraining_args` adds the checks that involve Megatron's own flags (``--spec``, ``--cp-comm-type``, packed sequences,
 dropout, MTP, RoPE type). Every rejection is a ``ValueError`` naming the flag and the fix, raised before any work.
 """
 
@@ -19,10 +20,18 @@ import dataclasses
 
 from mtraining_kernels.layout import LAYOUT_KINDS
 
-from .config import BUDGET_MODES, GRAD_WIRE_DTYPES, KERNELS, RINGS, MTrainingConfig, flag
+from .config import BUDGET_MODES, DENSE_IMPLS, FLAG_BACKENDS, GRAD_WIRE_DTYPES, RINGS, MTrainingConfig, flag
 
 LOSS_CHUNK_SIZE_FLAG = "--mtraining-loss-chunk-size"
 CHECK_FLAG = "--mtraining-check"
+REMOVED_KERNEL_FLAG = "--mtraining-kernel"
+KERNEL_FLAG_REPLACEMENTS = {   # old --mtraining-kernel value → the flags that select the same kernels
+    "triton": f"{flag('backend')} triton",
+    "torch_blocksparse": f"{flag('backend')} torch",
+    "sdpa_cudnn": f"{flag('dense_impl')} sdpa_cudnn (with {flag('dense')})",
+    "sdpa_flash": f"{flag('dense_impl')} sdpa_flash (with {flag('dense')})",
+    "reference": "nothing (the plain-autograd test oracle is MTrainingConfig(backend='reference') in Python)",
+}
 MTRAINING_SPEC = ("megatron_mtraining.spec", "get_gpt_layer_mtraining_spec")
 RING_CP_COMM_TYPES = ("p2p", "a2a+p2p")
 
@@ -38,6 +47,18 @@ def _layer_numbers(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of 1-based layer numbers, "
                                          "e.g. 1,2") from None
+
+
+class _RemovedKernelFlag(argparse.Action):
+    """``--mtraining-kernel``: refused with the flags that replace the given value."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        mapping = "; ".join(f"{old} → {new}" for old, new in KERNEL_FLAG_REPLACEMENTS.items())
+        replace = (f"replace {REMOVED_KERNEL_FLAG} {value} with {KERNEL_FLAG_REPLACEMENTS[value]}; "
+                   if value in KERNEL_FLAG_REPLACEMENTS else "")
+        raise argparse.ArgumentError(self, f"removed: split into {flag('backend')} (the block-sparse kernels) and "
+                                           f"{flag('dense_impl')} (how {flag('dense')} layers run); {replace}"
+                                           f"old values: {mapping}")
 
 
 def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,17 +94,21 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="leading key columns always selected")
     group.add_argument(flag("local_window"), type=int, default=_default("local_window"),
                        help="diagonal offsets 0 … W-1 always selected")
-    group.add_argument(flag("kernel"), choices=KERNELS, default=_default("kernel"),
-                       help="attention kernels: triton (GPU), torch_blocksparse (any device), reference (tests); "
-                            "sdpa_cudnn / sdpa_flash: the dense baseline on torch's cuDNN / flash SDPA kernels (with "
-                            "--mtraining-dense; with CP > 1 also --mtraining-layout zigzag and the flat ring)")
+    group.add_argument(flag("backend"), choices=FLAG_BACKENDS, default=_default("backend"),
+                       help="block-sparse attention kernels: triton (CUDA GPUs, the default) or torch (PyTorch, any "
+                            "device; pass it on CPU)")
+    group.add_argument(REMOVED_KERNEL_FLAG, nargs="?", action=_RemovedKernelFlag, default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
     group.add_argument(flag("deterministic"), action="store_true",
                        help="bitwise-reproducible backward (also implied by --deterministic-mode)")
     group.add_argument(flag("grad_wire_dtype"), choices=GRAD_WIRE_DTYPES, default=_default("grad_wire_dtype"),
                        help="dtype of the dK/dV partials sent around the ring")
     group.add_argument(flag("dense"), action="store_true",
-                       help="compute every layer with the full causal pattern through the same ring (the dense "
-                            "baseline; with --mtraining-kernel sdpa_cudnn on torch's cuDNN SDPA kernels instead)")
+                       help="compute every layer with the full causal pattern (the dense baseline)")
+    group.add_argument(flag("dense_impl"), choices=DENSE_IMPLS, default=_default("dense_impl"),
+                       help="how --mtraining-dense layers run: mtraining (the --mtraining-backend kernels through the "
+                            "same ring as sparse layers) or sdpa_cudnn / sdpa_flash (torch's cuDNN / flash SDPA "
+                            "kernels; with CP > 1 the zigzag dense ring: --mtraining-layout zigzag, flat ring)")
     group.add_argument(flag("dense_layers"), type=_layer_numbers, default=_default("dense_layers"),
                        help="comma-separated 1-based layer numbers computed densely, e.g. 1,2")
     group.add_argument(flag("ring"), choices=RINGS, default=_default("ring"),

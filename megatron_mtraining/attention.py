@@ -12,7 +12,7 @@ call the module
 3. runs the single-device kernels (CP = 1) or the flat/hierarchical sparse ring over
    ``pg_collection.cp`` (CP > 1).
 
-With an SDPA kernel (``sdpa_cudnn``/``sdpa_flash``, the dense baseline) it builds no index and runs
+With an SDPA ``dense_impl`` (``sdpa_cudnn``/``sdpa_flash``, the dense baseline) it builds no index and runs
 torch's SDPA kernels: one dense causal call (CP = 1) or the zigzag dense ring (``dense_ring``, CP > 1).
 
 It has no parameters, so checkpoints are the same as a dense Megatron model's.
@@ -40,7 +40,7 @@ from mtraining_kernels.reference import (full_index, reference_sparse_attention,
 from . import pattern
 from .balance import BalanceReport, balance_report
 from .budget import LayerBudget
-from .config import MTrainingConfig, flag
+from .config import REFERENCE_BACKEND, MTrainingConfig, flag
 from .dense_ring import dense_ring_attention
 from .index_cache import ForwardKind, IndexCache, IndexKey, forward_kind, probe_checksum
 from .ring import ring_attention
@@ -108,7 +108,7 @@ class AttentionStats:
 
     The numbers are computed when read (``density``, ``estimation_seconds`` and ``balance()`` may
     synchronise with the GPU), so recording them costs nothing on steps that do not log. Layers on an
-    SDPA kernel have no index (``v_idx``/``s_idx`` None): density 1.0 and the full pattern's balance.
+    SDPA dense_impl have no index (``v_idx``/``s_idx`` None): density 1.0 and the full pattern's balance.
     """
 
     layer_number: int
@@ -216,11 +216,8 @@ class MTrainingAttention(MegatronModule):
         self.tp_size, self.tp_rank = get_pg_size(pg_collection.tp), get_pg_rank(pg_collection.tp)
         self.layout = self.mtraining.layout_for(self.cp_size)
         self.ring_groups = self._ring_groups(pg_collection.hcp, cp_comm_type) if self.cp_size > 1 else None
-        if self.mtraining.kernel == "reference" and self.cp_size > 1:
-            raise ValueError(f"{flag('kernel')}=reference runs on one device only, but the CP size is "
-                             f"{self.cp_size}; use {flag('kernel')} triton or torch_blocksparse")
-        self.mtraining.check_sdpa_parallelism(self.cp_size, hierarchical=self.ring_groups is not None
-                                              and self.ring_groups.outer is not None)
+        self.mtraining.check_parallelism(self.cp_size, hierarchical=self.ring_groups is not None
+                                         and self.ring_groups.outer is not None)
         self._budgets: dict[int, LayerBudget] = {}
 
     def _ring_groups(self, hcp, cp_comm_type) -> RingGroups:
@@ -273,16 +270,16 @@ class MTrainingAttention(MegatronModule):
         """(out ``[b, s, heads, d]``, lse) through the ring (CP > 1) or the single-device kernels."""
         mt = self.mtraining
         if self.cp_size > 1:
-            return ring_attention(q, k, v, index.block_bar, self.ring_groups, backend=mt.kernel,
+            return ring_attention(q, k, v, index.block_bar, self.ring_groups, backend=mt.block_sparse_backend,
                                   softmax_scale=self.softmax_scale, deterministic=mt.deterministic,
                                   grad_wire_dtype=mt.grad_wire_dtype, return_lse=True, replay_output=replay_output)
-        if mt.kernel == "reference":                    # plain autograd (keep_attention_output is refused)
+        if mt.backend == REFERENCE_BACKEND:             # plain autograd (keep_attention_output is refused)
             mask = vertical_slash_mask(index.v_idx, index.s_idx, seq_len)
             out, lse = reference_sparse_attention(q, k, v, mask, softmax_scale=self.softmax_scale)
             return out.to(q.dtype), lse
         return sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), index.block_bar,
-                                softmax_scale=self.softmax_scale, backend=mt.kernel, deterministic=mt.deterministic,
-                                return_lse=True, replay_output=replay_output)
+                                softmax_scale=self.softmax_scale, backend=mt.block_sparse_backend,
+                                deterministic=mt.deterministic, return_lse=True, replay_output=replay_output)
 
     def _check_call(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
         if attention_mask is not None:

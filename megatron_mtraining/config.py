@@ -20,8 +20,12 @@ from .budget import DEFAULT_CAP, BudgetTable, StaticBudget
 
 MAX_LAST_Q = 64  # one estimation tile of query rows; equals pattern.MAX_LAST_Q (config sits below pattern)
 BUDGET_MODES = ("top-p", "static")
-SDPA_KERNELS = {"sdpa_cudnn": "cudnn", "sdpa_flash": "flash"}   # kernel → mtraining_kernels.sdpa_backend impl
-KERNELS = ("triton", "torch_blocksparse", "reference", *SDPA_KERNELS)
+FLAG_BACKENDS = ("triton", "torch")                 # --mtraining-backend choices
+REFERENCE_BACKEND = "reference"                     # the plain-autograd test oracle, Python API only
+BACKENDS = (*FLAG_BACKENDS, REFERENCE_BACKEND)
+BLOCK_SPARSE_BACKENDS = {"triton": "triton", "torch": "torch_blocksparse"}   # backend → mtraining_kernels name
+SDPA_IMPLS = {"sdpa_cudnn": "cudnn", "sdpa_flash": "flash"}   # dense_impl → mtraining_kernels.sdpa_backend impl
+DENSE_IMPLS = ("mtraining", *SDPA_IMPLS)
 GRAD_WIRE_DTYPES = ("fp32", "bf16")
 RINGS = ("flat", "hierarchical")
 DEFAULT_TOP_P = 0.9
@@ -48,10 +52,13 @@ class MTrainingConfig:
     ``budget="static"`` takes exactly one of the pair ``vertical_size``/``slash_size``, a target
     ``sparsity`` (converted to a uniform pair per sequence length) or a per-(layer, head)
     ``pattern_file`` (JSON ``{layer: {head: [v, s]}}``, 0-based layers, global heads).
-    ``dense_layers`` are 1-based global layer numbers computed with the full pattern through the same
-    ring; ``dense=True`` does that for every layer (the dense baseline). ``kernel`` ``sdpa_cudnn`` /
-    ``sdpa_flash`` is the dense baseline on torch's SDPA kernels instead (no index; needs ``dense=True``,
-    and with CP > 1 the zigzag layout and the flat ring). ``keep_attention_output`` keeps each layer's
+    ``backend`` picks the block-sparse kernels: ``triton`` (CUDA GPUs, the default, as the launch
+    scripts run) or ``torch`` (PyTorch, any device; CPU runs pass it); ``reference`` is the plain-autograd
+    test oracle (one device, Python only, no flag). ``dense_layers`` are 1-based global layer numbers
+    computed with the full pattern through the same ring; ``dense=True`` does that for every layer (the
+    dense baseline), and ``dense_impl`` says how those layers run: ``mtraining`` (the ``backend`` kernels
+    through the same ring) or ``sdpa_cudnn`` / ``sdpa_flash`` (torch's SDPA kernels, no index; with CP > 1
+    the zigzag dense ring: zigzag layout, flat ring). ``keep_attention_output`` keeps each layer's
     attention output and lse from the first forward of a full activation recomputation, so that the
     recomputation skips the attention forward (costs N_loc·Hq·d activations per layer and rank).
     """
@@ -68,10 +75,11 @@ class MTrainingConfig:
     last_q: int = MAX_LAST_Q
     sink_tokens: int = 30
     local_window: int = 100
-    kernel: str = "triton"
+    backend: str = "triton"
     deterministic: bool = False
     grad_wire_dtype: str = "fp32"
     dense: bool = False
+    dense_impl: str = "mtraining"
     dense_layers: tuple[int, ...] = ()
     ring: str = "flat"
     inner_ring_size: int | None = None
@@ -85,17 +93,19 @@ class MTrainingConfig:
         self._check_numbers()
         self._check_budget_settings()
         self._check_dense_layers()
-        self._check_sdpa_settings()
-        if self.keep_attention_output and self.kernel == "reference":
+        self._check_dense_impl()
+        if self.keep_attention_output and self.backend == REFERENCE_BACKEND:
             raise ValueError(f"{flag('keep_attention_output')} needs a kernel with a separate backward; "
-                             f"{flag('kernel')}=reference is plain autograd; use triton or torch_blocksparse")
+                             f"backend='reference' (the test oracle) is plain autograd; use {flag('backend')} "
+                             "triton or torch")
         if self.inner_ring_size is not None and self.ring != "hierarchical":
             raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size} only applies to the hierarchical "
                              f"ring, but {flag('ring')}={self.ring}; add {flag('ring')} hierarchical or drop it")
 
     # ------------------------------------------------------------------ settings-only checks
     def _check_choices(self) -> None:
-        for name, choices in (("layout", LAYOUT_KINDS), ("budget", BUDGET_MODES), ("kernel", KERNELS),
+        for name, choices in (("layout", LAYOUT_KINDS), ("budget", BUDGET_MODES), ("backend", BACKENDS),
+                              ("dense_impl", DENSE_IMPLS),
                               ("grad_wire_dtype", GRAD_WIRE_DTYPES), ("ring", RINGS)):
             value = getattr(self, name)
             if value not in choices:
@@ -182,27 +192,28 @@ class MTrainingConfig:
             raise ValueError(f"{flag('dense')} already computes every layer densely; drop "
                              f"{flag('dense_layers')}={','.join(map(str, layers))}")
 
-    def _check_sdpa_settings(self) -> None:
-        if self.sdpa_impl is None:
+    def _check_dense_impl(self) -> None:
+        if self.dense_impl == "mtraining":
             return
-        if self.dense_layers:
-            raise ValueError(f"{flag('kernel')}={self.kernel} computes every layer densely and builds no index, so "
-                             f"it cannot run the sparse layers that {flag('dense_layers')}="
-                             f"{','.join(map(str, self.dense_layers))} leaves; use {flag('dense')} instead, or "
-                             f"{flag('kernel')} triton for the mix")
         if not self.dense:
-            raise ValueError(f"{flag('kernel')}={self.kernel} is the dense baseline on torch's SDPA kernels; add "
-                             f"{flag('dense')}, or use {flag('kernel')} triton for sparse attention")
+            raise ValueError(f"{flag('dense_impl')}={self.dense_impl} sets how {flag('dense')} runs its layers, but "
+                             f"{flag('dense')} is not set; add {flag('dense')}, or drop {flag('dense_impl')} for "
+                             "sparse attention")
         if self.deterministic:
-            raise ValueError(f"{flag('kernel')}={self.kernel} cannot promise a bitwise-reproducible backward "
+            raise ValueError(f"{flag('dense_impl')}={self.dense_impl} cannot promise a bitwise-reproducible backward "
                              f"({flag('deterministic')}, also implied by --deterministic-mode); drop it or use "
-                             f"{flag('kernel')} triton")
+                             f"{flag('dense_impl')} mtraining")
 
     # ------------------------------------------------------------------ derived settings
     @property
     def sdpa_impl(self) -> str | None:
-        """The ``mtraining_kernels.sdpa_backend`` impl of an SDPA kernel (``cudnn``/``flash``), else None."""
-        return SDPA_KERNELS.get(self.kernel)
+        """The ``mtraining_kernels.sdpa_backend`` impl (``cudnn``/``flash``) of an SDPA ``dense_impl``, else None."""
+        return SDPA_IMPLS.get(self.dense_impl)
+
+    @property
+    def block_sparse_backend(self) -> str:
+        """The ``mtraining_kernels`` backend name of ``backend``: ``triton`` or ``torch_blocksparse`` (not reference)."""
+        return BLOCK_SPARSE_BACKENDS[self.backend]
 
     @property
     def effective_top_p(self) -> float:
@@ -253,12 +264,9 @@ class MTrainingConfig:
             raise ValueError(f"{flag('dense_layers')} lists layers {out_of_range} but the model has "
                              f"--num-layers={num_layers}; layer numbers are 1-based, use 1 … {num_layers}")
         self._validate_sequence(seq_length, cp)
-        self.check_sdpa_parallelism(cp, hierarchical=self.ring == "hierarchical"
-                                    or hierarchical_context_parallel_sizes is not None)
+        self.check_parallelism(cp, hierarchical=self.ring == "hierarchical"
+                               or hierarchical_context_parallel_sizes is not None)
         self._validate_ring(cp, hierarchical_context_parallel_sizes)
-        if self.kernel == "reference" and cp > 1:
-            raise ValueError(f"{flag('kernel')}=reference runs on one device only, but --context-parallel-size="
-                             f"{cp}; use {flag('kernel')} triton or torch_blocksparse")
         if not self.dense:
             self.budget_table(num_layers=num_layers, num_heads=num_attention_heads, seq_length=seq_length)
 
@@ -311,17 +319,24 @@ class MTrainingConfig:
             raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size} does not divide "
                              f"--context-parallel-size={cp}; use one of {divisors}")
 
-    def check_sdpa_parallelism(self, context_parallel_size: int, hierarchical: bool) -> None:
-        """With an SDPA kernel and CP > 1, raise ``ValueError`` unless the layout is zigzag and the ring flat."""
-        if self.sdpa_impl is None or context_parallel_size == 1:
+    def check_parallelism(self, context_parallel_size: int, hierarchical: bool) -> None:
+        """Raise ``ValueError`` unless the backend and the dense implementation run at this CP size and ring.
+
+        The reference backend runs on one device; an SDPA ``dense_impl`` with CP > 1 runs the zigzag
+        dense ring, flat only. The attention module calls this with its actual process groups.
+        """
+        cp = context_parallel_size
+        if self.backend == REFERENCE_BACKEND and cp > 1:
+            raise ValueError(f"backend='reference' (the test oracle) runs on one device only, but "
+                             f"--context-parallel-size={cp}; use {flag('backend')} triton or torch")
+        if self.sdpa_impl is None or cp == 1:
             return
         if self.layout != "zigzag":
-            raise ValueError(f"{flag('kernel')}={self.kernel} with --context-parallel-size={context_parallel_size} "
-                             f"runs the zigzag dense ring, but {flag('layout')}={self.layout}; add "
-                             f"{flag('layout')} zigzag")
+            raise ValueError(f"{flag('dense_impl')}={self.dense_impl} with --context-parallel-size={cp} runs the "
+                             f"zigzag dense ring, but {flag('layout')}={self.layout}; add {flag('layout')} zigzag")
         if hierarchical:
-            raise ValueError(f"{flag('kernel')}={self.kernel} runs the flat ring only, but a hierarchical ring was "
-                             f"requested ({flag('ring')}=hierarchical or --hierarchical-context-parallel-sizes); "
+            raise ValueError(f"{flag('dense_impl')}={self.dense_impl} runs the flat ring only, but a hierarchical ring "
+                             f"was requested ({flag('ring')}=hierarchical or --hierarchical-context-parallel-sizes); "
                              f"use {flag('ring')} flat and drop the hierarchical sizes")
 
     def budget_flags(self) -> str:

@@ -3,7 +3,7 @@
 :func:`check_launch_flags` rejects command lines that Megatron would accept and then fail on after
 minutes of start-up (the validation-set size divides ``--train-iters`` by an unset
 ``--eval-interval``; evaluation asked of an empty validation split; a warm-up as long as the run; head
-dims the chosen kernel cannot run; missing checkpoint or data files). :func:`check_resumed_schedule`
+dims the chosen kernels cannot run; missing checkpoint or data files). :func:`check_resumed_schedule`
 runs Megatron's schedule comparison of a resumed run before the model is built. :func:`run_check` is
 ``--mtraining-check``: on any machine (no GPU, no data read) it parses and validates the whole command
 as the launcher would for ``WORLD_SIZE`` ranks, builds the model config, and prints the resolved
@@ -34,20 +34,20 @@ def head_dim(args: argparse.Namespace) -> int:
 
 def _check_head_dim(args: argparse.Namespace, mtraining: MTrainingConfig) -> None:
     dim = head_dim(args)
-    if mtraining.kernel == "triton":
+    if mtraining.sdpa_impl is not None:
+        from mtraining_kernels.sdpa_backend import MAX_HEAD_DIM
+
+        limit = MAX_HEAD_DIM[mtraining.sdpa_impl]
+        if dim % 8 or dim > limit:
+            raise ValueError(f"head dim {dim} is not run by {flag('dense_impl')} {mtraining.dense_impl} (multiples "
+                             f"of 8 up to {limit}); use {flag('dense_impl')} mtraining")
+    elif mtraining.backend == "triton":
         from mtraining_kernels.triton_backend import HEAD_DIMS
 
         if dim not in HEAD_DIMS:
             raise ValueError(f"head dim {dim} (--kv-channels or --hidden-size / --num-attention-heads) is not run by "
-                             f"{flag('kernel')} triton, which supports {', '.join(map(str, HEAD_DIMS))}; use "
-                             f"{flag('kernel')} torch_blocksparse or a model with one of those head dims")
-    elif mtraining.kernel.startswith("sdpa_"):
-        from mtraining_kernels.sdpa_backend import MAX_HEAD_DIM
-
-        limit = MAX_HEAD_DIM[mtraining.kernel.removeprefix("sdpa_")]
-        if dim % 8 or dim > limit:
-            raise ValueError(f"head dim {dim} is not run by {flag('kernel')} {mtraining.kernel} (multiples of 8 up "
-                             f"to {limit}); use {flag('kernel')} triton with --mtraining-dense")
+                             f"{flag('backend')} triton, which supports {', '.join(map(str, HEAD_DIMS))}; use "
+                             f"{flag('backend')} torch or a model with one of those head dims")
 
 
 def _split_parts(split: str) -> list[float]:
@@ -194,8 +194,10 @@ def _megatron_validated(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _budget_text(mtraining: MTrainingConfig) -> str:
+    if mtraining.sdpa_impl is not None:
+        return f"dense (full causal pattern), torch SDPA {mtraining.dense_impl}"
     if mtraining.dense:
-        return f"dense (full causal pattern), kernel {mtraining.kernel}"
+        return f"dense (full causal pattern), backend {mtraining.backend}"
     if mtraining.budget == "top-p":
         from .budget import DEFAULT_CAP
         from .config import DEFAULT_TOP_P
@@ -209,7 +211,7 @@ def _budget_text(mtraining: MTrainingConfig) -> str:
     else:
         budget = f"static, {mtraining.vertical_size} verticals + {mtraining.slash_size} slashes per head"
     dense_layers = ",".join(map(str, mtraining.dense_layers)) or "none"
-    return f"sparse vertical-slash, {budget}; kernel {mtraining.kernel}; dense layers: {dense_layers}"
+    return f"sparse vertical-slash, {budget}; backend {mtraining.backend}; dense layers: {dense_layers}"
 
 
 def _ring_text(args: argparse.Namespace, mtraining: MTrainingConfig) -> str:

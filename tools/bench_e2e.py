@@ -145,7 +145,7 @@ BUDGETS = {  # sparsity_setting → the launcher's budget flags
 
 def sparse_variant(key: str, layout: str, sparsity_setting: str) -> Variant:
     attention = "mtraining" if layout == "striped" else f"mtraining_{layout}"
-    flags = ("--mtraining-layout", layout, *BUDGETS[sparsity_setting], "--mtraining-kernel", "triton")
+    flags = ("--mtraining-layout", layout, *BUDGETS[sparsity_setting], "--mtraining-backend", "triton")
     return Variant(key, attention, sparsity_setting, layout, flags)
 
 
@@ -162,9 +162,12 @@ def dense_variant(kernel: str) -> Variant:
     """The dense ring baseline: cuDNN/flash SDPA per ring step over the zigzag layout, or our kernels striped."""
     if kernel not in DENSE_KERNELS:
         raise ValueError(f"--dense-kernel={kernel!r} is unknown; use one of {', '.join(DENSE_KERNELS)}")
-    layout = "striped" if kernel == "triton" else "zigzag"
+    if kernel == "triton":
+        layout, kernel_flags = "striped", ("--mtraining-backend", "triton")
+    else:
+        layout, kernel_flags = "zigzag", ("--mtraining-dense-impl", kernel)
     return Variant("dense", "dense", "dense", layout,
-                   ("--mtraining-dense", "--mtraining-layout", layout, "--mtraining-kernel", kernel), kernel)
+                   ("--mtraining-dense", "--mtraining-layout", layout, *kernel_flags), kernel)
 
 
 def variant_for(key: str, dense_kernel: str) -> Variant:

@@ -5,8 +5,9 @@
 
 The model is Megatron-Core's ``GPTModel`` with MTraining's layer spec (local implementation) on one
 device (TP = CP = 1): ``--attention dense`` sets ``MTrainingConfig(dense=True)`` (full causal
-attention; on a GPU with the ``sdpa_cudnn`` kernel), ``--attention mtraining`` the top-P budget (Triton
-kernels). Training follows ``--phases``, a length curriculum ``SEQ_LENxBATCHxSTEPS[xNEEDLES],...``;
+attention; on a GPU on torch's cuDNN SDPA kernels, ``dense_impl="sdpa_cudnn"``), ``--attention
+mtraining`` the top-P budget (Triton kernels). Training follows ``--phases``, a length curriculum
+``SEQ_LENxBATCHxSTEPS[xNEEDLES],...``;
 AdamW with warm-up, a constant rate and a final cosine decay, grad clipping; on a GPU the model is in
 bf16 with fp32 master weights (as Megatron's ``--bf16``).
 Every run with the same ``--seed`` and phases sees the same batches and starts from the same weights.
@@ -44,6 +45,10 @@ from recall import pattern_recall  # noqa: E402
 from tasks import RetrievalTask, query_correct  # noqa: E402
 
 TRAIN_STREAM, EVAL_STREAM, RECALL_STREAM = 0, 1, 2
+KERNEL_SETTINGS = {   # --kernel (the kernels named in the results) → MTrainingConfig settings
+    "triton": dict(backend="triton"), "torch_blocksparse": dict(backend="torch"),
+    "sdpa_cudnn": dict(dense_impl="sdpa_cudnn"), "sdpa_flash": dict(dense_impl="sdpa_flash"),
+}
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -84,9 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cap", type=int, default=None, help="MTraining cap (default: MTrainingConfig's)")
     run.add_argument("--sink-tokens", type=int, default=30)
     run.add_argument("--local-window", type=int, default=100)
-    run.add_argument("--kernel", default="auto",
-                     help="MTraining kernel; auto: torch_blocksparse on CPU, triton on GPU (dense runs: sdpa_cudnn "
-                          "when MTrainingConfig accepts it)")
+    run.add_argument("--kernel", choices=("auto", *KERNEL_SETTINGS), default="auto",
+                     help="MTraining kernels; auto: torch_blocksparse on CPU, triton on GPU (dense runs: sdpa_cudnn)")
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument("--time-budget-s", type=float, default=None,
                      help="wall-clock budget of the whole run; training stops --eval-reserve-s before it")
@@ -158,19 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ model
 def resolve_kernel(requested: str, attention: str, device: torch.device) -> str:
-    from megatron_mtraining.config import KERNELS
-
     if requested != "auto":
         return requested
     if device.type != "cuda":
         return "torch_blocksparse"
-    return "sdpa_cudnn" if attention == "dense" and "sdpa_cudnn" in KERNELS else "triton"
+    return "sdpa_cudnn" if attention == "dense" else "triton"
 
 
 def mtraining_settings(args, kernel: str):
     from megatron_mtraining.config import MTrainingConfig
 
-    common = dict(kernel=kernel, sink_tokens=args.sink_tokens, local_window=args.local_window)
+    common = dict(**KERNEL_SETTINGS[kernel], sink_tokens=args.sink_tokens, local_window=args.local_window)
     if args.attention == "dense":
         return MTrainingConfig(dense=True, **common)
     return MTrainingConfig(top_p=args.top_p, cap=args.cap, **common)
@@ -180,7 +182,7 @@ def recall_settings(args, top_ps: list[float]) -> dict:
     """The MTraining settings whose estimated pattern the recall measures, by name."""
     from megatron_mtraining.config import MTrainingConfig
 
-    return {f"top-p {p:g}": MTrainingConfig(top_p=p, cap=args.cap, kernel="torch_blocksparse",
+    return {f"top-p {p:g}": MTrainingConfig(top_p=p, cap=args.cap, backend="torch",
                                             sink_tokens=args.sink_tokens, local_window=args.local_window)
             for p in top_ps}
 

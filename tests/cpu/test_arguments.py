@@ -19,7 +19,7 @@ from megatron_mtraining.arguments import (add_mtraining_args, hierarchical_cp_si
                                           validate_mtraining_args)
 
 BASE = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 1024 --max-position-embeddings 1024 "
-        "--micro-batch-size 1 --mtraining-kernel torch_blocksparse")
+        "--micro-batch-size 1 --mtraining-backend torch")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,9 @@ def test_defaults_give_the_design_settings_and_megatron_defaults_fit_mtraining(p
     ("--mtraining-dense-layers 1,2 --mtraining-grad-wire-dtype bf16",
      dict(dense_layers=(1, 2), grad_wire_dtype="bf16")),
     ("--mtraining-dense", dict(dense=True)),
+    ("--mtraining-dense --mtraining-dense-impl sdpa_flash --mtraining-layout zigzag",
+     dict(dense=True, dense_impl="sdpa_flash", backend="torch")),
+    ("--mtraining-backend triton", dict(backend="triton", dense_impl="mtraining")),
     ("--deterministic-mode", dict(deterministic=True)),
     ("--mtraining-deterministic --mtraining-stats-interval 0", dict(deterministic=True, stats_interval=0)),
     ("--spec megatron_mtraining.spec get_gpt_layer_mtraining_spec --mtraining-loss-chunk-size 8192", {}),
@@ -142,7 +145,6 @@ def test_contradictory_mtraining_flags_are_rejected(parser, extra, cp, message):
     ("--mtraining-loss-chunk-size 4096 --defer-embedding-wgrad-compute", "--defer-embedding-wgrad-compute"),
     ("--mtraining-dense-layers 5", "--mtraining-dense-layers lists layers [5]"),
     ("--mtraining-dense --mtraining-dense-layers 1", "drop --mtraining-dense-layers"),
-    ("--mtraining-kernel reference", "--mtraining-kernel=reference runs on one device only"),
     ("--mtraining-stripe-granularity 96", "--mtraining-stripe-granularity=96"),
     ("--mtraining-last-q 65", "--mtraining-last-q=65"),
     ("--mtraining-keep-attention-output", "add --recompute-granularity full or drop --mtraining-keep-attention-output"),
@@ -167,6 +169,15 @@ def test_pattern_file_for_another_model_is_rejected(parser, tmp_path):
     ("--mtraining-ring star", "argument --mtraining-ring: invalid choice: 'star'"),
     ("--mtraining-top-p high", "argument --mtraining-top-p: invalid float value: 'high'"),
     ("--mtraining-dense-layers 1,x", "argument --mtraining-dense-layers: '1,x' is not a comma-separated list"),
+    ("--mtraining-backend reference", "argument --mtraining-backend: invalid choice: 'reference'"),
+    ("--mtraining-kernel torch_blocksparse", "argument --mtraining-kernel: removed: split into --mtraining-backend "
+                                             "(the block-sparse kernels) and --mtraining-dense-impl (how "
+                                             "--mtraining-dense layers run); replace --mtraining-kernel "
+                                             "torch_blocksparse with --mtraining-backend torch; old values: "),
+    ("--mtraining-kernel sdpa_cudnn", "replace --mtraining-kernel sdpa_cudnn with --mtraining-dense-impl sdpa_cudnn "
+                                      "(with --mtraining-dense)"),
+    ("--mtraining-kernel", "reference → nothing (the plain-autograd test oracle is "
+                           "MTrainingConfig(backend='reference') in Python)"),
 ])
 def test_argparse_errors_name_the_flag(parser, capsys, extra, message):
     with pytest.raises(SystemExit):

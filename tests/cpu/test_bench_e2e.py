@@ -146,12 +146,6 @@ def launcher_args(parser, torchrun: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def launcher_knows_kernel(kernel: str) -> bool:
-    from megatron_mtraining.config import KERNELS
-
-    return kernel in KERNELS
-
-
 def test_kept_attention_output_mode_reaches_the_launcher(megatron_parser):
     runs = dry_run_commands("--models", "0.5b", "--seq-lens", "131072", "--variants", "mtraining-static,dense",
                             "--recompute", bench.KEEP_ATTENTION)
@@ -169,8 +163,6 @@ def test_default_dry_run_commands_are_accepted_by_the_launcher(megatron_parser):
     for comment, env, torchrun in runs:
         assert torchrun.nproc_per_node == "2" and torchrun.standalone
         assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-        if "dense-sdpa_cudnn" in comment and not launcher_knows_kernel("sdpa_cudnn"):
-            continue                                   # checked by the test below once the launcher has it
         args = launcher_args(megatron_parser, torchrun)
         name = comment.split(",")[0][2:]
         model = bench.QWEN25[name.split("_")[0].removeprefix("qwen2.5-")]
@@ -190,7 +182,7 @@ def test_default_dry_run_commands_are_accepted_by_the_launcher(megatron_parser):
             assert args.mtraining_stats_interval == 0 and args.train_iters == schedule_iters == 6
         else:
             assert args.mtraining_stats_interval == args.train_iters == schedule_iters + 1 == 7
-            assert args.mtraining_kernel == "triton"
+            assert args.mtraining_backend == "triton"
         seen.add((args.mtraining_dense, args.mtraining_layout, args.mtraining_budget, args.mtraining_top_p,
                   args.mtraining_sparsity))
     assert {(False, "striped", "top-p", 0.9, None), (False, "striped", "static", None, 0.95),
@@ -199,13 +191,12 @@ def test_default_dry_run_commands_are_accepted_by_the_launcher(megatron_parser):
 
 @pytest.mark.parametrize("kernel", bench.DENSE_KERNELS)
 def test_dense_baseline_commands(megatron_parser, kernel):
-    if not launcher_knows_kernel(kernel):
-        pytest.skip(f"the launcher has no --mtraining-kernel {kernel} yet")
     (comment, _, torchrun), *_ = dry_run_commands("--variants", "dense", "--dense-kernel", kernel, "--models", "3b",
                                                   "--seq-lens", "524288")
     assert f"dense-{kernel}" in comment
     args = launcher_args(megatron_parser, torchrun)
-    assert args.mtraining_dense and args.mtraining_kernel == kernel
+    assert args.mtraining_dense and args.mtraining_dense_impl == ("mtraining" if kernel == "triton" else kernel)
+    assert kernel != "triton" or args.mtraining_backend == "triton"
     assert args.mtraining_layout == ("striped" if kernel == "triton" else "zigzag")
 
 
@@ -216,8 +207,7 @@ def test_megatron_validates_each_variant(variant):
     import torch
     from quickstart import cpu_args
 
-    kernel = "sdpa_cudnn" if launcher_knows_kernel("sdpa_cudnn") else "triton"
-    config = bench.Config(bench.QWEN25["3b"], 524288, bench.variant_for(variant, kernel))
+    config = bench.Config(bench.QWEN25["3b"], 524288, bench.variant_for(variant, "sdpa_cudnn"))
     schedule = bench.Schedule(2, 3, log_density=config.variant.sparse)
     args = cpu_args(bench.launcher_flags(config, 4, schedule, options()))
     assert args.context_parallel_size == 2 and args.params_dtype == torch.bfloat16

@@ -35,14 +35,23 @@ def test_defaults_are_valid_and_follow_the_design():
     assert (config.layout, config.stripe_granularity, config.last_q, config.sink_tokens, config.local_window) == \
         ("striped", 128, 64, 30, 100)
     assert (config.budget, config.effective_top_p, config.effective_cap) == ("top-p", 0.9, 4096)
-    assert (config.kernel, config.grad_wire_dtype, config.ring, config.dense) == ("triton", "fp32", "flat", False)
+    assert (config.backend, config.grad_wire_dtype, config.ring, config.dense, config.dense_impl) == \
+        ("triton", "fp32", "flat", False, "mtraining")
+    assert (config.block_sparse_backend, MTrainingConfig(backend="torch").block_sparse_backend) == \
+        ("triton", "torch_blocksparse")
     table = config.budget_table(**{"num_layers": 4, "num_heads": 8, "seq_length": 4096})
     assert table.resolve(1) == TopPBudget(0.9, 4096)
 
 
 @pytest.mark.parametrize("settings, message", [
     (dict(layout="ring"), "--mtraining-layout='ring' is unknown; use one of contiguous, zigzag, striped"),
-    (dict(kernel="flash"), "--mtraining-kernel='flash' is unknown"),
+    (dict(backend="flash"), "--mtraining-backend='flash' is unknown; use one of triton, torch, reference"),
+    (dict(dense=True, dense_impl="flash"), "--mtraining-dense-impl='flash' is unknown; use one of mtraining, "
+                                           "sdpa_cudnn, sdpa_flash"),
+    (dict(dense_impl="sdpa_cudnn"), "--mtraining-dense-impl=sdpa_cudnn sets how --mtraining-dense runs its layers, "
+                                    "but --mtraining-dense is not set; add --mtraining-dense"),
+    (dict(dense=True, dense_impl="sdpa_flash", deterministic=True),
+     "--mtraining-dense-impl=sdpa_flash cannot promise a bitwise-reproducible backward"),
     (dict(budget="topk"), "--mtraining-budget='topk' is unknown; use one of top-p, static"),
     (dict(ring="torus"), "--mtraining-ring='torus' is unknown"),
     (dict(grad_wire_dtype="fp16"), "--mtraining-grad-wire-dtype='fp16' is unknown; use one of fp32, bf16"),
@@ -114,8 +123,11 @@ def test_settings_are_checked_on_construction(settings, message):
     (dict(ring="hierarchical", inner_ring_size=4), dict(context_parallel_size=8,
                                                         hierarchical_context_parallel_sizes=[2, 4]),
      "--mtraining-inner-ring-size=4 contradicts --hierarchical-context-parallel-sizes 2 4"),
-    (dict(kernel="reference"), dict(context_parallel_size=2),
-     "--mtraining-kernel=reference runs on one device only, but --context-parallel-size=2"),
+    (dict(backend="reference"), dict(context_parallel_size=2),
+     r"backend='reference' \(the test oracle\) runs on one device only, but --context-parallel-size=2"),
+    (dict(dense=True, dense_impl="sdpa_cudnn"), dict(context_parallel_size=2),
+     "--mtraining-dense-impl=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense ring, but "
+     "--mtraining-layout=striped; add --mtraining-layout zigzag"),
     (dict(), dict(attention_backend="local"), "--attention-backend local replaces every custom core attention"),
     (dict(budget="static", vertical_size=64, slash_size=8192), dict(),
      "--mtraining-vertical-size/--mtraining-slash-size does not fit .* s_size=8192 is larger than the sequence"),
@@ -146,7 +158,9 @@ def test_valid_combinations_pass_and_resolve_budgets(tmp_path):
     MTrainingConfig(ring="hierarchical", inner_ring_size=2).validate(**MODEL, context_parallel_size=4)
     MTrainingConfig(ring="hierarchical").validate(**MODEL, context_parallel_size=4,
                                                   hierarchical_context_parallel_sizes=[2, 2])
-    MTrainingConfig(layout="zigzag", dense=True, kernel="torch_blocksparse").validate(**MODEL, context_parallel_size=2)
+    MTrainingConfig(layout="zigzag", dense=True, backend="torch").validate(**MODEL, context_parallel_size=2)
+    MTrainingConfig(layout="zigzag", dense=True, dense_impl="sdpa_cudnn").validate(**MODEL, context_parallel_size=2)
+    MTrainingConfig(dense=True, dense_impl="sdpa_flash").validate(**MODEL)   # CP = 1: any layout
     MTrainingConfig(dense_layers=[1, 4]).validate(**MODEL)
     MTrainingConfig(budget="top-p", top_p=0.95, cap=256).validate(**MODEL, context_parallel_size=32)
 

@@ -56,7 +56,7 @@ LOGITS_ATOL = 1e-4          # acceptance bound; observed ~1e-5 at logit std ~4 (
 CPU_FLAGS = ["--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
              "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
 RUN_FLAGS = ["--micro-batch-size", "1", "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(SEQ_LEN),
-             "--mtraining-dense", "--mtraining-kernel", "torch_blocksparse"]
+             "--mtraining-dense", "--mtraining-backend", "torch"]
 MODELS = {"tied": dict(tied=True), "untied": dict(tied=False), "tied-yarn": dict(tied=True, yarn=True),
           "qwen3-tied": dict(tied=True, model_type="qwen3"), "qwen3-untied": dict(tied=False, model_type="qwen3")}
 QWEN3_HEAD_DIM = 32         # differs from hidden_size / num_attention_heads = 16, as --kv-channels allows

@@ -279,8 +279,8 @@ def test_model_and_tokenizer_settings(parser, tmp_path):
 
 
 @pytest.mark.parametrize("extra, expected", [
-    ("--mtraining-dense --mtraining-layout zigzag --mtraining-kernel sdpa_cudnn",
-     dict(mtraining_dense=True, mtraining_layout="zigzag", mtraining_kernel="sdpa_cudnn")),
+    ("--mtraining-dense --mtraining-layout zigzag --mtraining-dense-impl sdpa_cudnn",
+     dict(mtraining_dense=True, mtraining_layout="zigzag", mtraining_dense_impl="sdpa_cudnn")),
     ("--mtraining-keep-attention-output", dict(mtraining_keep_attention_output=True, recompute_granularity="full")),
 ], ids=["dense-baseline", "keep-attention-output"])
 def test_documented_extra_args_are_accepted(parser, extra, expected):

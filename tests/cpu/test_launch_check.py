@@ -93,7 +93,10 @@ def test_a_real_launch_refuses_missing_files(monkeypatch, tmp_path):
 @pytest.mark.parametrize("valid, broken, message", [
     ("--eval-interval 100", "", r"--eval-interval is not set.*add --eval-interval N"),
     ("--split 98,2,0", "--split 100,0,0", r"--eval-iters 10 evaluates on the validation split, but --split 100,0,0"),
-    ("--kv-channels 128", "--kv-channels 96", r"head dim 96 .* --mtraining-kernel triton, which supports 64, 128"),
+    ("--kv-channels 128", "--kv-channels 96", r"head dim 96 .* --mtraining-backend triton, which supports 64, 128"),
+    ("--kv-channels 128", "--kv-channels 192 --mtraining-dense --mtraining-dense-impl sdpa_cudnn --mtraining-layout "
+                          "zigzag", r"head dim 192 is not run by --mtraining-dense-impl sdpa_cudnn \(multiples of 8 "
+                                    r"up to 128\); use --mtraining-dense-impl mtraining"),
     ("--train-iters 1000", "--train-iters 20", r"--lr-warmup-iters 20 must be smaller than the decay length 20"),
 ])
 def test_megatron_pitfalls_fail_before_work(monkeypatch, tmp_path, valid, broken, message):

@@ -57,6 +57,6 @@ def test_bad_replay_output_is_refused(call, bad, message):
         CALLS[call][0](index)(q, k, v, bad(q))
 
 
-def test_reference_kernel_cannot_keep_the_output():
+def test_reference_backend_cannot_keep_the_output():
     with pytest.raises(ValueError, match="--mtraining-keep-attention-output needs a kernel with a separate backward"):
-        MTrainingConfig(kernel="reference", keep_attention_output=True)
+        MTrainingConfig(backend="reference", keep_attention_output=True)

@@ -38,7 +38,7 @@ preprocess_data = load_tool("preprocess_data")
 
 SEQ_LEN, HEADS, KV_HEADS, DIM = 256, 2, 1, 64
 LAUNCHER_BASE = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 1024 "
-                 "--max-position-embeddings 1024 --micro-batch-size 1 --mtraining-kernel torch_blocksparse")
+                 "--max-position-embeddings 1024 --micro-batch-size 1 --mtraining-backend torch")
 
 
 class Invalid(NamedTuple):
@@ -176,7 +176,7 @@ def _attention(attn_mask_type=None, **config_changes):
     return MTrainingAttention(config=_transformer_config(**config_changes), layer_number=1,
                               attn_mask_type=AttnMaskType.causal if attn_mask_type is None else attn_mask_type,
                               attention_type="self", pg_collection=ProcessGroupCollection(tp=None, cp=None, hcp=None),
-                              mtraining=MTrainingConfig(kernel="torch_blocksparse"))
+                              mtraining=MTrainingConfig(backend="torch"))
 
 
 def _attention_call(**extra):
@@ -226,6 +226,16 @@ def _launcher(extra: str, cp: int = 2):
 
     return validate_mtraining_args(
         _launcher_parser().parse_args(f"{LAUNCHER_BASE} --context-parallel-size {cp} {extra}".split()))
+
+
+def _launcher_parse(extra: str):
+    """Megatron's parser on ``extra``, raising ``argparse.ArgumentError`` where argparse would print and exit."""
+    parser = _launcher_parser()
+    parser.exit_on_error = False
+    try:
+        return parser.parse_args(f"{LAUNCHER_BASE} {extra}".split())
+    finally:
+        parser.exit_on_error = True
 
 
 # ------------------------------------------------------------------------------------------ tools
@@ -350,9 +360,10 @@ ROWS = [
             ValueError, r"multi-latent attention \(MLA\) is not supported, drop --multi-latent-attention"),
     Invalid("config: top-P outside (0, 1]", lambda tmp: _mtraining_config(top_p=1.5),
             ValueError, r"--mtraining-top-p=1\.5 must be a number in \(0, 1\]; use e\.g\. 0\.9"),
-    Invalid("config: SDPA kernel without --mtraining-dense", lambda tmp: _mtraining_config(kernel="sdpa_flash"),
-            ValueError, r"--mtraining-kernel=sdpa_flash is the dense baseline on torch's SDPA kernels; add "
-                        r"--mtraining-dense, or use --mtraining-kernel triton"),
+    Invalid("config: SDPA dense implementation without --mtraining-dense",
+            lambda tmp: _mtraining_config(dense_impl="sdpa_flash"),
+            ValueError, r"--mtraining-dense-impl=sdpa_flash sets how --mtraining-dense runs its layers, but "
+                        r"--mtraining-dense is not set; add --mtraining-dense, or drop --mtraining-dense-impl"),
     # --- launcher (Megatron's parser + --mtraining-* flags)
     Invalid("launcher: static budget with top-P settings",
             lambda tmp: _launcher("--mtraining-budget static --mtraining-top-p 0.9 --mtraining-sparsity 0.9"),
@@ -373,40 +384,36 @@ ROWS = [
                         r"\[1, 2, 4\]"),
     Invalid("launcher: unsupported --cp-comm-type", lambda tmp: _launcher("--cp-comm-type a2a"),
             ValueError, r"--cp-comm-type a2a is not supported by MTraining's ring.*use p2p"),
-    Invalid("launcher: reference kernel with CP = 2", lambda tmp: _launcher("--mtraining-kernel reference"),
-            ValueError, r"--mtraining-kernel=reference runs on one device only, but --context-parallel-size=2; "
-                        r"use --mtraining-kernel triton or torch_blocksparse"),
-    Invalid("launcher: SDPA kernel without --mtraining-dense",
-            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-layout zigzag"),
-            ValueError, r"--mtraining-kernel=sdpa_cudnn is the dense baseline on torch's SDPA kernels; add "
-                        r"--mtraining-dense, or use --mtraining-kernel triton for sparse attention"),
-    Invalid("launcher: SDPA kernel with --mtraining-dense-layers only",
-            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-dense-layers 1,2 "
-                                  "--mtraining-layout zigzag"),
-            ValueError, r"--mtraining-kernel=sdpa_cudnn computes every layer densely and builds no index, so it "
-                        r"cannot run the sparse layers that --mtraining-dense-layers=1,2 leaves; use --mtraining-dense "
-                        r"instead, or --mtraining-kernel triton for the mix"),
-    Invalid("launcher: SDPA kernel with the striped layout at CP = 2",
-            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-dense"),
-            ValueError, r"--mtraining-kernel=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense ring, "
-                        r"but --mtraining-layout=striped; add --mtraining-layout zigzag"),
-    Invalid("launcher: SDPA kernel with the hierarchical ring",
-            lambda tmp: _launcher("--mtraining-kernel sdpa_flash --mtraining-dense --mtraining-layout zigzag "
+    Invalid("launcher: SDPA dense implementation without --mtraining-dense",
+            lambda tmp: _launcher("--mtraining-dense-impl sdpa_cudnn --mtraining-layout zigzag"),
+            ValueError, r"--mtraining-dense-impl=sdpa_cudnn sets how --mtraining-dense runs its layers, but "
+                        r"--mtraining-dense is not set; add --mtraining-dense, or drop --mtraining-dense-impl for "
+                        r"sparse attention"),
+    Invalid("launcher: SDPA dense implementation with the striped layout at CP = 2",
+            lambda tmp: _launcher("--mtraining-dense-impl sdpa_cudnn --mtraining-dense"),
+            ValueError, r"--mtraining-dense-impl=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense "
+                        r"ring, but --mtraining-layout=striped; add --mtraining-layout zigzag"),
+    Invalid("launcher: SDPA dense implementation with the hierarchical ring",
+            lambda tmp: _launcher("--mtraining-dense-impl sdpa_flash --mtraining-dense --mtraining-layout zigzag "
                                   "--mtraining-ring hierarchical --mtraining-inner-ring-size 2", cp=4),
-            ValueError, r"--mtraining-kernel=sdpa_flash runs the flat ring only, but a hierarchical ring was "
+            ValueError, r"--mtraining-dense-impl=sdpa_flash runs the flat ring only, but a hierarchical ring was "
                         r"requested \(--mtraining-ring=hierarchical or --hierarchical-context-parallel-sizes\); "
                         r"use --mtraining-ring flat and drop the hierarchical sizes"),
-    Invalid("launcher: SDPA kernel with --hierarchical-context-parallel-sizes",
-            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-dense --mtraining-layout zigzag "
+    Invalid("launcher: SDPA dense implementation with --hierarchical-context-parallel-sizes",
+            lambda tmp: _launcher("--mtraining-dense-impl sdpa_cudnn --mtraining-dense --mtraining-layout zigzag "
                                   "--hierarchical-context-parallel-sizes 2 2", cp=4),
-            ValueError, r"--mtraining-kernel=sdpa_cudnn runs the flat ring only.*use --mtraining-ring flat and "
+            ValueError, r"--mtraining-dense-impl=sdpa_cudnn runs the flat ring only.*use --mtraining-ring flat and "
                         r"drop the hierarchical sizes"),
-    Invalid("launcher: SDPA kernel with --deterministic-mode",
-            lambda tmp: _launcher("--mtraining-kernel sdpa_cudnn --mtraining-dense --mtraining-layout zigzag "
+    Invalid("launcher: SDPA dense implementation with --deterministic-mode",
+            lambda tmp: _launcher("--mtraining-dense-impl sdpa_cudnn --mtraining-dense --mtraining-layout zigzag "
                                   "--deterministic-mode"),
-            ValueError, r"--mtraining-kernel=sdpa_cudnn cannot promise a bitwise-reproducible backward "
+            ValueError, r"--mtraining-dense-impl=sdpa_cudnn cannot promise a bitwise-reproducible backward "
                         r"\(--mtraining-deterministic, also implied by --deterministic-mode\); drop it or use "
-                        r"--mtraining-kernel triton"),
+                        r"--mtraining-dense-impl mtraining"),
+    Invalid("launcher: the removed --mtraining-kernel", lambda tmp: _launcher_parse("--mtraining-kernel sdpa_flash"),
+            argparse.ArgumentError, r"argument --mtraining-kernel: removed: split into --mtraining-backend .* and "
+                                    r"--mtraining-dense-impl .*; replace --mtraining-kernel sdpa_flash with "
+                                    r"--mtraining-dense-impl sdpa_flash \(with --mtraining-dense\)"),
     # --- tools
     Invalid("converter: not a Qwen2 or Qwen3 config",
             lambda tmp: hf_to_megatron.convert(_hf_directory(tmp, _llama_config()), tmp / "out"),

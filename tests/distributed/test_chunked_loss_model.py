@@ -35,7 +35,7 @@ def _model(tp: int, tied: bool, seed: int):
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=tp)
     torch.manual_seed(seed)
-    spec = get_gpt_layer_mtraining_spec(config, mtraining=MTrainingConfig(kernel="torch_blocksparse", dense=True))
+    spec = get_gpt_layer_mtraining_spec(config, mtraining=MTrainingConfig(backend="torch", dense=True))
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ_LEN, position_embedding_type="rope",
                     share_embeddings_and_output_weights=tied)
 

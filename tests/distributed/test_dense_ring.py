@@ -194,7 +194,7 @@ def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, me
 
 
 # ------------------------------------------------------------------------------------------ MTrainingAttention
-def _sdpa_attention_module(cp_group, kernel: str = "sdpa_flash", layout: str = "zigzag"):
+def _sdpa_attention_module(cp_group, dense_impl: str = "sdpa_flash", layout: str = "zigzag"):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -206,7 +206,7 @@ def _sdpa_attention_module(cp_group, kernel: str = "sdpa_flash", layout: str = "
                                use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0)
     return MTrainingAttention(config=config, layer_number=2, attn_mask_type=AttnMaskType.causal, attention_type="self",
                               pg_collection=ProcessGroupCollection(tp=None, cp=cp_group, hcp=None),
-                              mtraining=MTrainingConfig(kernel=kernel, dense=True, layout=layout))
+                              mtraining=MTrainingConfig(dense_impl=dense_impl, dense=True, layout=layout))
 
 
 def _module_rank(rank, world_size, seed, shape):
@@ -245,13 +245,13 @@ def test_attention_module_runs_the_sdpa_baseline(distributed, seed, world):
 def test_attention_module_refuses_sdpa_with_another_layout_at_cp2(distributed):
     errors = distributed(_striped_sdpa_module, 2)
     for error in errors:
-        assert re.search(r"--mtraining-kernel=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense ring, "
+        assert re.search(r"--mtraining-dense-impl=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense ring, "
                          r"but --mtraining-layout=striped; add --mtraining-layout zigzag", error), error
 
 
 def _striped_sdpa_module(rank, world_size):
     try:
-        _sdpa_attention_module(dist.group.WORLD, kernel="sdpa_cudnn", layout="striped")
+        _sdpa_attention_module(dist.group.WORLD, dense_impl="sdpa_cudnn", layout="striped")
     except ValueError as err:
         return str(err)
     return "accepted"
@@ -259,10 +259,11 @@ def _striped_sdpa_module(rank, world_size):
 
 # ------------------------------------------------------------------------------------------ launcher
 @pytest.mark.parametrize("extra, cp, impl", [
-    ("--mtraining-kernel sdpa_cudnn --mtraining-dense --mtraining-layout zigzag", 2, "cudnn"),
-    ("--mtraining-kernel sdpa_flash --mtraining-dense --mtraining-layout zigzag --mtraining-grad-wire-dtype bf16", 4,
+    ("--mtraining-dense-impl sdpa_cudnn --mtraining-dense --mtraining-layout zigzag", 2, "cudnn"),
+    ("--mtraining-dense-impl sdpa_flash --mtraining-dense --mtraining-layout zigzag --mtraining-grad-wire-dtype bf16",
+     4,
      "flash"),
-    ("--mtraining-kernel sdpa_cudnn --mtraining-dense", 1, "cudnn"),                # CP = 1: any layout
+    ("--mtraining-dense-impl sdpa_cudnn --mtraining-dense", 1, "cudnn"),            # CP = 1: any layout
 ])
 def test_launcher_accepts_the_sdpa_baseline(extra, cp, impl):
     from megatron.training.arguments import add_megatron_arguments
@@ -276,4 +277,4 @@ def test_launcher_accepts_the_sdpa_baseline(extra, cp, impl):
                              f"--max-position-embeddings 1024 --micro-batch-size 1 --context-parallel-size {cp} "
                              f"{extra}".split())
     config = validate_mtraining_args(args)
-    assert (config.dense, config.kernel, config.sdpa_impl) == (True, f"sdpa_{impl}", impl)
+    assert (config.dense, config.dense_impl, config.sdpa_impl) == (True, f"sdpa_{impl}", impl)

@@ -68,7 +68,7 @@ def _init_parallel(tp: int, cp: int, hcp: list[int] | None = None) -> None:
 def _mtraining(kind: str, pattern_file: str | None = None, layout: str = "striped", ring: str = "flat"):
     from megatron_mtraining.config import MTrainingConfig
 
-    base = dict(kernel="torch_blocksparse", layout=layout, ring=ring)
+    base = dict(backend="torch", layout=layout, ring=ring)
     if kind == "full":
         return MTrainingConfig(dense=True, **base)
     return MTrainingConfig(**base, **SPARSE_SETTINGS, pattern_file=pattern_file)
@@ -219,7 +219,7 @@ def _refusals(world_size: int) -> dict[str, str]:
         cp = 2 if world_size == 2 else 4
         hcp = None if world_size == 2 else [2, 2]
         _init_parallel(1, cp, hcp)
-        mtraining = kwargs.pop("mtraining", MTrainingConfig(kernel="torch_blocksparse"))
+        mtraining = kwargs.pop("mtraining", MTrainingConfig(backend="torch"))
         try:
             MTrainingAttention(config=_transformer_config(1, cp, hcp), layer_number=1,
                                attn_mask_type=AttnMaskType.causal, attention_type="self",
@@ -233,12 +233,12 @@ def _refusals(world_size: int) -> dict[str, str]:
         return {"a2a": message(cp_comm_type="a2a"),
                 "a2a+p2p without hcp": message(cp_comm_type="a2a+p2p"),
                 "hierarchical without hcp": message(
-                    mtraining=MTrainingConfig(kernel="torch_blocksparse", ring="hierarchical")),
-                "reference kernel": message(mtraining=MTrainingConfig(kernel="reference")),
+                    mtraining=MTrainingConfig(backend="torch", ring="hierarchical")),
+                "reference backend": message(mtraining=MTrainingConfig(backend="reference")),
                 "p2p per-layer list": message(cp_comm_type=["p2p", "a2a"])}
     return {"flat ring with hcp": message(cp_comm_type="p2p"),
             "a2a+p2p with hcp": message(cp_comm_type="a2a+p2p",
-                                        mtraining=MTrainingConfig(kernel="torch_blocksparse", ring="hierarchical"))}
+                                        mtraining=MTrainingConfig(backend="torch", ring="hierarchical"))}
 
 
 def _rope_checks(cp: int) -> dict[str, float]:
@@ -390,7 +390,7 @@ def test_context_parallel_refusals(multi_rank_report):
         assert "'a2a' is not supported" in refusals["a2a"]
         assert "needs --hierarchical-context-parallel-sizes" in refusals["a2a+p2p without hcp"]
         assert "--mtraining-ring=hierarchical needs" in refusals["hierarchical without hcp"]
-        assert "--mtraining-kernel=reference runs on one device" in refusals["reference kernel"]
+        assert "backend='reference' (the test oracle) runs on one device" in refusals["reference backend"]
         assert refusals["p2p per-layer list"] == "accepted", "layer 1 reads entry 0 of a per-layer list"
     else:
         assert "--mtraining-ring=flat" in refusals["flat ring with hcp"]
@@ -410,7 +410,7 @@ def _sparse_attention(**overrides):
     from megatron_mtraining.attention import MTrainingAttention
     from megatron_mtraining.config import MTrainingConfig
 
-    settings = dict(kernel="torch_blocksparse", **ATTENTION_BUDGET)
+    settings = dict(backend="torch", **ATTENTION_BUDGET)
     settings.update(overrides)
     return MTrainingAttention(config=_transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
                               attention_type="self", cp_comm_type=None, softmax_scale=None, pg_collection=None,
@@ -428,8 +428,8 @@ def _attention_vs_reference(seed) -> dict[str, float]:
     query, key, value, grad = (torch.randn(n, b, h, d, generator=gen, dtype=torch.float64)
                                for h in (hq, hkv, hkv, hq))
     diffs = {}
-    for kernel in ("torch_blocksparse", "reference"):
-        attention = _sparse_attention(kernel=kernel)
+    for backend in ("torch", "reference"):
+        attention = _sparse_attention(backend=backend)
         inputs = [t.clone().requires_grad_() for t in (query, key, value)]
         out = attention(*inputs, None, attn_mask_type=None, attention_bias=None, packed_seq_params=None)
         out.backward(grad.reshape(n, b, hq * d))
@@ -440,10 +440,10 @@ def _attention_vs_reference(seed) -> dict[str, float]:
                                         local_window=ATTENTION_BUDGET["local_window"])
         ref_out, _ = reference_sparse_attention(*refs, vertical_slash_mask(index.v_idx, index.s_idx, n))
         ref_out.backward(grad.permute(1, 0, 2, 3))
-        diffs[f"{kernel} out"] = float((out - ref_out.permute(1, 0, 2, 3).reshape(n, b, -1)).abs().max())
+        diffs[f"{backend} out"] = float((out - ref_out.permute(1, 0, 2, 3).reshape(n, b, -1)).abs().max())
         for name, ours, ref in zip("qkv", inputs, refs):
-            diffs[f"{kernel} d{name}"] = float((ours.grad - ref.grad.permute(1, 0, 2, 3)).abs().max())
-        diffs[f"{kernel} density"] = attention.last_stats.density
+            diffs[f"{backend} d{name}"] = float((ours.grad - ref.grad.permute(1, 0, 2, 3)).abs().max())
+        diffs[f"{backend} density"] = attention.last_stats.density
     return diffs
 
 
@@ -476,10 +476,10 @@ def _recompute_reuse(seed) -> dict:
     from megatron_mtraining.config import MTrainingConfig
     from mtraining_kernels import sdpa_backend, torch_backend
 
-    sparse = MTrainingConfig(kernel="torch_blocksparse", **ATTENTION_BUDGET)
-    kept = MTrainingConfig(kernel="torch_blocksparse", keep_attention_output=True, **ATTENTION_BUDGET)
-    dense = MTrainingConfig(kernel="sdpa_flash", dense=True, layout="zigzag")
-    dense_kept = MTrainingConfig(kernel="sdpa_flash", dense=True, layout="zigzag", keep_attention_output=True)
+    sparse = MTrainingConfig(backend="torch", **ATTENTION_BUDGET)
+    kept = MTrainingConfig(backend="torch", keep_attention_output=True, **ATTENTION_BUDGET)
+    dense = MTrainingConfig(dense_impl="sdpa_flash", dense=True, layout="zigzag")
+    dense_kept = MTrainingConfig(dense_impl="sdpa_flash", dense=True, layout="zigzag", keep_attention_output=True)
     batch = _batch(seed)
     full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     runs = {"plain": (sparse, {}), "selective": (sparse, dict(recompute_granularity="selective",
@@ -713,7 +713,7 @@ def test_spec_swaps_only_the_core_attention():
     from megatron_mtraining.config import MTrainingConfig
     from megatron_mtraining.spec import get_gpt_layer_mtraining_spec
 
-    mt = MTrainingConfig(kernel="torch_blocksparse")
+    mt = MTrainingConfig(backend="torch")
     spec = get_gpt_layer_mtraining_spec(mtraining=mt, transformer_impl="local")
     core = spec.submodules.self_attention.submodules.core_attention
     assert core.module is MTrainingAttention and core.params == {"mtraining": mt}

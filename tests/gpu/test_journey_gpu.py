@@ -145,7 +145,7 @@ def _megatron_logits(journey: dict, iteration_dir: Path, tokens: torch.Tensor, p
     parser = launcher_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     args = parser.parse_args([*model_flags, "--micro-batch-size", "1", "--seq-length", str(tokens.shape[1]),
                               "--max-position-embeddings", str(SEQ_LEN), "--bf16", "--mtraining-dense",
-                              "--mtraining-kernel", "torch_blocksparse"])
+                              "--mtraining-backend", "torch"])
     args.params_dtype = torch.bfloat16
     dist.init_process_group("nccl", init_method=f"file://{port_file}", rank=0, world_size=1)
     try:
