@@ -4,6 +4,10 @@ import sys
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when it is first imported, and megatron-core imports it early (any test
+    # module importing megatron.training does), so the interpreter tests' own setting would come too late.
+    os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))  # make tests/harness.py importable (also in spawned ranks)
 
 from harness import run_on_ranks  # noqa: E402
