@@ -11,10 +11,11 @@ holds the K/V of source s = (r − t) mod W, and only step 0 needs a mask:
   the local first chunk sees neither.
 
 Every step after the first is one c×2c or 2c×c rectangle, step 0 a causal 2c square: every rank does
-the same work at every step. The machinery is ``ring.py``'s: K/V packed as ``[2, b, 2c, Hkv, d]``
-circulate with the next transfer posted before the step's compute; the running out/lse stay local in
-fp32 (fp64 for fp64 inputs); in backward each step is recomputed by the SDPA backward with the final
-out and lse, and dK/dV partials ride a second ring home. Flat ring only.
+the same work at every step. The schedule is ``ring_driver.py``'s, as for the sparse ring: K/V packed as
+``[2, b, 2c, Hkv, d]`` circulate with the next transfer posted before the step's compute, and dK/dV
+partials ride a second ring home; a step here is the SDPA call on its :func:`zigzag_step` rows. The
+running out/lse stay local in fp32 (fp64 for fp64 inputs); in backward each step is recomputed by the
+SDPA backward with the final out and lse. Flat ring only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from mtraining_kernels.torch_backend import accumulator_dtype
 
 from .config import flag
 from .consensus import agree_on_inputs
-from .ring import WIRE_DTYPES, add_and_forward
+from .ring import WIRE_DTYPES
+from .ring_driver import run_backward_ring, run_forward_ring
 from .ring_groups import RingGroups
 
 
@@ -118,39 +120,34 @@ def check_dense_ring_inputs(q, k, v, layout: Layout, groups: RingGroups, impl: s
                     groups.cp)
 
 
-def _ring_forward(q, kv, groups: RingGroups, impl: str, scale: float):
-    """The running (out ``[b, 2c, Hq, d]``, lse ``[b, Hq, 2c]``) in the accumulator dtype after all W steps."""
-    rank, world, local_len = groups.cp_rank, groups.world_size, q.shape[1]
+def dense_ring_forward(q, kv, groups: RingGroups, impl: str, scale: float):
+    """The running (out ``[b, 2c, Hq, d]``, lse ``[b, Hq, 2c]``) in the accumulator dtype after all W steps;
+    ``kv`` is this rank's ``[2, b, 2c, Hkv, d]``."""
+    rank, local_len = groups.cp_rank, q.shape[1]
     acc = accumulator_dtype(q.dtype)
-    exchange = groups.exchange(groups.cp)
-    held, out, lse = kv, None, None
-    for step in range(world):
-        last = step == world - 1
-        incoming = None if last else exchange.post(held)
-        plan = zigzag_step(rank, groups.source_of(0, step), local_len)
+    out = lse = None
+
+    def step(held, source, _t):
+        nonlocal out, lse
+        plan = zigzag_step(rank, source, local_len)
         step_out, step_lse = attention_forward(q[:, plan.queries], held[0][:, plan.keys], held[1][:, plan.keys],
                                                causal=plan.causal, softmax_scale=scale, impl=impl)
         if out is None:  # step 0 covers every local query
             out, lse = step_out.to(acc).contiguous(), step_lse.to(acc)
         else:
             merge_step(out[:, plan.queries], lse[:, :, plan.queries], step_out, step_lse)
-        if not last:
-            exchange.wait()
-            held = incoming
+    run_forward_ring(kv, groups, step)
     return out, lse
 
 
-def _ring_backward(q, kv, dout, out, lse, groups: RingGroups, impl: str, scale: float, wire: torch.dtype):
+def dense_ring_backward(q, kv, dout, out, lse, groups: RingGroups, impl: str, scale: float, wire: torch.dtype):
     """Returns (dq, dkv ``[2, b, 2c, Hkv, d]`` for this rank's own chunk pair), in lse's dtype."""
-    rank, world, local_len = groups.cp_rank, groups.world_size, q.shape[1]
+    rank, local_len = groups.cp_rank, q.shape[1]
     acc = lse.dtype
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv_exchange, grad_exchange = groups.exchange(groups.cp), groups.exchange(groups.cp, tag=1)
-    held, partial = kv, None
-    for step in range(world):
-        last = step == world - 1
-        incoming = None if last else kv_exchange.post(held)
-        plan = zigzag_step(rank, groups.source_of(0, step), local_len)
+
+    def step(held, source, _t):
+        plan = zigzag_step(rank, source, local_len)
         rows, keys = plan.queries, plan.keys
         dq_step, dk_step, dv_step = attention_backward(
             dout[:, rows], q[:, rows], held[0][:, keys], held[1][:, keys], out[:, rows], lse[:, :, rows],
@@ -159,12 +156,9 @@ def _ring_backward(q, kv, dout, out, lse, groups: RingGroups, impl: str, scale: 
         contribution = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         contribution[0, :, keys] = dk_step
         contribution[1, :, keys] = dv_step
-        partial = add_and_forward(grad_exchange, partial, contribution, wire)
-        if not last:
-            kv_exchange.wait()
-            held = incoming
-    grad_exchange.wait()  # the W-th hop brings this rank's complete dK/dV home
-    return dq, partial.to(acc)
+        return contribution
+    dkv = run_backward_ring(kv, groups, step, wire)
+    return dq, dkv
 
 
 class DenseRingAttention(torch.autograd.Function):
@@ -174,7 +168,7 @@ class DenseRingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, groups, impl, scale, grad_wire, replay_output):
         kv = torch.stack([k, v])
         if replay_output is None:
-            out, lse = _ring_forward(q, kv, groups, impl, scale)
+            out, lse = dense_ring_forward(q, kv, groups, impl, scale)
             out_cast = out.to(q.dtype)
         else:
             out_cast, lse = replay_output
@@ -186,7 +180,7 @@ class DenseRingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = _ring_backward(q, kv, dout.contiguous(), out, lse, *ctx.setup)
+        dq, dkv = dense_ring_backward(q, kv, dout.contiguous(), out, lse, *ctx.setup)
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None
 
 

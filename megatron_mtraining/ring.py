@@ -1,9 +1,9 @@
 """Sparse ring attention over a context-parallel group (DESIGN.md §2.4, §2.5).
 
-One autograd function serves the flat ring (outer size 1) and the hierarchical ring. Only K/V
-circulate, packed as one ``[2, b, N_loc, Hkv, d]`` tensor; the transfer for the next step is posted
-before the current step's compute. dK/dV partials ride a second ring with their chunk and arrive
-home complete after one more hop than K/V made. Queries, the fp32 running output and lse stay local.
+One autograd function serves the flat ring (outer size 1) and the hierarchical ring; the schedule
+(K/V packed as ``[2, b, N_loc, Hkv, d]``, the next transfer posted before the current step's compute,
+dK/dV partials on a second ring) is ``ring_driver.py``'s, and a step here is one block/bar kernel
+launch on that step's source lists. Queries, the fp32 running output and lse stay local.
 
 Inputs are already in the CP layout (the permutation happens once, in the data loader): q
 ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]``; the block/bar lists come from
@@ -21,7 +21,7 @@ from mtraining_kernels.interface import get_backend, replay_output_error
 from mtraining_kernels.layout import Layout
 
 from .consensus import agree_on_inputs
-from .ring_comm import RingExchange
+from .ring_driver import run_backward_ring, run_forward_ring
 from .ring_groups import RingGroups
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -98,80 +98,38 @@ def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups, *, back
                     groups.cp)
 
 
-def _ring_forward(q, kv, index, groups, backend, scale):
-    """Returns the fp32 running (out, lse) after all W steps."""
+def sparse_ring_forward(q, kv, index, groups, backend, scale):
+    """The fp32 running (out ``[b, N_loc, Hq, d]``, lse ``[b, Hq, N_loc]``) after all W steps; ``kv`` is
+    this rank's ``[2, b, N_loc, Hkv, d]``."""
     b, n_loc, hq, d = q.shape
     out = torch.zeros(b, n_loc, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq, n_loc), float("-inf"), dtype=torch.float32, device=q.device)
-    inner_kv = groups.exchange(groups.inner)
-    outer_kv = groups.exchange(groups.outer) if groups.outer is not None else None
-    chunk = kv
-    for o in range(groups.outer_size):
-        last_outer = o == groups.outer_size - 1
-        incoming_chunk = None if last_outer else outer_kv.post(chunk)
-        held = chunk
-        for i in range(groups.inner_size):
-            last_inner = i == groups.inner_size - 1
-            incoming = None if last_inner else inner_kv.post(held)
-            src = groups.source_of(o, i)
-            backend.block_bar_forward(
-                q, held[0], held[1], index.blk_ptr[src], index.blk_col, index.bar_ptr[src], index.bar_col,
-                out, lse, causal_diag=(o == 0 and i == 0), softmax_scale=scale,
-            )
-            if not last_inner:
-                inner_kv.wait()
-                held = incoming
-        if not last_outer:
-            outer_kv.wait()
-            chunk = incoming_chunk
+
+    def step(held, source, t):
+        backend.block_bar_forward(
+            q, held[0], held[1], index.blk_ptr[source], index.blk_col, index.bar_ptr[source], index.bar_col,
+            out, lse, causal_diag=t == 0, softmax_scale=scale,
+        )
+    run_forward_ring(kv, groups, step)
     return out, lse
 
 
-def add_and_forward(exchange: RingExchange, arriving, total: torch.Tensor, wire: torch.dtype):
-    """Add the partial ``arriving`` on ``exchange`` (None before the first hop) into the fp32 ``total``,
-    then send the sum onward; returns the buffer of the next partial to arrive."""
-    if arriving is not None:
-        exchange.wait()
-        total += arriving
-    return exchange.post(total.to(wire))
-
-
-def _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deterministic, wire):
-    """Returns (dq fp32, dkv fp32 [2, b, N_loc, Hkv, d]) for this rank's own chunk."""
+def sparse_ring_backward(q, kv, dout, out, lse, index, groups, backend, scale, deterministic, wire):
+    """Returns (dq fp32, dkv fp32 ``[2, b, N_loc, Hkv, d]``) for this rank's own chunk; ``out`` is the
+    forward's output in q's dtype, ``dout`` contiguous."""
+    delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()   # [b, Hq, N_loc]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    inner_kv, inner_grad = groups.exchange(groups.inner), groups.exchange(groups.inner, tag=1)
-    outer_kv = groups.exchange(groups.outer) if groups.outer is not None else None
-    outer_grad = groups.exchange(groups.outer, tag=1) if groups.outer is not None else None
-    chunk, outer_partial = kv, None
-    for o in range(groups.outer_size):
-        last_outer = o == groups.outer_size - 1
-        incoming_chunk = None if last_outer else outer_kv.post(chunk)
-        held, inner_partial = chunk, None
-        for i in range(groups.inner_size):
-            last_inner = i == groups.inner_size - 1
-            incoming = None if last_inner else inner_kv.post(held)
-            src = groups.source_of(o, i)
-            contribution = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            backend.block_bar_backward(
-                q, held[0], held[1], dout, lse, delta, index.blk_ptr[src], index.blk_col,
-                index.bar_ptr[src], index.bar_col, dq, contribution[0], contribution[1],
-                causal_diag=(o == 0 and i == 0), softmax_scale=scale, deterministic=deterministic,
-            )
-            inner_partial = add_and_forward(inner_grad, inner_partial, contribution, wire)
-            if not last_inner:
-                inner_kv.wait()
-                held = incoming
-        inner_grad.wait()  # L-th hop: this node's total for the chunk held at the outer step's start
-        node_total = inner_partial.float()
-        if outer_grad is not None:  # add earlier nodes' total for the same chunk and pass it on
-            outer_partial = add_and_forward(outer_grad, outer_partial, node_total, wire)
-        if not last_outer:
-            outer_kv.wait()
-            chunk = incoming_chunk
-    if outer_grad is None:
-        return dq, node_total
-    outer_grad.wait()  # O-th outer hop brings the complete gradient home
-    return dq, outer_partial.float()
+
+    def step(held, source, t):
+        contribution = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        backend.block_bar_backward(
+            q, held[0], held[1], dout, lse, delta, index.blk_ptr[source], index.blk_col,
+            index.bar_ptr[source], index.bar_col, dq, contribution[0], contribution[1],
+            causal_diag=t == 0, softmax_scale=scale, deterministic=deterministic,
+        )
+        return contribution
+    dkv = run_backward_ring(kv, groups, step, wire)
+    return dq, dkv
 
 
 class SparseRingAttention(torch.autograd.Function):
@@ -182,7 +140,7 @@ class SparseRingAttention(torch.autograd.Function):
         backend = get_backend(backend_name)
         kv = torch.stack([k, v])
         if replay_output is None:
-            out, lse = _ring_forward(q, kv, index, groups, backend, scale)
+            out, lse = sparse_ring_forward(q, kv, index, groups, backend, scale)
             out_cast = out.to(q.dtype)
         else:
             out_cast, lse = replay_output
@@ -195,10 +153,8 @@ class SparseRingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, kv, out, lse = ctx.saved_tensors
         index, groups, backend, scale, deterministic, grad_wire = ctx.setup
-        dout = dout.contiguous()
-        delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()   # [b, Hq, N_loc]
-        dq, dkv = _ring_backward(q, kv, dout, lse, delta, index, groups, backend, scale, deterministic,
-                                 grad_wire)
+        dq, dkv = sparse_ring_backward(q, kv, dout.contiguous(), out, lse, index, groups, backend, scale,
+                                       deterministic, grad_wire)
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None, None, None
 
 
