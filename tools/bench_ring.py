@@ -3,13 +3,13 @@
     torchrun --nproc-per-node 2 tools/bench_ring.py --seq-lens 131072 262144 524288
 
 For each (N, layout, pattern) it times forward+backward of ``ring_attention`` (median of CUDA-event
-timings, fresh random inputs per repeat, after warm-up), and the same per-step kernel launches with
-no communication ("compute"); exposed communication is ring time minus the slowest rank's compute.
+timings, fresh random inputs per repeat, after warm-up), and the ring's own forward and backward steps
+over exchanges that move nothing ("compute"); exposed communication is ring time minus the slowest rank's compute.
 The sparse pattern is ``realistic_pattern`` with as many far slashes/verticals as reach the
 requested density; the dense ring is the full causal pattern through the same ring and kernels.
 With ``--sdpa-max-len`` it also times the honest dense baseline: the zigzag dense ring on torch's SDPA
 kernels (``megatron_mtraining.dense_ring``, cuDNN unless ``--sdpa-impl flash``), as pattern ``sdpa_cudnn``
-(or ``sdpa_flash``); its "compute" is the same per-step SDPA calls and merges with no communication.
+(or ``sdpa_flash``); its "compute" is that ring's steps (SDPA calls and merges) with no communication.
 With ``--inner-size L`` the sparse ring is hierarchical (inner rings of L ranks, an outer ring over them).
 ``--emulate-node-size`` is a benchmark-only emulation (``slow_link.py``): ranks form nodes of that many
 consecutive ranks (a hierarchical ring's nodes are its inner rings) and every transfer
@@ -27,20 +27,21 @@ import json
 import os
 import statistics
 import subprocess
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_mtraining.balance import balance_report
-from megatron_mtraining.dense_ring import dense_ring_attention, merge_step, zigzag_step
-from megatron_mtraining.ring import ring_attention
+from megatron_mtraining.dense_ring import dense_ring_attention, dense_ring_backward, dense_ring_forward
+from megatron_mtraining.ring import ring_attention, sparse_ring_backward, sparse_ring_forward
 from megatron_mtraining.ring_comm import RingExchange
 from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.interface import get_backend
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.reference import full_index, slash_block_hits
-from mtraining_kernels.sdpa_backend import IMPLS, attention_backward, attention_forward
+from mtraining_kernels.sdpa_backend import IMPLS
 
 from realistic_pattern import realistic_pattern
 from ring_model import CellCosts, flat_ring, hierarchical_ring, hop_bytes
@@ -168,48 +169,41 @@ def time_ring_and_compute(ring, compute, inputs, args, groups) -> tuple[float, f
     return ring_ms, comp_ms
 
 
+class NoTransferExchange:
+    """A ring exchange that moves nothing: ``post`` hands the tensor back, as a ring of one does."""
+
+    def post(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return tensor
+
+    def wait(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class NoTransferRingGroups(RingGroups):
+    """A ring's groups and sources with exchanges that move nothing: the ring's compute alone, local K/V
+    standing in for every source."""
+
+    @classmethod
+    def of(cls, groups: RingGroups) -> "NoTransferRingGroups":
+        return cls(cp=groups.cp, inner=groups.inner, outer=groups.outer)
+
+    def exchange(self, group: dist.ProcessGroup, tag: int = 0) -> NoTransferExchange:
+        return NoTransferExchange()
+
+
 def compute_only(backend, q, k, v, dout, index, groups, scale):
-    """The ring's per-step kernel launches for this rank with no communication (K/V stand in for every source)."""
-    b, n_loc, hq, d = q.shape
-    out = torch.zeros(b, n_loc, hq, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, hq, n_loc), float("-inf"), device=q.device)
-    sources = [groups.source_of(o, i) for o in range(groups.outer_size) for i in range(groups.inner_size)]
-    for step, src in enumerate(sources):
-        backend.block_bar_forward(q, k, v, index.blk_ptr[src], index.blk_col, index.bar_ptr[src], index.bar_col,
-                                  out, lse, causal_diag=step == 0, softmax_scale=scale)
-    delta = (out * dout.float()).sum(-1).transpose(1, 2).contiguous()
-    dq = torch.zeros_like(out)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros_like(dk)
-    for step, src in enumerate(sources):
-        backend.block_bar_backward(q, k, v, dout, lse, delta, index.blk_ptr[src], index.blk_col,
-                                   index.bar_ptr[src], index.bar_col, dq, dk, dv, causal_diag=step == 0,
-                                   softmax_scale=scale)
+    """The sparse ring's forward and backward steps for this rank with no communication."""
+    local, kv = NoTransferRingGroups.of(groups), torch.stack([k, v])
+    out, lse = sparse_ring_forward(q, kv, index, local, backend, scale)
+    sparse_ring_backward(q, kv, dout, out.to(q.dtype), lse, index, local, backend, scale, False, torch.float32)
 
 
 def sdpa_compute_only(impl, q, k, v, dout, groups, scale):
-    """The SDPA dense ring's per-step calls and merges for this rank with no communication (local K/V stand in
-    for every source; the step shapes are the ring's)."""
-    plans = [zigzag_step(groups.cp_rank, groups.source_of(0, step), q.shape[1]) for step in range(groups.world_size)]
-    out = lse = None
-    for plan in plans:
-        step_out, step_lse = attention_forward(q[:, plan.queries], k[:, plan.keys], v[:, plan.keys],
-                                               causal=plan.causal, softmax_scale=scale, impl=impl)
-        if out is None:
-            out, lse = step_out.float().contiguous(), step_lse
-        else:
-            merge_step(out[:, plan.queries], lse[:, :, plan.queries], step_out, step_lse)
-    out = out.to(q.dtype)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv = torch.zeros(2, *k.shape, dtype=torch.float32, device=q.device)
-    for plan in plans:
-        rows, keys = plan.queries, plan.keys
-        dq_step, dk_step, dv_step = attention_backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
-                                                       lse[:, :, rows], causal=plan.causal, softmax_scale=scale,
-                                                       impl=impl)
-        dq[:, rows] += dq_step
-        dkv[0, :, keys] += dk_step
-        dkv[1, :, keys] += dv_step
+    """The SDPA dense ring's forward and backward steps (calls and merges) for this rank with no communication."""
+    local, kv = NoTransferRingGroups.of(groups), torch.stack([k, v])
+    out, lse = dense_ring_forward(q, kv, local, impl, scale)
+    dense_ring_backward(q, kv, dout, out.to(q.dtype), lse, local, impl, scale, torch.float32)
 
 
 def time_sdpa_ring(args, seq_len: int, groups: RingGroups, device) -> dict:
