@@ -62,7 +62,8 @@ TINY_QWEN2 = [
 # without Transformer Engine, Megatron's local layers and no TE/Apex fusions
 LOCAL_IMPL_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion",
                     "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
-GPU_FLAGS = ["--bf16", "--mtraining-backend", "triton", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+GPU_FLAGS = ["--bf16", "--mtraining-backend", "triton", "--log-interval", "1",
+             "--eval-iters", "0", "--eval-interval", "1000",
              *([] if importlib.util.find_spec("transformer_engine") else LOCAL_IMPL_FLAGS)]
 CPU_FLAGS = ["--mtraining-backend", "torch", "--use-cpu-initialization", *LOCAL_IMPL_FLAGS]
 
@@ -89,8 +90,8 @@ def introduction(steps: int, launcher_command: Sequence[str] | None = None) -> l
         runs = [f"  runs      the real launcher on {CONTEXT_PARALLEL} GPUs (Megatron's training loop, Triton kernels):",
                 f"            {shlex.join(launcher_command)}"]
     else:
-        runs = [f"  runs      a minimal training loop in {CONTEXT_PARALLEL} gloo processes: Megatron's `pretrain` needs "
-                "CUDA, so this",
+        runs = [f"  runs      a minimal training loop in {CONTEXT_PARALLEL} gloo processes: Megatron's `pretrain` "
+                "needs CUDA, so this",
                 "            loop drives the launcher's pieces itself (flags, model, mock data, metrics); with",
                 f"            >= {CONTEXT_PARALLEL} GPUs this script runs the real launcher, "
                 "torchrun -m megatron_mtraining.pretrain"]

@@ -9,8 +9,9 @@ There is one flag per :class:`~megatron_mtraining.config.MTrainingConfig` field 
 ``--mtraining-top-p``) with the config's defaults, plus the launcher's ``--mtraining-loss-chunk-size``
 and ``--mtraining-check``; the former ``--mtraining-kernel`` is refused with the flags that replace
 its value (``KERNEL_FLAG_REPLACEMENTS``). The config validates the MTraining settings;
-:func:`validate_mtraining_args` adds the checks that involve Megatron's own flags (``--spec``, ``--cp-comm-type``, packed sequences,
-dropout, MTP, RoPE type). Every rejection is a ``ValueError`` naming the flag and the fix, raised before any work.
+:func:`validate_mtraining_args` adds the checks that involve Megatron's own flags (``--spec``,
+``--cp-comm-type``, packed sequences, dropout, MTP, RoPE type). Every rejection is a ``ValueError``
+naming the flag and the fix, raised before any work.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ class MTrainingConfig:
 
     @property
     def block_sparse_backend(self) -> str:
-        """The ``mtraining_kernels`` backend name of ``backend``: ``triton`` or ``torch_blocksparse`` (not reference)."""
+        """The ``mtraining_kernels`` name of ``backend``: ``triton`` or ``torch_blocksparse`` (not reference)."""
         return BLOCK_SPARSE_BACKENDS[self.backend]
 
     @property
@@ -366,6 +366,6 @@ def _budget_table(config: MTrainingConfig, num_layers: int, num_heads: int, seq_
                 v_size=config.vertical_size, s_size=config.slash_size, pattern_file=config.pattern_file)
         table.validate_for(seq_length, config.sink_tokens, config.local_window)
     except ValueError as error:
-        raise ValueError(f"{config.budget_flags()} does not fit --num-layers={num_layers}, --num-attention-heads={num_heads}, "
-                         f"--seq-length={seq_length}: {error}") from None
+        raise ValueError(f"{config.budget_flags()} does not fit --num-layers={num_layers}, "
+                         f"--num-attention-heads={num_heads}, --seq-length={seq_length}: {error}") from None
     return table

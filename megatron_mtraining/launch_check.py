@@ -240,7 +240,8 @@ def resolved_configuration(args: argparse.Namespace, mtraining: MTrainingConfig)
         f"ranks        {args.world_size} = TP {tp} × PP {pp} × CP {cp} × DP {dp}",
         f"batch        micro-batch {args.micro_batch_size}, global batch {args.global_batch_size} "
         f"({micro_batches} micro-batches per step and DP rank)",
-        f"sequence     {args.seq_length:,} tokens, {args.seq_length // cp:,} per CP rank; {_ring_text(args, mtraining)}",
+        f"sequence     {args.seq_length:,} tokens, {args.seq_length // cp:,} per CP rank; "
+        f"{_ring_text(args, mtraining)}",
         f"model        {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} query heads / "
         f"{args.num_query_groups or args.num_attention_heads} KV groups, head dim {head_dim(args)}, FFN "
         f"{args.ffn_hidden_size}, vocab {vocab}, {args.position_embedding_type} θ {args.rotary_base:g}"
@@ -251,8 +252,8 @@ def resolved_configuration(args: argparse.Namespace, mtraining: MTrainingConfig)
         f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, recompute {args.recompute_granularity or 'none'}",
         f"evaluation   {evaluation}",
         f"data         {data}",
-        f"checkpoints  pretrained {args.pretrained_checkpoint or '-'}; load {args.load or '-'}; save {args.save or '-'} "
-        f"every {args.save_interval or '-'} ({args.ckpt_format})",
+        f"checkpoints  pretrained {args.pretrained_checkpoint or '-'}; load {args.load or '-'}; "
+        f"save {args.save or '-'} every {args.save_interval or '-'} ({args.ckpt_format})",
         f"tokenizer    {args.tokenizer_type} {args.tokenizer_model or ''}".rstrip(),
     ]
 

@@ -218,8 +218,8 @@ def rank_candidates(scores: torch.Tensor, indices: torch.Tensor, num_forced: int
 
     ``scores``/``indices [..., m]`` int64, indices distinct along the last dim, in any order. The
     order is: indices below ``num_forced`` (the forced entries) first, by index; then the others by
-    score descending, then index ascending. It is a strict total order, so ranking a union of per-rank results again gives
-    the same list as ranking everything at once.
+    score descending, then index ascending. It is a strict total order, so ranking a union of per-rank
+    results again gives the same list as ranking everything at once.
     """
     by_index = indices.argsort(dim=-1, stable=True)
     indices = indices.gather(-1, by_index)

@@ -202,9 +202,9 @@ datasets_provider.is_distributed = True
 LOCAL_IMPLEMENTATION_DEFAULTS = {"transformer_impl": "local", "apply_rope_fusion": False,
                                  "gradient_accumulation_fusion": False, "bias_swiglu_fusion": False,
                                  "no_persist_layer_norm": True, "masked_softmax_fusion": False}
-LOCAL_IMPLEMENTATION_NOTE = ("Transformer Engine is not installed: using --transformer-impl local with --no-rope-fusion "
-                             "--no-gradient-accumulation-fusion --no-bias-swiglu-fusion --no-persist-layer-norm "
-                             "--no-masked-softmax-fusion")
+LOCAL_IMPLEMENTATION_NOTE = ("Transformer Engine is not installed: using --transformer-impl local with "
+                             "--no-rope-fusion --no-gradient-accumulation-fusion --no-bias-swiglu-fusion "
+                             "--no-persist-layer-norm --no-masked-softmax-fusion")
 _PERCENT_SIGNS = re.compile(r"%%|%\([a-z_]+\)[a-z]|%")   # escaped, a format field, or a bare sign
 
 

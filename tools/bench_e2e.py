@@ -427,7 +427,8 @@ def estimate_run_seconds(config: Config, num_layers: int, schedule: Schedule, op
     density = ASSUMED_SPARSE_DENSITY if config.variant.sparse else 1.0
     flops = iteration_flops(config.model, config.seq_len, num_layers, density,
                             recompute_layers=options.recompute != "none",
-                            recompute_attention=options.recompute == "full", recompute_output=options.loss_chunk_size > 0)
+                            recompute_attention=options.recompute == "full",
+                            recompute_output=options.loss_chunk_size > 0)
     iteration_s = flops / options.cp / (options.assumed_tflops * 1e12)
     return options.startup_s + schedule.train_iters * iteration_s
 

@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = model_rows(options)
     if not rows:
         parser.error(f"--worlds {options.worlds}: no world size has an inner x outer split with both >= 2")
-    print(f"| W | N | nodes x GPUs | compute ms | flat ring ms | hierarchical ms | saving |\n|---|---|---|---|---|---|---|")
+    print("| W | N | nodes x GPUs | compute ms | flat ring ms | hierarchical ms | saving |\n"
+          "|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['world']} | {row['seq_len'] // 1024}K | {row['outer']} x {row['inner']} | {row['compute_ms']:.2f} | "
-              f"{row['flat_ms']:.2f} | {row['hierarchical_ms']:.2f} | {row['saving']:.0%} |")
+        print(f"| {row['world']} | {row['seq_len'] // 1024}K | {row['outer']} x {row['inner']} | "
+              f"{row['compute_ms']:.2f} | {row['flat_ms']:.2f} | {row['hierarchical_ms']:.2f} | {row['saving']:.0%} |")
     return rows
 
 

@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     sweep_pattern(f"sparse{options.sparsity:g}", q, k, v, dout, index, mask_density(v_idx, s_idx, options.seq_len),
                   options, record)
 
-    print("\n| pattern | kernel | config | ms | TFLOP/s (computed) | vs cuDNN | status |\n|---|---|---|---|---|---|---|")
+    print("\n| pattern | kernel | config | ms | TFLOP/s (computed) | vs cuDNN | status |\n"
+          "|---|---|---|---|---|---|---|")
     cudnn = {row["kernel"]: row["tflops_actual"] for row in rows if row["config"].get("impl") == "sdpa_cudnn"}
     for row in rows:
         share = f"{row['tflops_actual'] / cudnn[row['kernel']]:.0%}" if "tflops_actual" in row else "–"

@@ -242,7 +242,8 @@ def summary(runs: list[dict], baseline_name: str, figures: dict[str, str]) -> st
                       "| run | " + " | ".join(length_label(n) for n in lengths) + " |",
                       "|---|" + "---|" * len(lengths)]
             for name, by_length in paired.items():
-                cells = [f"{c['delta']:+.1f} ({c['delta'] - c['half_width']:+.1f} … {c['delta'] + c['half_width']:+.1f}; "
+                cells = [f"{c['delta']:+.1f} ({c['delta'] - c['half_width']:+.1f} … "
+                         f"{c['delta'] + c['half_width']:+.1f}; "
                          f"{c['only_baseline']} / {c['only_run']})" if (c := by_length.get(n)) else "n/a"
                          for n in lengths]
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")

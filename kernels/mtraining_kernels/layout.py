@@ -109,16 +109,16 @@ class Layout:
     def to_global(self, rank: int | torch.Tensor, local: torch.Tensor, seq_len: int) -> torch.Tensor:
         """(rank, local position) → global position, elementwise."""
         self.validate(seq_len)
-        l = local.long()
-        r = torch.as_tensor(rank, dtype=torch.long, device=l.device)
+        pos = local.long()
+        r = torch.as_tensor(rank, dtype=torch.long, device=pos.device)
         w = self.world_size
         if self.kind == "contiguous":
-            return r * (seq_len // w) + l
+            return r * (seq_len // w) + pos
         if self.kind == "zigzag":
             chunk = seq_len // (2 * w)
-            return torch.where(l < chunk, r * chunk + l, (2 * w - 1 - r) * chunk + (l - chunk))
+            return torch.where(pos < chunk, r * chunk + pos, (2 * w - 1 - r) * chunk + (pos - chunk))
         g = self.granularity
-        return ((l // g) * w + r) * g + l % g
+        return ((pos // g) * w + r) * g + pos % g
 
     def global_positions(self, seq_len: int, rank: int, device=None) -> torch.Tensor:
         """Global positions held by ``rank``, in local order: int64 ``[N/W]``."""

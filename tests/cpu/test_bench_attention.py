@@ -53,7 +53,8 @@ def test_report_only_uses_the_latest_run_and_its_own_cudnn(tmp_path):
 
 def test_plot_has_a_panel_per_shape_and_a_colour_per_pattern():
     fig = bench_attention.speedup_figure(bench_attention.latest_run(ROWS))
-    panels = {ax.get_title(): {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+    panels = {ax.get_title(): {line.get_label(): line for line in ax.get_lines()
+                               if not line.get_label().startswith("_")}
               for ax in fig.axes}
     assert set(panels) == {"mha", "qwen2.5-3b"}
     lines = panels["qwen2.5-3b"]

@@ -584,7 +584,8 @@ def test_speedup_series_one_line_per_model_variant_and_method():
 def test_compare_runs_puts_each_configurations_latest_run_next_to_the_one_before():
     def dated(date, **kwargs):
         r = row(**kwargs)
-        r.update(date=date, commit=f"c{date[-1]}", fit={"per_layer_ms": 1000.0 / kwargs["tokens_per_s"], "fixed_ms": 5.0})
+        r.update(date=date, commit=f"c{date[-1]}",
+                 fit={"per_layer_ms": 1000.0 / kwargs["tokens_per_s"], "fixed_ms": 5.0})
         return r
 
     dense = dict(attention="dense", setting="dense", kernel="sdpa_cudnn")

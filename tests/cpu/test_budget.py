@@ -185,8 +185,12 @@ def test_sparsity_conversion_is_a_guaranteed_bound(seq_len, target, seed):
     worst = float(sparsity(vertical_slash_mask(worst_v.view(1, 1, -1), worst_s.view(1, 1, -1), seq_len)))
     assert target <= worst <= target + 0.1, f"{budget} gives worst-case sparsity {worst} for target {target}"
     generator = torch.Generator().manual_seed(seed)
-    pick = lambda forced, size: torch.cat([torch.arange(forced), forced + torch.randperm(
-        seq_len - forced, generator=generator)[: size - forced]]).sort().values.int().view(1, 1, -1)
+
+    def pick(forced, size):
+        """The first ``forced`` indices and ``size - forced`` random others, sorted: int32 ``[1, 1, size]``."""
+        others = forced + torch.randperm(seq_len - forced, generator=generator)[: size - forced]
+        return torch.cat([torch.arange(forced), others]).sort().values.int().view(1, 1, -1)
+
     random_mask = vertical_slash_mask(pick(30, budget.v_size), pick(100, budget.s_size), seq_len)
     assert float(sparsity(random_mask)) >= target, f"seed={seed} {budget}"
 

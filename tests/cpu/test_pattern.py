@@ -99,7 +99,8 @@ def test_forced_entries_are_kept_even_when_they_score_worst(seed):
     k[:, (rows[:, None] - torch.arange(WINDOW)[None, :]).reshape(-1)] *= -1  # and so do offsets 0 … 99
     for budget in (StaticBudget(SINKS + 5, WINDOW + 5), TopPBudget(0.5, 128)):
         index = estimate_vertical_slash(q, k, budget)
-        for v_list, s_list in zip(valid_entries(index.v_idx, index.v_cnt)[0], valid_entries(index.s_idx, index.s_cnt)[0]):
+        for v_list, s_list in zip(valid_entries(index.v_idx, index.v_cnt)[0],
+                                  valid_entries(index.s_idx, index.s_cnt)[0]):
             assert set(range(SINKS)) <= set(v_list) and set(range(WINDOW)) <= set(s_list), f"seed={seed} {budget}"
             assert len(v_list) > SINKS and len(s_list) > WINDOW, f"seed={seed} {budget}"
 
@@ -299,7 +300,8 @@ def test_pieces_over_key_shards_rebuild_the_index_bitwise(kind, mode, seed):
                   "s": [(s_scores[..., offset_owner == r], torch.arange(seq_len)[offset_owner == r]
                          .expand(batch, q_heads, -1)) for r in range(world)]}
     index = estimate_vertical_slash(q, k, budget)
-    for name, forced, lists, counts in (("v", SINKS, index.v_idx, index.v_cnt), ("s", WINDOW, index.s_idx, index.s_cnt)):
+    for name, forced, lists, counts in (("v", SINKS, index.v_idx, index.v_cnt),
+                                        ("s", WINDOW, index.s_idx, index.s_cnt)):
         width = lists.shape[-1]
         local = [rank_candidates(scores, idx, forced, width) for scores, idx in candidates[name]]
         ranked_scores, ranked_indices = rank_candidates(torch.cat([s for s, _ in local], -1),
@@ -371,7 +373,8 @@ def _qk(n=256, hq=4, hkv=2, d=16):
     (lambda q, k: estimate_vertical_slash(q[0], k, StaticBudget(64, 128)), "q must be a floating-point tensor"),
     (lambda q, k: estimate_vertical_slash(q.long(), k, StaticBudget(64, 128)), "q must be a floating-point"),
     (lambda q, k: estimate_vertical_slash(q, k[:, :128], StaticBudget(64, 128)), "must agree on \\[b, N"),
-    (lambda q, k: estimate_vertical_slash(q[:, :, :3], k, StaticBudget(64, 128)), "Hq=3 are not divisible by KV heads Hkv=2"),
+    (lambda q, k: estimate_vertical_slash(q[:, :, :3], k, StaticBudget(64, 128)),
+     "Hq=3 are not divisible by KV heads Hkv=2"),
     (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 128), last_q=0), "last_q=0"),
     (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 128), last_q=65), "last_q=65 .*64-row tile"),
     (lambda q, k: estimate_vertical_slash(q[:, :48], k[:, :48], StaticBudget(40, 40), last_q=64,

@@ -126,7 +126,7 @@ def launcher_parser() -> argparse.ArgumentParser:
 
 
 def _launcher_tokenizer(parser: argparse.ArgumentParser, flags: list[str]):
-    """What ``get_tokenizer()`` returns in the launcher given ``flags``: Megatron's ``build_tokenizer`` of the parsed args."""
+    """The launcher's ``get_tokenizer()`` for ``flags``: Megatron's ``build_tokenizer`` of the parsed args."""
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     args = parser.parse_args(flags)
@@ -270,6 +270,9 @@ def _bad_tokenizer_flags(tokenizers: dict[str, Path], directory: Path) -> dict[s
                                 rf"--tokenizer {folder}/tokenizer\.json is a file; .* give the one that holds it"),
         "folder as sentencepiece": (["--tokenizer-type", SP, "--tokenizer-model", folder],
                                     rf"--tokenizer-model {folder} is a directory; .* \.model file"),
+        "sentencepiece as folder": (["--tokenizer-type", HF, "--tokenizer-model", model],
+                                    rf"--tokenizer-model {model} is a file; .* SentencePiece \.model with "
+                                    rf"--tokenizer-type {SP}"),
         "corrupt model": (["--tokenizer", str(corrupt)], rf"Megatron's {SP} cannot load {corrupt}"),
         "both forms": (["--tokenizer", folder, "--tokenizer-type", HF], "--tokenizer is short for .* give either"),
         "model without type": (["--tokenizer-model", folder], "give the launcher's --tokenizer-type and"),
@@ -279,7 +282,8 @@ def _bad_tokenizer_flags(tokenizers: dict[str, Path], directory: Path) -> dict[s
 
 @pytest.mark.parametrize("case", ["missing path", "missing model", "no tokenizer files", "unknown type",
                                   "type without text", "tokenizer.json file", "folder as sentencepiece",
-                                  "corrupt model", "both forms", "model without type", "no tokenizer"])
+                                  "sentencepiece as folder", "corrupt model", "both forms", "model without type",
+                                  "no tokenizer"])
 def test_bad_tokenizer_is_refused_before_reading(case, tokenizers, tmp_path, monkeypatch):
     flags, message = _bad_tokenizer_flags(tokenizers, tmp_path)[case]
     (tmp_path / "a.txt").write_text("Each rank holds one stripe of the sequence.")

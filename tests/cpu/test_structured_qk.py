@@ -68,7 +68,8 @@ def test_top_p_pattern_is_sparse_on_structured_and_dense_on_random_inputs(seed, 
     q_random, k_random = (torch.randn(t.shape, generator=generator).bfloat16() for t in (q, k))
     random_index = estimate_vertical_slash(q_random, k_random, TopPBudget(p))
     random = mask_density(random_index.v_idx, random_index.s_idx, seq_len)
-    assert structured < (0.4 if p == 0.9 else 0.7) and random > 0.8, f"seed={seed} p={p}: density {structured:.3f} vs random {random:.3f}"
+    assert structured < (0.4 if p == 0.9 else 0.7) and random > 0.8, (
+        f"seed={seed} p={p}: density {structured:.3f} vs random {random:.3f}")
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 128), (4, 2, 127), (4, 2, 64)])

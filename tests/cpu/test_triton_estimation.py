@@ -192,12 +192,13 @@ def test_bad_logits_input_raises_value_error_naming_it(change, word):
 
 
 @pytest.mark.parametrize("call, word", [
-    (lambda l, qp, kp: triton_estimation.static_scores(l.double(), qp, kp, 128, RULES), "fp32"),
-    (lambda l, qp, kp: triton_estimation.static_scores(l.transpose(-1, -2), qp, kp, 128, RULES), "fp32"),
-    (lambda l, qp, kp: triton_estimation.static_scores(l[..., ::2], qp, kp[::2], 128, RULES), "unit stride"),
-    (lambda l, qp, kp: triton_estimation.static_scores(l, qp, kp[:-1], 128, RULES), "k_positions"),
-    (lambda l, qp, kp: triton_estimation.exp_row_sums(l, l.amax(-1)[..., :-1], RULES), "row_max"),
-    (lambda l, qp, kp: triton_estimation.top_p_scores(l, qp, kp, 128, l.amax(-1), torch.ones(1, 2, 1), RULES),
+    (lambda logits, qp, kp: triton_estimation.static_scores(logits.double(), qp, kp, 128, RULES), "fp32"),
+    (lambda logits, qp, kp: triton_estimation.static_scores(logits.transpose(-1, -2), qp, kp, 128, RULES), "fp32"),
+    (lambda logits, qp, kp: triton_estimation.static_scores(logits[..., ::2], qp, kp[::2], 128, RULES), "unit stride"),
+    (lambda logits, qp, kp: triton_estimation.static_scores(logits, qp, kp[:-1], 128, RULES), "k_positions"),
+    (lambda logits, qp, kp: triton_estimation.exp_row_sums(logits, logits.amax(-1)[..., :-1], RULES), "row_max"),
+    (lambda logits, qp, kp: triton_estimation.top_p_scores(logits, qp, kp, 128, logits.amax(-1),
+                                                            torch.ones(1, 2, 1), RULES),
      "row_sums"),
 ])
 def test_bad_score_input_raises_value_error_naming_it(call, word):

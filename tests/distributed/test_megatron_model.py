@@ -699,7 +699,8 @@ def test_select_layout_positions_refuses_masks_and_packing():
 
     batch = _batch(0)
     with pytest.raises(ValueError, match="no-create-attention-mask-in-dataloader"):
-        select_layout_positions(dict(batch, attention_mask=torch.ones(BATCH, 1, SEQ_LEN, SEQ_LEN)), Layout("striped", 2), 0)
+        select_layout_positions(dict(batch, attention_mask=torch.ones(BATCH, 1, SEQ_LEN, SEQ_LEN)),
+                                Layout("striped", 2), 0)
     with pytest.raises(ValueError, match="packed sequences"):
         select_layout_positions(dict(batch, cu_seqlens=torch.tensor([0, SEQ_LEN])), Layout("striped", 2), 0)
     with pytest.raises(ValueError, match="not divisible"):

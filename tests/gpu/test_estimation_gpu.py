@@ -150,14 +150,16 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
             q[:, seq_len - 64:], q_positions, k, k_positions, scale, keys_per_tile=keys_per_tile,
             num_warps=num_warps), 5), 2)
     print(f"N={seq_len}: logits kernel ms by keys per tile x warps: {tiles}", flush=True)
+    # the logits are bound as default arguments (not closed over): they are deleted before the peak-memory timings
     sweep_logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
     for mode in BUDGETS:
         tiles = {}
         for keys_per_tile, num_warps in ((32, 4), (64, 8), (128, 4), (128, 8), (128, 16), (256, 8), (256, 16)):
             with mock.patch.object(triton_estimation, "SCORE_KEYS_PER_TILE", keys_per_tile), \
                     mock.patch.object(triton_estimation, "SCORE_NUM_WARPS", num_warps):
-                tiles[f"{keys_per_tile}x{num_warps}w"] = round(_median_ms(lambda: pattern._vertical_and_slash_scores(
-                    sweep_logits, mode == "top_p", q_positions, k_positions, seq_len), 5), 2)
+                tiles[f"{keys_per_tile}x{num_warps}w"] = round(_median_ms(
+                    lambda logits=sweep_logits: pattern._vertical_and_slash_scores(
+                        logits, mode == "top_p", q_positions, k_positions, seq_len), 5), 2)
         print(f"N={seq_len} {mode}: score kernels ms by keys per tile x warps: {tiles}", flush=True)
     del sweep_logits
     for mode, budget in BUDGETS.items():
@@ -169,8 +171,8 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
             logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
             logits_ms = _median_ms(lambda: triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k,
                                                                                 k_positions, scale), 5)
-            scores_ms = _median_ms(lambda: pattern._vertical_and_slash_scores(logits, mode == "top_p", q_positions,
-                                                                               k_positions, seq_len), 5)
+            scores_ms = _median_ms(lambda logits=logits: pattern._vertical_and_slash_scores(
+                logits, mode == "top_p", q_positions, k_positions, seq_len), 5)
             del logits
             torch.cuda.reset_peak_memory_stats()
             new = _median_ms(lambda: pattern.estimate_vertical_slash(q, k, budget), 5)

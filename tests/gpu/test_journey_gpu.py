@@ -102,8 +102,8 @@ def journey(request, tmp_path_factory) -> dict[str, Path]:
     _run([sys.executable, "tools/convert_qwen2_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--output-dir",
           str(checkpoint)], root / "convert.log")
     data_prefix = root / "data" / "docs"
-    _run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--tokenizer-type", "HuggingFaceTokenizer",
-          "--tokenizer-model", str(hf_dir),
+    _run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+          "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_dir),
           "--output-prefix", str(data_prefix), "--workers", "2", "--target-length", str(SEQ_LEN)],
          root / "preprocess.log")
     return {"name": request.param, "root": root, "hf": hf_dir, "checkpoint": checkpoint, "data": data_prefix}
@@ -140,8 +140,10 @@ def _megatron_logits(journey: dict, iteration_dir: Path, tokens: torch.Tensor, p
     from megatron_mtraining.arguments import validate_mtraining_args
     from megatron_mtraining.pretrain import launcher_args, mtraining_model_config
 
-    script = f'source {shlex.quote(str(journey["checkpoint"] / "megatron_model_args.sh"))}; printf "%s\\0" "${{MODEL_ARGS[@]}}"'
-    model_flags = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout.split("\0")[:-1]
+    model_args_file = journey["checkpoint"] / "megatron_model_args.sh"
+    script = f'source {shlex.quote(str(model_args_file))}; printf "%s\\0" "${{MODEL_ARGS[@]}}"'
+    printed = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout
+    model_flags = printed.split("\0")[:-1]
     parser = launcher_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     args = parser.parse_args([*model_flags, "--micro-batch-size", "1", "--seq-length", str(tokens.shape[1]),
                               "--max-position-embeddings", str(SEQ_LEN), "--bf16", "--mtraining-dense",
