@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/python examples/quickstart.py
 
-## Run the test suite (GPU tests are skipped without CUDA).
+## Lint with ruff, then run the test suite (GPU tests are skipped without CUDA).
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest tests
 
 clean-venv:
