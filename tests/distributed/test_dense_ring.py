@@ -183,7 +183,8 @@ def _bad_dense_ring_input(rank, world_size, problem):
     ("shapes_differ", r"dense ring attention: the ranks of the group disagree on \{'d': \[16, 8\]"),
     ("striped_layout", r"needs the zigzag layout, got Layout\(kind='striped'.*use --mtraining-layout zigzag"),
     ("cudnn_on_cpu", r"impl='cudnn' needs CUDA tensors, got CPU tensors.*use impl='flash'"),
-    ("wire_differs", r"dense ring attention: the ranks of the group disagree on \{'grad_wire_dtype': \['fp32', 'bf16'\]"),
+    ("wire_differs",
+     r"dense ring attention: the ranks of the group disagree on \{'grad_wire_dtype': \['fp32', 'bf16'\]"),
     ("unknown_wire", r"invalid on rank\(s\) \[1\]|CP rank 1: grad_wire_dtype='fp16' is not one of"),
     ("scale_differs", r"dense ring attention: the ranks of the group disagree on \{'softmax_scale': \[0\.25, 0\.3\]"),
 ])
@@ -245,8 +246,8 @@ def test_attention_module_runs_the_sdpa_baseline(distributed, seed, world):
 def test_attention_module_refuses_sdpa_with_another_layout_at_cp2(distributed):
     errors = distributed(_striped_sdpa_module, 2)
     for error in errors:
-        assert re.search(r"--mtraining-dense-impl=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense ring, "
-                         r"but --mtraining-layout=striped; add --mtraining-layout zigzag", error), error
+        assert re.search(r"--mtraining-dense-impl=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense "
+                         r"ring, but --mtraining-layout=striped; add --mtraining-layout zigzag", error), error
 
 
 def _striped_sdpa_module(rank, world_size):

@@ -58,7 +58,8 @@ AGREE = r".*every rank must pass the same shapes, dtype, budget and options"
 # ("consensus": all the same one; "own": the bad rank its reason, the others one naming it) and that message
 RING_CASES = {
     "sequence length": (dict(local_len=2 * LOCAL_LEN), "consensus",
-                        r"ring attention: the ranks of the group disagree on \{'N_loc': \[(?=[^\]]*256)(?=[^\]]*512)" + AGREE),
+                        r"ring attention: the ranks of the group disagree on "
+                        r"\{'N_loc': \[(?=[^\]]*256)(?=[^\]]*512)" + AGREE),
     "index shape (heads)": (dict(index_heads=2 * HEADS), "own",
                             r"index covers \[b, Hq\]=\(1, 4\), q has \(1, 2\); convert the index"),
     "index for another rank": (dict(index_rank_shift=1), "own",
