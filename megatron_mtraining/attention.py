@@ -20,7 +20,6 @@ It has no parameters, so checkpoints are the same as a dense Megatron model's.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,11 +33,10 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from mtraining_kernels.index import BlockBarIndex, convert_index
 from mtraining_kernels.interface import dense_attention, sparse_attention
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
-from mtraining_kernels.reference import (full_index, reference_sparse_attention, slash_block_hits,
-                                         vertical_slash_mask)
+from mtraining_kernels.reference import full_index, reference_sparse_attention, vertical_slash_mask
 
 from . import pattern
-from .balance import BalanceReport, balance_report
+from .attention_stats import AttentionStats, Stopwatch
 from .budget import LayerBudget
 from .config import REFERENCE_BACKEND, MTrainingConfig, flag
 from .dense_ring import dense_ring_attention
@@ -47,95 +45,6 @@ from .ring import ring_attention
 from .ring_groups import RingGroups
 
 ACCEPTED_CP_COMM_TYPES = (None, "p2p", "a2a+p2p")
-
-
-def mask_density(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """|M| / (N(N+1)/2) of the §2.1 mask, per (b, Hq): fp64 ``[b, Hq]``, without building the mask.
-
-    |M| = NB·B(B+1)/2 (diagonal blocks) + B²·Σ_{δ≥1} hit[δ]·(NB−δ) (active blocks) + B·Σ_v #{δ in
-    1 … NB−1−kb(v) : not hit[δ]} (each vertical v adds one column to every later query block in which
-    its key block is not already active).
-    """
-    num_blocks = seq_len // BLOCK_SIZE
-    hit = slash_block_hits(s_idx, num_blocks)                                   # [b, Hq, NB]
-    distance = torch.arange(num_blocks, device=hit.device)
-    active_blocks = (hit[..., 1:].long() * (num_blocks - distance[1:])).sum(-1)
-    misses = (~hit).long()
-    misses[..., 0] = 0
-    misses_up_to = misses.cumsum(-1)                                            # Σ_{δ=1..m} (not hit[δ])
-    valid = v_idx < seq_len
-    key_block = v_idx.long().clamp(max=seq_len - 1) // BLOCK_SIZE
-    bar_blocks = torch.where(valid, misses_up_to.gather(-1, num_blocks - 1 - key_block), 0).sum(-1)
-    area = (num_blocks * BLOCK_SIZE * (BLOCK_SIZE + 1) // 2 + BLOCK_SIZE * BLOCK_SIZE * active_blocks
-            + BLOCK_SIZE * bar_blocks)
-    return area.double() / (seq_len * (seq_len + 1) / 2)
-
-
-class _Stopwatch:
-    """Wall time of a region: CUDA events on a GPU (read lazily), ``perf_counter`` on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self._events = None
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        self._start = time.perf_counter()
-        self._seconds = 0.0
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._seconds = time.perf_counter() - self._start
-
-    @property
-    def seconds(self) -> float:
-        if self._events is None:
-            return self._seconds
-        self._events[1].synchronize()
-        return self._events[0].elapsed_time(self._events[1]) / 1e3
-
-
-@lru_cache(maxsize=4)
-def _full_pattern_balance(layout: Layout, seq_len: int) -> BalanceReport:
-    """The full pattern's ring work for one head, computed once per shape (0.2 s at 512K)."""
-    return balance_report(*full_index(1, 1, seq_len), layout, seq_len)
-
-
-@dataclass(eq=False)
-class AttentionStats:
-    """One training forward of one layer: its global index and the estimation time.
-
-    The numbers are computed when read (``density``, ``estimation_seconds`` and ``balance()`` may
-    synchronise with the GPU), so recording them costs nothing on steps that do not log. Layers on an
-    SDPA dense_impl have no index (``v_idx``/``s_idx`` None): density 1.0 and the full pattern's balance.
-    """
-
-    layer_number: int
-    dense: bool
-    v_idx: torch.Tensor | None              # int32 [b, Hq, Vmax], global (identical on every CP rank)
-    s_idx: torch.Tensor | None              # int32 [b, Hq, Smax]
-    layout: Layout
-    seq_len: int
-    estimation: _Stopwatch | None           # None for dense layers
-
-    @property
-    def density(self) -> float:
-        """|M| / causal area, averaged over samples and this rank's query heads."""
-        if self.v_idx is None:
-            return 1.0
-        return float(mask_density(self.v_idx, self.s_idx, self.seq_len).mean())
-
-    @property
-    def estimation_seconds(self) -> float:
-        return 0.0 if self.estimation is None else self.estimation.seconds
-
-    def balance(self) -> BalanceReport:
-        """Per-(rank, ring step) work of this index in this layout (flat-ring step order); without an index,
-        that of the full pattern for one head (the SDPA dense ring does the same work per step)."""
-        if self.v_idx is None:
-            return _full_pattern_balance(self.layout, self.seq_len)
-        return balance_report(self.v_idx, self.s_idx, self.layout, self.seq_len)
 
 
 @dataclass(frozen=True, eq=False)
@@ -325,7 +234,7 @@ class MTrainingAttention(MegatronModule):
                 self.last_stats = AttentionStats(self.layer_number, True, index.v_idx, index.s_idx, self.layout,
                                                  seq_len, None)
             return index
-        stopwatch = _Stopwatch(q.device)
+        stopwatch = Stopwatch(q.device)
         with torch.no_grad():
             estimated = self._estimate(q.detach(), k.detach(), seq_len)
         stopwatch.stop()
@@ -355,8 +264,3 @@ class MTrainingAttention(MegatronModule):
             self._budgets[seq_len] = table.resolve(self.layer_number, range(first, first + heads))
         return self._budgets[seq_len]
 
-
-def collect_stats(modules) -> list[AttentionStats]:
-    """The latest :class:`AttentionStats` of every :class:`MTrainingAttention` inside ``modules`` (model chunks)."""
-    return [module.last_stats for model in modules for module in model.modules()
-            if isinstance(module, MTrainingAttention) and module.last_stats is not None]

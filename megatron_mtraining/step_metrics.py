@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer, print_rank_last
 
-from .attention import collect_stats
+from .attention_stats import collect_stats
 from .consensus import collective_device
 from .index_cache import assert_index_caches_empty
 

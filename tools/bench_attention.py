@@ -46,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mtraining_kernels import Layout, convert_index, sparse_attention
 from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.reference import full_index, slash_block_hits
+from mtraining_kernels.reference import full_index, mask_area
 
 from structured_qk import structured_qk
 
@@ -55,21 +55,6 @@ SINKS, WINDOW = 30, 100
 
 
 # ---------------------------------------------------------------------------------------- patterns
-def mask_size(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """|M| per [b, Hq] of the DESIGN.md §2.1 mask, without building it (int64)."""
-    num_blocks = seq_len // BLOCK_SIZE
-    hit = slash_block_hits(s_idx, num_blocks)                                     # [b, H, NB]
-    distance = torch.arange(num_blocks, device=hit.device)
-    block_area = (hit[..., 1:].long() * (num_blocks - distance[1:])).sum(-1) * BLOCK_SIZE ** 2
-    block_area += num_blocks * BLOCK_SIZE * (BLOCK_SIZE + 1) // 2
-    # a vertical in block kb adds B rows for every query block kb+δ (δ ≥ 1) whose block is off
-    misses = torch.cumsum((~hit).long(), -1)                                      # misses[x] = #off δ ≤ x
-    valid = v_idx < seq_len
-    reach = (num_blocks - 1 - v_idx.long().clamp(max=seq_len - 1) // BLOCK_SIZE)
-    bar_rows = torch.where(valid, misses.gather(-1, reach), 0).sum(-1) * BLOCK_SIZE
-    return block_area + bar_rows
-
-
 def budget_pattern(batch: int, heads: int, seq_len: int, sparsity: float, device, generator: torch.Generator):
     """(v_idx, s_idx, slash count): forced entries, N/128 random verticals, and as many random slashes
     (the same count per head, a nested random order so density grows with it) as keep the mean
@@ -90,7 +75,7 @@ def budget_pattern(batch: int, heads: int, seq_len: int, sparsity: float, device
         return picked.to(torch.int32).view(batch, heads, -1)
 
     def density(count: int) -> float:
-        return float(mask_size(v_idx, slashes(count), seq_len).double().mean()) / total
+        return float(mask_area(v_idx, slashes(count), seq_len).double().mean()) / total
 
     low, high = 0, seq_len - WINDOW
     while low < high:                                   # largest count with density ≤ 1 − sparsity
@@ -103,7 +88,7 @@ def budget_pattern(batch: int, heads: int, seq_len: int, sparsity: float, device
 
 
 def mask_density(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> float:
-    return float(mask_size(v_idx, s_idx, seq_len).double().mean()) / (seq_len * (seq_len + 1) / 2)
+    return float(mask_area(v_idx, s_idx, seq_len).double().mean()) / (seq_len * (seq_len + 1) / 2)
 
 
 # ---------------------------------------------------------------------------------------- timing

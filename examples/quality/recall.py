@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from megatron_mtraining import pattern
-from megatron_mtraining.attention import MTrainingAttention, mask_density
+from megatron_mtraining.attention import MTrainingAttention
+from megatron_mtraining.attention_stats import mask_density
 from megatron_mtraining.config import MTrainingConfig
 from mtraining_kernels.reference import vertical_slash_mask
 

@@ -331,7 +331,7 @@ class Results:
 
 
 def mean_density(model) -> list[float] | None:
-    from megatron_mtraining.attention import collect_stats
+    from megatron_mtraining.attention_stats import collect_stats
 
     stats = sorted(collect_stats([model]), key=lambda s: s.layer_number)
     return [s.density for s in stats] or None

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from mtraining_kernels.reference import (
     full_index,
+    mask_area,
     merge_attention,
     reference_sparse_attention,
     slash_block_hits,
@@ -52,6 +53,14 @@ def test_mask_matches_brute_force_definition(seed, block, num_blocks, heads):
             assert torch.equal(mask[b, h], expected), (
                 f"seed={seed} b={b} h={h} verticals={verticals} slashes={slashes}: "
                 f"{int((mask[b, h] != expected).sum())} pairs differ")
+
+
+@pytest.mark.parametrize("block, num_blocks", [(8, 6), (16, 5), (128, 3)])
+def test_mask_area_counts_the_materialised_mask(seed, block, num_blocks):
+    seq_len = block * num_blocks
+    v_idx, s_idx = _random_index(2, 3, seq_len, max_verticals=6, max_slashes=5)
+    expected = vertical_slash_mask(v_idx, s_idx, seq_len, block_size=block).sum((-1, -2))
+    assert torch.equal(mask_area(v_idx, s_idx, seq_len, block_size=block), expected), f"seed={seed}"
 
 
 def test_mask_rows_are_rows_of_the_full_mask(seed):

@@ -194,7 +194,7 @@ def _head_densities(model) -> list[list[float]]:
     """Per layer, the mask density of every global query head (sample 0), gathered over TP."""
     from megatron.core import parallel_state
 
-    from megatron_mtraining.attention import mask_density
+    from megatron_mtraining.attention_stats import mask_density
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     densities = []
@@ -667,7 +667,7 @@ def test_layout_rope_keeps_checkpoint_keys(single_rank_report):
 
 # ------------------------------------------------------------------------------------------ in-process (no ranks)
 def test_mask_density_matches_materialised_mask(seed):
-    from megatron_mtraining.attention import mask_density
+    from megatron_mtraining.attention_stats import mask_density
     from mtraining_kernels.reference import sparsity, vertical_slash_mask
     from patterns import random_index
 
