@@ -92,7 +92,7 @@ def agree_on_inputs(what: str, names: Sequence[str], values: Sequence | None, er
         raise ValueError(f"{what}: the input is invalid on rank(s) {bad} of the group (they raised the reason); "
                          "fix the input there")
     per_setting = table[:, :-1].view(len(gathered), len(names), DIGEST_BYTES)
-    differing = [i for i in range(len(names)) if not (per_setting[:, i] == per_setting[0, i]).all()]
+    differing = (per_setting != per_setting[:1]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     if not differing:
         return
     everyone = [None] * len(gathered)
