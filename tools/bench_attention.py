@@ -1,4 +1,4 @@
-"""Single-GPU benchmark: Triton vertical-slash sparse attention against dense torch SDPA.
+"""Single-GPU benchmark: Triton vertical-slash sparse attention against dense torch SDPA and FlexAttention.
 
 Causal attention, one GPU, shapes ``[b, N, H, d]``. For every N and shape it times, in one run:
 
@@ -10,7 +10,19 @@ Causal attention, one GPU, shapes ``[b, N, H, d]``. For every N and shape it tim
 * ``mtraining_deterministic`` — the same with ``deterministic=True`` (only with ``--deterministic``);
 * ``mtraining_dense`` — our kernels on the full causal pattern (N ≤ ``--dense-max-len``);
 * ``sdpa_cudnn`` / ``sdpa_flash`` — ``F.scaled_dot_product_attention(is_causal=True)`` with the cuDNN
-  and flash backends (K/V expanded to Hq heads beforehand, outside the timing).
+  and flash backends (K/V expanded to Hq heads beforehand, outside the timing);
+* ``flex_attention`` — ``torch.compile(flex_attention)`` on exactly each fixed-budget pattern's mask
+  (``flex_peer.py``: the active blocks as full blocks, the diagonal and the blocks holding a vertical as
+  partial ones), N ≤ ``--flex-max-len``, unless ``--no-flex``; heads-first copies of q/k/v made outside the
+  timing. ``mask_ms`` is its BlockMask construction, and its ``index_ms`` that plus the estimation;
+* ``mtraining_blocks`` / ``flex_attention_blocks`` — both on a block-only pattern (slashes at multiples of
+  128, no verticals; ``flex_peer.block_only_pattern``) with each head's mask area just below that of the
+  fixed-budget pattern; ``index_ms`` is the conversion, or the BlockMask construction.
+
+Cross-check: at every N where Flex runs, Flex's out/dq/dk/dv are compared with ours (Triton, default
+backward) on the same inputs and mask; the Flex rows record ``flex_check`` (max |Δ| and relative RMSE
+‖Δ‖₂/‖ours‖₂ per tensor), and a relative RMSE above ``FLEX_REL_RMSE`` stops the run (SystemExit naming
+N, the pattern and the tensor).
 
 Timing: CUDA events around the forward and around the backward (``torch.autograd.grad``) of each
 repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
@@ -21,7 +33,8 @@ FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed
 (|M| per head), backward 2.5× forward.
 
 Writes one JSON object per (configuration, implementation) to ``--jsonl`` (appending), a markdown
-table to ``--table`` and a plot of speedup over cuDNN against N to ``--plot``; ``--report-only``
+table (speed-ups over cuDNN, over Flex on the same pattern and over flash) to ``--table`` and a plot of
+speedup over cuDNN against N to ``--plot``; ``--report-only``
 rebuilds the table and plot from the latest run in an existing JSONL (the rows sharing its last row's
 ``date``; e.g. on a machine with matplotlib).
 Example: ``python tools/bench_attention.py --seq-lens 32768 131072 524288 --sparsities 0.9 0.95``.
@@ -48,10 +61,18 @@ from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.layout import BLOCK_SIZE
 from mtraining_kernels.reference import full_index, mask_area
 
+from flex_peer import (block_only_block_mask, block_only_pattern, flex_forward, flex_fwd_bwd, heads_first,
+                       vertical_slash_block_mask)
 from structured_qk import structured_qk
 
 SHAPES = {"qwen2.5-3b": (16, 2, 128), "mha": (16, 16, 128)}   # (Hq, Hkv, d)
 SINKS, WINDOW = 30, 100
+# DESIGN.md §6 bounds the relative RMSE of each bf16 result against the fp32 reference by 5e-3, so two such
+# results (Flex and ours) differ by at most twice that
+FLEX_REL_RMSE = 1e-2
+# the row whose speed-up over Flex an implementation reports: Flex on the same pattern
+FLEX_PEER = {"mtraining": "flex_attention", "mtraining_deterministic": "flex_attention",
+             "mtraining_blocks": "flex_attention_blocks"}
 
 
 # ---------------------------------------------------------------------------------------- patterns
@@ -149,6 +170,43 @@ def time_sdpa(backend: SDPBackend, q, k, v, dout, warmup: int, reps: int):
     return measure(forward, grads_of((qh, kh, vh), douth), warmup, reps)
 
 
+def time_flex(q, k, v, dout, block_mask, scale: float, warmup: int, reps: int):
+    """q ``[b, N, Hq, d]``; Flex gets heads-first ``[b, H, N, d]`` copies (made outside the timing)."""
+    qh, kh, vh = (heads_first(x).requires_grad_() for x in (q, k, v))
+    douth = heads_first(dout)
+    return measure(lambda: flex_forward(qh, kh, vh, block_mask, scale), grads_of((qh, kh, vh), douth),
+                   warmup, reps)
+
+
+def flex_check(q, k, v, dout, index: BlockBarIndex, block_mask, scale: float, title: str) -> dict:
+    """Flex against ours (Triton, default backward) on the same inputs and mask: ``{tensor: {max_abs_err,
+    rel_rmse}}`` for out, dq, dk, dv, rel_rmse = ‖flex − ours‖₂ / ‖ours‖₂; SystemExit past FLEX_REL_RMSE."""
+    out = sparse_attention(q, k, v, index, softmax_scale=scale, backend="triton")
+    ours = (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+    theirs = flex_fwd_bwd(q, k, v, dout, block_mask, scale)
+    errors = {}
+    for name, flex, mine in zip(("out", "dq", "dk", "dv"), theirs, ours):
+        diff = flex.float() - mine.float()
+        errors[name] = {"max_abs_err": float(diff.abs().max()),
+                        "rel_rmse": float(diff.norm() / mine.float().norm())}
+        if not errors[name]["rel_rmse"] <= FLEX_REL_RMSE:
+            raise SystemExit(f"Flex cross-check failed, {title}: {name} relative RMSE {errors[name]['rel_rmse']:.3e} "
+                             f"> {FLEX_REL_RMSE} (max |flex - ours| {errors[name]['max_abs_err']:.3e})")
+    return errors
+
+
+def run_flex(q, k, v, dout, index: BlockBarIndex, build_mask: Callable, scale: float, warmup: int, reps: int,
+             title: str) -> dict:
+    """Flex on ``build_mask()``'s BlockMask, cross-checked against ours on ``index`` (:func:`flex_check`), then
+    timed: fwd_ms, bwd_ms, mask_ms (the BlockMask construction, median of 3) and flex_check."""
+    block_mask = build_mask()
+    mask_ms = median_ms(build_mask, 3)
+    check = flex_check(q, k, v, dout, index, block_mask, scale, title)
+    torch.cuda.reset_peak_memory_stats()
+    fwd_ms, bwd_ms = time_flex(q, k, v, dout, block_mask, scale, warmup, reps)
+    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, mask_ms=mask_ms, flex_check=check)
+
+
 def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, title: str) -> None:
     """Print the CUDA time per kernel of one forward + backward (after a warm-up run)."""
     run = lambda: grads_of((q, k, v), dout)(sparse_attention(q, k, v, index, backend="triton",  # noqa: E731
@@ -209,6 +267,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dense-max-len", type=int, default=131072, help="largest N for mtraining_dense")
     parser.add_argument("--flash-max-len", type=int, default=131072, help="largest N for sdpa_flash")
     parser.add_argument("--cudnn-max-len", type=int, default=524288, help="largest N for sdpa_cudnn")
+    parser.add_argument("--flex-max-len", type=int, default=524288,
+                        help="largest N for the FlexAttention rows and their cross-check")
+    parser.add_argument("--no-flex", action="store_true", help="no FlexAttention rows (nor cross-check)")
     parser.add_argument("--deterministic", action="store_true", help="also time deterministic=True")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
@@ -259,9 +320,11 @@ def main(argv=None) -> None:
         rows.append(row)
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
+        check = (f" mask={row['mask_ms']:.2f} ms, vs ours max rel RMSE "
+                 f"{max(e['rel_rmse'] for e in row['flex_check'].values()):.1e}") if "flex_check" in row else ""
         print(f"{row['shape']:10s} N={n:7d} {row['impl']:24s} density={row['density']:.4f} "
               f"fwd={row['fwd_ms']:9.2f} bwd={row['bwd_ms']:9.2f} index={row['index_ms']:7.2f} ms "
-              f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s", flush=True)
+              f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{check}", flush=True)
 
     for shape in args.shapes:
         heads, kv_heads, dim = SHAPES[shape]
@@ -275,14 +338,18 @@ def main(argv=None) -> None:
             q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
             common = dict(shape=shape, seq_len=seq_len, heads_q=heads, heads_kv=kv_heads, head_dim=dim)
             dense_reps = args.reps if seq_len <= 131072 else args.dense_reps
+            flex_here = not args.no_flex and seq_len <= args.flex_max_len
+            scale = dim ** -0.5
+            block_gen = torch.Generator().manual_seed(args.seed)   # the fixed-budget patterns do not depend on it
 
             for sparsity in args.sparsities:
                 v_idx, s_idx, n_slash = budget_pattern(args.batch, heads, seq_len, sparsity, device, gen)
                 density = mask_density(v_idx, s_idx, seq_len)
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
                 convert_ms, estimate_ms = index_time_ms(q.detach(), k.detach(), v_idx, s_idx, seq_len, 3)
-                extra = dict(target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW,
-                             verticals=int(v_idx.shape[-1]), convert_ms=convert_ms, estimate_ms=estimate_ms,
+                pattern = dict(target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW,
+                               verticals=int(v_idx.shape[-1]))
+                extra = dict(**pattern, convert_ms=convert_ms, estimate_ms=estimate_ms,
                              index_ms=convert_ms + (estimate_ms or 0.0))
                 modes = [False, True] if args.deterministic else [False]
                 if args.profile and sparsity == args.sparsities[-1]:
@@ -294,6 +361,29 @@ def main(argv=None) -> None:
                     fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, deterministic, args.warmup, args.reps)
                     record(impl="mtraining_deterministic" if deterministic else "mtraining",
                            fwd_ms=fwd_ms, bwd_ms=bwd_ms, **common, **extra)
+                if flex_here:
+                    flex = run_flex(q, k, v, dout, index,
+                                    functools.partial(vertical_slash_block_mask, v_idx, s_idx, seq_len), scale,
+                                    args.warmup, args.reps, f"{shape} N={seq_len} sparsity {sparsity}")
+                    record(impl="flex_attention", **flex, estimate_ms=estimate_ms,
+                           index_ms=flex["mask_ms"] + (estimate_ms or 0.0), **common, **pattern)
+                del index
+
+                block_v_idx, block_s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, block_gen)
+                index = convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len)
+                convert_ms = median_ms(lambda: convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0,
+                                                             seq_len), 3)
+                pattern = dict(target_sparsity=sparsity, density=mask_density(block_v_idx, block_s_idx, seq_len),
+                               slashes=int((block_s_idx < seq_len).sum(-1).max()), verticals=0)
+                torch.cuda.reset_peak_memory_stats()
+                fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, args.reps)
+                record(impl="mtraining_blocks", fwd_ms=fwd_ms, bwd_ms=bwd_ms, convert_ms=convert_ms,
+                       index_ms=convert_ms, **common, **pattern)
+                if flex_here:
+                    flex = run_flex(q, k, v, dout, index,
+                                    functools.partial(block_only_block_mask, block_s_idx, seq_len), scale,
+                                    args.warmup, args.reps, f"{shape} N={seq_len} block-only, sparsity {sparsity}")
+                    record(impl="flex_attention_blocks", **flex, index_ms=flex["mask_ms"], **common, **pattern)
                 del index
 
             if seq_len <= args.dense_max_len:
@@ -346,42 +436,62 @@ def latest_run(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["date"] == rows[-1]["date"]] if rows else []
 
 
+def speedup(base: dict, row: dict) -> dict:
+    return {"fwd": base["fwd_ms"] / row["fwd_ms"], "bwd": base["bwd_ms"] / row["bwd_ms"],
+            "fwd_bwd": (base["fwd_ms"] + base["bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"])}
+
+
 def with_speedups(row: dict, rows: list[dict]) -> dict:
-    """``row`` plus its speed-ups (``vs_sdpa_cudnn``, ``vs_sdpa_flash``) over the SDPA rows of ``rows`` at the
-    same shape and N in the same run, where there are such rows."""
+    """``row`` plus its speed-ups over the rows of ``rows`` at the same shape and N in the same run, where there
+    are such rows: ``vs_sdpa_cudnn`` and ``vs_sdpa_flash``, and ``vs_flex`` over its ``FLEX_PEER`` row of the
+    same target sparsity (fixed-budget patterns only)."""
     enriched = dict(row)
+
+    def same_run(r: dict) -> bool:
+        return r["shape"] == row["shape"] and r["seq_len"] == row["seq_len"] and r["date"] == row["date"]
+
     for name in ("sdpa_cudnn", "sdpa_flash"):
-        base = next((r for r in rows if r["impl"] == name and r["shape"] == row["shape"]
-                     and r["seq_len"] == row["seq_len"] and r["date"] == row["date"]), None)
+        base = next((r for r in rows if r["impl"] == name and same_run(r)), None)
         if base:
-            enriched[f"vs_{name}"] = {
-                "fwd": base["fwd_ms"] / row["fwd_ms"], "bwd": base["bwd_ms"] / row["bwd_ms"],
-                "fwd_bwd": (base["fwd_ms"] + base["bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"])}
+            enriched[f"vs_{name}"] = speedup(base, row)
+    peer = FLEX_PEER.get(row["impl"]) if "target_sparsity" in row else None
+    base = next((r for r in rows if r["impl"] == peer and same_run(r)
+                 and r.get("target_sparsity") == row["target_sparsity"]), None)
+    if base:
+        enriched["vs_flex"] = speedup(base, row)
     return enriched
 
 
 def write_table(rows: list[dict], path: str) -> None:
     lines = [f"GPU {rows[0]['gpu']}, torch {rows[0]['torch']}, commit {rows[0]['commit']}, {rows[0]['date']}; "
-             "causal bf16, batch 1; ms are medians of CUDA-event timings.", "",
+             "causal bf16, batch 1; ms are medians of CUDA-event timings; × Flex: over FlexAttention on the same "
+             "pattern, whose index ms is its BlockMask construction (plus the estimation).", "",
              "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | index ms | dense-eq TFLOP/s (fwd/bwd/all) "
-             "| actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × flash (all) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
+             "| actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × Flex (fwd/bwd/all) | × flash (all) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
+
+    def ratios(s: dict | None) -> str:
+        return f"{s['fwd']:.2f}/{s['bwd']:.2f}/{s['fwd_bwd']:.2f}" if s else "–"
+
     for row in rows:
         r = row if row["impl"].startswith("sdpa") else with_speedups(row, rows)
         de, ac = r["dense_equiv_tflops"], r["actual_tflops"]
-        cu = r.get("vs_sdpa_cudnn")
         fl = r.get("vs_sdpa_flash")
         impl = r["impl"] + (f" (top-P {r['top_p']})" if "top_p" in r else "")
         cells = [r["shape"], r["seq_len"], impl, f"{r['density']:.4f}", f"{r['fwd_ms']:.2f}",
                  f"{r['bwd_ms']:.2f}", f"{r['fwd_ms'] + r['bwd_ms']:.2f}", f"{r['index_ms']:.2f}",
                  f"{de['fwd']:.0f}/{de['bwd']:.0f}/{de['fwd_bwd']:.0f}", f"{ac['fwd_bwd']:.0f}",
-                 f"{cu['fwd']:.2f}/{cu['bwd']:.2f}/{cu['fwd_bwd']:.2f}" if cu else "–",
-                 f"{fl['fwd_bwd']:.2f}" if fl else "–"]
+                 ratios(r.get("vs_sdpa_cudnn")), ratios(r.get("vs_flex")), f"{fl['fwd_bwd']:.2f}" if fl else "–"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     text = "\n".join(lines) + "\n"
     with open(path, "w") as f:
         f.write(text)
     print(text)
+
+
+# how the plot names each implementation, before its pattern
+IMPL_LABEL = {"mtraining_deterministic": "deterministic", "mtraining_blocks": "block-only",
+              "flex_attention": "Flex", "flex_attention_blocks": "Flex block-only"}
 
 
 def pattern_label(row: dict) -> str:
@@ -403,15 +513,14 @@ def write_plot(rows: list[dict], path: str) -> None:
 
 def speedup_figure(rows: list[dict]):
     """A matplotlib figure of fwd+bwd speed-up over cuDNN against N: one panel per shape, one colour per
-    pattern, deterministic runs dashed."""
+    implementation and pattern (deterministic runs dashed in the colour of the default ones), Flex dotted."""
     import matplotlib.pyplot as plt
 
     series: dict[str, dict[str, list[tuple[int, float]]]] = {}          # shape -> label -> (N, speed-up)
     for r in (with_speedups(row, rows) for row in rows if not row["impl"].startswith("sdpa")):
         if "vs_sdpa_cudnn" not in r:
             continue
-        label = ("deterministic" if r["impl"] == "mtraining_deterministic" else "") + pattern_label(r)
-        label = label.strip() or "dense mode"
+        label = (IMPL_LABEL.get(r["impl"], "") + pattern_label(r)).strip() or "dense mode"
         series.setdefault(r["shape"], {}).setdefault(label, []).append((r["seq_len"], r["vs_sdpa_cudnn"]["fwd_bwd"]))
     labels = sorted({label for by_label in series.values() for label in by_label})
     colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in
@@ -422,7 +531,7 @@ def speedup_figure(rows: list[dict]):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
                     color=colors[label.removeprefix("deterministic ")],
-                    linestyle="--" if label.startswith("deterministic") else "-")
+                    linestyle="--" if label.startswith("deterministic") else ":" if label.startswith("Flex") else "-")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length N")
         ax.axhline(1.0, color="grey", linewidth=0.8)
