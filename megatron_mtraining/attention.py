@@ -30,19 +30,21 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from mtraining_kernels.estimation import VerticalSlashIndex, estimate_vertical_slash
 from mtraining_kernels.index import BlockBarIndex, convert_index
 from mtraining_kernels.interface import dense_attention, sparse_attention
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
-from mtraining_kernels.reference import full_index, reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.vertical_slash import full_index
 
-from . import pattern
 from .attention_stats import AttentionStats, Stopwatch
 from .budget import LayerBudget
 from .config import REFERENCE_BACKEND, MTrainingConfig, flag
-from .dense_ring import dense_ring_attention
 from .index_cache import ForwardKind, IndexCache, IndexKey, forward_kind, probe_checksum
-from .ring import ring_attention
-from .ring_groups import RingGroups
+from .ring.dense_ring import dense_ring_attention
+from .ring.estimation import estimate_vertical_slash_distributed
+from .ring.groups import RingGroups
+from .ring.sparse_ring import ring_attention
 
 ACCEPTED_CP_COMM_TYPES = (None, "p2p", "a2a+p2p")
 
@@ -246,14 +248,14 @@ class MTrainingAttention(MegatronModule):
                                              seq_len, stopwatch)
         return index
 
-    def _estimate(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> pattern.VerticalSlashIndex:
+    def _estimate(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> VerticalSlashIndex:
         mt = self.mtraining
         budget = self._layer_budget(seq_len, q.shape[2])
         options = dict(softmax_scale=self.softmax_scale, last_q=mt.last_q, sink_tokens=mt.sink_tokens,
                        local_window=mt.local_window)
         if self.cp_size == 1:
-            return pattern.estimate_vertical_slash(q, k, budget, **options)
-        return pattern.estimate_vertical_slash_distributed(q, k, budget, self.layout, self.cp_group, **options)
+            return estimate_vertical_slash(q, k, budget, **options)
+        return estimate_vertical_slash_distributed(q, k, budget, self.layout, self.cp_group, **options)
 
     def _layer_budget(self, seq_len: int, heads: int) -> LayerBudget:
         """This layer's budgets for this TP rank's query heads (global heads tp_rank·Hq … (tp_rank+1)·Hq − 1)."""

@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 
 from mtraining_kernels.layout import Layout
-from mtraining_kernels.reference import full_index, mask_area
+from mtraining_kernels.vertical_slash import full_index, mask_area
 
 from .balance import BalanceReport, balance_report
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
-from mtraining_kernels.reference import slash_block_hits
+from mtraining_kernels.vertical_slash import slash_block_hits
 
 BAR_COST = 1.0 / BLOCK_SIZE
 

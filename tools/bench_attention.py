@@ -26,9 +26,8 @@ N, the pattern and the tensor).
 
 Timing: CUDA events around the forward and around the backward (``torch.autograd.grad``) of each
 repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
-(``megatron_mtraining.pattern.estimate_vertical_slash`` with the pattern's static budget, or the top-P
-budget on the structured inputs) plus the conversion (``convert_index``); estimation is skipped for the
-fixed budgets if ``megatron_mtraining`` cannot be imported, and the ``--top-p`` rows then refuse to run.
+(``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
+budget on the structured inputs) plus the conversion (``convert_index``).
 FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed forward 4·|M|·d·Hq
 (|M| per head), backward 2.5× forward.
 
@@ -57,9 +56,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtraining_kernels import Layout, convert_index, sparse_attention
+from mtraining_kernels.budget import StaticBudget, TopPBudget
+from mtraining_kernels.estimation import estimate_vertical_slash
 from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.reference import full_index, mask_area
+from mtraining_kernels.vertical_slash import full_index, mask_area
 
 from flex_peer import (block_only_block_mask, block_only_pattern, flex_forward, flex_fwd_bwd, heads_first,
                        vertical_slash_block_mask)
@@ -229,30 +230,13 @@ def git_commit() -> str:
         return "unknown"
 
 
-def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, float | None]:
-    """(conversion ms, estimation ms or None when megatron_mtraining.pattern is unavailable)."""
+def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, float]:
+    """(conversion ms, static-budget estimation ms) of the pattern's counts."""
     convert = median_ms(lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len), reps)
-    try:
-        from megatron_mtraining.budget import StaticBudget
-        from megatron_mtraining.pattern import estimate_vertical_slash
-    except ImportError as err:
-        print(f"# index estimation not timed: {err}", file=sys.stderr)
-        return convert, None
     counts = ((v_idx < seq_len).sum(-1).max().item(), (s_idx < seq_len).sum(-1).max().item())
     budget = StaticBudget(int(counts[0]), int(counts[1]))
     estimate = median_ms(lambda: estimate_vertical_slash(q, k, budget), reps)
     return convert, estimate
-
-
-def top_p_estimator():
-    """(estimate_vertical_slash, TopPBudget) from megatron_mtraining; SystemExit naming the fix if absent."""
-    try:
-        from megatron_mtraining.budget import TopPBudget
-        from megatron_mtraining.pattern import estimate_vertical_slash
-    except ImportError as err:
-        raise SystemExit(f"--top-p needs megatron_mtraining importable ({err}); install the package or pass "
-                         "--top-p with no values") from err
-    return estimate_vertical_slash, TopPBudget
 
 
 def main(argv=None) -> None:
@@ -296,7 +280,6 @@ def main(argv=None) -> None:
         raise SystemExit("bench_attention.py needs a CUDA device")
     budgets = []
     if args.top_p:
-        estimate_vertical_slash, TopPBudget = top_p_estimator()
         budgets = [TopPBudget(p) for p in args.top_p]                  # validates every p before any work
 
     device = torch.device("cuda")
@@ -350,7 +333,7 @@ def main(argv=None) -> None:
                 pattern = dict(target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW,
                                verticals=int(v_idx.shape[-1]))
                 extra = dict(**pattern, convert_ms=convert_ms, estimate_ms=estimate_ms,
-                             index_ms=convert_ms + (estimate_ms or 0.0))
+                             index_ms=convert_ms + estimate_ms)
                 modes = [False, True] if args.deterministic else [False]
                 if args.profile and sparsity == args.sparsities[-1]:
                     for deterministic in modes:
@@ -366,7 +349,7 @@ def main(argv=None) -> None:
                                     functools.partial(vertical_slash_block_mask, v_idx, s_idx, seq_len), scale,
                                     args.warmup, args.reps, f"{shape} N={seq_len} sparsity {sparsity}")
                     record(impl="flex_attention", **flex, estimate_ms=estimate_ms,
-                           index_ms=flex["mask_ms"] + (estimate_ms or 0.0), **common, **pattern)
+                           index_ms=flex["mask_ms"] + estimate_ms, **common, **pattern)
                 del index
 
                 block_v_idx, block_s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, block_gen)

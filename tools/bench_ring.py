@@ -8,7 +8,7 @@ over exchanges that move nothing ("compute"); exposed communication is ring time
 The sparse pattern is ``realistic_pattern`` with as many far slashes/verticals as reach the
 requested density; the dense ring is the full causal pattern through the same ring and kernels.
 With ``--sdpa-max-len`` it also times the honest dense baseline: the zigzag dense ring on torch's SDPA
-kernels (``megatron_mtraining.dense_ring``, cuDNN unless ``--sdpa-impl flash``), as pattern ``sdpa_cudnn``
+kernels (``megatron_mtraining.ring.dense_ring``, cuDNN unless ``--sdpa-impl flash``), as pattern ``sdpa_cudnn``
 (or ``sdpa_flash``); its "compute" is that ring's steps (SDPA calls and merges) with no communication.
 With ``--inner-size L`` the sparse ring is hierarchical (inner rings of L ranks, an outer ring over them).
 ``--emulate-node-size`` is a benchmark-only emulation (``slow_link.py``): ranks form nodes of that many
@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_mtraining.balance import balance_report
-from megatron_mtraining.dense_ring import dense_ring_attention, dense_ring_backward, dense_ring_forward
-from megatron_mtraining.ring import ring_attention, sparse_ring_backward, sparse_ring_forward
-from megatron_mtraining.ring_comm import RingExchange
-from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+from megatron_mtraining.ring.dense_ring import dense_ring_attention, dense_ring_backward, dense_ring_forward
+from megatron_mtraining.ring.sparse_ring import ring_attention, sparse_ring_backward, sparse_ring_forward
+from megatron_mtraining.ring.comm import RingExchange
+from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.interface import get_backend
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
-from mtraining_kernels.reference import full_index, slash_block_hits
+from mtraining_kernels.vertical_slash import full_index, slash_block_hits
 from mtraining_kernels.sdpa_backend import IMPLS
 
 from realistic_pattern import realistic_pattern

@@ -34,7 +34,7 @@ from torch._higher_order_ops.flex_attention import flex_attention as flex_attent
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.reference import slash_block_hits, vertical_columns
+from mtraining_kernels.vertical_slash import slash_block_hits, vertical_columns
 
 # FlexAttention's generated kernels (and the mask_mod lookups they inline) may compute element offsets in int32
 INT32_LIMIT = 2 ** 31

@@ -12,7 +12,7 @@ bandwidth). Compute runs during the delay exactly as it runs during a real trans
 delay is a sleep kernel on a side stream that the compute stream waits for only when the ring waits
 for the data; on the CPU the waiting rank sleeps only for what is left of the delay.
 
-Use :class:`SlowLinkRingGroups` in place of :class:`~megatron_mtraining.ring_groups.RingGroups`; never in
+Use :class:`SlowLinkRingGroups` in place of :class:`~megatron_mtraining.ring.groups.RingGroups`; never in
 training.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_mtraining.ring_comm import RingExchange
-from megatron_mtraining.ring_groups import RingGroups
+from megatron_mtraining.ring.comm import RingExchange
+from megatron_mtraining.ring.groups import RingGroups
 
 
 @dataclass(frozen=True)

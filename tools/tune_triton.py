@@ -29,7 +29,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from mtraining_kernels import Layout, convert_index, sparse_attention, triton_backend
-from mtraining_kernels.reference import full_index
+from mtraining_kernels.vertical_slash import full_index
 
 from bench_attention import SHAPES, budget_pattern, git_commit, mask_density, measure, time_sdpa
 

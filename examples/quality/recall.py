@@ -2,7 +2,7 @@
 
 For each layer of a trained model, a forward pre-hook on ``core_attention`` captures the post-RoPE
 ``query [s, b, Hq, d]`` and ``key [s, b, Hkv, d]`` of a real sequence. The layer's estimator
-(:func:`megatron_mtraining.pattern.estimate_vertical_slash` with the layer's top-P budget, exactly as
+(:func:`megatron_mtraining.estimation.estimate_vertical_slash` with the layer's top-P budget, exactly as
 ``MTrainingAttention._estimate`` calls it at CP = 1) gives the vertical-slash index, whose mask is the
 one of :func:`mtraining_kernels.reference.vertical_slash_mask`, built here a chunk of query rows at a
 time. Then, per query head (fp32 logits, chunks of rows so 16K+ tokens fit)::
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mtraining import pattern
+from mtraining_kernels import estimation
 from megatron_mtraining.attention import MTrainingAttention
 from megatron_mtraining.attention_stats import mask_density
 from megatron_mtraining.config import MTrainingConfig
@@ -74,13 +74,13 @@ def capture_qk(model: torch.nn.Module, tokens: torch.Tensor) -> dict[int, tuple[
 
 
 def estimated_index(module: MTrainingAttention, q: torch.Tensor, k: torch.Tensor,
-                    settings: MTrainingConfig) -> pattern.VerticalSlashIndex:
+                    settings: MTrainingConfig) -> estimation.VerticalSlashIndex:
     """The index the layer's estimator gives under ``settings`` (budget, last_q, sinks, window), at CP = 1."""
     seq_len, heads = q.shape[1], q.shape[2]
     budget = settings.budget_table(num_layers=module.config.num_layers,
                                    num_heads=module.config.num_attention_heads,
                                    seq_length=seq_len).resolve(module.layer_number, range(heads))
-    return pattern.estimate_vertical_slash(q, k, budget, softmax_scale=module.softmax_scale, last_q=settings.last_q,
+    return estimation.estimate_vertical_slash(q, k, budget, softmax_scale=module.softmax_scale, last_q=settings.last_q,
                                            sink_tokens=settings.sink_tokens, local_window=settings.local_window)
 
 

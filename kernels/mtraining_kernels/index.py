@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .layout import BLOCK_SIZE, Layout
-from .reference import slash_block_hits
+from .vertical_slash import slash_block_hits
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 # "auto": the Triton list kernels (triton_index.py) for CUDA tensors, PyTorch ops elsewhere;

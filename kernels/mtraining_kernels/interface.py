@@ -3,7 +3,7 @@
 A thin ``torch.autograd.Function`` over a backend's step launchers (``block_bar_forward`` /
 ``block_bar_backward``), run once with the world-size-1 index: source 0, diagonal causal mask on.
 The running output and lse are kept in fp32 (fp64 for fp64 inputs) and the output is cast to the
-input dtype once at the end. Distributed use goes through the ring in ``megatron_mtraining.ring``.
+input dtype once at the end. Distributed use goes through the ring in ``megatron_mtraining.ring.sparse_ring``.
 :func:`dense_attention` is the dense baseline on torch's SDPA kernels (``sdpa_backend``).
 
 Shapes: q ``[b, N, Hq, d]``; k, v ``[b, N, Hkv, d]`` (GQA: query head h reads KV head

@@ -1,7 +1,7 @@
 """Dense attention steps on torch's own SDPA kernels, returning the log-sum-exp (the dense baseline).
 
 A *step* is one attention call whose (out, lse) a caller merges with other steps (the dense ring in
-``megatron_mtraining.dense_ring``) or uses as is (single device, ``interface.dense_attention``). The
+``megatron_mtraining.ring.dense_ring``) or uses as is (single device, ``interface.dense_attention``). The
 backward step recomputes with a given (final) out and lse, as a ring backward needs.
 
 Implementations (``impl``), through torch's private ops that return the lse:

@@ -23,7 +23,7 @@ import torch
 
 from .launch_checks import check_accumulator
 from .layout import BLOCK_SIZE
-from .reference import merge_attention
+from .merge import merge_attention
 
 SUB_TILE = 64                      # key sub-tile width of the work lists (contract of BlockBarIndex)
 SCORE_ELEMENTS_PER_CHUNK = 1 << 25

@@ -1,6 +1,6 @@
 """Triton kernels of online index estimation (DESIGN.md §2.2), bit-identical to the PyTorch definitions.
 
-``megatron_mtraining.pattern`` defines the estimation arithmetic with PyTorch ops; these kernels compute
+``mtraining_kernels.estimation`` defines the estimation arithmetic with PyTorch ops; these kernels compute
 the very same fp32 logits and int64 fixed-point scores on the GPU, without cuBLAS and without the
 PyTorch path's full-size temporaries:
 
@@ -46,7 +46,7 @@ _ONE, _STATIC_LIMIT, _EXP_FLOOR, _LOG2_E, _FIRST_COEFFICIENT = (tl.constexpr(i) 
 
 
 class FixedPointRules(NamedTuple):
-    """The integer arithmetic of the scores (DESIGN.md §2.2), as ``megatron_mtraining.pattern`` defines it.
+    """The integer arithmetic of the scores (DESIGN.md §2.2), as ``mtraining_kernels.estimation`` defines it.
 
     ``one``: the fixed-point scale (2^32); ``static_logit_limit``: |ℓ| clamp of static terms;
     ``incomplete_score``: static V(j) of a column with a masked entry; ``exp_input_floor``: exponents
@@ -123,7 +123,7 @@ def _round_to_integer(x):
 @triton.jit
 def _exp_fixed_point(logits, row_max, counted, CONSTANTS, NUM_COEFFICIENTS: tl.constexpr):
     """E = round(exp(ℓ − m)·2^32) as int64 from fp32 ``logits`` and fp32 ``row_max[:, None]``; 0 where not
-    ``counted``. The exact fp64 steps of ``megatron_mtraining.pattern.exp_fixed_point``."""
+    ``counted``. The exact fp64 steps of ``mtraining_kernels.estimation.exp_fixed_point``."""
     floor_value = tl.load(CONSTANTS + _EXP_FLOOR)
     shifted = tl.where(counted, logits.to(tl.float64) - row_max.to(tl.float64), floor_value)
     y = tl.maximum(shifted, floor_value) * tl.load(CONSTANTS + _LOG2_E)
@@ -282,7 +282,7 @@ def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.
 
     ``q_rows [b, L, Hq, d]`` (L ≤ 64) and global positions ``q_positions [L]``; ``k [b, n, Hkv, d]``
     and ``k_positions [n]`` in any order. Query head h reads KV head h // (Hq/Hkv). Bit-equal to
-    ``megatron_mtraining.pattern.estimation_logits``: sequential fp32 sum over d of separately rounded
+    ``mtraining_kernels.estimation.estimation_logits``: sequential fp32 sum over d of separately rounded
     products, times ``softmax_scale`` rounded to fp32. ``keys_per_tile`` (a power of two ≥ 16) and
     ``num_warps`` set the launch only; every entry is computed alone, so they never change a bit.
     """

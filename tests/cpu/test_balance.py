@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from megatron_mtraining.balance import BAR_COST, balance_report, by_step, source_work
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
-from mtraining_kernels.reference import full_index
+from mtraining_kernels.vertical_slash import full_index
 from test_index import conversion_cases, random_index
 from tool_modules import load_tool
 

@@ -37,11 +37,11 @@ def _compute_only_rank(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring.groups import RingGroups
     from mtraining_kernels import torch_backend
     from mtraining_kernels.index import convert_index
     from mtraining_kernels.layout import Layout
-    from mtraining_kernels.reference import full_index
+    from mtraining_kernels.vertical_slash import full_index
 
     if rank != 0:  # a compute-only ring that sent or received anything would wait for this rank forever
         return None

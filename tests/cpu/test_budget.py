@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from megatron_mtraining.budget import BudgetTable, StaticBudget, StaticHeadBudgets, TopPBudget
+from megatron_mtraining.budget import BudgetTable
+from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from mtraining_kernels.reference import sparsity, vertical_slash_mask
 
 

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from megatron_mtraining import config as config_module
-from megatron_mtraining import pattern
-from megatron_mtraining.budget import StaticHeadBudgets, TopPBudget
+from mtraining_kernels import estimation
+from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget
 from megatron_mtraining.config import MTrainingConfig, flag
 
 MODEL = dict(num_layers=4, num_attention_heads=8, seq_length=4096)
@@ -26,7 +26,7 @@ def test_flag_names_follow_the_field_names():
 
 
 def test_last_q_limit_is_the_estimators():
-    assert config_module.MAX_LAST_Q == pattern.MAX_LAST_Q
+    assert config_module.MAX_LAST_Q == estimation.MAX_LAST_Q
 
 
 def test_defaults_are_valid_and_follow_the_design():

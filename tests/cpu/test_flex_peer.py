@@ -11,7 +11,8 @@ import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.reference import mask_area, reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.vertical_slash import mask_area
 from patterns import random_index
 from tool_modules import load_tool
 

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from mtraining_kernels.index import BlockBarIndex, convert_index, convert_index_slow, count_work
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
-from mtraining_kernels.reference import full_index, vertical_slash_mask
+from mtraining_kernels.reference import vertical_slash_mask
+from mtraining_kernels.vertical_slash import full_index
 
 FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
 

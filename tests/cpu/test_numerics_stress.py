@@ -29,8 +29,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"   # must precede the kernels' @triton.jit
 TRITON_CASES_RUN = os.environ.get("TRITON_INTERPRET") == "1"
 
-from megatron_mtraining.budget import StaticBudget, TopPBudget  # noqa: E402
-from megatron_mtraining.pattern import estimate_vertical_slash  # noqa: E402
+from mtraining_kernels.budget import StaticBudget, TopPBudget  # noqa: E402
+from mtraining_kernels.estimation import estimate_vertical_slash  # noqa: E402
 from mtraining_kernels import torch_backend  # noqa: E402
 from mtraining_kernels.index import convert_index  # noqa: E402
 from mtraining_kernels.interface import sparse_attention  # noqa: E402

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_mtraining.budget import StaticBudget, StaticHeadBudgets, TopPBudget
-from megatron_mtraining.pattern import (FIXED_POINT_ONE, INCOMPLETE_SCORE, estimate_vertical_slash,
-                                        estimation_logits, exp_fixed_point, index_list, list_width,
-                                        probability_fixed_point, rank_candidates, slash_partial_sums,
-                                        static_logit_fixed_point, top_p_counts, vertical_scores)
+from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from mtraining_kernels.estimation import (FIXED_POINT_ONE, INCOMPLETE_SCORE, estimate_vertical_slash, estimation_logits,
+                                          exp_fixed_point, index_list, list_width, probability_fixed_point,
+                                          rank_candidates, slash_partial_sums, static_logit_fixed_point, top_p_counts,
+                                          vertical_scores)
 from mtraining_kernels.layout import LAYOUT_KINDS, Layout
 
 SINKS, WINDOW, LAST_Q = 30, 100, 64

@@ -30,7 +30,8 @@ sys.path.insert(0, str(QUALITY))
 from recall import covered_mass  # noqa: E402
 from tasks import BOS, KV, QUERY, RetrievalTask, query_correct  # noqa: E402
 
-from mtraining_kernels.reference import full_index, vertical_slash_mask  # noqa: E402
+from mtraining_kernels.reference import vertical_slash_mask  # noqa: E402
+from mtraining_kernels.vertical_slash import full_index  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ task

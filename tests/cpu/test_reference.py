@@ -4,14 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtraining_kernels.reference import (
-    full_index,
-    mask_area,
-    merge_attention,
-    reference_sparse_attention,
-    slash_block_hits,
-    vertical_slash_mask,
-)
+from mtraining_kernels.merge import merge_attention
+from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.vertical_slash import full_index, mask_area, slash_block_hits
 
 
 def _random_sorted_list(high: int, max_count: int, width: int, sentinel: int) -> torch.Tensor:

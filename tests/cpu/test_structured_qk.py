@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from megatron_mtraining.budget import TopPBudget
-from megatron_mtraining.pattern import estimate_vertical_slash
+from mtraining_kernels.budget import TopPBudget
+from mtraining_kernels.estimation import estimate_vertical_slash
 from tool_modules import load_tool
 
 mask_density = load_tool("bench_attention").mask_density

@@ -8,12 +8,9 @@ from mtraining_kernels import interface, torch_backend
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import get_backend, sparse_attention, torch_block_sparse_attention
 from mtraining_kernels.layout import Layout
-from mtraining_kernels.reference import (
-    full_index,
-    merge_attention,
-    reference_sparse_attention,
-    vertical_slash_mask,
-)
+from mtraining_kernels.merge import merge_attention
+from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.vertical_slash import full_index
 from mtraining_kernels.torch_backend import block_bar_backward, block_bar_forward
 
 BLOCK = 128

@@ -1,5 +1,5 @@
 """The Triton estimation kernels run by Triton's CPU interpreter (TRITON_INTERPRET=1), bit for bit
-against the PyTorch definitions in megatron_mtraining.pattern (DESIGN.md §2.2), tiny shapes.
+against the PyTorch definitions in mtraining_kernels.estimation (DESIGN.md §2.2), tiny shapes.
 
 On a machine with CUDA this module is skipped (the interpreter flag would also reach the GPU
 tests' kernels); tests/gpu/test_estimation_gpu.py covers the same comparisons on the device.
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the Triton interpreter tests run only on machines without CUDA")
 pytest.importorskip("triton")
 
-from megatron_mtraining import pattern  # noqa: E402
-from megatron_mtraining.budget import StaticHeadBudgets, TopPBudget  # noqa: E402
+from mtraining_kernels import estimation  # noqa: E402
+from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget  # noqa: E402
 from mtraining_kernels import triton_estimation  # noqa: E402
 from mtraining_kernels.layout import Layout  # noqa: E402
 
@@ -26,7 +26,7 @@ _interpreted = type(triton_estimation._logits_kernel).__name__ == "InterpretedFu
 if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreted:
     importlib.reload(triton_estimation)    # imported earlier in this process without the interpreter flag
 
-RULES = pattern._fixed_point_rules()
+RULES = estimation._fixed_point_rules()
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +37,12 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 def torch_scores(logits, q_positions, k_positions, seq_len, top_p, row_max=None, row_sums=None):
     """(V, partial S) of the PyTorch path, optionally with row stats over more keys than ``logits`` holds."""
     if not top_p:
-        values, vertical = pattern._values_and_vertical_scores(logits, False)
+        values, vertical = estimation._values_and_vertical_scores(logits, False)
     else:
-        exp_values = pattern.exp_fixed_point(logits, row_max)
-        values = pattern.probability_fixed_point(exp_values, row_sums, logits.shape[-2])
-        vertical = pattern.vertical_scores(values)
-    return vertical, pattern.slash_partial_sums(values, q_positions, k_positions, seq_len)
+        exp_values = estimation.exp_fixed_point(logits, row_max)
+        values = estimation.probability_fixed_point(exp_values, row_sums, logits.shape[-2])
+        vertical = estimation.vertical_scores(values)
+    return vertical, estimation.slash_partial_sums(values, q_positions, k_positions, seq_len)
 
 
 def triton_scores(logits, q_positions, k_positions, seq_len, top_p, row_max=None, row_sums=None):
@@ -71,7 +71,7 @@ def test_logits_are_bit_equal(seed, batch, seq_len, q_heads, kv_heads, dim, rows
     order = torch.arange(seq_len) if key_order == "ascending" else torch.randperm(seq_len, generator=gen)
     scale = dim ** -0.5 if scale is None else scale
     args = (q[:, seq_len - rows:], q_positions, k[:, order], order, scale)
-    expected = pattern._torch_estimation_logits(*args)
+    expected = estimation._torch_estimation_logits(*args)
     got = triton_estimation.estimation_logits(*args)
     assert got.shape == (batch, q_heads, rows, seq_len)
     assert torch.isneginf(got).sum() == rows * (rows - 1) // 2 * batch * q_heads, f"seed={seed}: causal mask"
@@ -87,12 +87,12 @@ def test_scores_of_all_keys_are_bit_equal(seed, top_p):
     seq_len, rows = 330, 64
     q, k = draw_qk(gen, 2, seq_len, 4, 1, 32, torch.bfloat16)
     q_positions, k_positions = torch.arange(seq_len - rows, seq_len), torch.arange(seq_len)
-    logits = pattern._torch_estimation_logits(q[:, seq_len - rows:], q_positions, k, k_positions, 0.3)
+    logits = estimation._torch_estimation_logits(q[:, seq_len - rows:], q_positions, k, k_positions, 0.3)
     stats = {}
     if top_p:
         row_max = logits.amax(dim=-1)
         row_sums = triton_estimation.exp_row_sums(logits, row_max, RULES)
-        expected_sums = pattern.exp_fixed_point(logits, row_max).sum(dim=-1)
+        expected_sums = estimation.exp_fixed_point(logits, row_max).sum(dim=-1)
         assert torch.equal(row_sums, expected_sums), f"seed={seed}: row sums Z differ"
         stats = dict(row_max=row_max, row_sums=row_sums)
     expected = torch_scores(logits, q_positions, k_positions, seq_len, top_p, **stats)
@@ -101,7 +101,7 @@ def test_scores_of_all_keys_are_bit_equal(seed, top_p):
         assert a.dtype == torch.int64 and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)}"
         assert torch.equal(a, b), f"seed={seed} {name}: {int((a != b).sum())} scores differ"
     if not top_p:
-        assert (got[0][..., seq_len - rows + 1:] == pattern.INCOMPLETE_SCORE).all(), f"seed={seed}"
+        assert (got[0][..., seq_len - rows + 1:] == estimation.INCOMPLETE_SCORE).all(), f"seed={seed}"
 
 
 @pytest.mark.parametrize("kind", ["striped", "zigzag", "contiguous", "shuffled"])
@@ -115,11 +115,11 @@ def test_scores_of_a_key_split_add_up_exactly(seed, kind, top_p):
               else [Layout(kind, 2, granularity=64).global_positions(seq_len, rank) for rank in range(2)])
     q, k = draw_qk(gen, 1, seq_len, 2, 2, 16, torch.float16)
     q_positions, k_positions = torch.arange(seq_len - rows, seq_len), torch.arange(seq_len)
-    logits = pattern._torch_estimation_logits(q[:, seq_len - rows:], q_positions, k, k_positions, 0.25)
+    logits = estimation._torch_estimation_logits(q[:, seq_len - rows:], q_positions, k, k_positions, 0.25)
     stats = {}
     if top_p:
         row_max = logits.amax(dim=-1)
-        stats = dict(row_max=row_max, row_sums=pattern.exp_fixed_point(logits, row_max).sum(dim=-1))
+        stats = dict(row_max=row_max, row_sums=estimation.exp_fixed_point(logits, row_max).sum(dim=-1))
     expected_v, expected_s = torch_scores(logits, q_positions, k_positions, seq_len, top_p, **stats)
     summed_s = torch.zeros_like(expected_s)
     for rank, positions in enumerate(shards):
@@ -149,7 +149,7 @@ def test_rounding_edge_cases_match(seed, top_p):
     stats = {}
     if top_p:
         row_max = logits.amax(dim=-1)
-        stats = dict(row_max=row_max, row_sums=pattern.exp_fixed_point(logits, row_max).sum(dim=-1))
+        stats = dict(row_max=row_max, row_sums=estimation.exp_fixed_point(logits, row_max).sum(dim=-1))
     expected = torch_scores(logits, q_positions, k_positions, seq_len, top_p, **stats)
     got = triton_scores(logits, q_positions, k_positions, seq_len, top_p, **stats)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), f"seed={seed}"
@@ -165,9 +165,9 @@ def test_estimated_index_is_identical(seed, budget, monkeypatch):
     k[:, 200:203] += 2.0                                                 # some strong columns
     indexes = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setattr(pattern, "_estimation_backend", backend)
-        indexes[backend] = pattern.estimate_vertical_slash(q, k, budget)
-    for name, a, b in zip(pattern.VerticalSlashIndex._fields, indexes["triton"], indexes["torch"]):
+        monkeypatch.setattr(estimation, "_estimation_backend", backend)
+        indexes[backend] = estimation.estimate_vertical_slash(q, k, budget)
+    for name, a, b in zip(estimation.VerticalSlashIndex._fields, indexes["triton"], indexes["torch"]):
         assert torch.equal(a, b), f"seed={seed} {name}: the Triton path selects a different index"
 
 
@@ -203,6 +203,6 @@ def test_bad_logits_input_raises_value_error_naming_it(change, word):
 ])
 def test_bad_score_input_raises_value_error_naming_it(call, word):
     args = _logits_inputs()
-    logits = pattern._torch_estimation_logits(*args.values())
+    logits = estimation._torch_estimation_logits(*args.values())
     with pytest.raises(ValueError, match=word):
         call(logits, args["q_positions"], args["k_positions"])

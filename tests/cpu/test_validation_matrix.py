@@ -30,7 +30,7 @@ from mtraining_kernels import sdpa_backend, torch_backend
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import get_backend, sparse_attention
 from mtraining_kernels.layout import Layout
-from mtraining_kernels.reference import full_index
+from mtraining_kernels.vertical_slash import full_index
 
 from tool_modules import load_tool
 
@@ -102,8 +102,8 @@ def _ring(index_layout: Layout, index_rank: int, index_seq_len: int, grad_wire_d
     """``ring_attention`` on a one-rank world with an index built for the given layout/rank/length."""
     import torch.distributed as dist
 
-    from megatron_mtraining.ring import ring_attention
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from megatron_mtraining.ring.groups import RingGroups
 
     q, k, v = (_step_arguments()[name] for name in ("q", "k", "v"))
     v_idx, s_idx = full_index(1, HEADS, index_seq_len)
@@ -117,8 +117,8 @@ def _dense_ring(layout: Layout = Layout("zigzag", 1), hierarchical: bool = False
     """``dense_ring_attention`` on a one-rank world (flat, or a hierarchical ring of 1 x 1)."""
     import torch.distributed as dist
 
-    from megatron_mtraining.dense_ring import dense_ring_attention
-    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.dense_ring import dense_ring_attention
+    from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
 
     q, k, v = (_step_arguments()[name] for name in ("q", "k", "v"))
     with single_process_group():
@@ -133,7 +133,7 @@ def _sdpa_forward(impl: str = "flash", **replaced):
 
 
 def _hierarchical_groups(inner_size: int):
-    from megatron_mtraining.ring_groups import build_hierarchical_groups
+    from megatron_mtraining.ring.groups import build_hierarchical_groups
 
     with single_process_group():
         build_hierarchical_groups(inner_size)
@@ -141,8 +141,8 @@ def _hierarchical_groups(inner_size: int):
 
 # ------------------------------------------------------------------------------------------ estimator
 def _estimate(budget=None, last_q: int = 64):
-    from megatron_mtraining.budget import StaticBudget
-    from megatron_mtraining.pattern import estimate_vertical_slash
+    from mtraining_kernels.budget import StaticBudget
+    from mtraining_kernels.estimation import estimate_vertical_slash
 
     arguments = _step_arguments()
     estimate_vertical_slash(arguments["q"], arguments["k"], StaticBudget(64, 128) if budget is None else budget,
@@ -150,7 +150,7 @@ def _estimate(budget=None, last_q: int = 64):
 
 
 def _static_budget(v_size: int, s_size: int):
-    from megatron_mtraining.budget import StaticBudget
+    from mtraining_kernels.budget import StaticBudget
 
     return StaticBudget(v_size, s_size)
 
@@ -332,10 +332,10 @@ ROWS = [
             ValueError, r"grad_wire_dtype='fp16' is not one of \['bf16', 'fp32'\]"),
     Invalid("ring: SDPA dense ring on the striped layout", lambda tmp: _dense_ring(Layout("striped", 1)),
             ValueError, r"the SDPA dense ring needs the zigzag layout, got Layout\(kind='striped'.*; use "
-                        r"--mtraining-layout zigzag"),
+                        r"Layout\('zigzag', world_size\)"),
     Invalid("ring: SDPA dense ring on a hierarchical ring", lambda tmp: _dense_ring(hierarchical=True),
-            ValueError, r"the SDPA dense ring is flat only, got a hierarchical ring \(--mtraining-ring=hierarchical\); "
-                        r"use --mtraining-ring flat"),
+            ValueError, r"the SDPA dense ring is flat only, got RingGroups with an outer ring \(a hierarchical ring\); "
+                        r"pass flat RingGroups \(outer=None\)"),
     Invalid("ring: inner ring size does not divide the CP group", lambda tmp: _hierarchical_groups(3),
             ValueError, r"inner_size=3 does not divide the CP size 1; pick a divisor"),
     # --- estimator and budgets

@@ -1,4 +1,4 @@
-"""The SDPA zigzag dense ring (megatron_mtraining.dense_ring) on gloo CPU ranks vs the fp64 reference.
+"""The SDPA zigzag dense ring (megatron_mtraining.ring.dense_ring) on gloo CPU ranks vs the fp64 reference.
 
 On CPU the ring runs torch's CPU flash kernel (impl "flash"), so the ring logic (step plan, merge,
 dK/dV ring) is the one the GPU runs with cuDNN. Also: the step plan covers exactly the causal triangle,
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from mtraining_kernels.layout import Layout
-from mtraining_kernels.reference import merge_attention, reference_sparse_attention
+from mtraining_kernels.merge import merge_attention
+from mtraining_kernels.reference import reference_sparse_attention
 
 
 def _inputs(seed, b, n, hq, hkv, d):
@@ -42,8 +43,8 @@ def _gather(results, world):
 
 
 def _dense_ring_rank(rank, world_size, shape, seed, wire):
-    from megatron_mtraining.dense_ring import dense_ring_attention
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring.dense_ring import dense_ring_attention
+    from megatron_mtraining.ring.groups import RingGroups
 
     layout = Layout("zigzag", world_size)
     q, k, v, dout = _inputs(seed, *shape)
@@ -87,7 +88,7 @@ def test_bf16_gradient_wire_stays_within_tolerance(distributed, seed):
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_step_plan_covers_the_causal_triangle_once(world):
     """Over all ranks and steps, the (query, key) pairs of the plan are exactly the causal pairs, each once."""
-    from megatron_mtraining.dense_ring import zigzag_step
+    from megatron_mtraining.ring.dense_ring import zigzag_step
 
     chunk = 3
     layout, seq_len = Layout("zigzag", world), 2 * world * chunk
@@ -114,7 +115,7 @@ def test_merge_step_into_a_row_range_equals_reference_merge(seed, lse_offset):
 
     At |lse| ~ 1e4 (fp32 ulp 1e-3) both merges must take their weights from the lse difference to agree.
     """
-    from megatron_mtraining.dense_ring import merge_step
+    from megatron_mtraining.ring.dense_ring import merge_step
 
     b, n, h, d = 2, 24, 3, 8
     out, lse = torch.randn(b, n, h, d), torch.randn(b, h, n) * 4 + lse_offset
@@ -132,8 +133,8 @@ def test_merge_step_into_a_row_range_equals_reference_merge(seed, lse_offset):
 # ------------------------------------------------------------------------------------------ bad input
 def _replay_rank(rank, world_size, seed):
     """Gradients of a plain dense-ring call vs a call replaying its (out, lse) with no SDPA forward."""
-    from megatron_mtraining import dense_ring
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring import dense_ring
+    from megatron_mtraining.ring.groups import RingGroups
     from replay import replay_matches
 
     layout, groups = Layout("zigzag", world_size), RingGroups.flat(dist.group.WORLD)
@@ -150,8 +151,8 @@ def test_replayed_output_gives_the_same_gradients_without_a_forward(distributed,
 
 
 def _bad_dense_ring_input(rank, world_size, problem):
-    from megatron_mtraining.dense_ring import dense_ring_attention
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring.dense_ring import dense_ring_attention
+    from megatron_mtraining.ring.groups import RingGroups
 
     layout = Layout("zigzag", world_size)
     q, k, v = (torch.randn(1, 64, h, 16) for h in (4, 1, 1))
@@ -181,7 +182,7 @@ def _bad_dense_ring_input(rank, world_size, problem):
 @pytest.mark.parametrize("problem, message", [
     ("odd_local_length", r"invalid on rank\(s\) \[1\]|CP rank 1: N_loc=63 is odd.*multiple of 2 x 2"),
     ("shapes_differ", r"dense ring attention: the ranks of the group disagree on \{'d': \[16, 8\]"),
-    ("striped_layout", r"needs the zigzag layout, got Layout\(kind='striped'.*use --mtraining-layout zigzag"),
+    ("striped_layout", r"needs the zigzag layout, got Layout\(kind='striped'.*use Layout\('zigzag', world_size\)"),
     ("cudnn_on_cpu", r"impl='cudnn' needs CUDA tensors, got CPU tensors.*use impl='flash'"),
     ("wire_differs",
      r"dense ring attention: the ranks of the group disagree on \{'grad_wire_dtype': \['fp32', 'bf16'\]"),

@@ -419,8 +419,8 @@ def _sparse_attention(**overrides):
 
 def _attention_vs_reference(seed) -> dict[str, float]:
     """fp64: the attention's output and input gradients vs the masked reference on the same estimated index."""
-    from megatron_mtraining.budget import StaticBudget
-    from megatron_mtraining.pattern import estimate_vertical_slash
+    from mtraining_kernels.budget import StaticBudget
+    from mtraining_kernels.estimation import estimate_vertical_slash
     from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
 
     gen = torch.Generator().manual_seed(seed)

@@ -1,6 +1,6 @@
 """No hangs: when one rank's input is inconsistent, every rank raises promptly.
 
-On 3 gloo ranks, one rank calls :func:`~megatron_mtraining.ring.ring_attention` or
+On 3 gloo ranks, one rank calls :func:`~megatron_mtraining.ring.sparse_ring.ring_attention` or
 :func:`~megatron_mtraining.pattern.estimate_vertical_slash_distributed` with a different sequence
 length, index (rank, length, heads or layout), head count, dtype, kernel backend, gradient wire dtype,
 softmax scale, budget or option than its peers. Every rank must raise a
@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_mtraining.budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
 from patterns import random_index
@@ -99,8 +99,8 @@ def _ring_call(rank, world_size, seed, local_len=LOCAL_LEN, heads=HEADS, index_h
                index_len_factor=1, index_kind="striped", dtype=torch.float32, squeeze_q=False,
                backend="torch_blocksparse", grad_wire_dtype="fp32", softmax_scale=None, deterministic=False):
     """One flat-ring forward + backward (by default on torch_blocksparse) with a random striped index."""
-    from megatron_mtraining.ring import ring_attention
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from megatron_mtraining.ring.groups import RingGroups
 
     gen = torch.Generator().manual_seed(seed + rank)
     seq_len = local_len * world_size
@@ -149,7 +149,7 @@ ESTIMATOR_CASES = {       # as RING_CASES; top-P: 0 static, 1 top-P
 
 def _estimate_call(rank, world_size, seed, local_len=LOCAL_LEN, heads=HEADS, dtype=torch.float32,
                    budget=StaticBudget(64, 128), last_q=64, kind="striped", softmax_scale=None):
-    from megatron_mtraining.pattern import estimate_vertical_slash_distributed
+    from megatron_mtraining.ring.estimation import estimate_vertical_slash_distributed
 
     gen = torch.Generator().manual_seed(seed + rank)
     q = torch.randn(1, local_len, heads, DIM, generator=gen).to(dtype)
@@ -225,7 +225,7 @@ def _head_budget_rank(rank, world_size, bad_rank, seed):
 
 
 def test_per_head_budgets_are_compared_exactly(seed):
-    from megatron_mtraining.pattern import list_width
+    from mtraining_kernels.estimation import list_width
 
     (v_good, s_good), (v_other, s_other) = CHECKSUM_TWINS
     def checksum(sizes):

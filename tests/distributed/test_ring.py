@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
-from mtraining_kernels.reference import full_index, reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.vertical_slash import full_index
 from patterns import random_index
 
 
@@ -21,7 +22,7 @@ def _inputs(seed, b, n, hq, hkv, d, n_vertical, n_slash, full):
 
 
 def _groups_for(mode, world_size):
-    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
 
     if mode == "flat":
         return RingGroups.flat(dist.group.WORLD)
@@ -37,7 +38,7 @@ def _groups_for(mode, world_size):
 
 
 def _ring_rank(rank, world_size, mode, kind, shape, seed, full, wire):
-    from megatron_mtraining.ring import ring_attention
+    from megatron_mtraining.ring.sparse_ring import ring_attention
 
     groups = _groups_for(mode, world_size)
     cp_size, cp_rank = groups.world_size, groups.cp_rank
@@ -121,8 +122,8 @@ def test_bf16_gradient_wire_stays_within_tolerance(distributed, seed):
 
 
 def _bad_ring_input(rank, world_size, problem):
-    from megatron_mtraining.ring import ring_attention
-    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
 
     n, layout = 1024, Layout("striped", world_size)
     v_idx, s_idx = full_index(1, 2, n)
@@ -164,8 +165,8 @@ def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, me
 
 def _replay_rank(rank, world_size, seed):
     """Gradients of a plain ring call vs a call replaying the plain call's (out, lse) with no forward launch."""
-    from megatron_mtraining.ring import ring_attention
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from megatron_mtraining.ring.groups import RingGroups
     from mtraining_kernels import torch_backend
     from replay import replay_matches
 

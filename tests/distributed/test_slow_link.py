@@ -42,8 +42,8 @@ def test_only_transfers_across_nodes_wait_for_the_delay(distributed, world, node
 
 
 def _ring_rank(rank, world_size, inner, node_size, seed):
-    from megatron_mtraining.ring import ring_attention
-    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
     SlowLink, SlowLinkRingGroups = slow_link.SlowLink, slow_link.SlowLinkRingGroups
 
     plain = RingGroups.flat(dist.group.WORLD) if inner == world_size else build_hierarchical_groups(inner_size=inner)
@@ -90,7 +90,7 @@ def test_wrap_and_link_reject_bad_settings():
 
 
 def _wrap_errors_rank(rank, world_size):
-    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
     SlowLink, SlowLinkRingGroups = slow_link.SlowLink, slow_link.SlowLinkRingGroups
 
     errors = []

@@ -17,8 +17,8 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron_mtraining import pattern
-from megatron_mtraining.budget import StaticBudget, TopPBudget
+from mtraining_kernels import estimation
+from mtraining_kernels.budget import StaticBudget, TopPBudget
 from mtraining_kernels import triton_estimation
 from mtraining_kernels.layout import Layout
 
@@ -30,11 +30,11 @@ BUDGETS = {"static": StaticBudget(2048, 4096), "top_p": TopPBudget(0.9, 4096)}
 @contextlib.contextmanager
 def estimation_backend(name: str):
     """Run the estimator through ``name`` ("torch", "triton" or "auto") inside the block."""
-    previous, pattern._estimation_backend = pattern._estimation_backend, name
+    previous, estimation._estimation_backend = estimation._estimation_backend, name
     try:
         yield
     finally:
-        pattern._estimation_backend = previous
+        estimation._estimation_backend = previous
 
 
 def draw_qk(seed, batch, seq_len, q_heads, kv_heads, dim, dtype, device=DEVICE):
@@ -59,11 +59,11 @@ def test_logits_are_bit_equal_to_the_pytorch_path(seed, batch, seq_len, q_heads,
     q_positions, k_positions = positions(seq_len)
     args = (q[:, seq_len - 64:], q_positions, k, k_positions, dim ** -0.5)
     got = triton_estimation.estimation_logits(*args)
-    expected = pattern._torch_estimation_logits(*args)
+    expected = estimation._torch_estimation_logits(*args)
     mismatches = int((got.view(torch.int32) != expected.view(torch.int32)).sum())
     assert mismatches == 0, f"seed={seed} N={seq_len}: {mismatches} logits differ from the PyTorch path on the GPU"
     if seq_len <= 4096:
-        on_cpu = pattern._torch_estimation_logits(*(a.cpu() if torch.is_tensor(a) else a for a in args))
+        on_cpu = estimation._torch_estimation_logits(*(a.cpu() if torch.is_tensor(a) else a for a in args))
         assert torch.equal(got.cpu().view(torch.int32), on_cpu.view(torch.int32)), f"seed={seed}: CPU logits differ"
 
 
@@ -76,7 +76,7 @@ def test_scores_are_bit_equal_to_the_pytorch_path(seed, mode):
     scores = {}
     for backend in ("torch", "triton"):
         with estimation_backend(backend):
-            scores[backend] = pattern._vertical_and_slash_scores(logits, mode == "top_p", q_positions, k_positions,
+            scores[backend] = estimation.vertical_and_slash_scores(logits, mode == "top_p", q_positions, k_positions,
                                                                  seq_len)
     for name, got, expected in zip(("V", "S"), scores["triton"], scores["torch"]):
         assert torch.equal(got, expected), f"seed={seed} {mode} {name}: {int((got != expected).sum())} differ"
@@ -90,11 +90,11 @@ def test_partial_slash_sums_of_a_striped_split_add_up(seed, mode):
     q_positions, k_positions = positions(seq_len)
     logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, 128 ** -0.5)
     with estimation_backend("torch"):
-        expected_v, expected_s = pattern._vertical_and_slash_scores(logits, mode == "top_p", q_positions,
+        expected_v, expected_s = estimation.vertical_and_slash_scores(logits, mode == "top_p", q_positions,
                                                                     k_positions, seq_len)
     row_max = logits.amax(dim=-1)
-    row_sums = pattern.exp_fixed_point(logits, row_max).sum(dim=-1)
-    rules, summed_s = pattern._fixed_point_rules(), torch.zeros_like(expected_s)
+    row_sums = estimation.exp_fixed_point(logits, row_max).sum(dim=-1)
+    rules, summed_s = estimation._fixed_point_rules(), torch.zeros_like(expected_s)
     for rank in range(layout.world_size):
         shard = layout.global_positions(seq_len, rank, device=DEVICE)
         shard_logits = logits[..., shard].contiguous()
@@ -115,11 +115,11 @@ def test_index_is_identical_to_the_pytorch_path(seed, mode, seq_len):
     indexes = {}
     for backend in ("torch", "auto"):
         with estimation_backend(backend):
-            indexes[backend] = pattern.estimate_vertical_slash(q, k, BUDGETS[mode])
+            indexes[backend] = estimation.estimate_vertical_slash(q, k, BUDGETS[mode])
     if seq_len <= 4096:
-        indexes["cpu"] = pattern.estimate_vertical_slash(q.cpu(), k.cpu(), BUDGETS[mode])
+        indexes["cpu"] = estimation.estimate_vertical_slash(q.cpu(), k.cpu(), BUDGETS[mode])
     for backend in indexes:
-        for name, got, expected in zip(pattern.VerticalSlashIndex._fields, indexes["auto"], indexes[backend]):
+        for name, got, expected in zip(estimation.VerticalSlashIndex._fields, indexes["auto"], indexes[backend]):
             assert torch.equal(got.cpu(), expected.cpu()), f"seed={seed} {mode} N={seq_len}: {name} vs {backend}"
 
 
@@ -158,24 +158,24 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
             with mock.patch.object(triton_estimation, "SCORE_KEYS_PER_TILE", keys_per_tile), \
                     mock.patch.object(triton_estimation, "SCORE_NUM_WARPS", num_warps):
                 tiles[f"{keys_per_tile}x{num_warps}w"] = round(_median_ms(
-                    lambda logits=sweep_logits: pattern._vertical_and_slash_scores(
+                    lambda logits=sweep_logits: estimation.vertical_and_slash_scores(
                         logits, mode == "top_p", q_positions, k_positions, seq_len), 5), 2)
         print(f"N={seq_len} {mode}: score kernels ms by keys per tile x warps: {tiles}", flush=True)
     del sweep_logits
     for mode, budget in BUDGETS.items():
         with estimation_backend("torch"):
             torch.cuda.reset_peak_memory_stats()
-            old = _median_ms(lambda: pattern.estimate_vertical_slash(q, k, budget), old_repeats)
+            old = _median_ms(lambda: estimation.estimate_vertical_slash(q, k, budget), old_repeats)
             old_peak = torch.cuda.max_memory_allocated() / 2 ** 30
         with estimation_backend("auto"):
             logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
             logits_ms = _median_ms(lambda: triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k,
                                                                                 k_positions, scale), 5)
-            scores_ms = _median_ms(lambda logits=logits: pattern._vertical_and_slash_scores(
+            scores_ms = _median_ms(lambda logits=logits: estimation.vertical_and_slash_scores(
                 logits, mode == "top_p", q_positions, k_positions, seq_len), 5)
             del logits
             torch.cuda.reset_peak_memory_stats()
-            new = _median_ms(lambda: pattern.estimate_vertical_slash(q, k, budget), 5)
+            new = _median_ms(lambda: estimation.estimate_vertical_slash(q, k, budget), 5)
             new_peak = torch.cuda.max_memory_allocated() / 2 ** 30
         print(f"N={seq_len} Hq={q_heads} Hkv={kv_heads} d={dim} {mode}: pytorch path {old:.1f} ms "
               f"(peak {old_peak:.1f} GiB), triton path {new:.1f} ms (peak {new_peak:.1f} GiB) = logits "

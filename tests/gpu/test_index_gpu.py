@@ -20,7 +20,7 @@ from bench_attention import budget_pattern, median_ms  # noqa: E402
 
 from mtraining_kernels import index  # noqa: E402
 from mtraining_kernels.layout import BLOCK_SIZE, Layout  # noqa: E402
-from mtraining_kernels.reference import slash_block_hits  # noqa: E402
+from mtraining_kernels.vertical_slash import slash_block_hits  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")

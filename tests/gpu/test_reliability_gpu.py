@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from harness import run_on_ranks
-from megatron_mtraining.budget import StaticBudget, TopPBudget
-from megatron_mtraining.pattern import estimate_vertical_slash
+from mtraining_kernels.budget import StaticBudget, TopPBudget
+from mtraining_kernels.estimation import estimate_vertical_slash
 from mtraining_kernels import triton_backend
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
@@ -72,8 +72,8 @@ def test_triton_kernels_at_extreme_logits_match_reference(seed, dtype, largest_l
 
 # ------------------------------------------------------------------------------------------ NCCL consensus
 def _ring_call(rank: int, world_size: int, seed: int, local_len: int) -> None:
-    from megatron_mtraining.ring import ring_attention as distributed_ring
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention as distributed_ring
+    from megatron_mtraining.ring.groups import RingGroups
 
     gen = torch.Generator().manual_seed(seed + rank)
     device = torch.device("cuda", rank)

@@ -35,8 +35,8 @@ def _inputs(seed, shape, dtype, pattern, device):
 
 
 def _ring_on_gpus(rank, world_size, seed, kind, pattern, shape, dtype, wire, inner=None):
-    from megatron_mtraining.ring import ring_attention
-    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
 
     device = torch.device("cuda", rank)
     q, k, v, dout, v_idx, s_idx = _inputs(seed, shape, dtype, pattern, device)
@@ -86,8 +86,8 @@ def test_ring_on_every_gpu_matches_reference(seed, kind, inner):
 
 def _emulated_ring_on_gpus(rank, world_size, seed, inner, node_size, delay_s):
     """(plain vs emulated-slow-link outputs equal?, this rank's delayed?, ms of one delayed exchange)."""
-    from megatron_mtraining.ring import ring_attention
-    from megatron_mtraining.ring_groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
     SlowLink, SlowLinkExchange = slow_link.SlowLink, slow_link.SlowLinkExchange
     SlowLinkRingGroups = slow_link.SlowLinkRingGroups
 

@@ -14,7 +14,8 @@ from harness import run_on_ranks
 from mtraining_kernels import sdpa_backend
 from mtraining_kernels.interface import dense_attention
 from mtraining_kernels.layout import Layout
-from mtraining_kernels.reference import full_index, reference_sparse_attention
+from mtraining_kernels.reference import reference_sparse_attention
+from mtraining_kernels.vertical_slash import full_index
 from triton_cases import assert_close_fa, make_qkv_dout, reference_attention
 
 pytestmark = pytest.mark.gpu
@@ -92,8 +93,8 @@ def _inputs(seed, shape, device):
 
 
 def _dense_ring_on_gpus(rank, world_size, seed, impl, shape, wire):
-    from megatron_mtraining.dense_ring import dense_ring_attention
-    from megatron_mtraining.ring_groups import RingGroups
+    from megatron_mtraining.ring.dense_ring import dense_ring_attention
+    from megatron_mtraining.ring.groups import RingGroups
 
     layout = Layout("zigzag", world_size)
     q, k, v, dout = _inputs(seed, shape, torch.device("cuda", rank))

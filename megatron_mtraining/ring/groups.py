@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from .ring_comm import RingExchange
+from .comm import RingExchange
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 One autograd function serves the flat ring (outer size 1) and the hierarchical ring; the schedule
 (K/V packed as ``[2, b, N_loc, Hkv, d]``, the next transfer posted before the current step's compute,
-dK/dV partials on a second ring) is ``ring_driver.py``'s, and a step here is one block/bar kernel
+dK/dV partials on a second ring) is ``ring/driver.py``'s, and a step here is one block/bar kernel
 launch on that step's source lists. Queries, the fp32 running output and lse stay local.
 
 Inputs are already in the CP layout (the permutation happens once, in the data loader): q
@@ -21,8 +21,8 @@ from mtraining_kernels.interface import get_backend, replay_output_error
 from mtraining_kernels.layout import Layout
 
 from .consensus import agree_on_inputs
-from .ring_driver import run_backward_ring, run_forward_ring
-from .ring_groups import RingGroups
+from .driver import run_backward_ring, run_forward_ring
+from .groups import RingGroups
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -28,27 +28,19 @@ samples are grouped (a rank's share of the keys, a batch, a tile of 64 × 64):
   additions give the same integers in any order; maxima are exact anyway;
 * ranking compares integers and breaks ties by index, so it needs no tie behaviour of a sort.
 
-:func:`estimate_vertical_slash_distributed` is the same estimator over a context-parallel group. It
-broadcasts Q_L, calls :func:`estimation_logits` on its local keys, all-reduces (MAX) the row maxima and
-(SUM) the int64 row sums for top-P, exchanges the slash partials of offsets that straddle its runs of
-columns, and all-gathers each rank's :func:`rank_candidates` output (``limit`` = list width) before
-ranking the union once more: the global top ``limit`` is inside the union of local tops. The data
-movement lives in :mod:`megatron_mtraining.pattern_dist`.
+:func:`megatron_mtraining.ring.estimation.estimate_vertical_slash_distributed` is the same estimator over a
+context-parallel group, built from these functions (:func:`vertical_and_slash_scores` takes the row
+reduction it needs for top-P; :func:`select_index` ranks the union of every rank's top candidates).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import torch
-import torch.distributed as dist
-
-from mtraining_kernels.layout import Layout
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
-from .consensus import agree_on_inputs
-from .pattern_dist import all_gather_last_dim, broadcast_last_rows, complete_slash_sums, last_rows_owner
 
 FIXED_POINT_ONE = 2 ** 32                 # fixed point: value·2^32 rounded to int64
 STATIC_LOGIT_LIMIT = 2.0 ** 24            # |logit| clamp: 64 rows · 2^24 · 2^32 = 2^62 cannot overflow
@@ -60,6 +52,10 @@ _EXP_INPUT_FLOOR = -80.0                  # exp(−80)·2^32 < 1e−25: rounds t
 _LOG2_E = 1.4426950408889634
 # 2^f = Σ_k (f·ln 2)^k / k! on [0, 1); the degree-13 truncation error is below 2e−13 (relative)
 _EXP2_COEFFICIENTS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(14))
+
+
+# reduce_rows(tensor, "max" | "sum"): row maxima or sums over some key columns → over all of them
+RowReduction = Callable[[torch.Tensor, Literal["max", "sum"]], torch.Tensor]
 
 
 class VerticalSlashIndex(NamedTuple):
@@ -88,7 +84,7 @@ def _uses_triton(tensor: torch.Tensor) -> bool:
 
 def _triton_estimation():
     """:mod:`mtraining_kernels.triton_estimation`, imported on first use (Triton is only needed there)."""
-    from mtraining_kernels import triton_estimation
+    from . import triton_estimation
     return triton_estimation
 
 
@@ -262,12 +258,13 @@ def list_width(largest: int, seq_len: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ estimation
-def _check_int(name: str, value, low: int, high: int, why: str) -> None:
+def check_int(name: str, value, low: int, high: int, why: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int in [low, high], saying ``why``."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}] ({why})")
 
 
-def _check_tensors(q, k, softmax_scale) -> None:
+def check_query_key(q, k, softmax_scale) -> None:
     """Shape, dtype, GQA and device checks of q/k (the whole sequence or one rank's shard) and the scale."""
     for name, x in (("q", q), ("k", k)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
@@ -288,20 +285,20 @@ def _check_tensors(q, k, softmax_scale) -> None:
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None (d^-1/2)")
 
 
-def _check_forced_entries(sink_tokens, local_window, seq_len: int) -> None:
-    _check_int("sink_tokens", sink_tokens, 0, seq_len, f"the forced sinks must exist in N={seq_len}")
-    _check_int("local_window", local_window, 0, seq_len, f"the forced window offsets must exist in N={seq_len}")
+def check_forced_entries(sink_tokens, local_window, seq_len: int) -> None:
+    check_int("sink_tokens", sink_tokens, 0, seq_len, f"the forced sinks must exist in N={seq_len}")
+    check_int("local_window", local_window, 0, seq_len, f"the forced window offsets must exist in N={seq_len}")
 
 
 def _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window) -> None:
-    _check_tensors(q, k, softmax_scale)
+    check_query_key(q, k, softmax_scale)
     seq_len = q.shape[1]
-    _check_int("last_q", last_q, 1, min(MAX_LAST_Q, seq_len),
+    check_int("last_q", last_q, 1, min(MAX_LAST_Q, seq_len),
                f"at most the sequence length N={seq_len} and at most one {MAX_LAST_Q}-row tile")
-    _check_forced_entries(sink_tokens, local_window, seq_len)
+    check_forced_entries(sink_tokens, local_window, seq_len)
 
 
-def _resolve_budget(budget, q_heads: int, seq_len: int, sink_tokens: int,
+def resolve_budget(budget, q_heads: int, seq_len: int, sink_tokens: int,
                     local_window: int) -> StaticHeadBudgets | TopPBudget:
     """The budget as per-head static sizes or a top-P budget, checked against Hq, N and the forced entries."""
     if isinstance(budget, StaticBudget):
@@ -331,48 +328,48 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor,
     """
     _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window)
     batch, seq_len, q_heads, dim = q.shape
-    budget = _resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
+    budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
     scale = dim ** -0.5 if softmax_scale is None else softmax_scale
     device = q.device
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = torch.arange(seq_len, device=device)
     logits = estimation_logits(q[:, seq_len - last_q:], q_positions, k, k_positions, scale)
-    v_scores, s_scores = _vertical_and_slash_scores(logits, isinstance(budget, TopPBudget), q_positions,
+    v_scores, s_scores = vertical_and_slash_scores(logits, isinstance(budget, TopPBudget), q_positions,
                                                     k_positions, seq_len)
     del logits
 
     total_mass = v_scores.sum(dim=-1) if isinstance(budget, TopPBudget) else None   # = s_scores.sum(-1) exactly
-    return _select(v_scores, _all_candidates(v_scores), s_scores, _all_candidates(s_scores), budget, total_mass,
+    return select_index(v_scores, _all_candidates(v_scores), s_scores, _all_candidates(s_scores), budget, total_mass,
                    seq_len, sink_tokens, local_window)
 
 
 def _values_and_vertical_scores(logits: torch.Tensor, top_p: bool,
-                                reduce_rows: Callable[[torch.Tensor, dist.ReduceOp], torch.Tensor] | None = None
+                                reduce_rows: RowReduction | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The int64 terms of the scores (``values``, like ``logits``) and V over the logits' columns ``[b, Hq, n]``.
 
-    Static terms are the clamped logits; top-P terms are the masses P. ``reduce_rows(tensor, op)``
-    turns row maxima (MAX) and row sums (SUM) over some columns into ones over all columns (an
-    all-reduce when the columns are split over ranks); without it the logits hold all columns.
+    Static terms are the clamped logits; top-P terms are the masses P. ``reduce_rows(tensor, "max" | "sum")``
+    turns row maxima and row sums over some columns into ones over all columns (an all-reduce when the
+    columns are split over ranks); without it the logits hold all columns.
     """
     if not top_p:
         values = static_logit_fixed_point(logits)
         return values, vertical_scores(values, torch.isneginf(logits).any(dim=-2))
     row_max = logits.amax(dim=-1)
     if reduce_rows is not None:
-        row_max = reduce_rows(row_max, dist.ReduceOp.MAX)
+        row_max = reduce_rows(row_max, "max")
     exp_values = exp_fixed_point(logits, row_max)
     row_sums = exp_values.sum(dim=-1)
     if reduce_rows is not None:
-        row_sums = reduce_rows(row_sums, dist.ReduceOp.SUM)
+        row_sums = reduce_rows(row_sums, "sum")
     values = probability_fixed_point(exp_values, row_sums, logits.shape[-2])
     return values, vertical_scores(values)
 
 
-def _vertical_and_slash_scores(logits: torch.Tensor, top_p: bool, q_positions: torch.Tensor,
+def vertical_and_slash_scores(logits: torch.Tensor, top_p: bool, q_positions: torch.Tensor,
                                k_positions: torch.Tensor, seq_len: int,
-                               reduce_rows: Callable[[torch.Tensor, dist.ReduceOp], torch.Tensor] | None = None
+                               reduce_rows: RowReduction | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(V over the logits' columns ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64, from the logits.
 
@@ -387,10 +384,10 @@ def _vertical_and_slash_scores(logits: torch.Tensor, top_p: bool, q_positions: t
         return kernels.static_scores(logits, q_positions, k_positions, seq_len, rules)
     row_max = logits.amax(dim=-1)
     if reduce_rows is not None:
-        row_max = reduce_rows(row_max, dist.ReduceOp.MAX)
+        row_max = reduce_rows(row_max, "max")
     row_sums = kernels.exp_row_sums(logits, row_max, rules)
     if reduce_rows is not None:
-        row_sums = reduce_rows(row_sums, dist.ReduceOp.SUM)
+        row_sums = reduce_rows(row_sums, "sum")
     return kernels.top_p_scores(logits, q_positions, k_positions, seq_len, row_max, row_sums, rules)
 
 
@@ -399,7 +396,7 @@ def _all_candidates(scores: torch.Tensor) -> torch.Tensor:
     return torch.arange(scores.shape[-1], device=scores.device).expand(scores.shape)
 
 
-def _list_widths(budget: StaticHeadBudgets | TopPBudget, seq_len: int) -> tuple[int, int]:
+def list_widths(budget: StaticHeadBudgets | TopPBudget, seq_len: int) -> tuple[int, int]:
     """(Vmax, Smax) of a resolved budget on a sequence of ``seq_len``."""
     if isinstance(budget, TopPBudget):
         width = list_width(budget.effective_cap(seq_len), seq_len)
@@ -407,7 +404,7 @@ def _list_widths(budget: StaticHeadBudgets | TopPBudget, seq_len: int) -> tuple[
     return list_width(int(budget.v_size.max()), seq_len), list_width(int(budget.s_size.max()), seq_len)
 
 
-def _select(v_scores: torch.Tensor, v_indices: torch.Tensor, s_scores: torch.Tensor, s_indices: torch.Tensor,
+def select_index(v_scores: torch.Tensor, v_indices: torch.Tensor, s_scores: torch.Tensor, s_indices: torch.Tensor,
             budget: StaticHeadBudgets | TopPBudget, total_mass: torch.Tensor | None, seq_len: int,
             sink_tokens: int, local_window: int) -> VerticalSlashIndex:
     """The index from (score, global index) candidates ``[b, Hq, m]`` of verticals and of slashes.
@@ -416,7 +413,7 @@ def _select(v_scores: torch.Tensor, v_indices: torch.Tensor, s_scores: torch.Ten
     :func:`rank_candidates`: all of them, or the union of per-rank top lists. ``total_mass [b, Hq]``
     (int64, top-P only) is the sum of all vertical masses.
     """
-    v_width, s_width = _list_widths(budget, seq_len)
+    v_width, s_width = list_widths(budget, seq_len)
     v_sizes, s_sizes = (None, None) if isinstance(budget, TopPBudget) else (budget.v_size, budget.s_size)
     lists = []
     for scores, indices, num_forced, width, sizes in ((v_scores, v_indices, sink_tokens, v_width, v_sizes),
@@ -429,124 +426,3 @@ def _select(v_scores: torch.Tensor, v_indices: torch.Tensor, s_scores: torch.Ten
         lists.append(index_list(ranked_indices, counts, width, seq_len))
     (v_idx, v_cnt), (s_idx, s_cnt) = lists
     return VerticalSlashIndex(v_idx, s_idx, v_cnt, s_cnt)
-
-
-# ---------------------------------------------------------------------------- distributed estimation
-_COLLECTIVE_DEVICE_TYPES = {"nccl": "cuda", "gloo": "cpu"}
-
-
-def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens,
-                              local_window) -> int:
-    """The checks of :func:`estimate_vertical_slash_distributed`, alike on every rank; returns N."""
-    _check_tensors(q_local, k_local, softmax_scale)
-    if not isinstance(layout, Layout):
-        raise ValueError(f"layout={layout!r} must be a mtraining_kernels.layout.Layout, e.g. "
-                         "Layout('striped', cp_size)")
-    world_size = dist.get_world_size(group)
-    if layout.world_size != world_size:
-        raise ValueError(f"the layout has world_size={layout.world_size} but the group has {world_size} ranks; "
-                         f"build the layout with the group's size, Layout({layout.kind!r}, {world_size})")
-    backend = str(dist.get_backend(group))
-    device_type = _COLLECTIVE_DEVICE_TYPES.get(backend)
-    if device_type is not None and q_local.device.type != device_type:
-        raise ValueError(f"q_local and k_local are on {q_local.device} but the group's {backend} backend moves "
-                         f"{device_type} tensors; move them to {device_type}")
-    local_len = q_local.shape[1]
-    seq_len = local_len * world_size
-    try:
-        layout.validate(seq_len)
-    except ValueError as error:
-        raise ValueError(f"the local length N_loc={local_len} on {world_size} ranks gives N={seq_len}, which "
-                         f"the layout cannot split: {error}") from None
-    _check_int("last_q", last_q, 1, MAX_LAST_Q, f"at most one {MAX_LAST_Q}-row tile")
-    owner, held = last_rows_owner(layout, seq_len, min(MAX_LAST_Q, seq_len))
-    if last_q > held:
-        raise ValueError(f"last_q={last_q}: the estimation rows N-{last_q} … N-1 must all live on one rank to be "
-                         f"broadcast, but the {layout.kind} layout {layout} with N={seq_len} puts only the last "
-                         f"{held} positions on rank {owner}; use last_q <= {held}")
-    _check_forced_entries(sink_tokens, local_window, seq_len)
-    return seq_len
-
-
-# every setting that changes what a distributed estimation sends or computes; the ranks agree on them exactly
-_AGREED_FIELDS = ("b", "N_loc", "Hq", "Hkv", "d", "dtype", "layout", "last_q", "sink_tokens", "local_window",
-                  "softmax_scale", "top-P", "Vmax", "Smax", "p", "cap", "v_size", "s_size")
-
-
-def _agreed_values(q_local, k_local, layout: Layout, budget: StaticHeadBudgets | TopPBudget, seq_len: int,
-                   softmax_scale, last_q: int, sink_tokens: int, local_window: int) -> list:
-    """This rank's values of :data:`_AGREED_FIELDS`, from checked inputs and the resolved budget: the exact
-    scale, p and per-head sizes (None where the budget kind has no such value)."""
-    batch, local_len, q_heads, dim = q_local.shape
-    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
-    v_width, s_width = _list_widths(budget, seq_len)
-    if isinstance(budget, TopPBudget):
-        budget_values = [1, v_width, s_width, float(budget.p), budget.cap, None, None]
-    else:
-        budget_values = [0, v_width, s_width, None, None, budget.v_size, budget.s_size]
-    return [batch, local_len, q_heads, k_local.shape[2], dim, q_local.dtype, repr(layout), last_q, sink_tokens,
-            local_window, float(scale), *budget_values]
-
-
-def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Tensor,
-                                        budget: StaticBudget | StaticHeadBudgets | TopPBudget, layout: Layout,
-                                        group: dist.ProcessGroup, *, softmax_scale: float | None = None,
-                                        last_q: int = 64, sink_tokens: int = 30,
-                                        local_window: int = 100) -> VerticalSlashIndex:
-    """:func:`estimate_vertical_slash` of the whole sequence from this rank's shard: the same index,
-    bit for bit, returned on every rank of ``group`` (DESIGN.md §2.2, distributed estimation).
-
-    ``q_local [b, N_loc, Hq, d]`` and ``k_local [b, N_loc, Hkv, d]`` are this rank's tokens in
-    ``layout`` (whose ``world_size`` is the group's size; N = W·N_loc), on the group's device (cuda for
-    nccl, cpu for gloo). The other arguments are those of :func:`estimate_vertical_slash`; the last
-    ``last_q`` positions must lie on one rank. Collectives on ``group``, peers as global ranks:
-
-    1. broadcast of Q_L ``[b, L, Hq, d]`` (q's dtype) from the rank holding it;
-    2. top-P only: all-reduce (MAX) of the fp32 row maxima ``[b, Hq, L]`` and (SUM) of the int64 row sums;
-    3. the slash halo (:func:`~megatron_mtraining.pattern_dist.complete_slash_sums`): partials of the
-       offsets that straddle a run of this rank's columns go to the owner of the offset, so every S(s)
-       is complete on one rank; V(j) is complete on the owner of column j anyway;
-    4. one all-gather of every rank's top Vmax and Smax (int64 score, int32 index) candidates (and, for
-       top-P, its share of the total mass), ranked again identically on every rank.
-
-    Every rank checks its inputs and the ranks agree on them in one small all-gather before any other
-    collective (:func:`~megatron_mtraining.consensus.agree_on_inputs`): a bad or inconsistent rank
-    makes every rank raise a ``ValueError`` instead of hanging.
-    """
-    values, error = None, None
-    try:
-        seq_len = _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens,
-                                            local_window)
-        budget = _resolve_budget(budget, q_local.shape[2], seq_len, sink_tokens, local_window)
-        values = _agreed_values(q_local, k_local, layout, budget, seq_len, softmax_scale, last_q, sink_tokens,
-                                local_window)
-    except ValueError as caught:
-        error = caught
-    agree_on_inputs("distributed index estimation", _AGREED_FIELDS, values, error, group)
-    dim = q_local.shape[3]
-    top_p = isinstance(budget, TopPBudget)
-    v_width, s_width = _list_widths(budget, seq_len)
-
-    def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor
-
-    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
-    device = q_local.device
-    q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
-    k_positions = layout.global_positions(seq_len, dist.get_rank(group), device=device)
-    q_rows = broadcast_last_rows(q_local, layout, seq_len, last_q, group)
-    logits = estimation_logits(q_rows, q_positions, k_local, k_positions, scale)
-    v_scores, partials = _vertical_and_slash_scores(logits, top_p, q_positions, k_positions, seq_len, all_reduce)
-    del logits
-    s_scores, s_offsets = complete_slash_sums(partials, layout, seq_len, last_q, group)
-    del partials
-
-    v_scores_top, v_indices_top = rank_candidates(v_scores, k_positions.expand_as(v_scores), sink_tokens, v_width)
-    s_scores_top, s_indices_top = rank_candidates(s_scores, s_offsets.expand_as(s_scores), local_window, s_width)
-    mass_shares = [v_scores.sum(dim=-1, keepdim=True)] if top_p else []
-    v_scores_all, v_indices_all, s_scores_all, s_indices_all, *mass_all = all_gather_last_dim(
-        [v_scores_top, v_indices_top.int(), s_scores_top, s_indices_top.int(), *mass_shares], group)
-    total_mass = mass_all[0].sum(dim=-1) if top_p else None
-    return _select(v_scores_all, v_indices_all.long(), s_scores_all, s_indices_all.long(), budget, total_mass,
-                   seq_len, sink_tokens, local_window)

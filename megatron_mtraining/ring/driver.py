@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from .ring_comm import RingExchange
-from .ring_groups import RingGroups
+from .comm import RingExchange
+from .groups import RingGroups
 
 # compute(held [2, b, N_loc, Hkv, d], source CP rank, step t = outer step · L + inner step)
 ForwardStep = Callable[[torch.Tensor, int, int], None]

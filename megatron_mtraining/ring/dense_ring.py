@@ -11,7 +11,7 @@ holds the K/V of source s = (r − t) mod W, and only step 0 needs a mask:
   the local first chunk sees neither.
 
 Every step after the first is one c×2c or 2c×c rectangle, step 0 a causal 2c square: every rank does
-the same work at every step. The schedule is ``ring_driver.py``'s, as for the sparse ring: K/V packed as
+the same work at every step. The schedule is ``ring/driver.py``'s, as for the sparse ring: K/V packed as
 ``[2, b, 2c, Hkv, d]`` circulate with the next transfer posted before the step's compute, and dK/dV
 partials ride a second ring home; a step here is the SDPA call on its :func:`zigzag_step` rows. The
 running out/lse stay local in fp32 (fp64 for fp64 inputs); in backward each step is recomputed by the
@@ -29,11 +29,10 @@ from mtraining_kernels.layout import Layout
 from mtraining_kernels.sdpa_backend import attention_backward, attention_forward, check_step_inputs
 from mtraining_kernels.torch_backend import accumulator_dtype
 
-from .config import flag
 from .consensus import agree_on_inputs
-from .ring import WIRE_DTYPES
-from .ring_driver import run_backward_ring, run_forward_ring
-from .ring_groups import RingGroups
+from .sparse_ring import WIRE_DTYPES
+from .driver import run_backward_ring, run_forward_ring
+from .groups import RingGroups
 
 
 @dataclass(frozen=True)
@@ -75,10 +74,10 @@ def _signature_error(q, k, v, layout: Layout, groups: RingGroups, impl: str, sof
     if grad_wire_dtype not in WIRE_DTYPES:
         return f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
     if groups.outer is not None:
-        return (f"the SDPA dense ring is flat only, got a hierarchical ring ({flag('ring')}=hierarchical); use "
-                f"{flag('ring')} flat")
+        return ("the SDPA dense ring is flat only, got RingGroups with an outer ring (a hierarchical ring); "
+                "pass flat RingGroups (outer=None)")
     if not isinstance(layout, Layout) or layout.kind != "zigzag":
-        return f"the SDPA dense ring needs the zigzag layout, got {layout!r}; use {flag('layout')} zigzag"
+        return f"the SDPA dense ring needs the zigzag layout, got {layout!r}; use Layout('zigzag', world_size)"
     if layout.world_size != groups.world_size:
         return (f"layout is for world_size={layout.world_size} but the CP group has {groups.world_size} ranks; "
                 f"use Layout('zigzag', {groups.world_size})")
@@ -107,7 +106,7 @@ def check_dense_ring_inputs(q, k, v, layout: Layout, groups: RingGroups, impl: s
                             grad_wire_dtype: str = "fp32", replay_output=None) -> None:
     """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad, or if the ranks differ in any of
     :data:`_RING_SETTINGS` (shapes, dtype, layout, SDPA impl, resolved softmax scale, dK/dV wire dtype, or
-    in replaying); one small all-gather over the CP group, as :func:`megatron_mtraining.ring.check_ring_inputs`."""
+    in replaying); one small all-gather over the CP group, as :func:`.sparse_ring.check_ring_inputs`."""
     error = (_signature_error(q, k, v, layout, groups, impl, softmax_scale, grad_wire_dtype)
              or replay_output_error(q, replay_output))
     values = None
@@ -192,7 +191,7 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layo
     q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in ``layout`` = ``Layout("zigzag", W)`` over the
     flat ring ``groups``; ``impl`` is ``"cudnn"`` or ``"flash"`` (see ``mtraining_kernels.sdpa_backend``).
     Returns out ``[b, N_loc, Hq, d]`` in q's dtype (and lse ``[b, Hq, N_loc]``, fp32). ``replay_output``
-    and the agreement on the inputs before the first send as in :func:`megatron_mtraining.ring.ring_attention`.
+    and the agreement on the inputs before the first send as in :func:`.sparse_ring.ring_attention`.
     """
     check_dense_ring_inputs(q, k, v, layout, groups, impl, softmax_scale, grad_wire_dtype, replay_output)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
