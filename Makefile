@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/python examples/quickstart.py
 
-## Lint with ruff, then run the test suite (GPU tests are skipped without CUDA).
+## Lint and format-check with ruff, then run the test suite (GPU tests are skipped without CUDA).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest tests
 
 clean-venv:

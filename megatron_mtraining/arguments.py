@@ -26,7 +26,7 @@ from .config import BUDGET_MODES, DENSE_IMPLS, FLAG_BACKENDS, GRAD_WIRE_DTYPES, 
 LOSS_CHUNK_SIZE_FLAG = "--mtraining-loss-chunk-size"
 CHECK_FLAG = "--mtraining-check"
 REMOVED_KERNEL_FLAG = "--mtraining-kernel"
-KERNEL_FLAG_REPLACEMENTS = {   # old --mtraining-kernel value → the flags that select the same kernels
+KERNEL_FLAG_REPLACEMENTS = {  # old --mtraining-kernel value → the flags that select the same kernels
     "triton": f"{flag('backend')} triton",
     "torch_blocksparse": f"{flag('backend')} torch",
     "sdpa_cudnn": f"{flag('dense_impl')} sdpa_cudnn (with {flag('dense')})",
@@ -46,8 +46,9 @@ def _layer_numbers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(item) for item in text.split(",") if item.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of 1-based layer numbers, "
-                                         "e.g. 1,2") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of 1-based layer numbers, e.g. 1,2"
+        ) from None
 
 
 class _RemovedKernelFlag(argparse.Action):
@@ -55,11 +56,17 @@ class _RemovedKernelFlag(argparse.Action):
 
     def __call__(self, parser, namespace, value, option_string=None):
         mapping = "; ".join(f"{old} → {new}" for old, new in KERNEL_FLAG_REPLACEMENTS.items())
-        replace = (f"replace {REMOVED_KERNEL_FLAG} {value} with {KERNEL_FLAG_REPLACEMENTS[value]}; "
-                   if value in KERNEL_FLAG_REPLACEMENTS else "")
-        raise argparse.ArgumentError(self, f"removed: split into {flag('backend')} (the block-sparse kernels) and "
-                                           f"{flag('dense_impl')} (how {flag('dense')} layers run); {replace}"
-                                           f"old values: {mapping}")
+        replace = (
+            f"replace {REMOVED_KERNEL_FLAG} {value} with {KERNEL_FLAG_REPLACEMENTS[value]}; "
+            if value in KERNEL_FLAG_REPLACEMENTS
+            else ""
+        )
+        raise argparse.ArgumentError(
+            self,
+            f"removed: split into {flag('backend')} (the block-sparse kernels) and "
+            f"{flag('dense_impl')} (how {flag('dense')} layers run); {replace}"
+            f"old values: {mapping}",
+        )
 
 
 def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,66 +77,140 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     (the attention has none; :func:`validate_mtraining_args` rejects an explicit non-zero value).
     """
     group = parser.add_argument_group("MTraining", "distributed dynamic vertical-slash sparse attention")
-    group.add_argument(flag("layout"), choices=LAYOUT_KINDS, default=_default("layout"),
-                       help="how the sequence is split over CP ranks; striped balances sparse work, zigzag is "
-                            "Megatron's split (for ablations)")
-    group.add_argument(flag("stripe_granularity"), type=int, default=_default("stripe_granularity"),
-                       help="tokens per stripe of the striped layout (a multiple of 128)")
-    group.add_argument(flag("budget"), choices=BUDGET_MODES, default=_default("budget"),
-                       help="top-p: per-head budgets from the estimated attention mass; static: fixed budgets")
-    group.add_argument(flag("top_p"), type=float, default=None,
-                       help="attention mass the top-P budget covers (default 0.9)")
-    group.add_argument(flag("cap"), type=int, default=None,
-                       help="largest top-P budget per head and kind (default 4096)")
-    group.add_argument(flag("vertical_size"), type=int, default=None,
-                       help="static budget: verticals per head (sinks included)")
-    group.add_argument(flag("slash_size"), type=int, default=None,
-                       help="static budget: slashes per head (local window included)")
-    group.add_argument(flag("sparsity"), type=float, default=None,
-                       help="static budget: target sparsity in [0, 1), converted to one uniform pair")
-    group.add_argument(flag("pattern_file"), default=None,
-                       help="static budget: JSON {layer: {head: [v_size, s_size]}} (0-based layers, global heads)")
-    group.add_argument(flag("last_q"), type=int, default=_default("last_q"),
-                       help="last global queries used to estimate the index (at most 64)")
-    group.add_argument(flag("sink_tokens"), type=int, default=_default("sink_tokens"),
-                       help="leading key columns always selected")
-    group.add_argument(flag("local_window"), type=int, default=_default("local_window"),
-                       help="diagonal offsets 0 … W-1 always selected")
-    group.add_argument(flag("backend"), choices=FLAG_BACKENDS, default=_default("backend"),
-                       help="block-sparse attention kernels: triton (CUDA GPUs, the default) or torch (PyTorch, any "
-                            "device; pass it on CPU)")
-    group.add_argument(REMOVED_KERNEL_FLAG, nargs="?", action=_RemovedKernelFlag, default=argparse.SUPPRESS,
-                       help=argparse.SUPPRESS)
-    group.add_argument(flag("deterministic"), action="store_true",
-                       help="bitwise-reproducible backward (also implied by --deterministic-mode)")
-    group.add_argument(flag("grad_wire_dtype"), choices=GRAD_WIRE_DTYPES, default=_default("grad_wire_dtype"),
-                       help="dtype of the dK/dV partials sent around the ring")
-    group.add_argument(flag("dense"), action="store_true",
-                       help="compute every layer with the full causal pattern (the dense baseline)")
-    group.add_argument(flag("dense_impl"), choices=DENSE_IMPLS, default=_default("dense_impl"),
-                       help="how --mtraining-dense layers run: mtraining (the --mtraining-backend kernels through the "
-                            "same ring as sparse layers) or sdpa_cudnn / sdpa_flash (torch's cuDNN / flash SDPA "
-                            "kernels; with CP > 1 the zigzag dense ring: --mtraining-layout zigzag, flat ring)")
-    group.add_argument(flag("dense_layers"), type=_layer_numbers, default=_default("dense_layers"),
-                       help="comma-separated 1-based layer numbers computed densely, e.g. 1,2")
-    group.add_argument(flag("ring"), choices=RINGS, default=_default("ring"),
-                       help="flat ring over the CP group, or an inner (intra-node) ring inside an outer ring")
-    group.add_argument(flag("inner_ring_size"), type=int, default=None,
-                       help="CP ranks per inner ring of the hierarchical ring (or set "
-                            "--hierarchical-context-parallel-sizes L O)")
-    group.add_argument(flag("stats_interval"), type=int, default=_default("stats_interval"),
-                       help="log MTraining metrics (density, imbalance, index time) every N iterations; 0 = never")
-    group.add_argument(flag("keep_attention_output"), action="store_true",
-                       help="with --recompute-granularity full: keep each layer's attention output (and lse) from "
-                            "the first forward so that the recomputation skips attention (N_loc x hidden x 2 bytes "
-                            "more per layer and rank)")
-    group.add_argument(LOSS_CHUNK_SIZE_FLAG, type=int, default=0,
-                       help="compute the output layer and cross-entropy in chunks of N positions per CP rank, "
-                            "recomputed in backward, so the full logits never exist (e.g. 8192 for 512K "
-                            "tokens); 0 = Megatron's full logits")
-    group.add_argument(CHECK_FLAG, action="store_true",
-                       help="validate the whole command for WORLD_SIZE ranks (default 1) as the launcher would, print "
-                            "the resolved configuration and exit; runs without GPU or data, no torchrun needed")
+    group.add_argument(
+        flag("layout"),
+        choices=LAYOUT_KINDS,
+        default=_default("layout"),
+        help="how the sequence is split over CP ranks; striped balances sparse work, zigzag is "
+        "Megatron's split (for ablations)",
+    )
+    group.add_argument(
+        flag("stripe_granularity"),
+        type=int,
+        default=_default("stripe_granularity"),
+        help="tokens per stripe of the striped layout (a multiple of 128)",
+    )
+    group.add_argument(
+        flag("budget"),
+        choices=BUDGET_MODES,
+        default=_default("budget"),
+        help="top-p: per-head budgets from the estimated attention mass; static: fixed budgets",
+    )
+    group.add_argument(
+        flag("top_p"), type=float, default=None, help="attention mass the top-P budget covers (default 0.9)"
+    )
+    group.add_argument(
+        flag("cap"), type=int, default=None, help="largest top-P budget per head and kind (default 4096)"
+    )
+    group.add_argument(
+        flag("vertical_size"), type=int, default=None, help="static budget: verticals per head (sinks included)"
+    )
+    group.add_argument(
+        flag("slash_size"), type=int, default=None, help="static budget: slashes per head (local window included)"
+    )
+    group.add_argument(
+        flag("sparsity"),
+        type=float,
+        default=None,
+        help="static budget: target sparsity in [0, 1), converted to one uniform pair",
+    )
+    group.add_argument(
+        flag("pattern_file"),
+        default=None,
+        help="static budget: JSON {layer: {head: [v_size, s_size]}} (0-based layers, global heads)",
+    )
+    group.add_argument(
+        flag("last_q"),
+        type=int,
+        default=_default("last_q"),
+        help="last global queries used to estimate the index (at most 64)",
+    )
+    group.add_argument(
+        flag("sink_tokens"), type=int, default=_default("sink_tokens"), help="leading key columns always selected"
+    )
+    group.add_argument(
+        flag("local_window"),
+        type=int,
+        default=_default("local_window"),
+        help="diagonal offsets 0 … W-1 always selected",
+    )
+    group.add_argument(
+        flag("backend"),
+        choices=FLAG_BACKENDS,
+        default=_default("backend"),
+        help="block-sparse attention kernels: triton (CUDA GPUs, the default) or torch (PyTorch, any "
+        "device; pass it on CPU)",
+    )
+    group.add_argument(
+        REMOVED_KERNEL_FLAG, nargs="?", action=_RemovedKernelFlag, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    group.add_argument(
+        flag("deterministic"),
+        action="store_true",
+        help="bitwise-reproducible backward (also implied by --deterministic-mode)",
+    )
+    group.add_argument(
+        flag("grad_wire_dtype"),
+        choices=GRAD_WIRE_DTYPES,
+        default=_default("grad_wire_dtype"),
+        help="dtype of the dK/dV partials sent around the ring",
+    )
+    group.add_argument(
+        flag("dense"), action="store_true", help="compute every layer with the full causal pattern (the dense baseline)"
+    )
+    group.add_argument(
+        flag("dense_impl"),
+        choices=DENSE_IMPLS,
+        default=_default("dense_impl"),
+        help="how --mtraining-dense layers run: mtraining (the --mtraining-backend kernels through the "
+        "same ring as sparse layers) or sdpa_cudnn / sdpa_flash (torch's cuDNN / flash SDPA "
+        "kernels; with CP > 1 the zigzag dense ring: --mtraining-layout zigzag, flat ring)",
+    )
+    group.add_argument(
+        flag("dense_layers"),
+        type=_layer_numbers,
+        default=_default("dense_layers"),
+        help="comma-separated 1-based layer numbers computed densely, e.g. 1,2",
+    )
+    group.add_argument(
+        flag("ring"),
+        choices=RINGS,
+        default=_default("ring"),
+        help="flat ring over the CP group, or an inner (intra-node) ring inside an outer ring",
+    )
+    group.add_argument(
+        flag("inner_ring_size"),
+        type=int,
+        default=None,
+        help="CP ranks per inner ring of the hierarchical ring (or set --hierarchical-context-parallel-sizes L O)",
+    )
+    group.add_argument(
+        flag("stats_interval"),
+        type=int,
+        default=_default("stats_interval"),
+        help="log MTraining metrics (density, imbalance, index time) every N iterations; 0 = never",
+    )
+    group.add_argument(
+        flag("keep_attention_output"),
+        action="store_true",
+        help="with --recompute-granularity full: keep each layer's attention output (and lse) from "
+        "the first forward so that the recomputation skips attention (N_loc x hidden x 2 bytes "
+        "more per layer and rank)",
+    )
+    group.add_argument(
+        LOSS_CHUNK_SIZE_FLAG,
+        type=int,
+        default=0,
+        help="compute the output layer and cross-entropy in chunks of N positions per CP rank, "
+        "recomputed in backward, so the full logits never exist (e.g. 8192 for 512K "
+        "tokens); 0 = Megatron's full logits",
+    )
+    group.add_argument(
+        CHECK_FLAG,
+        action="store_true",
+        help="validate the whole command for WORLD_SIZE ranks (default 1) as the launcher would, print "
+        "the resolved configuration and exit; runs without GPU or data, no torchrun needed",
+    )
     parser.set_defaults(create_attention_mask_in_dataloader=False, attention_dropout=0.0)
     return parser
 
@@ -156,54 +237,81 @@ def validate_mtraining_args(args: argparse.Namespace) -> MTrainingConfig:
     ``ValueError`` naming the offending flag and the fix.
     """
     config = mtraining_config_from_args(args)
-    config.validate(num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                    seq_length=_seq_length(args), context_parallel_size=args.context_parallel_size,
-                    hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
-                    attention_backend=args.attention_backend)
+    config.validate(
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=_seq_length(args),
+        context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+        attention_backend=args.attention_backend,
+    )
     _check_megatron_flags(args, config)
     return config
 
 
 def _check_megatron_flags(args: argparse.Namespace, config: MTrainingConfig) -> None:
     if args.spec is not None and tuple(args.spec) != MTRAINING_SPEC:
-        raise ValueError(f"--spec {' '.join(args.spec)} replaces MTraining's layer spec; drop --spec (the launcher "
-                         f"uses {' '.join(MTRAINING_SPEC)})")
+        raise ValueError(
+            f"--spec {' '.join(args.spec)} replaces MTraining's layer spec; drop --spec (the launcher "
+            f"uses {' '.join(MTRAINING_SPEC)})"
+        )
     if args.context_parallel_size > 1:
         unsupported = [kind for kind in args.cp_comm_type if kind not in RING_CP_COMM_TYPES]
         if unsupported:
-            raise ValueError(f"--cp-comm-type {' '.join(args.cp_comm_type)} is not supported by MTraining's ring "
-                             f"({', '.join(unsupported)}); use p2p (flat or hierarchical ring)")
+            raise ValueError(
+                f"--cp-comm-type {' '.join(args.cp_comm_type)} is not supported by MTraining's ring "
+                f"({', '.join(unsupported)}); use p2p (flat or hierarchical ring)"
+            )
         if "a2a+p2p" in args.cp_comm_type and args.hierarchical_context_parallel_sizes is None:
-            raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes L O; set it or use "
-                             "p2p")
-    packed = [name for name, given in (("--sft", args.sft),
-                                       ("--dataloader-inter-document-masking", args.dataloader_inter_document_masking),
-                                       ("--hybrid-context-parallel", args.hybrid_context_parallel),
-                                       ("--reset-attention-mask", args.reset_attention_mask)) if given]
+            raise ValueError(
+                "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes L O; set it or use p2p"
+            )
+    packed = [
+        name
+        for name, given in (
+            ("--sft", args.sft),
+            ("--dataloader-inter-document-masking", args.dataloader_inter_document_masking),
+            ("--hybrid-context-parallel", args.hybrid_context_parallel),
+            ("--reset-attention-mask", args.reset_attention_mask),
+        )
+        if given
+    ]
     if packed:
-        raise ValueError(f"{', '.join(packed)} need per-document attention masks or packed sequences, which "
-                         "MTraining v1 does not support (causal attention over the whole sequence); drop them")
+        raise ValueError(
+            f"{', '.join(packed)} need per-document attention masks or packed sequences, which "
+            "MTraining v1 does not support (causal attention over the whole sequence); drop them"
+        )
     if args.attention_dropout:
-        raise ValueError(f"--attention-dropout {args.attention_dropout} is not supported: MTraining attention has "
-                         "no dropout; use --attention-dropout 0")
+        raise ValueError(
+            f"--attention-dropout {args.attention_dropout} is not supported: MTraining attention has "
+            "no dropout; use --attention-dropout 0"
+        )
     reorders = args.context_parallel_size > 1 and config.layout != "zigzag"
     if reorders and args.mtp_num_layers:
-        raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} shifts tokens assuming Megatron's zigzag split, "
-                         f"but {flag('layout')}={config.layout} reorders the sequence; drop --mtp-num-layers or "
-                         f"use {flag('layout')} zigzag")
+        raise ValueError(
+            f"--mtp-num-layers {args.mtp_num_layers} shifts tokens assuming Megatron's zigzag split, "
+            f"but {flag('layout')}={config.layout} reorders the sequence; drop --mtp-num-layers or "
+            f"use {flag('layout')} zigzag"
+        )
     if reorders and args.position_embedding_type == "mrope":
-        raise ValueError(f"--position-embedding-type mrope is not supported with {flag('layout')}={config.layout}; "
-                         "use rope or yarn")
+        raise ValueError(
+            f"--position-embedding-type mrope is not supported with {flag('layout')}={config.layout}; use rope or yarn"
+        )
     if config.keep_attention_output and args.recompute_granularity != "full":
-        raise ValueError(f"{flag('keep_attention_output')} only saves work when layers are recomputed "
-                         f"(--recompute-granularity full), but it is {args.recompute_granularity}; add "
-                         f"--recompute-granularity full or drop {flag('keep_attention_output')}")
+        raise ValueError(
+            f"{flag('keep_attention_output')} only saves work when layers are recomputed "
+            f"(--recompute-granularity full), but it is {args.recompute_granularity}; add "
+            f"--recompute-granularity full or drop {flag('keep_attention_output')}"
+        )
     if args.mtraining_loss_chunk_size < 0:
-        raise ValueError(f"{LOSS_CHUNK_SIZE_FLAG}={args.mtraining_loss_chunk_size} must be >= 0 (0 computes the "
-                         "full logits)")
+        raise ValueError(
+            f"{LOSS_CHUNK_SIZE_FLAG}={args.mtraining_loss_chunk_size} must be >= 0 (0 computes the full logits)"
+        )
     if args.mtraining_loss_chunk_size and args.defer_embedding_wgrad_compute:
-        raise ValueError(f"{LOSS_CHUNK_SIZE_FLAG} recomputes the output layer in backward, which "
-                         "--defer-embedding-wgrad-compute cannot follow; drop one of them")
+        raise ValueError(
+            f"{LOSS_CHUNK_SIZE_FLAG} recomputes the output layer in backward, which "
+            "--defer-embedding-wgrad-compute cannot follow; drop one of them"
+        )
 
 
 def hierarchical_cp_sizes(args: argparse.Namespace, config: MTrainingConfig) -> list[int] | None:

@@ -62,13 +62,14 @@ class _LayerIndex:
 class _Checkpointed:
     """What the first forward of a recomputed layer keeps for the replay."""
 
-    index: _LayerIndex | None                               # the estimated index (sparse layers only)
-    output: tuple[torch.Tensor, torch.Tensor] | None        # (out, lse) with keep_attention_output
+    index: _LayerIndex | None  # the estimated index (sparse layers only)
+    output: tuple[torch.Tensor, torch.Tensor] | None  # (out, lse) with keep_attention_output
 
 
 @lru_cache(maxsize=4)
-def _full_pattern_index(batch: int, heads: int, seq_len: int, layout: Layout, rank: int,
-                        device: torch.device) -> _LayerIndex:
+def _full_pattern_index(
+    batch: int, heads: int, seq_len: int, layout: Layout, rank: int, device: torch.device
+) -> _LayerIndex:
     """The full causal pattern as an index (dense layers); shared by all dense layers of a shape."""
     v_idx, s_idx = full_index(batch, heads, seq_len, device=device)
     return _LayerIndex(v_idx, s_idx, convert_index(v_idx, s_idx, layout, rank, seq_len))
@@ -77,12 +78,16 @@ def _full_pattern_index(batch: int, heads: int, seq_len: int, layout: Layout, ra
 def _resolve_cp_comm_type(cp_comm_type, layer_number: int) -> str | None:
     if isinstance(cp_comm_type, (list, tuple)):
         if not 1 <= layer_number <= len(cp_comm_type):
-            raise ValueError(f"cp_comm_type has {len(cp_comm_type)} entries but layer_number={layer_number}; "
-                             "give one entry per layer")
+            raise ValueError(
+                f"cp_comm_type has {len(cp_comm_type)} entries but layer_number={layer_number}; "
+                "give one entry per layer"
+            )
         cp_comm_type = cp_comm_type[layer_number - 1]
     if cp_comm_type not in ACCEPTED_CP_COMM_TYPES:
-        raise ValueError(f"--cp-comm-type {cp_comm_type!r} is not supported by MTraining's ring; use p2p "
-                         "(flat or hierarchical ring) or a2a+p2p with --hierarchical-context-parallel-sizes")
+        raise ValueError(
+            f"--cp-comm-type {cp_comm_type!r} is not supported by MTraining's ring; use p2p "
+            "(flat or hierarchical ring) or a2a+p2p with --hierarchical-context-parallel-sizes"
+        )
     return cp_comm_type
 
 
@@ -95,10 +100,18 @@ class MTrainingAttention(MegatronModule):
     forward and ``estimations`` counts index estimations (replays reuse the cache and do not count).
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str = "self", cp_comm_type: str | list[str] | None = None,
-                 softmax_scale: float | None = None, pg_collection: ProcessGroupCollection | None = None,
-                 mtraining: MTrainingConfig | None = None, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        cp_comm_type: str | list[str] | None = None,
+        softmax_scale: float | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        mtraining: MTrainingConfig | None = None,
+        **kwargs,
+    ):
         super().__init__(config=config)
         self.mtraining = MTrainingConfig() if mtraining is None else mtraining
         if not isinstance(self.mtraining, MTrainingConfig):
@@ -106,11 +119,14 @@ class MTrainingAttention(MegatronModule):
         if isinstance(layer_number, bool) or not isinstance(layer_number, int) or layer_number < 1:
             raise ValueError(f"layer_number={layer_number!r} must be Megatron's 1-based global layer number")
         if config.attention_dropout:
-            raise ValueError(f"MTraining attention has no dropout, but attention_dropout={config.attention_dropout}; "
-                             "set --attention-dropout 0")
+            raise ValueError(
+                f"MTraining attention has no dropout, but attention_dropout={config.attention_dropout}; "
+                "set --attention-dropout 0"
+            )
         if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"MTraining attention is causal only, got attn_mask_type={attn_mask_type}; "
-                             "use AttnMaskType.causal")
+            raise ValueError(
+                f"MTraining attention is causal only, got attn_mask_type={attn_mask_type}; use AttnMaskType.causal"
+            )
         if attention_type != "self":
             raise ValueError(f"MTraining attention is self-attention only, got attention_type={attention_type!r}")
         self.layer_number = layer_number
@@ -127,37 +143,52 @@ class MTrainingAttention(MegatronModule):
         self.tp_size, self.tp_rank = get_pg_size(pg_collection.tp), get_pg_rank(pg_collection.tp)
         self.layout = self.mtraining.layout_for(self.cp_size)
         self.ring_groups = self._ring_groups(pg_collection.hcp, cp_comm_type) if self.cp_size > 1 else None
-        self.mtraining.check_parallelism(self.cp_size, hierarchical=self.ring_groups is not None
-                                         and self.ring_groups.outer is not None)
+        self.mtraining.check_parallelism(
+            self.cp_size, hierarchical=self.ring_groups is not None and self.ring_groups.outer is not None
+        )
         self._budgets: dict[int, LayerBudget] = {}
 
     def _ring_groups(self, hcp, cp_comm_type) -> RingGroups:
         comm_type = _resolve_cp_comm_type(cp_comm_type, self.layer_number)
         if hcp is None:
             if comm_type == "a2a+p2p":
-                raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes; set it or "
-                                 "use p2p")
+                raise ValueError(
+                    "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes; set it or use p2p"
+                )
             if self.mtraining.ring == "hierarchical":
-                raise ValueError(f"{flag('ring')}=hierarchical needs the inner/outer CP groups "
-                                 "(pg_collection.hcp); set --hierarchical-context-parallel-sizes L O")
+                raise ValueError(
+                    f"{flag('ring')}=hierarchical needs the inner/outer CP groups "
+                    "(pg_collection.hcp); set --hierarchical-context-parallel-sizes L O"
+                )
             return RingGroups.flat(self.cp_group)
         if self.mtraining.ring != "hierarchical":
-            raise ValueError(f"pg_collection.hcp is set (--hierarchical-context-parallel-sizes), which selects the "
-                             f"hierarchical ring, but {flag('ring')}={self.mtraining.ring}; add {flag('ring')} "
-                             "hierarchical or drop the hierarchical sizes")
+            raise ValueError(
+                f"pg_collection.hcp is set (--hierarchical-context-parallel-sizes), which selects the "
+                f"hierarchical ring, but {flag('ring')}={self.mtraining.ring}; add {flag('ring')} "
+                "hierarchical or drop the hierarchical sizes"
+            )
         if len(hcp) != 2:
-            raise ValueError(f"pg_collection.hcp has {len(hcp)} levels; MTraining's ring needs exactly two "
-                             "[inner, outer] (--hierarchical-context-parallel-sizes L O)")
+            raise ValueError(
+                f"pg_collection.hcp has {len(hcp)} levels; MTraining's ring needs exactly two "
+                "[inner, outer] (--hierarchical-context-parallel-sizes L O)"
+            )
         return RingGroups.hierarchical(self.cp_group, hcp[0], hcp[1])
 
     # ------------------------------------------------------------------ forward
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
-                attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
         """``query [s, b, np, hn]``, ``key``/``value [s, b, ng, hn]`` (post-RoPE, layout order) → ``[s, b, np·hn]``."""
         self._check_call(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         local_len, batch, heads, head_dim = query.shape
-        q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))         # [b, s, heads, d]
+        q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))  # [b, s, heads, d]
         seq_len = local_len * self.cp_size
         self.layout.validate(seq_len, BLOCK_SIZE)
         mt = self.mtraining
@@ -173,46 +204,75 @@ class MTrainingAttention(MegatronModule):
             index = replayed.index if replayed is not None and estimates else self._layer_index(q, k, seq_len)
             out, lse = self._sparse_attention(q, k, v, seq_len, index, replay_output)
         if kind is ForwardKind.CHECKPOINTED:
-            self.index_cache.push(cache_key, probe_checksum(q), _Checkpointed(
-                index if estimates else None, (out, lse) if mt.keep_attention_output else None))
+            self.index_cache.push(
+                cache_key,
+                probe_checksum(q),
+                _Checkpointed(index if estimates else None, (out, lse) if mt.keep_attention_output else None),
+            )
         return out.permute(1, 0, 2, 3).reshape(local_len, batch, heads * head_dim)
 
     def _sparse_attention(self, q, k, v, seq_len: int, index: _LayerIndex, replay_output):
         """(out ``[b, s, heads, d]``, lse) through the ring (CP > 1) or the single-device kernels."""
         mt = self.mtraining
         if self.cp_size > 1:
-            return ring_attention(q, k, v, index.block_bar, self.ring_groups, backend=mt.block_sparse_backend,
-                                  softmax_scale=self.softmax_scale, deterministic=mt.deterministic,
-                                  grad_wire_dtype=mt.grad_wire_dtype, return_lse=True, replay_output=replay_output)
-        if mt.backend == REFERENCE_BACKEND:             # plain autograd (keep_attention_output is refused)
+            return ring_attention(
+                q,
+                k,
+                v,
+                index.block_bar,
+                self.ring_groups,
+                backend=mt.block_sparse_backend,
+                softmax_scale=self.softmax_scale,
+                deterministic=mt.deterministic,
+                grad_wire_dtype=mt.grad_wire_dtype,
+                return_lse=True,
+                replay_output=replay_output,
+            )
+        if mt.backend == REFERENCE_BACKEND:  # plain autograd (keep_attention_output is refused)
             mask = vertical_slash_mask(index.v_idx, index.s_idx, seq_len)
             out, lse = reference_sparse_attention(q, k, v, mask, softmax_scale=self.softmax_scale)
             return out.to(q.dtype), lse
-        return sparse_attention(q.contiguous(), k.contiguous(), v.contiguous(), index.block_bar,
-                                softmax_scale=self.softmax_scale, backend=mt.block_sparse_backend,
-                                deterministic=mt.deterministic, return_lse=True, replay_output=replay_output)
+        return sparse_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            index.block_bar,
+            softmax_scale=self.softmax_scale,
+            backend=mt.block_sparse_backend,
+            deterministic=mt.deterministic,
+            return_lse=True,
+            replay_output=replay_output,
+        )
 
     def _check_call(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
         if attention_mask is not None:
-            raise ValueError(f"MTraining attention is causal by construction and takes no attention_mask, got a "
-                             f"tensor of shape {tuple(attention_mask.shape)}; build batches without one "
-                             "(--no-create-attention-mask-in-dataloader)")
+            raise ValueError(
+                f"MTraining attention is causal by construction and takes no attention_mask, got a "
+                f"tensor of shape {tuple(attention_mask.shape)}; build batches without one "
+                "(--no-create-attention-mask-in-dataloader)"
+            )
         if attn_mask_type not in (None, AttnMaskType.causal):
             raise ValueError(f"MTraining attention is causal only, got attn_mask_type={attn_mask_type}")
         if attention_bias is not None:
             raise ValueError("MTraining attention does not support attention_bias; drop it")
         if packed_seq_params is not None:
-            raise ValueError("MTraining attention does not support packed sequences (packed_seq_params) in v1; "
-                             "train on unpacked sequences")
+            raise ValueError(
+                "MTraining attention does not support packed sequences (packed_seq_params) in v1; "
+                "train on unpacked sequences"
+            )
         if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape:
-            raise ValueError(f"expected query [s, b, np, hn] and key/value [s, b, ng, hn], got "
-                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+            raise ValueError(
+                f"expected query [s, b, np, hn] and key/value [s, b, ng, hn], got "
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            )
         if key.shape[:2] != query.shape[:2] or key.shape[3] != query.shape[3]:
             raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)} on [s, b, ·, hn]")
         heads = query.shape[2]
         if heads * self.tp_size != self.config.num_attention_heads:
-            raise ValueError(f"query has {heads} heads on each of {self.tp_size} TP ranks, but the model has "
-                             f"{self.config.num_attention_heads}")
+            raise ValueError(
+                f"query has {heads} heads on each of {self.tp_size} TP ranks, but the model has "
+                f"{self.config.num_attention_heads}"
+            )
 
     def _sdpa_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, replay_output):
         """Dense causal attention on torch's SDPA kernels, no index: (out ``[b, s, heads, d]``, lse)."""
@@ -220,11 +280,27 @@ class MTrainingAttention(MegatronModule):
             self.last_stats = AttentionStats(self.layer_number, True, None, None, self.layout, seq_len, None)
         mt = self.mtraining
         if self.cp_size > 1:
-            return dense_ring_attention(q, k, v, self.layout, self.ring_groups, impl=mt.sdpa_impl,
-                                        softmax_scale=self.softmax_scale, grad_wire_dtype=mt.grad_wire_dtype,
-                                        return_lse=True, replay_output=replay_output)
-        return dense_attention(q.contiguous(), k.contiguous(), v.contiguous(), impl=mt.sdpa_impl,
-                               softmax_scale=self.softmax_scale, return_lse=True, replay_output=replay_output)
+            return dense_ring_attention(
+                q,
+                k,
+                v,
+                self.layout,
+                self.ring_groups,
+                impl=mt.sdpa_impl,
+                softmax_scale=self.softmax_scale,
+                grad_wire_dtype=mt.grad_wire_dtype,
+                return_lse=True,
+                replay_output=replay_output,
+            )
+        return dense_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            impl=mt.sdpa_impl,
+            softmax_scale=self.softmax_scale,
+            return_lse=True,
+            replay_output=replay_output,
+        )
 
     # ------------------------------------------------------------------ index
     def _layer_index(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> _LayerIndex:
@@ -233,26 +309,32 @@ class MTrainingAttention(MegatronModule):
         if self.dense:
             index = _full_pattern_index(batch, heads, seq_len, self.layout, self.cp_rank, q.device)
             if self.training:
-                self.last_stats = AttentionStats(self.layer_number, True, index.v_idx, index.s_idx, self.layout,
-                                                 seq_len, None)
+                self.last_stats = AttentionStats(
+                    self.layer_number, True, index.v_idx, index.s_idx, self.layout, seq_len, None
+                )
             return index
         stopwatch = Stopwatch(q.device)
         with torch.no_grad():
             estimated = self._estimate(q.detach(), k.detach(), seq_len)
         stopwatch.stop()
         self.estimations += 1
-        index = _LayerIndex(estimated.v_idx, estimated.s_idx,
-                            convert_index(estimated.v_idx, estimated.s_idx, self.layout, self.cp_rank, seq_len))
+        index = _LayerIndex(
+            estimated.v_idx,
+            estimated.s_idx,
+            convert_index(estimated.v_idx, estimated.s_idx, self.layout, self.cp_rank, seq_len),
+        )
         if self.training:
-            self.last_stats = AttentionStats(self.layer_number, False, index.v_idx, index.s_idx, self.layout,
-                                             seq_len, stopwatch)
+            self.last_stats = AttentionStats(
+                self.layer_number, False, index.v_idx, index.s_idx, self.layout, seq_len, stopwatch
+            )
         return index
 
     def _estimate(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> VerticalSlashIndex:
         mt = self.mtraining
         budget = self._layer_budget(seq_len, q.shape[2])
-        options = dict(softmax_scale=self.softmax_scale, last_q=mt.last_q, sink_tokens=mt.sink_tokens,
-                       local_window=mt.local_window)
+        options = dict(
+            softmax_scale=self.softmax_scale, last_q=mt.last_q, sink_tokens=mt.sink_tokens, local_window=mt.local_window
+        )
         if self.cp_size == 1:
             return estimate_vertical_slash(q, k, budget, **options)
         return estimate_vertical_slash_distributed(q, k, budget, self.layout, self.cp_group, **options)
@@ -260,9 +342,9 @@ class MTrainingAttention(MegatronModule):
     def _layer_budget(self, seq_len: int, heads: int) -> LayerBudget:
         """This layer's budgets for this TP rank's query heads (global heads tp_rank·Hq … (tp_rank+1)·Hq − 1)."""
         if seq_len not in self._budgets:
-            table = self.mtraining.budget_table(num_layers=self.config.num_layers,
-                                                num_heads=self.config.num_attention_heads, seq_length=seq_len)
+            table = self.mtraining.budget_table(
+                num_layers=self.config.num_layers, num_heads=self.config.num_attention_heads, seq_length=seq_len
+            )
             first = self.tp_rank * heads
             self._budgets[seq_len] = table.resolve(self.layer_number, range(first, first + heads))
         return self._budgets[seq_len]
-

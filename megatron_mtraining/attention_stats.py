@@ -62,11 +62,11 @@ class AttentionStats:
 
     layer_number: int
     dense: bool
-    v_idx: torch.Tensor | None              # int32 [b, Hq, Vmax], global (identical on every CP rank)
-    s_idx: torch.Tensor | None              # int32 [b, Hq, Smax]
+    v_idx: torch.Tensor | None  # int32 [b, Hq, Vmax], global (identical on every CP rank)
+    s_idx: torch.Tensor | None  # int32 [b, Hq, Smax]
     layout: Layout
     seq_len: int
-    estimation: Stopwatch | None            # None for dense layers
+    estimation: Stopwatch | None  # None for dense layers
 
     @property
     def density(self) -> float:
@@ -89,5 +89,9 @@ class AttentionStats:
 
 def collect_stats(modules) -> list[AttentionStats]:
     """The latest :class:`AttentionStats` of every MTraining attention inside ``modules`` (model chunks)."""
-    return [module.last_stats for model in modules for module in model.modules()
-            if isinstance(getattr(module, "last_stats", None), AttentionStats)]
+    return [
+        module.last_stats
+        for model in modules
+        for module in model.modules()
+        if isinstance(getattr(module, "last_stats", None), AttentionStats)
+    ]

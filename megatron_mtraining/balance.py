@@ -34,9 +34,9 @@ class BalanceReport:
 
     layout: Layout
     seq_len: int
-    blocks: Tensor   # int64 [W, W]: active 128×128 blocks
-    bars: Tensor     # int64 [W, W]: (query block, vertical column) bars
-    cost: Tensor     # float64 [W, W]: blocks + bars / 128
+    blocks: Tensor  # int64 [W, W]: active 128×128 blocks
+    bars: Tensor  # int64 [W, W]: (query block, vertical column) bars
+    cost: Tensor  # float64 [W, W]: blocks + bars / 128
 
     @property
     def worker_imbalance(self) -> float:
@@ -80,24 +80,25 @@ def source_work(v_idx: Tensor, s_idx: Tensor, layout: Layout, seq_len: int) -> t
     world = layout.world_size
     num_blocks = seq_len // BLOCK_SIZE
     owner, _ = layout.to_local(torch.arange(num_blocks) * BLOCK_SIZE, seq_len)
-    owned = torch.nn.functional.one_hot(owner, world).T.double()                # [W, NB]: rank r owns block k
+    owned = torch.nn.functional.one_hot(owner, world).T.double()  # [W, NB]: rank r owns block k
 
     # corr[bh, r, k] = Σ_δ hit[bh, δ]·owned[r, k + δ], a cross-correlation done by zero-padded FFT
     hit = slash_block_hits(s_idx, num_blocks, BLOCK_SIZE).view(batch * heads, num_blocks).double()
     fft_len = 2 * num_blocks
     spectrum = torch.fft.rfft(hit, fft_len).conj()[:, None, :] * torch.fft.rfft(owned, fft_len)[None]
-    corr = torch.fft.irfft(spectrum, fft_len)[..., :num_blocks].round()          # [bh, W, NB]
+    corr = torch.fft.irfft(spectrum, fft_len)[..., :num_blocks].round()  # [bh, W, NB]
 
     blocks = torch.einsum("zrk,wk->zrw", corr, owned)
 
     valid = (v_idx < seq_len).view(batch * heads, -1)
     column = v_idx.long().clamp(max=seq_len - 1).view(batch * heads, -1)
-    vertical_block = column // BLOCK_SIZE                                          # [bh, V]
-    owned_from = owned.flip(-1).cumsum(-1).flip(-1)                               # [W, NB]: #qb ≥ k owned by r
+    vertical_block = column // BLOCK_SIZE  # [bh, V]
+    owned_from = owned.flip(-1).cumsum(-1).flip(-1)  # [W, NB]: #qb ≥ k owned by r
     not_active = owned_from[:, vertical_block].permute(1, 0, 2) - corr.gather(
-        -1, vertical_block[:, None, :].expand(-1, world, -1))                     # [bh, W(r), V]
+        -1, vertical_block[:, None, :].expand(-1, world, -1)
+    )  # [bh, W(r), V]
     vertical_owner = torch.nn.functional.one_hot(layout.to_local(column, seq_len)[0], world).double()
-    bars = torch.bmm(not_active * valid[:, None, :], vertical_owner * valid[..., None])   # [bh, W(r), W(w)]
+    bars = torch.bmm(not_active * valid[:, None, :], vertical_owner * valid[..., None])  # [bh, W(r), W(w)]
 
     def per_rank_source(x: Tensor) -> Tensor:
         return x.round().long().view(batch, heads, world, world).permute(2, 3, 0, 1).contiguous()
@@ -118,4 +119,3 @@ def balance_report(v_idx: Tensor, s_idx: Tensor, layout: Layout, seq_len: int) -
     blocks, bars = source_work(v_idx, s_idx, layout, seq_len)
     blocks, bars = by_step(blocks.sum((2, 3))), by_step(bars.sum((2, 3)))
     return BalanceReport(layout, seq_len, blocks, bars, blocks.double() + bars.double() * BAR_COST)
-

@@ -18,8 +18,15 @@ from typing import Any, Mapping
 
 import torch
 
-from mtraining_kernels.budget import (DEFAULT_CAP, LayerBudget, StaticBudget, StaticHeadBudgets, TopPBudget,
-                                      check_forced, check_int)
+from mtraining_kernels.budget import (
+    DEFAULT_CAP,
+    LayerBudget,
+    StaticBudget,
+    StaticHeadBudgets,
+    TopPBudget,
+    check_forced,
+    check_int,
+)
 
 
 def _parse_key(kind: str, key: Any, context: str) -> int:
@@ -28,16 +35,18 @@ def _parse_key(kind: str, key: Any, context: str) -> int:
         return key
     if isinstance(key, str) and key.isdigit() and str(int(key)) == key:
         return int(key)
-    raise ValueError(f"{context}{kind} key {key!r} is not a non-negative integer written in decimal (e.g. \"0\")")
+    raise ValueError(f'{context}{kind} key {key!r} is not a non-negative integer written in decimal (e.g. "0")')
 
 
 def _check_keys(kind: str, found: set[int], expected: int, context: str) -> None:
     if found != set(range(expected)):
         missing = sorted(set(range(expected)) - found)[:5]
         extra = sorted(found - set(range(expected)))[:5]
-        raise ValueError(f"{context}has {kind} keys for {len(found)} {kind}s but the model has "
-                         f"{expected} ({kind} keys 0 … {expected - 1}, 0-based); missing {missing}, "
-                         f"unexpected {extra}")
+        raise ValueError(
+            f"{context}has {kind} keys for {len(found)} {kind}s but the model has "
+            f"{expected} ({kind} keys 0 … {expected - 1}, 0-based); missing {missing}, "
+            f"unexpected {extra}"
+        )
 
 
 @dataclass(frozen=True)
@@ -57,12 +66,16 @@ class BudgetTable:
         check_int("num_layers", self.num_layers, 1)
         check_int("num_heads", self.num_heads, 1)
         if (self.per_head is None) == (self.top_p is None):
-            raise ValueError("a BudgetTable needs exactly one of per_head (static) and top_p; "
-                             f"got per_head={'set' if self.per_head is not None else None}, top_p={self.top_p}")
+            raise ValueError(
+                "a BudgetTable needs exactly one of per_head (static) and top_p; "
+                f"got per_head={'set' if self.per_head is not None else None}, top_p={self.top_p}"
+            )
         if self.per_head is not None:
             if len(self.per_head) != self.num_layers or any(len(row) != self.num_heads for row in self.per_head):
-                raise ValueError(f"per_head must be {self.num_layers} layers x {self.num_heads} heads, got "
-                                 f"{len(self.per_head)} layers with {sorted({len(r) for r in self.per_head})} heads")
+                raise ValueError(
+                    f"per_head must be {self.num_layers} layers x {self.num_heads} heads, got "
+                    f"{len(self.per_head)} layers with {sorted({len(r) for r in self.per_head})} heads"
+                )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -77,11 +90,13 @@ class BudgetTable:
         raise ValueError(f"budget={budget!r} must be a StaticBudget or a TopPBudget")
 
     @classmethod
-    def for_sparsity(cls, sparsity: float, seq_len: int, *, num_layers: int, num_heads: int,
-                     **conversion: Any) -> "BudgetTable":
+    def for_sparsity(
+        cls, sparsity: float, seq_len: int, *, num_layers: int, num_heads: int, **conversion: Any
+    ) -> "BudgetTable":
         """A uniform static table from a target sparsity; see :meth:`StaticBudget.for_sparsity`."""
-        return cls.uniform(StaticBudget.for_sparsity(sparsity, seq_len, **conversion),
-                           num_layers=num_layers, num_heads=num_heads)
+        return cls.uniform(
+            StaticBudget.for_sparsity(sparsity, seq_len, **conversion), num_layers=num_layers, num_heads=num_heads
+        )
 
     @classmethod
     def from_json(cls, source: str | os.PathLike | Mapping, *, num_layers: int, num_heads: int) -> "BudgetTable":
@@ -119,41 +134,62 @@ class BudgetTable:
         return cls(num_layers, num_heads, per_head=tuple(rows))
 
     @classmethod
-    def from_settings(cls, *, mode: str, num_layers: int, num_heads: int, top_p: float | None = None,
-                      cap: int | None = None, v_size: int | None = None, s_size: int | None = None,
-                      pattern_file: str | os.PathLike | None = None) -> "BudgetTable":
+    def from_settings(
+        cls,
+        *,
+        mode: str,
+        num_layers: int,
+        num_heads: int,
+        top_p: float | None = None,
+        cap: int | None = None,
+        v_size: int | None = None,
+        s_size: int | None = None,
+        pattern_file: str | os.PathLike | None = None,
+    ) -> "BudgetTable":
         """The table described by the ``--mtraining-budget``/``-top-p``/``-cap``/``-vertical-size``/
         ``-slash-size``/``-pattern-file`` flags (unset ones are ``None``).
 
         ``mode="static"`` takes either ``pattern_file`` or both ``v_size`` and ``s_size``;
         ``mode="top-p"`` takes ``top_p`` and optionally ``cap``. Settings of the other mode raise.
         """
-        static_given = {name: value for name, value in
-                        (("v_size", v_size), ("s_size", s_size), ("pattern_file", pattern_file)) if value is not None}
+        static_given = {
+            name: value
+            for name, value in (("v_size", v_size), ("s_size", s_size), ("pattern_file", pattern_file))
+            if value is not None
+        }
         top_p_given = {name: value for name, value in (("top_p", top_p), ("cap", cap)) if value is not None}
         if static_given and top_p_given:
-            raise ValueError(f"top-P settings {top_p_given} and static settings {static_given} were given together; "
-                             "set only the ones of the chosen budget mode")
+            raise ValueError(
+                f"top-P settings {top_p_given} and static settings {static_given} were given together; "
+                "set only the ones of the chosen budget mode"
+            )
         if mode == "top-p":
             if static_given:
-                raise ValueError(f"budget mode 'top-p' does not take static settings {static_given}; drop them "
-                                 "or use mode 'static'")
+                raise ValueError(
+                    f"budget mode 'top-p' does not take static settings {static_given}; drop them or use mode 'static'"
+                )
             if top_p is None:
                 raise ValueError("budget mode 'top-p' needs top_p (e.g. 0.9 or 0.95)")
-            return cls.uniform(TopPBudget(top_p, DEFAULT_CAP if cap is None else cap),
-                               num_layers=num_layers, num_heads=num_heads)
+            return cls.uniform(
+                TopPBudget(top_p, DEFAULT_CAP if cap is None else cap), num_layers=num_layers, num_heads=num_heads
+            )
         if mode == "static":
             if top_p_given:
-                raise ValueError(f"budget mode 'static' does not take top-P settings {top_p_given}; drop them "
-                                 "or use mode 'top-p'")
+                raise ValueError(
+                    f"budget mode 'static' does not take top-P settings {top_p_given}; drop them or use mode 'top-p'"
+                )
             if pattern_file is not None:
                 if v_size is not None or s_size is not None:
-                    raise ValueError(f"pattern_file={os.fspath(pattern_file)!r} and a uniform pair "
-                                     f"(v_size={v_size}, s_size={s_size}) were given together; use one of them")
+                    raise ValueError(
+                        f"pattern_file={os.fspath(pattern_file)!r} and a uniform pair "
+                        f"(v_size={v_size}, s_size={s_size}) were given together; use one of them"
+                    )
                 return cls.from_json(pattern_file, num_layers=num_layers, num_heads=num_heads)
             if v_size is None or s_size is None:
-                raise ValueError(f"budget mode 'static' needs pattern_file or both v_size and s_size; "
-                                 f"got v_size={v_size}, s_size={s_size}")
+                raise ValueError(
+                    f"budget mode 'static' needs pattern_file or both v_size and s_size; "
+                    f"got v_size={v_size}, s_size={s_size}"
+                )
             return cls.uniform(StaticBudget(v_size, s_size), num_layers=num_layers, num_heads=num_heads)
         raise ValueError(f"budget mode {mode!r} is unknown; use 'static' or 'top-p'")
 
@@ -162,8 +198,10 @@ class BudgetTable:
         """The ``{"<layer>": {"<head>": [v, s]}}`` form (0-based layers) of a static table."""
         if self.per_head is None:
             raise ValueError(f"a top-P table ({self.top_p}) has no per-head JSON form; only static tables do")
-        return {str(layer): {str(head): [b.v_size, b.s_size] for head, b in enumerate(row)}
-                for layer, row in enumerate(self.per_head)}
+        return {
+            str(layer): {str(head): [b.v_size, b.s_size] for head, b in enumerate(row)}
+            for layer, row in enumerate(self.per_head)
+        }
 
     def save_json(self, path: str | os.PathLike) -> None:
         with open(path, "w", encoding="utf-8") as handle:
@@ -176,8 +214,14 @@ class BudgetTable:
             return
         for layer, row in enumerate(self.per_head):
             for head, budget in enumerate(row):
-                check_forced(budget.v_size, budget.s_size, seq_len, sink_tokens, local_window,
-                              where=f"layer {layer} (0-based) head {head}: ")
+                check_forced(
+                    budget.v_size,
+                    budget.s_size,
+                    seq_len,
+                    sink_tokens,
+                    local_window,
+                    where=f"layer {layer} (0-based) head {head}: ",
+                )
 
     def resolve(self, layer_number: int, heads: range | None = None) -> LayerBudget:
         """Budgets of Megatron layer ``layer_number`` (1-based, global) for the global query heads ``heads``.
@@ -185,17 +229,28 @@ class BudgetTable:
         ``heads`` defaults to all heads; a tensor-parallel rank passes its own contiguous range, e.g.
         ``range(tp_rank * n, (tp_rank + 1) * n)``. Static tables give int64 tensors over ``heads``.
         """
-        if isinstance(layer_number, bool) or not isinstance(layer_number, int) \
-                or not 1 <= layer_number <= self.num_layers:
-            raise ValueError(f"layer_number={layer_number!r} is outside 1 … {self.num_layers} "
-                             "(Megatron layer numbers are 1-based and global)")
+        if (
+            isinstance(layer_number, bool)
+            or not isinstance(layer_number, int)
+            or not 1 <= layer_number <= self.num_layers
+        ):
+            raise ValueError(
+                f"layer_number={layer_number!r} is outside 1 … {self.num_layers} "
+                "(Megatron layer numbers are 1-based and global)"
+            )
         heads = range(self.num_heads) if heads is None else heads
-        if not isinstance(heads, range) or len(heads) == 0 or heads.step != 1 \
-                or heads.start < 0 or heads.stop > self.num_heads:
-            raise ValueError(f"heads={heads!r} must be a non-empty contiguous range inside "
-                             f"range(0, {self.num_heads})")
+        if (
+            not isinstance(heads, range)
+            or len(heads) == 0
+            or heads.step != 1
+            or heads.start < 0
+            or heads.stop > self.num_heads
+        ):
+            raise ValueError(f"heads={heads!r} must be a non-empty contiguous range inside range(0, {self.num_heads})")
         if self.top_p is not None:
             return self.top_p
-        row = self.per_head[layer_number - 1][heads.start:heads.stop]
-        return StaticHeadBudgets(torch.tensor([b.v_size for b in row], dtype=torch.int64),
-                                 torch.tensor([b.s_size for b in row], dtype=torch.int64))
+        row = self.per_head[layer_number - 1][heads.start : heads.stop]
+        return StaticHeadBudgets(
+            torch.tensor([b.v_size for b in row], dtype=torch.int64),
+            torch.tensor([b.s_size for b in row], dtype=torch.int64),
+        )

@@ -28,8 +28,9 @@ from torch.utils.checkpoint import checkpoint
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def sequence_parallel_rows(shard_len: int, parallel_size: int, start: int, stop: int,
-                           device: torch.device | None = None) -> torch.Tensor:
+def sequence_parallel_rows(
+    shard_len: int, parallel_size: int, start: int, stop: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Rows of the full sequence held by the all-gather of shard rows ``[start, stop)``, in gather order.
 
     int64 ``[parallel_size·(stop − start)]``; shard t holds full rows ``[t·shard_len, (t+1)·shard_len)``.
@@ -38,8 +39,13 @@ def sequence_parallel_rows(shard_len: int, parallel_size: int, start: int, stop:
     return (shard_starts + torch.arange(start, stop, device=device)[None, :]).reshape(-1)
 
 
-def chunked_language_model_loss(hidden_states: torch.Tensor, labels: torch.Tensor, chunk_loss: ChunkLoss,
-                                chunk_size: int, sequence_parallel_size: int = 1) -> torch.Tensor:
+def chunked_language_model_loss(
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_loss: ChunkLoss,
+    chunk_size: int,
+    sequence_parallel_size: int = 1,
+) -> torch.Tensor:
     """Per-token loss ``[b, N]`` of ``hidden_states [N/T, b, h]`` and ``labels [b, N]``, chunk by chunk.
 
     ``chunk_loss(hidden_chunk [r, b, h], labels_chunk [b, T·r]) -> [b, T·r]`` is the output layer
@@ -53,23 +59,29 @@ def chunked_language_model_loss(hidden_states: torch.Tensor, labels: torch.Tenso
     if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
         raise ValueError(f"sequence_parallel_size={sequence_parallel_size!r} must be an integer >= 1")
     if hidden_states.dim() != 3 or labels.dim() != 2:
-        raise ValueError(f"expected hidden_states [N/T, b, h] and labels [b, N], got {tuple(hidden_states.shape)} "
-                         f"and {tuple(labels.shape)}")
+        raise ValueError(
+            f"expected hidden_states [N/T, b, h] and labels [b, N], got {tuple(hidden_states.shape)} "
+            f"and {tuple(labels.shape)}"
+        )
     shard_len, batch = hidden_states.shape[:2]
     if labels.shape != (batch, shard_len * sequence_parallel_size):
-        raise ValueError(f"labels {tuple(labels.shape)} do not match hidden_states {tuple(hidden_states.shape)} "
-                         f"with sequence_parallel_size={sequence_parallel_size}: expected "
-                         f"({batch}, {shard_len * sequence_parallel_size})")
+        raise ValueError(
+            f"labels {tuple(labels.shape)} do not match hidden_states {tuple(hidden_states.shape)} "
+            f"with sequence_parallel_size={sequence_parallel_size}: expected "
+            f"({batch}, {shard_len * sequence_parallel_size})"
+        )
     rows_per_chunk = -(-chunk_size // sequence_parallel_size)
     recompute = torch.is_grad_enabled()
     losses, order = [], []
     for start, hidden_chunk in zip(range(0, shard_len, rows_per_chunk), hidden_states.split(rows_per_chunk)):
-        rows = sequence_parallel_rows(shard_len, sequence_parallel_size, start, start + hidden_chunk.shape[0],
-                                      device=labels.device)
+        rows = sequence_parallel_rows(
+            shard_len, sequence_parallel_size, start, start + hidden_chunk.shape[0], device=labels.device
+        )
         labels_chunk = labels.index_select(1, rows)
         if recompute:
-            losses.append(checkpoint(chunk_loss, hidden_chunk, labels_chunk, use_reentrant=False,
-                                     preserve_rng_state=False))
+            losses.append(
+                checkpoint(chunk_loss, hidden_chunk, labels_chunk, use_reentrant=False, preserve_rng_state=False)
+            )
         else:
             losses.append(chunk_loss(hidden_chunk, labels_chunk))
         order.append(rows)
@@ -91,15 +103,25 @@ class ChunkedLossOutputProcessor:
             raise ValueError(f"chunk_size={chunk_size!r} must be an integer >= 1 (positions per chunk)")
         self.chunk_size = chunk_size
 
-    def __call__(self, *, hidden_states: torch.Tensor, output_layer, output_weight: torch.Tensor | None,
-                 labels: torch.Tensor | None, runtime_gather_output: bool | None,
-                 compute_language_model_loss, scale_logits, **_) -> torch.Tensor:
+    def __call__(
+        self,
+        *,
+        hidden_states: torch.Tensor,
+        output_layer,
+        output_weight: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        runtime_gather_output: bool | None,
+        compute_language_model_loss,
+        scale_logits,
+        **_,
+    ) -> torch.Tensor:
         def logits_of(hidden: torch.Tensor) -> torch.Tensor:
             logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
             return scale_logits(logits)
 
         if labels is None:
             return logits_of(hidden_states).transpose(0, 1).contiguous()
+
         def chunk_loss(hidden: torch.Tensor, chunk_labels: torch.Tensor) -> torch.Tensor:
             return compute_language_model_loss(chunk_labels, logits_of(hidden))
 

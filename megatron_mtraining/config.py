@@ -20,11 +20,11 @@ from .budget import DEFAULT_CAP, BudgetTable, StaticBudget
 
 MAX_LAST_Q = 64  # one estimation tile of query rows; equals pattern.MAX_LAST_Q (config sits below pattern)
 BUDGET_MODES = ("top-p", "static")
-FLAG_BACKENDS = ("triton", "torch")                 # --mtraining-backend choices
-REFERENCE_BACKEND = "reference"                     # the plain-autograd test oracle, Python API only
+FLAG_BACKENDS = ("triton", "torch")  # --mtraining-backend choices
+REFERENCE_BACKEND = "reference"  # the plain-autograd test oracle, Python API only
 BACKENDS = (*FLAG_BACKENDS, REFERENCE_BACKEND)
-BLOCK_SPARSE_BACKENDS = {"triton": "triton", "torch": "torch_blocksparse"}   # backend → mtraining_kernels name
-SDPA_IMPLS = {"sdpa_cudnn": "cudnn", "sdpa_flash": "flash"}   # dense_impl → mtraining_kernels.sdpa_backend impl
+BLOCK_SPARSE_BACKENDS = {"triton": "triton", "torch": "torch_blocksparse"}  # backend → mtraining_kernels name
+SDPA_IMPLS = {"sdpa_cudnn": "cudnn", "sdpa_flash": "flash"}  # dense_impl → mtraining_kernels.sdpa_backend impl
 DENSE_IMPLS = ("mtraining", *SDPA_IMPLS)
 GRAD_WIRE_DTYPES = ("fp32", "bf16")
 RINGS = ("flat", "hierarchical")
@@ -95,18 +95,27 @@ class MTrainingConfig:
         self._check_dense_layers()
         self._check_dense_impl()
         if self.keep_attention_output and self.backend == REFERENCE_BACKEND:
-            raise ValueError(f"{flag('keep_attention_output')} needs a kernel with a separate backward; "
-                             f"backend='reference' (the test oracle) is plain autograd; use {flag('backend')} "
-                             "triton or torch")
+            raise ValueError(
+                f"{flag('keep_attention_output')} needs a kernel with a separate backward; "
+                f"backend='reference' (the test oracle) is plain autograd; use {flag('backend')} "
+                "triton or torch"
+            )
         if self.inner_ring_size is not None and self.ring != "hierarchical":
-            raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size} only applies to the hierarchical "
-                             f"ring, but {flag('ring')}={self.ring}; add {flag('ring')} hierarchical or drop it")
+            raise ValueError(
+                f"{flag('inner_ring_size')}={self.inner_ring_size} only applies to the hierarchical "
+                f"ring, but {flag('ring')}={self.ring}; add {flag('ring')} hierarchical or drop it"
+            )
 
     # ------------------------------------------------------------------ settings-only checks
     def _check_choices(self) -> None:
-        for name, choices in (("layout", LAYOUT_KINDS), ("budget", BUDGET_MODES), ("backend", BACKENDS),
-                              ("dense_impl", DENSE_IMPLS),
-                              ("grad_wire_dtype", GRAD_WIRE_DTYPES), ("ring", RINGS)):
+        for name, choices in (
+            ("layout", LAYOUT_KINDS),
+            ("budget", BUDGET_MODES),
+            ("backend", BACKENDS),
+            ("dense_impl", DENSE_IMPLS),
+            ("grad_wire_dtype", GRAD_WIRE_DTYPES),
+            ("ring", RINGS),
+        ):
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"{flag(name)}={value!r} is unknown; use one of {', '.join(choices)}")
@@ -117,30 +126,43 @@ class MTrainingConfig:
     def _check_numbers(self) -> None:
         g = self.stripe_granularity
         if not _is_int(g) or g < BLOCK_SIZE or g % BLOCK_SIZE or g & (g - 1):
-            raise ValueError(f"{flag('stripe_granularity')}={g!r} must be a power of two and a multiple of "
-                             f"{BLOCK_SIZE} (the sparse kernels need whole {BLOCK_SIZE}-token blocks); "
-                             f"use {BLOCK_SIZE}")
+            raise ValueError(
+                f"{flag('stripe_granularity')}={g!r} must be a power of two and a multiple of "
+                f"{BLOCK_SIZE} (the sparse kernels need whole {BLOCK_SIZE}-token blocks); "
+                f"use {BLOCK_SIZE}"
+            )
         if not _is_int(self.last_q) or not 1 <= self.last_q <= MAX_LAST_Q:
-            raise ValueError(f"{flag('last_q')}={self.last_q!r} must be an integer in [1, {MAX_LAST_Q}] "
-                             f"(one {MAX_LAST_Q}-row estimation tile); use {MAX_LAST_Q}")
+            raise ValueError(
+                f"{flag('last_q')}={self.last_q!r} must be an integer in [1, {MAX_LAST_Q}] "
+                f"(one {MAX_LAST_Q}-row estimation tile); use {MAX_LAST_Q}"
+            )
         for name in ("sink_tokens", "local_window", "stats_interval"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 raise ValueError(f"{flag(name)}={value!r} must be an integer >= 0")
         if self.inner_ring_size is not None and (not _is_int(self.inner_ring_size) or self.inner_ring_size < 1):
-            raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size!r} must be an integer >= 1 "
-                             "(the number of CP ranks per node)")
+            raise ValueError(
+                f"{flag('inner_ring_size')}={self.inner_ring_size!r} must be an integer >= 1 "
+                "(the number of CP ranks per node)"
+            )
 
     def _check_budget_settings(self) -> None:
-        static = {name: getattr(self, name) for name in ("vertical_size", "slash_size", "sparsity", "pattern_file")
-                  if getattr(self, name) is not None}
+        static = {
+            name: getattr(self, name)
+            for name in ("vertical_size", "slash_size", "sparsity", "pattern_file")
+            if getattr(self, name) is not None
+        }
         top_p = {name: getattr(self, name) for name in ("top_p", "cap") if getattr(self, name) is not None}
         if self.budget == "top-p" and static:
-            raise ValueError(f"{flag('budget')}=top-p does not take the static budget settings "
-                             f"{', '.join(flag(n) for n in static)}; drop them or add {flag('budget')} static")
+            raise ValueError(
+                f"{flag('budget')}=top-p does not take the static budget settings "
+                f"{', '.join(flag(n) for n in static)}; drop them or add {flag('budget')} static"
+            )
         if self.budget == "static" and top_p:
-            raise ValueError(f"{flag('budget')}=static does not take the top-P settings "
-                             f"{', '.join(flag(n) for n in top_p)}; drop them or add {flag('budget')} top-p")
+            raise ValueError(
+                f"{flag('budget')}=static does not take the top-P settings "
+                f"{', '.join(flag(n) for n in top_p)}; drop them or add {flag('budget')} top-p"
+            )
         if self.top_p is not None and (not _is_number(self.top_p) or not 0 < self.top_p <= 1):
             raise ValueError(f"{flag('top_p')}={self.top_p!r} must be a number in (0, 1]; use e.g. 0.9 or 0.95")
         if self.cap is not None and (not _is_int(self.cap) or self.cap < 1):
@@ -153,56 +175,78 @@ class MTrainingConfig:
                 raise ValueError(f"{flag(name)}={value!r} must be an integer >= 1")
         if self.budget == "static":
             pair_given = self.vertical_size is not None or self.slash_size is not None
-            sources = [name for name, given in (("vertical_size/slash_size", pair_given),
-                                                ("sparsity", self.sparsity is not None),
-                                                ("pattern_file", self.pattern_file is not None)) if given]
+            sources = [
+                name
+                for name, given in (
+                    ("vertical_size/slash_size", pair_given),
+                    ("sparsity", self.sparsity is not None),
+                    ("pattern_file", self.pattern_file is not None),
+                )
+                if given
+            ]
             if len(sources) != 1:
                 raise ValueError(
                     f"{flag('budget')}=static needs exactly one of {flag('vertical_size')} with "
                     f"{flag('slash_size')}, {flag('sparsity')} or {flag('pattern_file')}; got "
-                    f"{' and '.join(sources) if sources else 'none'}")
+                    f"{' and '.join(sources) if sources else 'none'}"
+                )
             if pair_given and (self.vertical_size is None or self.slash_size is None):
                 missing = "slash_size" if self.slash_size is None else "vertical_size"
                 raise ValueError(f"a static budget pair needs both sizes; add {flag(missing)}")
             if self.pattern_file is not None and not os.path.isfile(self.pattern_file):
-                raise ValueError(f"{flag('pattern_file')}={self.pattern_file!r} is not a file; give the path of "
-                                 "a JSON file {layer: {head: [v_size, s_size]}}")
+                raise ValueError(
+                    f"{flag('pattern_file')}={self.pattern_file!r} is not a file; give the path of "
+                    "a JSON file {layer: {head: [v_size, s_size]}}"
+                )
         if self.vertical_size is not None and self.vertical_size < self.sink_tokens:
-            raise ValueError(f"{flag('vertical_size')}={self.vertical_size} is smaller than the "
-                             f"{flag('sink_tokens')}={self.sink_tokens} forced sinks, which count toward it; "
-                             f"use {flag('vertical_size')} >= {self.sink_tokens}")
+            raise ValueError(
+                f"{flag('vertical_size')}={self.vertical_size} is smaller than the "
+                f"{flag('sink_tokens')}={self.sink_tokens} forced sinks, which count toward it; "
+                f"use {flag('vertical_size')} >= {self.sink_tokens}"
+            )
         if self.slash_size is not None and self.slash_size < self.local_window:
-            raise ValueError(f"{flag('slash_size')}={self.slash_size} is smaller than the "
-                             f"{flag('local_window')}={self.local_window} forced window offsets, which count "
-                             f"toward it; use {flag('slash_size')} >= {self.local_window}")
+            raise ValueError(
+                f"{flag('slash_size')}={self.slash_size} is smaller than the "
+                f"{flag('local_window')}={self.local_window} forced window offsets, which count "
+                f"toward it; use {flag('slash_size')} >= {self.local_window}"
+            )
         forced = max(self.sink_tokens, self.local_window)
         if self.budget == "top-p" and self.effective_cap < forced:
-            raise ValueError(f"{flag('cap')}={self.effective_cap} is smaller than the forced entries "
-                             f"({flag('sink_tokens')}={self.sink_tokens}, {flag('local_window')}="
-                             f"{self.local_window}), which count toward it; use {flag('cap')} >= {forced}")
+            raise ValueError(
+                f"{flag('cap')}={self.effective_cap} is smaller than the forced entries "
+                f"({flag('sink_tokens')}={self.sink_tokens}, {flag('local_window')}="
+                f"{self.local_window}), which count toward it; use {flag('cap')} >= {forced}"
+            )
 
     def _check_dense_layers(self) -> None:
         layers = self.dense_layers
         if not isinstance(layers, tuple) or not all(_is_int(n) and n >= 1 for n in layers):
-            raise ValueError(f"{flag('dense_layers')}={layers!r} must list 1-based layer numbers (integers >= 1), "
-                             "e.g. 1,2")
+            raise ValueError(
+                f"{flag('dense_layers')}={layers!r} must list 1-based layer numbers (integers >= 1), e.g. 1,2"
+            )
         if len(set(layers)) != len(layers):
             raise ValueError(f"{flag('dense_layers')}={layers!r} lists a layer twice; list each layer once")
         if self.dense and layers:
-            raise ValueError(f"{flag('dense')} already computes every layer densely; drop "
-                             f"{flag('dense_layers')}={','.join(map(str, layers))}")
+            raise ValueError(
+                f"{flag('dense')} already computes every layer densely; drop "
+                f"{flag('dense_layers')}={','.join(map(str, layers))}"
+            )
 
     def _check_dense_impl(self) -> None:
         if self.dense_impl == "mtraining":
             return
         if not self.dense:
-            raise ValueError(f"{flag('dense_impl')}={self.dense_impl} sets how {flag('dense')} runs its layers, but "
-                             f"{flag('dense')} is not set; add {flag('dense')}, or drop {flag('dense_impl')} for "
-                             "sparse attention")
+            raise ValueError(
+                f"{flag('dense_impl')}={self.dense_impl} sets how {flag('dense')} runs its layers, but "
+                f"{flag('dense')} is not set; add {flag('dense')}, or drop {flag('dense_impl')} for "
+                "sparse attention"
+            )
         if self.deterministic:
-            raise ValueError(f"{flag('dense_impl')}={self.dense_impl} cannot promise a bitwise-reproducible backward "
-                             f"({flag('deterministic')}, also implied by --deterministic-mode); drop it or use "
-                             f"{flag('dense_impl')} mtraining")
+            raise ValueError(
+                f"{flag('dense_impl')}={self.dense_impl} cannot promise a bitwise-reproducible backward "
+                f"({flag('deterministic')}, also implied by --deterministic-mode); drop it or use "
+                f"{flag('dense_impl')} mtraining"
+            )
 
     # ------------------------------------------------------------------ derived settings
     @property
@@ -240,10 +284,16 @@ class MTrainingConfig:
         return _budget_table(self, num_layers, num_heads, seq_length)
 
     # ------------------------------------------------------------------ model-dependent checks
-    def validate(self, *, num_layers: int, num_attention_heads: int, seq_length: int,
-                 context_parallel_size: int = 1,
-                 hierarchical_context_parallel_sizes: Sequence[int] | None = None,
-                 attention_backend: Any = None) -> None:
+    def validate(
+        self,
+        *,
+        num_layers: int,
+        num_attention_heads: int,
+        seq_length: int,
+        context_parallel_size: int = 1,
+        hierarchical_context_parallel_sizes: Sequence[int] | None = None,
+        attention_backend: Any = None,
+    ) -> None:
         """Raise ``ValueError`` (naming the flag and the fix) unless these settings fit the run.
 
         ``attention_backend`` is Megatron's ``--attention-backend`` (an ``AttnBackend`` or its name);
@@ -252,20 +302,28 @@ class MTrainingConfig:
         cp = context_parallel_size
         if not _is_int(cp) or cp < 1:
             raise ValueError(f"--context-parallel-size={cp!r} must be an integer >= 1")
-        for name, value in (("--num-layers", num_layers), ("--num-attention-heads", num_attention_heads),
-                            ("--seq-length", seq_length)):
+        for name, value in (
+            ("--num-layers", num_layers),
+            ("--num-attention-heads", num_attention_heads),
+            ("--seq-length", seq_length),
+        ):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if getattr(attention_backend, "name", attention_backend) == "local":
-            raise ValueError("--attention-backend local replaces every custom core attention, MTraining's "
-                             "included; drop it (keep the default auto)")
+            raise ValueError(
+                "--attention-backend local replaces every custom core attention, MTraining's "
+                "included; drop it (keep the default auto)"
+            )
         out_of_range = [n for n in self.dense_layers if n > num_layers]
         if out_of_range:
-            raise ValueError(f"{flag('dense_layers')} lists layers {out_of_range} but the model has "
-                             f"--num-layers={num_layers}; layer numbers are 1-based, use 1 … {num_layers}")
+            raise ValueError(
+                f"{flag('dense_layers')} lists layers {out_of_range} but the model has "
+                f"--num-layers={num_layers}; layer numbers are 1-based, use 1 … {num_layers}"
+            )
         self._validate_sequence(seq_length, cp)
-        self.check_parallelism(cp, hierarchical=self.ring == "hierarchical"
-                               or hierarchical_context_parallel_sizes is not None)
+        self.check_parallelism(
+            cp, hierarchical=self.ring == "hierarchical" or hierarchical_context_parallel_sizes is not None
+        )
         self._validate_ring(cp, hierarchical_context_parallel_sizes)
         if not self.dense:
             self.budget_table(num_layers=num_layers, num_heads=num_attention_heads, seq_length=seq_length)
@@ -275,49 +333,68 @@ class MTrainingConfig:
         unit = layout.unit(BLOCK_SIZE)
         if seq_length % unit:
             lower = seq_length // unit * unit
-            why = {"striped": f"--context-parallel-size x {flag('stripe_granularity')} = {cp} x "
-                              f"{self.stripe_granularity}",
-                   "zigzag": f"2 x --context-parallel-size x {BLOCK_SIZE} = 2 x {cp} x {BLOCK_SIZE}",
-                   "contiguous": f"--context-parallel-size x {BLOCK_SIZE} = {cp} x {BLOCK_SIZE}"}[self.layout]
-            raise ValueError(f"--seq-length={seq_length} is not divisible by {unit}, which "
-                             f"{flag('layout')}={self.layout} needs ({why}); use --seq-length "
-                             f"{lower or unit} or {lower + unit}")
+            why = {
+                "striped": f"--context-parallel-size x {flag('stripe_granularity')} = {cp} x {self.stripe_granularity}",
+                "zigzag": f"2 x --context-parallel-size x {BLOCK_SIZE} = 2 x {cp} x {BLOCK_SIZE}",
+                "contiguous": f"--context-parallel-size x {BLOCK_SIZE} = {cp} x {BLOCK_SIZE}",
+            }[self.layout]
+            raise ValueError(
+                f"--seq-length={seq_length} is not divisible by {unit}, which "
+                f"{flag('layout')}={self.layout} needs ({why}); use --seq-length "
+                f"{lower or unit} or {lower + unit}"
+            )
         if not self.dense and seq_length < self.last_q:
-            raise ValueError(f"{flag('last_q')}={self.last_q} is longer than --seq-length={seq_length}; "
-                             f"use {flag('last_q')} <= {seq_length}")
+            raise ValueError(
+                f"{flag('last_q')}={self.last_q} is longer than --seq-length={seq_length}; "
+                f"use {flag('last_q')} <= {seq_length}"
+            )
 
     def _validate_ring(self, cp: int, hcp_sizes: Sequence[int] | None) -> None:
         if hcp_sizes is not None:
             sizes = list(hcp_sizes)
             if self.ring != "hierarchical":
-                raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} selects "
-                                 f"MTraining's hierarchical ring, but {flag('ring')}={self.ring}; add "
-                                 f"{flag('ring')} hierarchical or drop the hierarchical sizes")
+                raise ValueError(
+                    f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} selects "
+                    f"MTraining's hierarchical ring, but {flag('ring')}={self.ring}; add "
+                    f"{flag('ring')} hierarchical or drop the hierarchical sizes"
+                )
             if len(sizes) != 2 or not all(_is_int(s) and s >= 1 for s in sizes):
-                raise ValueError(f"--hierarchical-context-parallel-sizes={sizes} must be two sizes "
-                                 "[inner, outer] (ranks per node, nodes); e.g. 8 4")
+                raise ValueError(
+                    f"--hierarchical-context-parallel-sizes={sizes} must be two sizes "
+                    "[inner, outer] (ranks per node, nodes); e.g. 8 4"
+                )
             if sizes[0] * sizes[1] != cp:
-                raise ValueError(f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]} multiply to "
-                                 f"{sizes[0] * sizes[1]}, not --context-parallel-size={cp}; choose sizes whose "
-                                 "product is the CP size")
+                raise ValueError(
+                    f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]} multiply to "
+                    f"{sizes[0] * sizes[1]}, not --context-parallel-size={cp}; choose sizes whose "
+                    "product is the CP size"
+                )
             if self.inner_ring_size is not None and self.inner_ring_size != sizes[0]:
-                raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size} contradicts "
-                                 f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]} (inner size "
-                                 f"{sizes[0]}); drop one of them")
+                raise ValueError(
+                    f"{flag('inner_ring_size')}={self.inner_ring_size} contradicts "
+                    f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]} (inner size "
+                    f"{sizes[0]}); drop one of them"
+                )
             return
         if self.ring != "hierarchical":
             return
         if cp == 1:
-            raise ValueError(f"{flag('ring')}=hierarchical needs context parallelism, but "
-                             "--context-parallel-size=1; drop it or raise the CP size")
+            raise ValueError(
+                f"{flag('ring')}=hierarchical needs context parallelism, but "
+                "--context-parallel-size=1; drop it or raise the CP size"
+            )
         if self.inner_ring_size is None:
-            raise ValueError(f"{flag('ring')}=hierarchical needs the inner ring size: add "
-                             f"{flag('inner_ring_size')} L (CP ranks per node) or "
-                             "--hierarchical-context-parallel-sizes L O")
+            raise ValueError(
+                f"{flag('ring')}=hierarchical needs the inner ring size: add "
+                f"{flag('inner_ring_size')} L (CP ranks per node) or "
+                "--hierarchical-context-parallel-sizes L O"
+            )
         if cp % self.inner_ring_size:
             divisors = [d for d in range(1, cp + 1) if cp % d == 0]
-            raise ValueError(f"{flag('inner_ring_size')}={self.inner_ring_size} does not divide "
-                             f"--context-parallel-size={cp}; use one of {divisors}")
+            raise ValueError(
+                f"{flag('inner_ring_size')}={self.inner_ring_size} does not divide "
+                f"--context-parallel-size={cp}; use one of {divisors}"
+            )
 
     def check_parallelism(self, context_parallel_size: int, hierarchical: bool) -> None:
         """Raise ``ValueError`` unless the backend and the dense implementation run at this CP size and ring.
@@ -327,17 +404,23 @@ class MTrainingConfig:
         """
         cp = context_parallel_size
         if self.backend == REFERENCE_BACKEND and cp > 1:
-            raise ValueError(f"backend='reference' (the test oracle) runs on one device only, but "
-                             f"--context-parallel-size={cp}; use {flag('backend')} triton or torch")
+            raise ValueError(
+                f"backend='reference' (the test oracle) runs on one device only, but "
+                f"--context-parallel-size={cp}; use {flag('backend')} triton or torch"
+            )
         if self.sdpa_impl is None or cp == 1:
             return
         if self.layout != "zigzag":
-            raise ValueError(f"{flag('dense_impl')}={self.dense_impl} with --context-parallel-size={cp} runs the "
-                             f"zigzag dense ring, but {flag('layout')}={self.layout}; add {flag('layout')} zigzag")
+            raise ValueError(
+                f"{flag('dense_impl')}={self.dense_impl} with --context-parallel-size={cp} runs the "
+                f"zigzag dense ring, but {flag('layout')}={self.layout}; add {flag('layout')} zigzag"
+            )
         if hierarchical:
-            raise ValueError(f"{flag('dense_impl')}={self.dense_impl} runs the flat ring only, but a hierarchical ring "
-                             f"was requested ({flag('ring')}=hierarchical or --hierarchical-context-parallel-sizes); "
-                             f"use {flag('ring')} flat and drop the hierarchical sizes")
+            raise ValueError(
+                f"{flag('dense_impl')}={self.dense_impl} runs the flat ring only, but a hierarchical ring "
+                f"was requested ({flag('ring')}=hierarchical or --hierarchical-context-parallel-sizes); "
+                f"use {flag('ring')} flat and drop the hierarchical sizes"
+            )
 
     def budget_flags(self) -> str:
         """The flags that set the budget, for error messages."""
@@ -355,17 +438,27 @@ def _budget_table(config: MTrainingConfig, num_layers: int, num_heads: int, seq_
     try:
         if config.budget == "static" and config.sparsity is not None:
             table = BudgetTable.uniform(
-                StaticBudget.for_sparsity(config.sparsity, seq_length, sink_tokens=config.sink_tokens,
-                                          local_window=config.local_window),
-                num_layers=num_layers, num_heads=num_heads)
+                StaticBudget.for_sparsity(
+                    config.sparsity, seq_length, sink_tokens=config.sink_tokens, local_window=config.local_window
+                ),
+                num_layers=num_layers,
+                num_heads=num_heads,
+            )
         else:
             table = BudgetTable.from_settings(
-                mode=config.budget, num_layers=num_layers, num_heads=num_heads,
+                mode=config.budget,
+                num_layers=num_layers,
+                num_heads=num_heads,
                 top_p=config.effective_top_p if config.budget == "top-p" else None,
                 cap=config.effective_cap if config.budget == "top-p" else None,
-                v_size=config.vertical_size, s_size=config.slash_size, pattern_file=config.pattern_file)
+                v_size=config.vertical_size,
+                s_size=config.slash_size,
+                pattern_file=config.pattern_file,
+            )
         table.validate_for(seq_length, config.sink_tokens, config.local_window)
     except ValueError as error:
-        raise ValueError(f"{config.budget_flags()} does not fit --num-layers={num_layers}, "
-                         f"--num-attention-heads={num_heads}, --seq-length={seq_length}: {error}") from None
+        raise ValueError(
+            f"{config.budget_flags()} does not fit --num-layers={num_layers}, "
+            f"--num-attention-heads={num_heads}, --seq-length={seq_length}: {error}"
+        ) from None
     return table

@@ -30,14 +30,14 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 
 from mtraining_kernels.layout import Layout
 
-PROBE_ROWS = 64                     # the local rows summarised by the checksum (Q_L on its owner)
+PROBE_ROWS = 64  # the local rows summarised by the checksum (Q_L on its owner)
 CHECKSUM_RTOL = 1e-3
 
 
 class ForwardKind(Enum):
-    PLAIN = "plain"                 # no recomputation will follow
-    CHECKPOINTED = "checkpointed"   # first pass inside a Megatron checkpoint: a replay will follow
-    REPLAY = "replay"               # the recomputation, running inside autograd's backward
+    PLAIN = "plain"  # no recomputation will follow
+    CHECKPOINTED = "checkpointed"  # first pass inside a Megatron checkpoint: a replay will follow
+    REPLAY = "replay"  # the recomputation, running inside autograd's backward
 
 
 def in_autograd_backward() -> bool:
@@ -84,7 +84,7 @@ def checksums_match(expected: torch.Tensor, actual: torch.Tensor, rtol: float = 
     if expected.shape != actual.shape:
         return False
     abs_sum, square_sum = expected[1], expected[2]
-    scale = torch.stack([abs_sum, abs_sum, square_sum])       # Σq is measured against Σ|q|
+    scale = torch.stack([abs_sum, abs_sum, square_sum])  # Σq is measured against Σ|q|
     return bool(((actual - expected).abs() <= rtol * scale).all())
 
 
@@ -108,14 +108,19 @@ class IndexCache:
             raise RuntimeError(
                 f"{self.owner}: a recomputation replayed the forward but nothing was cached; the first "
                 "forward must run inside Megatron's tensor_parallel.checkpoint (selective core_attn or full "
-                "recompute) so that its index (and output) is kept for the replay")
+                "recompute) so that its index (and output) is kept for the replay"
+            )
         cached_key, cached_checksum, value = self._entries.popleft()
         if cached_key != key:
-            raise RuntimeError(f"{self.owner}: the recomputation's input {key} differs from the cached "
-                               f"forward's {cached_key}; forward and replay order must match (FIFO)")
+            raise RuntimeError(
+                f"{self.owner}: the recomputation's input {key} differs from the cached "
+                f"forward's {cached_key}; forward and replay order must match (FIFO)"
+            )
         if not checksums_match(cached_checksum, checksum, self.rtol):
-            raise RuntimeError(f"{self.owner}: the recomputed queries differ from the cached forward's "
-                               f"(checksum beyond rtol={self.rtol}); forward and replay order must match (FIFO)")
+            raise RuntimeError(
+                f"{self.owner}: the recomputed queries differ from the cached forward's "
+                f"(checksum beyond rtol={self.rtol}); forward and replay order must match (FIFO)"
+            )
         return value
 
     def clear(self) -> None:
@@ -127,8 +132,14 @@ def assert_index_caches_empty(modules: Iterable[torch.nn.Module]) -> None:
 
     Call it after each training step: a leftover entry means a forward was never replayed.
     """
-    leftovers = [f"{cache.owner} ({len(cache)})" for model in modules for module in model.modules()
-                 if isinstance(cache := getattr(module, "index_cache", None), IndexCache) and len(cache)]
+    leftovers = [
+        f"{cache.owner} ({len(cache)})"
+        for model in modules
+        for module in model.modules()
+        if isinstance(cache := getattr(module, "index_cache", None), IndexCache) and len(cache)
+    ]
     if leftovers:
-        raise RuntimeError(f"index caches are not empty after the step: {', '.join(leftovers)}; every "
-                           "checkpointed forward must be replayed by its backward")
+        raise RuntimeError(
+            f"index caches are not empty after the step: {', '.join(leftovers)}; every "
+            "checkpointed forward must be replayed by its backward"
+        )

@@ -24,7 +24,7 @@ from .arguments import CHECK_FLAG, validate_mtraining_args
 from .config import MTrainingConfig, flag
 from .conversion.checkpoint_dir import TRACKER_FILE
 
-CHECK_GPU_ARCH = 9     # the check validates as on Hopper (Megatron asks the GPU's architecture when TP or CP > 1)
+CHECK_GPU_ARCH = 9  # the check validates as on Hopper (Megatron asks the GPU's architecture when TP or CP > 1)
 
 
 def head_dim(args: argparse.Namespace) -> int:
@@ -39,15 +39,19 @@ def _check_head_dim(args: argparse.Namespace, mtraining: MTrainingConfig) -> Non
 
         limit = MAX_HEAD_DIM[mtraining.sdpa_impl]
         if dim % 8 or dim > limit:
-            raise ValueError(f"head dim {dim} is not run by {flag('dense_impl')} {mtraining.dense_impl} (multiples "
-                             f"of 8 up to {limit}); use {flag('dense_impl')} mtraining")
+            raise ValueError(
+                f"head dim {dim} is not run by {flag('dense_impl')} {mtraining.dense_impl} (multiples "
+                f"of 8 up to {limit}); use {flag('dense_impl')} mtraining"
+            )
     elif mtraining.backend == "triton":
         from mtraining_kernels.triton_backend import HEAD_DIMS
 
         if dim not in HEAD_DIMS:
-            raise ValueError(f"head dim {dim} (--kv-channels or --hidden-size / --num-attention-heads) is not run by "
-                             f"{flag('backend')} triton, which supports {', '.join(map(str, HEAD_DIMS))}; use "
-                             f"{flag('backend')} torch or a model with one of those head dims")
+            raise ValueError(
+                f"head dim {dim} (--kv-channels or --hidden-size / --num-attention-heads) is not run by "
+                f"{flag('backend')} triton, which supports {', '.join(map(str, HEAD_DIMS))}; use "
+                f"{flag('backend')} torch or a model with one of those head dims"
+            )
 
 
 def _split_parts(split: str) -> list[float]:
@@ -57,16 +61,20 @@ def _split_parts(split: str) -> list[float]:
 def _check_evaluation(args: argparse.Namespace) -> None:
     sized_by_iterations = args.train_iters is not None and not args.skip_train and not args.full_validation
     if sized_by_iterations and args.eval_interval is None:
-        raise ValueError("--eval-interval is not set, but Megatron sizes the validation set as --train-iters / "
-                         "--eval-interval × --eval-iters; add --eval-interval N (e.g. 1000) and --eval-iters M "
-                         "(--eval-iters 0 turns evaluation off)")
+        raise ValueError(
+            "--eval-interval is not set, but Megatron sizes the validation set as --train-iters / "
+            "--eval-interval × --eval-iters; add --eval-interval N (e.g. 1000) and --eval-iters M "
+            "(--eval-iters 0 turns evaluation off)"
+        )
     real_data = not args.mock_data and args.data_path is not None and args.valid_data_path is None
     if args.eval_iters > 0 and real_data and args.split is not None:
         parts = _split_parts(args.split)
         if len(parts) < 2 or parts[1] == 0:
-            raise ValueError(f"--eval-iters {args.eval_iters} evaluates on the validation split, but --split "
-                             f"{args.split} gives it no documents; give it a share (e.g. --split 98,2,0) or use "
-                             "--eval-iters 0")
+            raise ValueError(
+                f"--eval-iters {args.eval_iters} evaluates on the validation split, but --split "
+                f"{args.split} gives it no documents; give it a share (e.g. --split 98,2,0) or use "
+                "--eval-iters 0"
+            )
 
 
 def _check_schedule(args: argparse.Namespace) -> None:
@@ -74,9 +82,11 @@ def _check_schedule(args: argparse.Namespace) -> None:
         return
     decay = args.lr_decay_iters or args.train_iters
     if args.lr_warmup_iters >= decay:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay length {decay} "
-                         "(--lr-decay-iters, default --train-iters), or Megatron's scheduler stops the run after "
-                         "building the model; lower --lr-warmup-iters or raise --train-iters")
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay length {decay} "
+            "(--lr-decay-iters, default --train-iters), or Megatron's scheduler stops the run after "
+            "building the model; lower --lr-warmup-iters or raise --train-iters"
+        )
 
 
 def data_prefixes(args: argparse.Namespace) -> list[str]:
@@ -96,13 +106,17 @@ def missing_paths(args: argparse.Namespace) -> list[str]:
     if args.pretrained_checkpoint is not None:
         tracker = Path(args.pretrained_checkpoint) / TRACKER_FILE
         if not tracker.is_file():
-            missing.append(f"--pretrained-checkpoint {args.pretrained_checkpoint} (no {TRACKER_FILE}; "
-                           "give the --output-dir of tools/convert_qwen2_hf_to_megatron.py)")
+            missing.append(
+                f"--pretrained-checkpoint {args.pretrained_checkpoint} (no {TRACKER_FILE}; "
+                "give the --output-dir of tools/convert_qwen2_hf_to_megatron.py)"
+            )
     for prefix in data_prefixes(args):
         absent = [suffix for suffix in (".bin", ".idx") if not Path(prefix + suffix).is_file()]
         if absent:
-            missing.append(f"--data-path {prefix} (no {' / '.join(prefix + s for s in absent)}; give the "
-                           "--output-prefix of tools/preprocess_data.py)")
+            missing.append(
+                f"--data-path {prefix} (no {' / '.join(prefix + s for s in absent)}; give the "
+                "--output-prefix of tools/preprocess_data.py)"
+            )
     return missing
 
 
@@ -140,8 +154,12 @@ def check_resumed_schedule(args: argparse.Namespace) -> None:
     ``parse_and_validate_args``); reads the checkpoint's common state only (``torch_dist``).
     """
     iteration_dir = latest_iteration_dir(args.load)
-    loads_schedule = not (args.finetune or args.no_load_optim or args.override_opt_param_scheduler
-                          or args.use_checkpoint_opt_param_scheduler)
+    loads_schedule = not (
+        args.finetune
+        or args.no_load_optim
+        or args.override_opt_param_scheduler
+        or args.use_checkpoint_opt_param_scheduler
+    )
     if iteration_dir is None or not loads_schedule or args.ckpt_format != "torch_dist":
         return
     import torch
@@ -155,8 +173,10 @@ def check_resumed_schedule(args: argparse.Namespace) -> None:
     try:
         get_optimizer_param_scheduler(stand_in_optimizer).load_state_dict(stored)
     except AssertionError as error:
-        raise ValueError(f"resuming {iteration_dir}: {error}; add --override-opt_param-scheduler to take this "
-                         "run's schedule, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's") from None
+        raise ValueError(
+            f"resuming {iteration_dir}: {error}; add --override-opt_param-scheduler to take this "
+            "run's schedule, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -186,7 +206,7 @@ def _megatron_validated(args: argparse.Namespace) -> argparse.Namespace:
     from megatron.training.arguments import validate_args
 
     try:
-        with _validation_without_gpu(), contextlib.redirect_stdout(io.StringIO()):   # it prints every argument
+        with _validation_without_gpu(), contextlib.redirect_stdout(io.StringIO()):  # it prints every argument
             validate_args(args)
     except AssertionError as error:
         raise ValueError(f"Megatron's argument check: {error}") from None
@@ -226,12 +246,19 @@ def _ring_text(args: argparse.Namespace, mtraining: MTrainingConfig) -> str:
 
 def resolved_configuration(args: argparse.Namespace, mtraining: MTrainingConfig) -> list[str]:
     """Lines describing what the run will do, from Megatron-validated ``args``."""
-    tp, pp, cp, dp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                      args.context_parallel_size, args.data_parallel_size)
+    tp, pp, cp, dp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+        args.data_parallel_size,
+    )
     micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
     vocab = args.padded_vocab_size or args.vocab_size
-    evaluation = ("off (--eval-iters 0)" if args.eval_iters == 0 else
-                  f"every {args.eval_interval} iterations, {args.eval_iters} validation batches each")
+    evaluation = (
+        "off (--eval-iters 0)"
+        if args.eval_iters == 0
+        else f"every {args.eval_interval} iterations, {args.eval_iters} validation batches each"
+    )
     if args.mock_data:
         data = "mock (synthetic tokens)"
     else:
@@ -270,12 +297,14 @@ def run_check(command_line: argparse.Namespace, model_config: Callable, report=p
     mtraining = validate_mtraining_args(args)
     check_launch_flags(args, mtraining, require_files=False)
     if args.padded_vocab_size is None and args.vocab_size is None:
-        raise ValueError("the vocabulary size is unknown without reading the tokenizer; add --padded-vocab-size V "
-                         "(the converter's megatron_model_args.sh has it)")
+        raise ValueError(
+            "the vocabulary size is unknown without reading the tokenizer; add --padded-vocab-size V "
+            "(the converter's megatron_model_args.sh has it)"
+        )
     if args.padded_vocab_size is None:
         args.padded_vocab_size = args.vocab_size
     try:
-        model_config(args, mtraining)        # Megatron's TransformerConfig checks (fusions, shapes)
+        model_config(args, mtraining)  # Megatron's TransformerConfig checks (fusions, shapes)
     except AssertionError as error:
         raise ValueError(f"Megatron's model config: {error}") from None
     report(f"{CHECK_FLAG}: the command is valid for WORLD_SIZE={args.world_size} ranks")

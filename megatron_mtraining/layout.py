@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.common.embeddings.rotary_pos_embedding import (MultimodalRotaryEmbedding,
-                                                                         RotaryEmbedding)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding, RotaryEmbedding
 from torch import nn
 
 from mtraining_kernels.layout import Layout
@@ -39,12 +38,16 @@ def select_layout_positions(batch: dict[str, Any], layout: Layout, cp_rank: int)
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a mtraining_kernels.Layout, got {type(layout).__name__}")
     if batch.get("attention_mask") is not None:
-        raise ValueError("the batch carries an attention_mask, but MTraining attention is causal and takes none; "
-                         "build batches without it (--no-create-attention-mask-in-dataloader)")
+        raise ValueError(
+            "the batch carries an attention_mask, but MTraining attention is causal and takes none; "
+            "build batches without it (--no-create-attention-mask-in-dataloader)"
+        )
     packed = [key for key in PACKED_SEQUENCE_KEYS if batch.get(key) is not None]
     if packed:
-        raise ValueError(f"the batch describes packed sequences ({', '.join(packed)}), which MTraining v1 does not "
-                         "support; train on unpacked sequences")
+        raise ValueError(
+            f"the batch describes packed sequences ({', '.join(packed)}), which MTraining v1 does not "
+            "support; train on unpacked sequences"
+        )
     tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
     lengths = {key: value.shape[1] for key, value in tensors.items() if value.dim() >= 2}
     if len(lengths) != len(tensors) or len(set(lengths.values())) > 1:
@@ -75,30 +78,36 @@ class LayoutRotaryEmbedding(nn.Module):
         if isinstance(rotary, LayoutRotaryEmbedding):
             rotary = rotary.rotary
         if isinstance(rotary, MultimodalRotaryEmbedding) or not isinstance(rotary, RotaryEmbedding):
-            raise ValueError(f"LayoutRotaryEmbedding wraps RotaryEmbedding or YarnRotaryEmbedding (position embedding "
-                             f"rope or yarn), got {type(rotary).__name__}")
+            raise ValueError(
+                f"LayoutRotaryEmbedding wraps RotaryEmbedding or YarnRotaryEmbedding (position embedding "
+                f"rope or yarn), got {type(rotary).__name__}"
+            )
         if not isinstance(layout, Layout):
             raise ValueError(f"layout must be a mtraining_kernels.Layout, got {type(layout).__name__}")
         cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         if cp_size != layout.world_size:
-            raise ValueError(f"layout is for {layout.world_size} CP ranks but the CP group has {cp_size}; build the "
-                             "layout with the CP size")
+            raise ValueError(
+                f"layout is for {layout.world_size} CP ranks but the CP group has {cp_size}; build the "
+                "layout with the CP size"
+            )
         self.rotary = rotary
         self.layout = layout
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
-        self._last: tuple[tuple[int, int], Any] | None = None     # (max_seq_len, offset) → result
+        self._last: tuple[tuple[int, int], Any] | None = None  # (max_seq_len, offset) → result
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group: dist.ProcessGroup | None = None):
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: dist.ProcessGroup | None = None
+    ):
         if packed_seq:
             raise ValueError("LayoutRotaryEmbedding does not support packed sequences in v1")
         if cp_group is not None and dist.get_world_size(cp_group) != self.layout.world_size:
-            raise ValueError(f"cp_group has {dist.get_world_size(cp_group)} ranks but the layout has "
-                             f"{self.layout.world_size}")
+            raise ValueError(
+                f"cp_group has {dist.get_world_size(cp_group)} ranks but the layout has {self.layout.world_size}"
+            )
         if self._last is not None and self._last[0] == (max_seq_len, offset):
             return self._last[1]
         table = self.rotary.get_emb(max_seq_len, offset)
-        if isinstance(table, tuple):                       # YaRN: (table, mscale)
+        if isinstance(table, tuple):  # YaRN: (table, mscale)
             result = (self._select(table[0], max_seq_len), table[1])
         else:
             result = self._select(table, max_seq_len)
@@ -124,7 +133,9 @@ def install_layout_rope(model: nn.Module, layout: Layout, cp_group: dist.Process
     while not hasattr(target, "rotary_pos_emb") and isinstance(getattr(target, "module", None), nn.Module):
         target = target.module
     if not hasattr(target, "rotary_pos_emb"):
-        raise ValueError(f"{type(model).__name__} has no rotary_pos_emb; the layout's RoPE needs "
-                         "--position-embedding-type rope or yarn")
+        raise ValueError(
+            f"{type(model).__name__} has no rotary_pos_emb; the layout's RoPE needs "
+            "--position-embedding-type rope or yarn"
+        )
     target.rotary_pos_emb = LayoutRotaryEmbedding(target.rotary_pos_emb, layout, cp_group)
     return target.rotary_pos_emb

@@ -27,8 +27,9 @@ def fill_optimizer_state_before_loading() -> None:
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **options):
         if is_loading and not self.optimizer.state:
             self._init_optimizer_states_with_dummy_values()
-        return stock(self, {} if model_sharded_state_dict is None else model_sharded_state_dict,
-                     is_loading=is_loading, **options)
+        return stock(
+            self, {} if model_sharded_state_dict is None else model_sharded_state_dict, is_loading=is_loading, **options
+        )
 
     sharded_state_dict.fills_state = True
     optimizer_class.sharded_state_dict = sharded_state_dict

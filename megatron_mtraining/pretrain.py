@@ -34,7 +34,7 @@ from functools import partial
 # megatron-core warns on import about every Transformer Engine / Apex fallback; the launcher says it in one line
 LIBRARY_NOISE = r".*(Transformer Engine|Apex|transformer-engine|absl\.logging|Could not determine rank)"
 warnings.filterwarnings("ignore", message=LIBRARY_NOISE, category=UserWarning)
-logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)   # "No CUDA runtime" on CPU machines
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" on CPU machines
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ from .spec import get_gpt_layer_mtraining_spec
 from .step_metrics import MTrainingStepEnd
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-SPIKY_LOSS_FACTOR = 10      # Megatron's pretrain_gpt.py: a loss 10x the largest seen so far is spiky
+SPIKY_LOSS_FACTOR = 10  # Megatron's pretrain_gpt.py: a loss 10x the largest seen so far is spiky
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -100,16 +100,25 @@ def get_batch(data_iterator, vp_stage: int | None, layout: Layout) -> tuple:
     batch = {}
     if tp_rank == 0:
         sample = next(data_iterator)
-        batch = {key: sample[key].cuda(non_blocking=True) if sample.get(key) is not None else None
-                 for key in BATCH_KEYS}
+        batch = {
+            key: sample[key].cuda(non_blocking=True) if sample.get(key) is not None else None for key in BATCH_KEYS
+        }
     batch = get_batch_on_this_tp_rank(
-        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        batch,
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
-        broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size, tp_rank=tp_rank,
-        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, mtp_on_this_rank=False,
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+    )
     batch = {key: batch[key] for key in BATCH_KEYS}
     if layout.kind == "zigzag":
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
@@ -128,14 +137,23 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     rerun_state_machine = get_rerun_state_machine()
     if args.check_for_nan_in_loss_and_grad:
         for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
-            rerun_state_machine.validate_result(result=loss, rejection_func=reject,
-                                                message=f"found {what} in local forward loss calculation",
-                                                tolerance=0.0, fatal=True)
+            rerun_state_machine.validate_result(
+                result=loss,
+                rejection_func=reject,
+                message=f"found {what} in local forward loss calculation",
+                tolerance=0.0,
+                fatal=True,
+            )
     if args.check_for_spiky_loss:
         rerun_state_machine.validate_result(
-            result=loss, rejection_func=partial(rerun_state_machine.is_unexpectedly_large,
-                                                threshold=SPIKY_LOSS_FACTOR, context="loss"),
-            message="Spiky loss", tolerance=0.0, fatal=False)
+            result=loss,
+            rejection_func=partial(
+                rerun_state_machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
@@ -151,10 +169,17 @@ class MTrainingForwardStep:
         timers("batch-generator", log_level=2).start()
         layout = self.mtraining.layout_for(mpu.get_context_parallel_world_size())
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-            data_iterator, get_attr_wrapped_model(model, "vp_stage"), layout)
+            data_iterator, get_attr_wrapped_model(model, "vp_stage"), layout
+        )
         timers("batch-generator").stop()
-        output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
-                       output_processor=self.output_processor)
+        output = model(
+            tokens,
+            position_ids,
+            attention_mask,
+            labels=labels,
+            loss_mask=loss_mask,
+            output_processor=self.output_processor,
+        )
         return output, partial(loss_func, loss_mask)
 
 
@@ -170,16 +195,28 @@ def gpt_dataset_config_from_args(args, tokenizer) -> GPTDatasetConfig:
         with open(args.per_dataset_sequences_path) as file:
             sequences_per_dataset = json.load(file)
     return GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=args.split, multiple_validation_sets=args.multiple_validation_sets,
-        full_validation=args.full_validation, num_dataset_builder_threads=args.num_dataset_builder_threads,
-        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=tokenizer,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
         object_storage_cache_path=args.object_storage_cache_path,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens, fast_cache_load=args.dataloader_fast_cache_load,
-        sequences_per_dataset=sequences_per_dataset, defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap)
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        fast_cache_load=args.dataloader_fast_cache_load,
+        sequences_per_dataset=sequences_per_dataset,
+        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+    )
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None):
@@ -187,9 +224,11 @@ def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None):
     args = get_args()
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = BlendedMegatronDatasetBuilder(
-        MockGPTDataset if args.mock_data else GPTDataset, train_val_test_num_samples,
+        MockGPTDataset if args.mock_data else GPTDataset,
+        train_val_test_num_samples,
         partial(is_dataset_built_on_rank, vp_stage=vp_stage),
-        gpt_dataset_config_from_args(args, get_tokenizer())).build()
+        gpt_dataset_config_from_args(args, get_tokenizer()),
+    ).build()
     print_rank_0("> finished creating GPT datasets ...")
     return datasets
 
@@ -199,13 +238,20 @@ datasets_provider.is_distributed = True
 
 # ------------------------------------------------------------------------------------------ entry point
 # Megatron's defaults that need Transformer Engine or Apex, and the local implementation's values for them
-LOCAL_IMPLEMENTATION_DEFAULTS = {"transformer_impl": "local", "apply_rope_fusion": False,
-                                 "gradient_accumulation_fusion": False, "bias_swiglu_fusion": False,
-                                 "no_persist_layer_norm": True, "masked_softmax_fusion": False}
-LOCAL_IMPLEMENTATION_NOTE = ("Transformer Engine is not installed: using --transformer-impl local with "
-                             "--no-rope-fusion --no-gradient-accumulation-fusion --no-bias-swiglu-fusion "
-                             "--no-persist-layer-norm --no-masked-softmax-fusion")
-_PERCENT_SIGNS = re.compile(r"%%|%\([a-z_]+\)[a-z]|%")   # escaped, a format field, or a bare sign
+LOCAL_IMPLEMENTATION_DEFAULTS = {
+    "transformer_impl": "local",
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "bias_swiglu_fusion": False,
+    "no_persist_layer_norm": True,
+    "masked_softmax_fusion": False,
+}
+LOCAL_IMPLEMENTATION_NOTE = (
+    "Transformer Engine is not installed: using --transformer-impl local with "
+    "--no-rope-fusion --no-gradient-accumulation-fusion --no-bias-swiglu-fusion "
+    "--no-persist-layer-norm --no-masked-softmax-fusion"
+)
+_PERCENT_SIGNS = re.compile(r"%%|%\([a-z_]+\)[a-z]|%")  # escaped, a format field, or a bare sign
 
 
 def launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -226,9 +272,11 @@ def launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def check_transformer_impl(args) -> None:
     if args.transformer_impl == "transformer_engine" and not HAVE_TE:
-        raise ValueError("--transformer-impl transformer_engine but Transformer Engine does not import; install it "
-                         "(pip install 'megatron-mtraining[te]') or drop the flag (the launcher then uses the local "
-                         "implementation)")
+        raise ValueError(
+            "--transformer-impl transformer_engine but Transformer Engine does not import; install it "
+            "(pip install 'megatron-mtraining[te]') or drop the flag (the launcher then uses the local "
+            "implementation)"
+        )
 
 
 def _validated_or_exit(check, *args) -> MTrainingConfig:
@@ -269,7 +317,7 @@ def main() -> None:
         check_transformer_impl(command_line)
         sys.exit(_validated_or_exit(run_check, command_line, mtraining_model_config))
     if not command_line.use_checkpoint_args and command_line.yaml_cfg is None:
-        _validated_or_exit(_check_command_line, command_line)   # before Megatron's asserts, which say less
+        _validated_or_exit(_check_command_line, command_line)  # before Megatron's asserts, which say less
     if not HAVE_TE and command_line.rank == 0:
         print(LOCAL_IMPLEMENTATION_NOTE, flush=True)
     _use_prebuilt_dataset_helpers()
@@ -280,8 +328,13 @@ def main() -> None:
     args.hierarchical_context_parallel_sizes = hierarchical_cp_sizes(args, mtraining)
     config = pretrain_cfg_container_from_args(args, mtraining_model_config(args, mtraining))
     run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    run_pretrain(config, datasets_provider, ModelType.encoder_or_decoder,
-                 MTrainingForwardStep(mtraining, args.mtraining_loss_chunk_size), store=store)
+    run_pretrain(
+        config,
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        MTrainingForwardStep(mtraining, args.mtraining_loss_chunk_size),
+        store=store,
+    )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ config and ``vp_stage``; the MTraining settings come from ``mtraining=``, which 
 from __future__ import annotations
 
 from megatron.core.extensions.transformer_engine import HAVE_TE
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import MTrainingAttention
@@ -25,16 +27,23 @@ def _use_transformer_engine(config, transformer_impl: str) -> bool:
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"transformer_impl={transformer_impl!r} is unknown; use one of {TRANSFORMER_IMPLS}")
     if transformer_impl == "transformer_engine" and not HAVE_TE:
-        raise ValueError("transformer_impl='transformer_engine' but Transformer Engine does not import; install "
-                         "it (pip install 'megatron-mtraining[te]') or use transformer_impl='local'")
+        raise ValueError(
+            "transformer_impl='transformer_engine' but Transformer Engine does not import; install "
+            "it (pip install 'megatron-mtraining[te]') or use transformer_impl='local'"
+        )
     if transformer_impl == "auto":
         wanted = getattr(config, "transformer_impl", "transformer_engine") if config is not None else None
         return HAVE_TE and wanted in (None, "transformer_engine")
     return transformer_impl == "transformer_engine"
 
 
-def get_gpt_layer_mtraining_spec(config=None, vp_stage: int | None = None, *, transformer_impl: str = "auto",
-                                 mtraining: MTrainingConfig | None = None) -> ModuleSpec:
+def get_gpt_layer_mtraining_spec(
+    config=None,
+    vp_stage: int | None = None,
+    *,
+    transformer_impl: str = "auto",
+    mtraining: MTrainingConfig | None = None,
+) -> ModuleSpec:
     """A ``TransformerLayer`` spec whose self-attention core is :class:`MTrainingAttention`.
 
     ``config`` (a ``TransformerConfig`` or Megatron's ``GPTModelConfig``, optional) supplies
@@ -44,8 +53,10 @@ def get_gpt_layer_mtraining_spec(config=None, vp_stage: int | None = None, *, tr
     ``mtraining`` defaults to ``MTrainingConfig()``.
     """
     if config is not None and getattr(config, "multi_latent_attention", False):
-        raise ValueError("MTraining attention replaces the core of SelfAttention; multi-latent attention (MLA) "
-                         "is not supported, drop --multi-latent-attention")
+        raise ValueError(
+            "MTraining attention replaces the core of SelfAttention; multi-latent attention (MLA) "
+            "is not supported, drop --multi-latent-attention"
+        )
     if mtraining is not None and not isinstance(mtraining, MTrainingConfig):
         raise ValueError(f"mtraining must be an MTrainingConfig, got {type(mtraining).__name__}")
     qk_layernorm = bool(getattr(config, "qk_layernorm", False))

@@ -46,15 +46,20 @@ def gather_step_metrics(model_chunks, num_layers: int, group: dist.ProcessGroup 
     Every rank of ``group`` must call it; returns None when no rank has MTraining attention stats.
     """
     device = collective_device(group)
-    sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)        # density sum, reports
-    maxima = torch.zeros(3, num_layers, dtype=torch.float64, device=device)      # worker, step imbalance, seconds
+    sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)  # density sum, reports
+    maxima = torch.zeros(3, num_layers, dtype=torch.float64, device=device)  # worker, step imbalance, seconds
     for stats in collect_stats(model_chunks):
         layer = stats.layer_number - 1
         balance = stats.balance()
         sums[:, layer] += torch.tensor([stats.density, 1.0], dtype=torch.float64, device=device)
-        maxima[:, layer] = torch.maximum(maxima[:, layer], torch.tensor(
-            [balance.worker_imbalance, balance.step_imbalance, stats.estimation_seconds], dtype=torch.float64,
-            device=device))
+        maxima[:, layer] = torch.maximum(
+            maxima[:, layer],
+            torch.tensor(
+                [balance.worker_imbalance, balance.step_imbalance, stats.estimation_seconds],
+                dtype=torch.float64,
+                device=device,
+            ),
+        )
     dist.all_reduce(sums, group=group)
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     sums, maxima = sums.cpu(), maxima.cpu()
@@ -67,12 +72,17 @@ def gather_step_metrics(model_chunks, num_layers: int, group: dist.ProcessGroup 
 
 def log_step_metrics(metrics: StepMetrics, iteration: int) -> None:
     """One line on the last rank, and scalars to Megatron's TensorBoard and W&B writers (where configured)."""
-    print_rank_last(f" mtraining | iteration {iteration:8d} | density {metrics.mean_density:.4f} | worker imbalance "
-                    f"{metrics.worker_imbalance:.3f} | step imbalance {metrics.step_imbalance:.3f} | index time "
-                    f"{metrics.index_seconds * 1e3:.1f} ms")
-    scalars = {"mtraining/density": metrics.mean_density, "mtraining/worker-imbalance": metrics.worker_imbalance,
-               "mtraining/step-imbalance": metrics.step_imbalance,
-               "mtraining/index-time-ms": metrics.index_seconds * 1e3}
+    print_rank_last(
+        f" mtraining | iteration {iteration:8d} | density {metrics.mean_density:.4f} | worker imbalance "
+        f"{metrics.worker_imbalance:.3f} | step imbalance {metrics.step_imbalance:.3f} | index time "
+        f"{metrics.index_seconds * 1e3:.1f} ms"
+    )
+    scalars = {
+        "mtraining/density": metrics.mean_density,
+        "mtraining/worker-imbalance": metrics.worker_imbalance,
+        "mtraining/step-imbalance": metrics.step_imbalance,
+        "mtraining/index-time-ms": metrics.index_seconds * 1e3,
+    }
     scalars.update({f"mtraining/density-layer-{layer:03d}": value for layer, value in metrics.density.items()})
     writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
     if writer is not None:

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-STARTUP_TIMEOUT = 300.0      # seconds for every rank to start, import torch and join the group
-LOAD_TIMEOUT = 300.0         # seconds for every rank to unpickle a call (importing the test's modules)
+STARTUP_TIMEOUT = 300.0  # seconds for every rank to start, import torch and join the group
+LOAD_TIMEOUT = 300.0  # seconds for every rank to unpickle a call (importing the test's modules)
 _STOP, _GO = "stop", "go"
 _READY, _LOADED, _DONE, _FAILED = "ready", "loaded", "done", "failed"
 
@@ -53,8 +53,9 @@ def _worker(rank, world_size, store_path, backend, tasks, results, collective_ti
         torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, world_size)
     _wait_for_every_rank(store, rank, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=collective_timeout))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout)
+    )
     results.put((0, rank, _READY, b""))
     while True:
         task = tasks.get()
@@ -86,8 +87,19 @@ class _Pool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, os.path.join(self.folder, "store"), backend,
-                                              self.tasks[r], self.results, collective_timeout), daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(
+                    r,
+                    world_size,
+                    os.path.join(self.folder, "store"),
+                    backend,
+                    self.tasks[r],
+                    self.results,
+                    collective_timeout,
+                ),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -113,7 +125,8 @@ class _Pool:
                 if dead or waited > timeout:
                     raise TimeoutError(
                         f"{self.world_size} ranks did not {what} ({waited:.0f}s without a message, limit "
-                        f"{timeout:.0f}s); ranks done: {sorted(collected)}, ranks exited: {dead}") from None
+                        f"{timeout:.0f}s); ranks done: {sorted(collected)}, ranks exited: {dead}"
+                    ) from None
                 continue
             last_message = time.monotonic()
             if message_id != call_id:
@@ -159,8 +172,9 @@ def _close_pools() -> None:
     _pools.clear()
 
 
-def run_on_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 180.0,
-                 collective_timeout: float = 60.0):
+def run_on_ranks(
+    fn, world_size: int, *args, backend: str = "gloo", timeout: float = 180.0, collective_timeout: float = 60.0
+):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
     ``timeout``: seconds the call may go without a rank finishing; ``collective_timeout``: seconds a

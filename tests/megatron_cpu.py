@@ -29,9 +29,9 @@ def cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -
     """Megatron's zigzag RoPE selection (chunks r and 2W−1−r of 2W) without pinned memory or CUDA."""
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     chunks = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
-    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
     pos_emb = pos_emb.index_select(seq_dim, chunks)
-    return pos_emb.reshape(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+    return pos_emb.reshape(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
 def reset_parallel_state() -> None:
@@ -56,8 +56,10 @@ def megatron_on_cpu() -> Iterator[None]:
         (filesystem_async, "_results_queue", queue.Queue()),
         (tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)),
         (tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None),
-    ] + [(module, "get_pos_emb_on_this_cp_rank", cpu_pos_emb_on_this_cp_rank)
-         for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding)]
+    ] + [
+        (module, "get_pos_emb_on_this_cp_rank", cpu_pos_emb_on_this_cp_rank)
+        for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding)
+    ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
     for owner, name, value in replacements:
         setattr(owner, name, value)

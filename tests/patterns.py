@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def random_index(batch: int, heads: int, seq_len: int, n_vertical: int, n_slash: int,
-                 generator: torch.Generator, forced: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def random_index(
+    batch: int, heads: int, seq_len: int, n_vertical: int, n_slash: int, generator: torch.Generator, forced: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head random verticals/slashes; with ``forced`` the 30 sinks and offsets 0..99 (clipped to N)
     are included. Each head gets a random count up to the given widths, so sentinels appear too."""
+
     def draw(width: int, forced_values: range) -> torch.Tensor:
         rows = []
         for _ in range(batch * heads):

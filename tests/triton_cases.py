@@ -45,6 +45,7 @@ def make_index(batch: int, heads: int, seq_len: int, pattern: str, generator: to
 def make_qkv_dout(batch, seq_len, heads, kv_heads, dim, dtype, device, generator):
     def draw(h):
         return torch.randn(batch, seq_len, h, dim, generator=generator).to(device=device, dtype=dtype)
+
     return draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)
 
 
@@ -65,8 +66,19 @@ def ring_attention(backend, q, k, v, dout, v_idx, s_idx, layout: Layout, *, dete
         lse = torch.full((q.shape[0], q.shape[2], qs[r].shape[1]), float("-inf"), device=device)
         for step in range(world):
             w, idx = (r - step) % world, indices[r]
-            backend.block_bar_forward(qs[r], ks[w], vs[w], idx.blk_ptr[w], idx.blk_col, idx.bar_ptr[w],
-                                      idx.bar_col, out, lse, causal_diag=(w == r), softmax_scale=scale)
+            backend.block_bar_forward(
+                qs[r],
+                ks[w],
+                vs[w],
+                idx.blk_ptr[w],
+                idx.blk_col,
+                idx.bar_ptr[w],
+                idx.bar_col,
+                out,
+                lse,
+                causal_diag=(w == r),
+                softmax_scale=scale,
+            )
         outs.append(out)
         lses.append(lse)
     dqs = [torch.zeros(x.shape, dtype=torch.float32, device=device) for x in qs]
@@ -76,9 +88,24 @@ def ring_attention(backend, q, k, v, dout, v_idx, s_idx, layout: Layout, *, dete
         delta = (outs[r] * douts[r].float()).sum(-1).transpose(1, 2).contiguous()
         for step in range(world):
             w, idx = (r - step) % world, indices[r]
-            backend.block_bar_backward(qs[r], ks[w], vs[w], douts[r], lses[r], delta, idx.blk_ptr[w],
-                                       idx.blk_col, idx.bar_ptr[w], idx.bar_col, dqs[r], dks[w], dvs[w],
-                                       causal_diag=(w == r), softmax_scale=scale, deterministic=deterministic)
+            backend.block_bar_backward(
+                qs[r],
+                ks[w],
+                vs[w],
+                douts[r],
+                lses[r],
+                delta,
+                idx.blk_ptr[w],
+                idx.blk_col,
+                idx.bar_ptr[w],
+                idx.bar_col,
+                dqs[r],
+                dks[w],
+                dvs[w],
+                causal_diag=(w == r),
+                softmax_scale=scale,
+                deterministic=deterministic,
+            )
     lse = layout.unshard([x.transpose(1, 2) for x in lses]).transpose(1, 2)
     return (layout.unshard(outs), lse, layout.unshard(dqs), layout.unshard(dks), layout.unshard(dvs))
 
@@ -94,27 +121,37 @@ def reference_attention(q, k, v, dout, v_idx, s_idx, compute_dtype: torch.dtype)
     dv = torch.zeros_like(dk)
     for h in range(heads):
         kv = h // group
-        mask = vertical_slash_mask(v_idx[:, h:h + 1].to(q.device), s_idx[:, h:h + 1].to(q.device), seq_len)
-        leaves = [x.detach().to(compute_dtype).requires_grad_()
-                  for x in (q[:, :, h:h + 1], k[:, :, kv:kv + 1], v[:, :, kv:kv + 1])]
+        mask = vertical_slash_mask(v_idx[:, h : h + 1].to(q.device), s_idx[:, h : h + 1].to(q.device), seq_len)
+        leaves = [
+            x.detach().to(compute_dtype).requires_grad_()
+            for x in (q[:, :, h : h + 1], k[:, :, kv : kv + 1], v[:, :, kv : kv + 1])
+        ]
         head_out, head_lse = reference_sparse_attention(*leaves, mask, compute_dtype=compute_dtype)
-        grads = torch.autograd.grad(head_out, leaves, dout[:, :, h:h + 1].to(compute_dtype))
-        out[:, :, h:h + 1] = head_out.detach()
-        lse[:, h:h + 1] = head_lse.detach()
-        dq[:, :, h:h + 1] = grads[0]
-        dk[:, :, kv:kv + 1] += grads[1]
-        dv[:, :, kv:kv + 1] += grads[2]
+        grads = torch.autograd.grad(head_out, leaves, dout[:, :, h : h + 1].to(compute_dtype))
+        out[:, :, h : h + 1] = head_out.detach()
+        lse[:, h : h + 1] = head_lse.detach()
+        dq[:, :, h : h + 1] = grads[0]
+        dk[:, :, kv : kv + 1] += grads[1]
+        dv[:, :, kv : kv + 1] += grads[2]
         del mask, head_out, head_lse, grads, leaves
     return out, lse, dq, dk, dv
 
 
-def assert_close_fa(name: str, ours: torch.Tensor, ref: torch.Tensor, lowprec: torch.Tensor,
-                    input_dtype: torch.dtype, context: str, rmse_bound: float = 5e-3) -> None:
+def assert_close_fa(
+    name: str,
+    ours: torch.Tensor,
+    ref: torch.Tensor,
+    lowprec: torch.Tensor,
+    input_dtype: torch.dtype,
+    context: str,
+    rmse_bound: float = 5e-3,
+) -> None:
     """DESIGN.md §6 FA rule plus relative RMSE < ``rmse_bound`` (§6: 5e-3); NaN never passes."""
     ours, ref, lowprec = ours.double(), ref.double(), lowprec.double()
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(ours), finite), (
-        f"{name}: non-finite entries differ from the reference ({context})")
+        f"{name}: non-finite entries differ from the reference ({context})"
+    )
     ours, ref, lowprec = ours[finite], ref[finite], lowprec[finite]
     if ref.numel() == 0:
         return
@@ -122,13 +159,15 @@ def assert_close_fa(name: str, ours: torch.Tensor, ref: torch.Tensor, lowprec: t
     baseline = (lowprec - ref).abs().max().item()
     epsilon = torch.finfo(input_dtype).eps * ref.abs().max().item()
     assert error <= 2 * baseline + epsilon, (
-        f"{name}: max error {error:.3e} > 2 x low-precision error {baseline:.3e} + eps {epsilon:.3e} ({context})")
+        f"{name}: max error {error:.3e} > 2 x low-precision error {baseline:.3e} + eps {epsilon:.3e} ({context})"
+    )
     rmse = ((ours - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert rmse < rmse_bound, f"{name}: relative RMSE {rmse:.3e} >= {rmse_bound:g} ({context})"
 
 
-def poisoned_attention(seed: int, poison: str, backend_name: str, dtype: torch.dtype, shape: tuple[int, int, int, int],
-                       device: str = "cpu"):
+def poisoned_attention(
+    seed: int, poison: str, backend_name: str, dtype: torch.dtype, shape: tuple[int, int, int, int], device: str = "cpu"
+):
     """(out, [dq, dk, dv], fp64 reference out, context) of ``sparse_attention`` on a ``mixed`` pattern with
     one ``poison`` ("q nan", "k nan", "k inf" or "v nan") at a random position; ``shape`` = (N, Hq, Hkv, d).
     Results and the reference come back on the CPU."""
@@ -145,7 +184,8 @@ def poisoned_attention(seed: int, poison: str, backend_name: str, dtype: torch.d
     index = convert_index(v_idx.to(device), s_idx.to(device), Layout("contiguous", 1), 0, seq_len)
     out = sparse_attention(*leaves, index, backend=backend_name)
     out.float().square().sum().backward()
-    ref_out, _ = reference_sparse_attention(*(t.double() for t in (q, k, v)),
-                                            vertical_slash_mask(v_idx, s_idx, seq_len))
+    ref_out, _ = reference_sparse_attention(
+        *(t.double() for t in (q, k, v)), vertical_slash_mask(v_idx, s_idx, seq_len)
+    )
     context = f"seed={seed} {backend_name} {dtype} {poison} at position {position} on {device}"
     return out.detach().cpu(), [leaf.grad.cpu() for leaf in leaves], ref_out, context

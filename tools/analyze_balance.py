@@ -32,13 +32,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def format_table(reports: dict[str, BalanceReport]) -> str:
     lines = [f"{'layout':<12}{'worker max/mean':>17}{'step max/mean':>15}{'critical path/ideal':>21}"]
     for kind, report in reports.items():
-        lines.append(f"{kind:<12}{report.worker_imbalance:>17.4f}{report.step_imbalance:>15.4f}"
-                     f"{report.critical_path_ratio:>21.4f}")
+        lines.append(
+            f"{kind:<12}{report.worker_imbalance:>17.4f}{report.step_imbalance:>15.4f}"
+            f"{report.critical_path_ratio:>21.4f}"
+        )
     return "\n".join(lines)
 
 
 def plot_heatmaps(reports: dict[str, BalanceReport], title: str, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -46,8 +49,7 @@ def plot_heatmaps(reports: dict[str, BalanceReport], title: str, path: str) -> N
     top = max(float(report.cost.max()) for report in reports.values())
     for axis, (kind, report) in zip(axes, reports.items()):
         image = axis.imshow(report.cost.numpy(), cmap="viridis", vmin=0, vmax=top, aspect="auto")
-        axis.set_title(f"{kind}\nworker {report.worker_imbalance:.3f}, "
-                       f"critical path {report.critical_path_ratio:.3f}")
+        axis.set_title(f"{kind}\nworker {report.worker_imbalance:.3f}, critical path {report.critical_path_ratio:.3f}")
         axis.set_xlabel("ring step t")
         axis.set_ylabel("query rank r")
     fig.colorbar(image, ax=axes, label="cost (blocks + bars/128)")
@@ -58,14 +60,20 @@ def plot_heatmaps(reports: dict[str, BalanceReport], title: str, path: str) -> N
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    v_idx, s_idx = realistic_pattern(args.seq_len, args.heads, far_slashes=args.far_slashes,
-                                     far_verticals=args.far_verticals, seed=args.seed)
+    v_idx, s_idx = realistic_pattern(
+        args.seq_len, args.heads, far_slashes=args.far_slashes, far_verticals=args.far_verticals, seed=args.seed
+    )
     names = {"striped": f"striped g={args.granularity}"}
-    reports = {names.get(kind, kind): balance_report(v_idx, s_idx, Layout(kind, args.world_size, args.granularity),
-                                                     args.seq_len)
-               for kind in LAYOUT_KINDS}
-    title = (f"N={args.seq_len}, W={args.world_size}, heads={args.heads}, seed={args.seed}, "
-             f"{args.far_slashes} far slashes, {args.far_verticals} far verticals")
+    reports = {
+        names.get(kind, kind): balance_report(
+            v_idx, s_idx, Layout(kind, args.world_size, args.granularity), args.seq_len
+        )
+        for kind in LAYOUT_KINDS
+    }
+    title = (
+        f"N={args.seq_len}, W={args.world_size}, heads={args.heads}, seed={args.seed}, "
+        f"{args.far_slashes} far slashes, {args.far_verticals} far verticals"
+    )
     print(title)
     print(format_table(reports))
     if args.out:

@@ -62,18 +62,27 @@ from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.layout import BLOCK_SIZE
 from mtraining_kernels.vertical_slash import full_index, mask_area
 
-from flex_peer import (block_only_block_mask, block_only_pattern, flex_forward, flex_fwd_bwd, heads_first,
-                       vertical_slash_block_mask)
+from flex_peer import (
+    block_only_block_mask,
+    block_only_pattern,
+    flex_forward,
+    flex_fwd_bwd,
+    heads_first,
+    vertical_slash_block_mask,
+)
 from structured_qk import structured_qk
 
-SHAPES = {"qwen2.5-3b": (16, 2, 128), "mha": (16, 16, 128)}   # (Hq, Hkv, d)
+SHAPES = {"qwen2.5-3b": (16, 2, 128), "mha": (16, 16, 128)}  # (Hq, Hkv, d)
 SINKS, WINDOW = 30, 100
 # DESIGN.md §6 bounds the relative RMSE of each bf16 result against the fp32 reference by 5e-3, so two such
 # results (Flex and ours) differ by at most twice that
 FLEX_REL_RMSE = 1e-2
 # the row whose speed-up over Flex an implementation reports: Flex on the same pattern
-FLEX_PEER = {"mtraining": "flex_attention", "mtraining_deterministic": "flex_attention",
-             "mtraining_blocks": "flex_attention_blocks"}
+FLEX_PEER = {
+    "mtraining": "flex_attention",
+    "mtraining_deterministic": "flex_attention",
+    "mtraining_blocks": "flex_attention_blocks",
+}
 
 
 # ---------------------------------------------------------------------------------------- patterns
@@ -83,8 +92,9 @@ def budget_pattern(batch: int, heads: int, seq_len: int, sparsity: float, device
     sparsity ≥ ``sparsity``."""
     rows = batch * heads
     n_vertical = min(4096, seq_len // BLOCK_SIZE)
-    vertical_pool = torch.stack([torch.randperm(seq_len - SINKS, generator=generator)[:n_vertical] + SINKS
-                                 for _ in range(rows)])
+    vertical_pool = torch.stack(
+        [torch.randperm(seq_len - SINKS, generator=generator)[:n_vertical] + SINKS for _ in range(rows)]
+    )
     v_idx = torch.cat([torch.arange(SINKS).expand(rows, SINKS), vertical_pool], 1).sort(1).values
     slash_order = torch.stack([torch.randperm(seq_len - WINDOW, generator=generator) + WINDOW for _ in range(rows)])
     v_idx = v_idx.to(device=device, dtype=torch.int32).view(batch, heads, -1)
@@ -100,7 +110,7 @@ def budget_pattern(batch: int, heads: int, seq_len: int, sparsity: float, device
         return float(mask_area(v_idx, slashes(count), seq_len).double().mean()) / total
 
     low, high = 0, seq_len - WINDOW
-    while low < high:                                   # largest count with density ≤ 1 − sparsity
+    while low < high:  # largest count with density ≤ 1 − sparsity
         mid = (low + high + 1) // 2
         if density(mid) <= 1.0 - sparsity:
             low = mid
@@ -153,8 +163,12 @@ def grads_of(inputs, dout):
 
 
 def time_sparse(q, k, v, dout, index: BlockBarIndex, deterministic: bool, warmup: int, reps: int):
-    return measure(lambda: sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic),
-                   grads_of((q, k, v), dout), warmup, reps)
+    return measure(
+        lambda: sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic),
+        grads_of((q, k, v), dout),
+        warmup,
+        reps,
+    )
 
 
 def time_sdpa(backend: SDPBackend, q, k, v, dout, warmup: int, reps: int):
@@ -168,6 +182,7 @@ def time_sdpa(backend: SDPBackend, q, k, v, dout, warmup: int, reps: int):
     def forward():
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+
     return measure(forward, grads_of((qh, kh, vh), douth), warmup, reps)
 
 
@@ -175,8 +190,7 @@ def time_flex(q, k, v, dout, block_mask, scale: float, warmup: int, reps: int):
     """q ``[b, N, Hq, d]``; Flex gets heads-first ``[b, H, N, d]`` copies (made outside the timing)."""
     qh, kh, vh = (heads_first(x).requires_grad_() for x in (q, k, v))
     douth = heads_first(dout)
-    return measure(lambda: flex_forward(qh, kh, vh, block_mask, scale), grads_of((qh, kh, vh), douth),
-                   warmup, reps)
+    return measure(lambda: flex_forward(qh, kh, vh, block_mask, scale), grads_of((qh, kh, vh), douth), warmup, reps)
 
 
 def flex_check(q, k, v, dout, index: BlockBarIndex, block_mask, scale: float, title: str) -> dict:
@@ -188,16 +202,18 @@ def flex_check(q, k, v, dout, index: BlockBarIndex, block_mask, scale: float, ti
     errors = {}
     for name, flex, mine in zip(("out", "dq", "dk", "dv"), theirs, ours):
         diff = flex.float() - mine.float()
-        errors[name] = {"max_abs_err": float(diff.abs().max()),
-                        "rel_rmse": float(diff.norm() / mine.float().norm())}
+        errors[name] = {"max_abs_err": float(diff.abs().max()), "rel_rmse": float(diff.norm() / mine.float().norm())}
         if not errors[name]["rel_rmse"] <= FLEX_REL_RMSE:
-            raise SystemExit(f"Flex cross-check failed, {title}: {name} relative RMSE {errors[name]['rel_rmse']:.3e} "
-                             f"> {FLEX_REL_RMSE} (max |flex - ours| {errors[name]['max_abs_err']:.3e})")
+            raise SystemExit(
+                f"Flex cross-check failed, {title}: {name} relative RMSE {errors[name]['rel_rmse']:.3e} "
+                f"> {FLEX_REL_RMSE} (max |flex - ours| {errors[name]['max_abs_err']:.3e})"
+            )
     return errors
 
 
-def run_flex(q, k, v, dout, index: BlockBarIndex, build_mask: Callable, scale: float, warmup: int, reps: int,
-             title: str) -> dict:
+def run_flex(
+    q, k, v, dout, index: BlockBarIndex, build_mask: Callable, scale: float, warmup: int, reps: int, title: str
+) -> dict:
     """Flex on ``build_mask()``'s BlockMask, cross-checked against ours on ``index`` (:func:`flex_check`), then
     timed: fwd_ms, bwd_ms, mask_ms (the BlockMask construction, median of 3) and flex_check."""
     block_mask = build_mask()
@@ -210,8 +226,12 @@ def run_flex(q, k, v, dout, index: BlockBarIndex, build_mask: Callable, scale: f
 
 def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, title: str) -> None:
     """Print the CUDA time per kernel of one forward + backward (after a warm-up run)."""
-    run = lambda: grads_of((q, k, v), dout)(sparse_attention(q, k, v, index, backend="triton",  # noqa: E731
-                                                             deterministic=deterministic))
+
+    def run():
+        return grads_of((q, k, v), dout)(
+            sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic)
+        )
+
     run()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -224,8 +244,9 @@ def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, ti
 # ---------------------------------------------------------------------------------------- main
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -243,16 +264,23 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--shape-max-len", nargs="*", default=["mha=131072"],
-                        help="per-shape largest N, e.g. mha=131072")
+    parser.add_argument(
+        "--shape-max-len", nargs="*", default=["mha=131072"], help="per-shape largest N, e.g. mha=131072"
+    )
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.9, 0.95])
-    parser.add_argument("--top-p", type=float, nargs="*", default=[0.9],
-                        help="top-P budgets estimated on structured q/k (none: only the fixed budgets)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        nargs="*",
+        default=[0.9],
+        help="top-P budgets estimated on structured q/k (none: only the fixed budgets)",
+    )
     parser.add_argument("--dense-max-len", type=int, default=131072, help="largest N for mtraining_dense")
     parser.add_argument("--flash-max-len", type=int, default=131072, help="largest N for sdpa_flash")
     parser.add_argument("--cudnn-max-len", type=int, default=524288, help="largest N for sdpa_cudnn")
-    parser.add_argument("--flex-max-len", type=int, default=524288,
-                        help="largest N for the FlexAttention rows and their cross-check")
+    parser.add_argument(
+        "--flex-max-len", type=int, default=524288, help="largest N for the FlexAttention rows and their cross-check"
+    )
     parser.add_argument("--no-flex", action="store_true", help="no FlexAttention rows (nor cross-check)")
     parser.add_argument("--deterministic", action="store_true", help="also time deterministic=True")
     parser.add_argument("--batch", type=int, default=1)
@@ -264,11 +292,16 @@ def main(argv=None) -> None:
     parser.add_argument("--jsonl", default="docs/benchmarks/attention.jsonl")
     parser.add_argument("--table", default="docs/benchmarks/attention.md")
     parser.add_argument("--plot", default="docs/benchmarks/attention_speedup.png")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print per-kernel CUDA times (torch.profiler) of one sparse fwd+bwd per N, "
-                             "default and deterministic")
-    parser.add_argument("--report-only", action="store_true",
-                        help="measure nothing: rebuild --table and --plot from the latest run in --jsonl")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print per-kernel CUDA times (torch.profiler) of one sparse fwd+bwd per N, default and deterministic",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="measure nothing: rebuild --table and --plot from the latest run in --jsonl",
+    )
     args = parser.parse_args(argv)
     if args.report_only:
         with open(args.jsonl) as f:
@@ -280,12 +313,17 @@ def main(argv=None) -> None:
         raise SystemExit("bench_attention.py needs a CUDA device")
     budgets = []
     if args.top_p:
-        budgets = [TopPBudget(p) for p in args.top_p]                  # validates every p before any work
+        budgets = [TopPBudget(p) for p in args.top_p]  # validates every p before any work
 
     device = torch.device("cuda")
-    base = {"gpu": torch.cuda.get_device_name(), "commit": args.commit or git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "dtype": "bf16", "batch": args.batch}
+    base = {
+        "gpu": torch.cuda.get_device_name(),
+        "commit": args.commit or git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "dtype": "bf16",
+        "batch": args.batch,
+    }
     shape_limit = dict(item.split("=") for item in args.shape_max_len)
     os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
     rows = []
@@ -297,17 +335,29 @@ def main(argv=None) -> None:
         actual_fwd = dense_fwd * row["density"] * (n + 1) / n
         total_ms = row["fwd_ms"] + row["bwd_ms"]
         for key, flops in (("dense_equiv_tflops", dense_fwd), ("actual_tflops", actual_fwd)):
-            row[key] = {"fwd": flops / row["fwd_ms"] / 1e9, "bwd": 2.5 * flops / row["bwd_ms"] / 1e9,
-                        "fwd_bwd": 3.5 * flops / total_ms / 1e9}
-        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+            row[key] = {
+                "fwd": flops / row["fwd_ms"] / 1e9,
+                "bwd": 2.5 * flops / row["bwd_ms"] / 1e9,
+                "fwd_bwd": 3.5 * flops / total_ms / 1e9,
+            }
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         rows.append(row)
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
-        check = (f" mask={row['mask_ms']:.2f} ms, vs ours max rel RMSE "
-                 f"{max(e['rel_rmse'] for e in row['flex_check'].values()):.1e}") if "flex_check" in row else ""
-        print(f"{row['shape']:10s} N={n:7d} {row['impl']:24s} density={row['density']:.4f} "
-              f"fwd={row['fwd_ms']:9.2f} bwd={row['bwd_ms']:9.2f} index={row['index_ms']:7.2f} ms "
-              f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{check}", flush=True)
+        check = (
+            (
+                f" mask={row['mask_ms']:.2f} ms, vs ours max rel RMSE "
+                f"{max(e['rel_rmse'] for e in row['flex_check'].values()):.1e}"
+            )
+            if "flex_check" in row
+            else ""
+        )
+        print(
+            f"{row['shape']:10s} N={n:7d} {row['impl']:24s} density={row['density']:.4f} "
+            f"fwd={row['fwd_ms']:9.2f} bwd={row['bwd_ms']:9.2f} index={row['index_ms']:7.2f} ms "
+            f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{check}",
+            flush=True,
+        )
 
     for shape in args.shapes:
         heads, kv_heads, dim = SHAPES[shape]
@@ -316,56 +366,108 @@ def main(argv=None) -> None:
                 continue
             torch.cuda.empty_cache()
             gen = torch.Generator().manual_seed(args.seed)
-            q, k, v, dout = (torch.randn(args.batch, seq_len, h, dim, generator=gen).to(device, torch.bfloat16)
-                             for h in (heads, kv_heads, kv_heads, heads))
+            q, k, v, dout = (
+                torch.randn(args.batch, seq_len, h, dim, generator=gen).to(device, torch.bfloat16)
+                for h in (heads, kv_heads, kv_heads, heads)
+            )
             q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
             common = dict(shape=shape, seq_len=seq_len, heads_q=heads, heads_kv=kv_heads, head_dim=dim)
             dense_reps = args.reps if seq_len <= 131072 else args.dense_reps
             flex_here = not args.no_flex and seq_len <= args.flex_max_len
-            scale = dim ** -0.5
-            block_gen = torch.Generator().manual_seed(args.seed)   # the fixed-budget patterns do not depend on it
+            scale = dim**-0.5
+            block_gen = torch.Generator().manual_seed(args.seed)  # the fixed-budget patterns do not depend on it
 
             for sparsity in args.sparsities:
                 v_idx, s_idx, n_slash = budget_pattern(args.batch, heads, seq_len, sparsity, device, gen)
                 density = mask_density(v_idx, s_idx, seq_len)
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
                 convert_ms, estimate_ms = index_time_ms(q.detach(), k.detach(), v_idx, s_idx, seq_len, 3)
-                pattern = dict(target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW,
-                               verticals=int(v_idx.shape[-1]))
-                extra = dict(**pattern, convert_ms=convert_ms, estimate_ms=estimate_ms,
-                             index_ms=convert_ms + estimate_ms)
+                pattern = dict(
+                    target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW, verticals=int(v_idx.shape[-1])
+                )
+                extra = dict(
+                    **pattern, convert_ms=convert_ms, estimate_ms=estimate_ms, index_ms=convert_ms + estimate_ms
+                )
                 modes = [False, True] if args.deterministic else [False]
                 if args.profile and sparsity == args.sparsities[-1]:
                     for deterministic in modes:
-                        profile_kernels(q, k, v, dout, index, deterministic, f"{shape} N={seq_len} "
-                                        f"sparsity {sparsity} deterministic={deterministic}")
+                        profile_kernels(
+                            q,
+                            k,
+                            v,
+                            dout,
+                            index,
+                            deterministic,
+                            f"{shape} N={seq_len} sparsity {sparsity} deterministic={deterministic}",
+                        )
                 for deterministic in modes:
                     torch.cuda.reset_peak_memory_stats()
                     fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, deterministic, args.warmup, args.reps)
-                    record(impl="mtraining_deterministic" if deterministic else "mtraining",
-                           fwd_ms=fwd_ms, bwd_ms=bwd_ms, **common, **extra)
+                    record(
+                        impl="mtraining_deterministic" if deterministic else "mtraining",
+                        fwd_ms=fwd_ms,
+                        bwd_ms=bwd_ms,
+                        **common,
+                        **extra,
+                    )
                 if flex_here:
-                    flex = run_flex(q, k, v, dout, index,
-                                    functools.partial(vertical_slash_block_mask, v_idx, s_idx, seq_len), scale,
-                                    args.warmup, args.reps, f"{shape} N={seq_len} sparsity {sparsity}")
-                    record(impl="flex_attention", **flex, estimate_ms=estimate_ms,
-                           index_ms=flex["mask_ms"] + estimate_ms, **common, **pattern)
+                    flex = run_flex(
+                        q,
+                        k,
+                        v,
+                        dout,
+                        index,
+                        functools.partial(vertical_slash_block_mask, v_idx, s_idx, seq_len),
+                        scale,
+                        args.warmup,
+                        args.reps,
+                        f"{shape} N={seq_len} sparsity {sparsity}",
+                    )
+                    record(
+                        impl="flex_attention",
+                        **flex,
+                        estimate_ms=estimate_ms,
+                        index_ms=flex["mask_ms"] + estimate_ms,
+                        **common,
+                        **pattern,
+                    )
                 del index
 
                 block_v_idx, block_s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, block_gen)
                 index = convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len)
-                convert_ms = median_ms(lambda: convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0,
-                                                             seq_len), 3)
-                pattern = dict(target_sparsity=sparsity, density=mask_density(block_v_idx, block_s_idx, seq_len),
-                               slashes=int((block_s_idx < seq_len).sum(-1).max()), verticals=0)
+                convert_ms = median_ms(
+                    lambda: convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len), 3
+                )
+                pattern = dict(
+                    target_sparsity=sparsity,
+                    density=mask_density(block_v_idx, block_s_idx, seq_len),
+                    slashes=int((block_s_idx < seq_len).sum(-1).max()),
+                    verticals=0,
+                )
                 torch.cuda.reset_peak_memory_stats()
                 fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, args.reps)
-                record(impl="mtraining_blocks", fwd_ms=fwd_ms, bwd_ms=bwd_ms, convert_ms=convert_ms,
-                       index_ms=convert_ms, **common, **pattern)
+                record(
+                    impl="mtraining_blocks",
+                    fwd_ms=fwd_ms,
+                    bwd_ms=bwd_ms,
+                    convert_ms=convert_ms,
+                    index_ms=convert_ms,
+                    **common,
+                    **pattern,
+                )
                 if flex_here:
-                    flex = run_flex(q, k, v, dout, index,
-                                    functools.partial(block_only_block_mask, block_s_idx, seq_len), scale,
-                                    args.warmup, args.reps, f"{shape} N={seq_len} block-only, sparsity {sparsity}")
+                    flex = run_flex(
+                        q,
+                        k,
+                        v,
+                        dout,
+                        index,
+                        functools.partial(block_only_block_mask, block_s_idx, seq_len),
+                        scale,
+                        args.warmup,
+                        args.reps,
+                        f"{shape} N={seq_len} block-only, sparsity {sparsity}",
+                    )
                     record(impl="flex_attention_blocks", **flex, index_ms=flex["mask_ms"], **common, **pattern)
                 del index
 
@@ -377,32 +479,50 @@ def main(argv=None) -> None:
                 record(impl="mtraining_dense", fwd_ms=fwd_ms, bwd_ms=bwd_ms, density=1.0, index_ms=0.0, **common)
                 del index
 
-            for impl, backend, limit in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION, args.cudnn_max_len),
-                                         ("sdpa_flash", SDPBackend.FLASH_ATTENTION, args.flash_max_len)):
+            for impl, backend, limit in (
+                ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION, args.cudnn_max_len),
+                ("sdpa_flash", SDPBackend.FLASH_ATTENTION, args.flash_max_len),
+            ):
                 if seq_len > limit:
                     continue
                 torch.cuda.reset_peak_memory_stats()
                 try:
-                    fwd_ms, bwd_ms = time_sdpa(backend, q.detach(), k.detach(), v.detach(), dout, args.warmup,
-                                               dense_reps)
+                    fwd_ms, bwd_ms = time_sdpa(
+                        backend, q.detach(), k.detach(), v.detach(), dout, args.warmup, dense_reps
+                    )
                 except RuntimeError as err:
                     print(f"# {impl} at N={seq_len} failed: {str(err).splitlines()[0]}", file=sys.stderr)
                     continue
                 record(impl=impl, fwd_ms=fwd_ms, bwd_ms=bwd_ms, density=1.0, index_ms=0.0, **common)
 
             if budgets:  # own generator: the structured q/k must not depend on which fixed budgets ran
-                q, k = (t.to(torch.bfloat16).requires_grad_() for t in structured_qk(
-                    args.batch, seq_len, heads, kv_heads, dim, generator=torch.Generator().manual_seed(args.seed),
-                    device=device))
+                q, k = (
+                    t.to(torch.bfloat16).requires_grad_()
+                    for t in structured_qk(
+                        args.batch,
+                        seq_len,
+                        heads,
+                        kv_heads,
+                        dim,
+                        generator=torch.Generator().manual_seed(args.seed),
+                        device=device,
+                    )
+                )
             for budget in budgets:
                 v_idx, s_idx = estimate_vertical_slash(q.detach(), k.detach(), budget)[:2]
                 estimate_ms = median_ms(functools.partial(estimate_vertical_slash, q.detach(), k.detach(), budget), 3)
                 convert_ms = median_ms(lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len), 3)
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
-                extra = dict(top_p=budget.p, inputs="structured", density=mask_density(v_idx, s_idx, seq_len),
-                             slashes=int((s_idx < seq_len).sum(-1).max()),
-                             verticals=int((v_idx < seq_len).sum(-1).max()), convert_ms=convert_ms,
-                             estimate_ms=estimate_ms, index_ms=convert_ms + estimate_ms)
+                extra = dict(
+                    top_p=budget.p,
+                    inputs="structured",
+                    density=mask_density(v_idx, s_idx, seq_len),
+                    slashes=int((s_idx < seq_len).sum(-1).max()),
+                    verticals=int((v_idx < seq_len).sum(-1).max()),
+                    convert_ms=convert_ms,
+                    estimate_ms=estimate_ms,
+                    index_ms=convert_ms + estimate_ms,
+                )
                 torch.cuda.reset_peak_memory_stats()
                 fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, args.reps)
                 record(impl="mtraining", fwd_ms=fwd_ms, bwd_ms=bwd_ms, **common, **extra)
@@ -420,8 +540,11 @@ def latest_run(rows: list[dict]) -> list[dict]:
 
 
 def speedup(base: dict, row: dict) -> dict:
-    return {"fwd": base["fwd_ms"] / row["fwd_ms"], "bwd": base["bwd_ms"] / row["bwd_ms"],
-            "fwd_bwd": (base["fwd_ms"] + base["bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"])}
+    return {
+        "fwd": base["fwd_ms"] / row["fwd_ms"],
+        "bwd": base["bwd_ms"] / row["bwd_ms"],
+        "fwd_bwd": (base["fwd_ms"] + base["bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"]),
+    }
 
 
 def with_speedups(row: dict, rows: list[dict]) -> dict:
@@ -438,20 +561,29 @@ def with_speedups(row: dict, rows: list[dict]) -> dict:
         if base:
             enriched[f"vs_{name}"] = speedup(base, row)
     peer = FLEX_PEER.get(row["impl"]) if "target_sparsity" in row else None
-    base = next((r for r in rows if r["impl"] == peer and same_run(r)
-                 and r.get("target_sparsity") == row["target_sparsity"]), None)
+    base = next(
+        (r for r in rows if r["impl"] == peer and same_run(r) and r.get("target_sparsity") == row["target_sparsity"]),
+        None,
+    )
     if base:
         enriched["vs_flex"] = speedup(base, row)
     return enriched
 
 
 def write_table(rows: list[dict], path: str) -> None:
-    lines = [f"GPU {rows[0]['gpu']}, torch {rows[0]['torch']}, commit {rows[0]['commit']}, {rows[0]['date']}; "
-             "causal bf16, batch 1; ms are medians of CUDA-event timings; × Flex: over FlexAttention on the same "
-             "pattern, whose index ms is its BlockMask construction (plus the estimation).", "",
-             "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | index ms | dense-eq TFLOP/s (fwd/bwd/all) "
-             "| actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × Flex (fwd/bwd/all) | × flash (all) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if rows else []
+    lines = (
+        [
+            f"GPU {rows[0]['gpu']}, torch {rows[0]['torch']}, commit {rows[0]['commit']}, {rows[0]['date']}; "
+            "causal bf16, batch 1; ms are medians of CUDA-event timings; × Flex: over FlexAttention on the same "
+            "pattern, whose index ms is its BlockMask construction (plus the estimation).",
+            "",
+            "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | index ms | dense-eq TFLOP/s (fwd/bwd/all) "
+            "| actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × Flex (fwd/bwd/all) | × flash (all) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        if rows
+        else []
+    )
 
     def ratios(s: dict | None) -> str:
         return f"{s['fwd']:.2f}/{s['bwd']:.2f}/{s['fwd_bwd']:.2f}" if s else "–"
@@ -461,10 +593,21 @@ def write_table(rows: list[dict], path: str) -> None:
         de, ac = r["dense_equiv_tflops"], r["actual_tflops"]
         fl = r.get("vs_sdpa_flash")
         impl = r["impl"] + (f" (top-P {r['top_p']})" if "top_p" in r else "")
-        cells = [r["shape"], r["seq_len"], impl, f"{r['density']:.4f}", f"{r['fwd_ms']:.2f}",
-                 f"{r['bwd_ms']:.2f}", f"{r['fwd_ms'] + r['bwd_ms']:.2f}", f"{r['index_ms']:.2f}",
-                 f"{de['fwd']:.0f}/{de['bwd']:.0f}/{de['fwd_bwd']:.0f}", f"{ac['fwd_bwd']:.0f}",
-                 ratios(r.get("vs_sdpa_cudnn")), ratios(r.get("vs_flex")), f"{fl['fwd_bwd']:.2f}" if fl else "–"]
+        cells = [
+            r["shape"],
+            r["seq_len"],
+            impl,
+            f"{r['density']:.4f}",
+            f"{r['fwd_ms']:.2f}",
+            f"{r['bwd_ms']:.2f}",
+            f"{r['fwd_ms'] + r['bwd_ms']:.2f}",
+            f"{r['index_ms']:.2f}",
+            f"{de['fwd']:.0f}/{de['bwd']:.0f}/{de['fwd_bwd']:.0f}",
+            f"{ac['fwd_bwd']:.0f}",
+            ratios(r.get("vs_sdpa_cudnn")),
+            ratios(r.get("vs_flex")),
+            f"{fl['fwd_bwd']:.2f}" if fl else "–",
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     text = "\n".join(lines) + "\n"
     with open(path, "w") as f:
@@ -473,8 +616,12 @@ def write_table(rows: list[dict], path: str) -> None:
 
 
 # how the plot names each implementation, before its pattern
-IMPL_LABEL = {"mtraining_deterministic": "deterministic", "mtraining_blocks": "block-only",
-              "flex_attention": "Flex", "flex_attention_blocks": "Flex block-only"}
+IMPL_LABEL = {
+    "mtraining_deterministic": "deterministic",
+    "mtraining_blocks": "block-only",
+    "flex_attention": "Flex",
+    "flex_attention_blocks": "Flex block-only",
+}
 
 
 def pattern_label(row: dict) -> str:
@@ -486,6 +633,7 @@ def pattern_label(row: dict) -> str:
 def write_plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
     except ImportError:
         print("# matplotlib missing: no plot (run --report-only on the JSONL elsewhere)", file=sys.stderr)
@@ -499,22 +647,29 @@ def speedup_figure(rows: list[dict]):
     implementation and pattern (deterministic runs dashed in the colour of the default ones), Flex dotted."""
     import matplotlib.pyplot as plt
 
-    series: dict[str, dict[str, list[tuple[int, float]]]] = {}          # shape -> label -> (N, speed-up)
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}  # shape -> label -> (N, speed-up)
     for r in (with_speedups(row, rows) for row in rows if not row["impl"].startswith("sdpa")):
         if "vs_sdpa_cudnn" not in r:
             continue
         label = (IMPL_LABEL.get(r["impl"], "") + pattern_label(r)).strip() or "dense mode"
         series.setdefault(r["shape"], {}).setdefault(label, []).append((r["seq_len"], r["vs_sdpa_cudnn"]["fwd_bwd"]))
     labels = sorted({label for by_label in series.values() for label in by_label})
-    colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in
-              enumerate(sorted({label.removeprefix("deterministic ") for label in labels}))}
+    colors = {
+        label: plt.get_cmap("tab10")(i % 10)
+        for i, label in enumerate(sorted({label.removeprefix("deterministic ") for label in labels}))
+    }
     fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4.5), sharey=True, squeeze=False)
     for ax, (shape, by_label) in zip(axes[0], sorted(series.items())):
         for label, points in sorted(by_label.items()):
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
-                    color=colors[label.removeprefix("deterministic ")],
-                    linestyle="--" if label.startswith("deterministic") else ":" if label.startswith("Flex") else "-")
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                label=label,
+                color=colors[label.removeprefix("deterministic ")],
+                linestyle="--" if label.startswith("deterministic") else ":" if label.startswith("Flex") else "-",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length N")
         ax.axhline(1.0, color="grey", linewidth=0.8)

@@ -66,24 +66,33 @@ REPO = Path(__file__).resolve().parents[1]
 PROBE = "tools/train_probe.py"
 DEFAULT_JSONL = REPO / "docs" / "benchmarks" / "e2e.jsonl"
 DEFAULT_PLOT = REPO / "docs" / "benchmarks" / "e2e_speedup.png"
-H200_BF16_PEAK_TFLOPS = 989.0            # NVIDIA H200 SXM, dense bf16 (no sparsity)
+H200_BF16_PEAK_TFLOPS = 989.0  # NVIDIA H200 SXM, dense bf16 (no sparsity)
 QWEN25_VOCAB = 151936
 TOP_P = 0.9
 STATIC_SPARSITY = 0.95
 LOSS_CHUNK_SIZE = 8192
-ROTARY_BASE = 10_000_000                  # 10 x Qwen2.5's 1e6 for 128K-512K contexts (ABF-style, DESIGN.md §4)
+ROTARY_BASE = 10_000_000  # 10 x Qwen2.5's 1e6 for 128K-512K contexts (ABF-style, DESIGN.md §4)
 DENSE_KERNELS = ("sdpa_cudnn", "sdpa_flash", "triton")
 # Megatron's local layers without Transformer Engine or Apex fusions (as examples/quickstart.py LOCAL_IMPL_FLAGS)
-LOCAL_IMPL_FLAGS = ("--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion",
-                    "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion")
+LOCAL_IMPL_FLAGS = (
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+)
 RECOMPUTE_FLAGS = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
 KEEP_ATTENTION = "full-keep-attention"
-RUN_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1",                 # Megatron asserts it for CP on Hopper
-           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # less fragmentation at 512K
+RUN_ENV = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron asserts it for CP on Hopper
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+}  # less fragmentation at 512K
 DENSITY_LINE = re.compile(r"mtraining \| iteration +(\d+) \| density ([0-9.]+)")
 OOM_LINE = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
 EXCEPTION_LINE = re.compile(r"^(?:\[\w+\]:\s*)?([\w.]*(?:Error|Exception): .*)$", re.MULTILINE)  # [rank0]: ...
-ASSUMED_SPARSE_DENSITY = 0.1              # attention density the --time-budget-s estimate assumes for sparse runs
+ASSUMED_SPARSE_DENSITY = 0.1  # attention density the --time-budget-s estimate assumes for sparse runs
 
 
 # ---------------------------------------------------------------------------------------- configurations
@@ -103,22 +112,51 @@ class ModelShape:
 
     def flags(self, num_layers: int) -> list[str]:
         """Megatron's model flags of this shape with ``num_layers`` layers."""
-        return ["--num-layers", str(num_layers), "--hidden-size", str(self.hidden),
-                "--ffn-hidden-size", str(self.ffn), "--num-attention-heads", str(self.heads),
-                "--group-query-attention", "--num-query-groups", str(self.kv_heads),
-                "--kv-channels", str(self.head_dim),
-                "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear",
-                "--add-qkv-bias", "--position-embedding-type", "rope", "--rotary-percent", "1.0",
-                "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(self.vocab),
-                *([] if self.tied else ["--untie-embeddings-and-output-weights"])]
+        return [
+            "--num-layers",
+            str(num_layers),
+            "--hidden-size",
+            str(self.hidden),
+            "--ffn-hidden-size",
+            str(self.ffn),
+            "--num-attention-heads",
+            str(self.heads),
+            "--group-query-attention",
+            "--num-query-groups",
+            str(self.kv_heads),
+            "--kv-channels",
+            str(self.head_dim),
+            "--normalization",
+            "RMSNorm",
+            "--norm-epsilon",
+            "1e-6",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--add-qkv-bias",
+            "--position-embedding-type",
+            "rope",
+            "--rotary-percent",
+            "1.0",
+            "--hidden-dropout",
+            "0.0",
+            "--attention-dropout",
+            "0.0",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            str(self.vocab),
+            *([] if self.tied else ["--untie-embeddings-and-output-weights"]),
+        ]
 
 
-QWEN25 = {shape.name: shape for shape in (
-    ModelShape("0.5b", num_layers=24, hidden=896, ffn=4864, heads=14, kv_heads=2, head_dim=64),
-    ModelShape("1.5b", num_layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, head_dim=128),
-    ModelShape("3b", num_layers=36, hidden=2048, ffn=11008, heads=16, kv_heads=2, head_dim=128),
-)}
+QWEN25 = {
+    shape.name: shape
+    for shape in (
+        ModelShape("0.5b", num_layers=24, hidden=896, ffn=4864, heads=14, kv_heads=2, head_dim=64),
+        ModelShape("1.5b", num_layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, head_dim=128),
+        ModelShape("3b", num_layers=36, hidden=2048, ffn=11008, heads=16, kv_heads=2, head_dim=128),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -149,12 +187,15 @@ def sparse_variant(key: str, layout: str, sparsity_setting: str) -> Variant:
     return Variant(key, attention, sparsity_setting, layout, flags)
 
 
-SPARSE_VARIANTS = {variant.key: variant for variant in (
-    sparse_variant("mtraining", "striped", f"top_p={TOP_P}"),
-    sparse_variant("mtraining-static", "striped", f"sparsity={STATIC_SPARSITY}"),
-    sparse_variant("mtraining-zigzag", "zigzag", f"top_p={TOP_P}"),
-    sparse_variant("mtraining-zigzag-static", "zigzag", f"sparsity={STATIC_SPARSITY}"),
-)}
+SPARSE_VARIANTS = {
+    variant.key: variant
+    for variant in (
+        sparse_variant("mtraining", "striped", f"top_p={TOP_P}"),
+        sparse_variant("mtraining-static", "striped", f"sparsity={STATIC_SPARSITY}"),
+        sparse_variant("mtraining-zigzag", "zigzag", f"top_p={TOP_P}"),
+        sparse_variant("mtraining-zigzag-static", "zigzag", f"sparsity={STATIC_SPARSITY}"),
+    )
+}
 VARIANT_KEYS = (*SPARSE_VARIANTS, "dense")
 
 
@@ -166,8 +207,9 @@ def dense_variant(kernel: str) -> Variant:
         layout, kernel_flags = "striped", ("--mtraining-backend", "triton")
     else:
         layout, kernel_flags = "zigzag", ("--mtraining-dense-impl", kernel)
-    return Variant("dense", "dense", "dense", layout,
-                   ("--mtraining-dense", "--mtraining-layout", layout, *kernel_flags), kernel)
+    return Variant(
+        "dense", "dense", "dense", layout, ("--mtraining-dense", "--mtraining-layout", layout, *kernel_flags), kernel
+    )
 
 
 def variant_for(key: str, dense_kernel: str) -> Variant:
@@ -239,9 +281,16 @@ def output_layer_flops(shape: ModelShape, seq_len: int) -> float:
     return 2.0 * seq_len * shape.hidden * shape.vocab
 
 
-def iteration_flops(shape: ModelShape, seq_len: int, num_layers: int, density: float = 1.0, *,
-                    recompute_layers: bool = False, recompute_attention: bool = True,
-                    recompute_output: bool = False) -> float:
+def iteration_flops(
+    shape: ModelShape,
+    seq_len: int,
+    num_layers: int,
+    density: float = 1.0,
+    *,
+    recompute_layers: bool = False,
+    recompute_attention: bool = True,
+    recompute_output: bool = False,
+) -> float:
     """FLOPs of one training iteration of one ``seq_len``-token sequence (all ranks together).
 
     Forward + backward = 3 x forward. With ``recompute_layers`` (full activation recompute) every layer's
@@ -260,8 +309,16 @@ def iteration_flops(shape: ModelShape, seq_len: int, num_layers: int, density: f
     return total
 
 
-def throughput(shape: ModelShape, seq_len: int, iter_ms: float, density: float, gpus: int, peak_tflops: float,
-               recompute: str, loss_chunked: bool) -> dict:
+def throughput(
+    shape: ModelShape,
+    seq_len: int,
+    iter_ms: float,
+    density: float,
+    gpus: int,
+    peak_tflops: float,
+    recompute: str,
+    loss_chunked: bool,
+) -> dict:
     """Tokens/s, TFLOP/s per GPU (dense-equivalent, actually computed, hardware) and MFU of one iteration time."""
     seconds = iter_ms / 1e3
 
@@ -270,31 +327,81 @@ def throughput(shape: ModelShape, seq_len: int, iter_ms: float, density: float, 
 
     dense = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers))
     actual = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density))
-    hardware = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density,
-                                              recompute_layers=recompute != "none",
-                                              recompute_attention=recompute == "full", recompute_output=loss_chunked))
-    return {"tokens_per_s": seq_len / seconds, "tflops_per_gpu_dense_equiv": dense, "tflops_per_gpu_actual": actual,
-            "tflops_per_gpu_hardware": hardware, "mfu_dense_equiv": dense / peak_tflops,
-            "mfu_actual": actual / peak_tflops}
+    hardware = per_gpu_tflops(
+        iteration_flops(
+            shape,
+            seq_len,
+            shape.num_layers,
+            density,
+            recompute_layers=recompute != "none",
+            recompute_attention=recompute == "full",
+            recompute_output=loss_chunked,
+        )
+    )
+    return {
+        "tokens_per_s": seq_len / seconds,
+        "tflops_per_gpu_dense_equiv": dense,
+        "tflops_per_gpu_actual": actual,
+        "tflops_per_gpu_hardware": hardware,
+        "mfu_dense_equiv": dense / peak_tflops,
+        "mfu_actual": actual / peak_tflops,
+    }
 
 
 # ---------------------------------------------------------------------------------------- commands
 def launcher_flags(config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace) -> list[str]:
     """The launcher's flags of one run of ``config`` at ``num_layers`` layers."""
     seq = str(config.seq_len)
-    return [*config.model.flags(num_layers), "--rotary-base", str(options.rotary_base),
-            "--seq-length", seq, "--max-position-embeddings", seq, "--mock-data",
-            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(schedule.train_iters),
-            "--lr", "1e-5", "--min-lr", "1e-5", "--lr-decay-style", "constant", "--weight-decay", "0.1",
-            "--clip-grad", "1.0", "--seed", "1234", "--bf16",
-            "--context-parallel-size", str(options.cp), "--cp-comm-type", "p2p",
-            *(RECOMPUTE_FLAGS if options.recompute != "none" else ()),
-            *(("--mtraining-keep-attention-output",) if options.recompute == KEEP_ATTENTION else ()),
-            *(("--use-distributed-optimizer",) if options.distributed_optimizer else ()),
-            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
-            "--distributed-timeout-minutes", "30", *LOCAL_IMPL_FLAGS,
-            "--mtraining-loss-chunk-size", str(options.loss_chunk_size),
-            "--mtraining-stats-interval", str(schedule.density_iteration or 0), *config.variant.flags]
+    return [
+        *config.model.flags(num_layers),
+        "--rotary-base",
+        str(options.rotary_base),
+        "--seq-length",
+        seq,
+        "--max-position-embeddings",
+        seq,
+        "--mock-data",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--train-iters",
+        str(schedule.train_iters),
+        "--lr",
+        "1e-5",
+        "--min-lr",
+        "1e-5",
+        "--lr-decay-style",
+        "constant",
+        "--weight-decay",
+        "0.1",
+        "--clip-grad",
+        "1.0",
+        "--seed",
+        "1234",
+        "--bf16",
+        "--context-parallel-size",
+        str(options.cp),
+        "--cp-comm-type",
+        "p2p",
+        *(RECOMPUTE_FLAGS if options.recompute != "none" else ()),
+        *(("--mtraining-keep-attention-output",) if options.recompute == KEEP_ATTENTION else ()),
+        *(("--use-distributed-optimizer",) if options.distributed_optimizer else ()),
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        "1000000",
+        "--distributed-timeout-minutes",
+        "30",
+        *LOCAL_IMPL_FLAGS,
+        "--mtraining-loss-chunk-size",
+        str(options.loss_chunk_size),
+        "--mtraining-stats-interval",
+        str(schedule.density_iteration or 0),
+        *config.variant.flags,
+    ]
 
 
 def run_command(flags: list[str], cp: int) -> list[str]:
@@ -306,8 +413,12 @@ def run_environment(probe_dir: Path, schedule: Schedule) -> dict[str, str]:
     """The variables a run adds to the environment: the probe's output folder and profiled iteration, and the
     repository on ``PYTHONPATH`` (the probe runs as a script from ``tools/``)."""
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return {**RUN_ENV, "PYTHONPATH": python_path, "MTRAINING_PROBE_DIR": str(probe_dir),
-            "MTRAINING_PROBE_PROFILE_ITER": str(schedule.profile_iteration)}
+    return {
+        **RUN_ENV,
+        "PYTHONPATH": python_path,
+        "MTRAINING_PROBE_DIR": str(probe_dir),
+        "MTRAINING_PROBE_PROFILE_ITER": str(schedule.profile_iteration),
+    }
 
 
 def shell_line(command: list[str], env: dict[str, str]) -> str:
@@ -337,15 +448,16 @@ def launch(command: list[str], env: dict[str, str], log_path: Path, timeout_s: f
     Returns (exit code, timed out); after ``timeout_s`` seconds the whole group is stopped.
     """
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env={**os.environ, **env}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, env={**os.environ, **env}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             return process.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
             stop_process_group(process)
             return process.returncode, True
         finally:
-            if process.poll() is None:                  # interrupted (Ctrl-C): leave no ranks behind
+            if process.poll() is None:  # interrupted (Ctrl-C): leave no ranks behind
                 stop_process_group(process)
 
 
@@ -355,9 +467,12 @@ def failure_reason(returncode: int, timed_out: bool, timeout_s: float, log_text:
         return f"timed out after {timeout_s:.0f} s (killed)"
     if OOM_LINE.search(log_text):
         return "CUDA out of memory"
-    errors = [match.group(1).strip() for match in EXCEPTION_LINE.finditer(log_text)
-              if "ChildFailedError" not in match.group(1)]           # torchrun's summary names no cause
-    detail = f": {errors[0][:300]}" if errors else ""                # the first exception is the cause
+    errors = [
+        match.group(1).strip()
+        for match in EXCEPTION_LINE.finditer(log_text)
+        if "ChildFailedError" not in match.group(1)
+    ]  # torchrun's summary names no cause
+    detail = f": {errors[0][:300]}" if errors else ""  # the first exception is the cause
     return f"exit code {returncode}{detail}"
 
 
@@ -369,12 +484,12 @@ def parse_density(log_text: str, iteration: int) -> float:
     return values[-1]
 
 
-def summarize_point(records: dict[int, list[dict]], schedule: Schedule, num_layers: int,
-                    density: float) -> dict:
+def summarize_point(records: dict[int, list[dict]], schedule: Schedule, num_layers: int, density: float) -> dict:
     """One timed layer count from the probe's per-rank records: median time (slowest rank), profile, memory."""
     by_iteration = [{record["iteration"]: record for record in rank_records} for rank_records in records.values()]
-    missing = [number for number in range(1, schedule.train_iters + 1)
-               if any(number not in rank for rank in by_iteration)]
+    missing = [
+        number for number in range(1, schedule.train_iters + 1) if any(number not in rank for rank in by_iteration)
+    ]
     if missing:
         raise ValueError(f"the probe has no record of iterations {missing} on some rank")
     timed = [max(rank[number]["iter_ms"] for rank in by_iteration) for number in schedule.timed]
@@ -385,9 +500,17 @@ def summarize_point(records: dict[int, list[dict]], schedule: Schedule, num_laye
         raise ValueError(f"the profiled iteration {schedule.profile_iteration} recorded no kernel time")
     peak_bytes = max(record["max_mem_allocated"] for rank in by_iteration for record in rank.values())
     reserved_bytes = max(record["mem_reserved"] for rank in by_iteration for record in rank.values())
-    return {"layers": num_layers, "iter_ms": statistics.median(timed), "iter_ms_timed": timed,
-            "kernel_ms": kernel_ms, "attention_kernel_ms": attention_ms, "attention_share": attention_ms / kernel_ms,
-            "density": density, "peak_mem_gb": peak_bytes / 1e9, "reserved_mem_gb": reserved_bytes / 1e9}
+    return {
+        "layers": num_layers,
+        "iter_ms": statistics.median(timed),
+        "iter_ms_timed": timed,
+        "kernel_ms": kernel_ms,
+        "attention_kernel_ms": attention_ms,
+        "attention_share": attention_ms / kernel_ms,
+        "density": density,
+        "peak_mem_gb": peak_bytes / 1e9,
+        "reserved_mem_gb": reserved_bytes / 1e9,
+    }
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -395,8 +518,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     if len(set(xs)) < 2:
         raise ValueError(f"a line needs two distinct layer counts, got {xs}")
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-             / sum((x - mean_x) ** 2 for x in xs))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
     return mean_y - slope * mean_x, slope
 
 
@@ -413,28 +535,39 @@ def extrapolate(points: list[dict], num_layers: int) -> dict:
     layers = [point["layers"] for point in points]
     fixed, per_layer = fit_line(layers, [point["iter_ms"] for point in points])
     if per_layer <= 0:
-        raise ValueError(f"iteration time does not grow with the layer count ({[p['iter_ms'] for p in points]} ms "
-                         f"at {layers} layers); time more iterations or layer counts further apart")
+        raise ValueError(
+            f"iteration time does not grow with the layer count ({[p['iter_ms'] for p in points]} ms "
+            f"at {layers} layers); time more iterations or layer counts further apart"
+        )
     kernel_fixed, kernel_per_layer = fit_line(layers, [point["kernel_ms"] for point in points])
     attention_fixed, attention_per_layer = fit_line(layers, [point["attention_kernel_ms"] for point in points])
-    share = ((attention_fixed + attention_per_layer * num_layers) / (kernel_fixed + kernel_per_layer * num_layers))
-    return {"iter_ms": fixed + per_layer * num_layers, "attention_share": share,
-            "fit": {"fixed_ms": fixed, "per_layer_ms": per_layer}}
+    share = (attention_fixed + attention_per_layer * num_layers) / (kernel_fixed + kernel_per_layer * num_layers)
+    return {
+        "iter_ms": fixed + per_layer * num_layers,
+        "attention_share": share,
+        "fit": {"fixed_ms": fixed, "per_layer_ms": per_layer},
+    }
 
 
 def estimate_run_seconds(config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace) -> float:
     """A rough estimate of one run's wall time: start-up, plus its iterations at ``--assumed-tflops`` per GPU."""
     density = ASSUMED_SPARSE_DENSITY if config.variant.sparse else 1.0
-    flops = iteration_flops(config.model, config.seq_len, num_layers, density,
-                            recompute_layers=options.recompute != "none",
-                            recompute_attention=options.recompute == "full",
-                            recompute_output=options.loss_chunk_size > 0)
+    flops = iteration_flops(
+        config.model,
+        config.seq_len,
+        num_layers,
+        density,
+        recompute_layers=options.recompute != "none",
+        recompute_attention=options.recompute == "full",
+        recompute_output=options.loss_chunk_size > 0,
+    )
     iteration_s = flops / options.cp / (options.assumed_tflops * 1e12)
     return options.startup_s + schedule.train_iters * iteration_s
 
 
-def run_point(config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace, run_dir: Path,
-              timeout_s: float) -> tuple[dict | None, str | None, str]:
+def run_point(
+    config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace, run_dir: Path, timeout_s: float
+) -> tuple[dict | None, str | None, str]:
     """Train ``config`` at ``num_layers`` layers once; returns (point, None, command) or (None, error, command)."""
     from train_probe import read_records
 
@@ -460,51 +593,94 @@ def run_point(config: Config, num_layers: int, schedule: Schedule, options: argp
 # ---------------------------------------------------------------------------------------- rows
 def base_row(config: Config, options: argparse.Namespace, meta: dict, layers: list[int], commands: list[str]) -> dict:
     """The fields every row of ``config`` has, measured or failed."""
-    return {**meta, "model": f"qwen2.5-{config.model.name}", "seq_len": config.seq_len, "tp": 1, "cp": options.cp,
-            "pp": 1, "global_batch": 1, "attention": config.variant.attention,
-            "sparsity_setting": config.variant.sparsity_setting, "layout": config.variant.layout,
-            "dense_kernel": config.variant.dense_kernel, "num_layers": config.model.num_layers,
-            "layers_timed": layers, "extrapolated": layers != [config.model.num_layers],
-            "recompute": options.recompute, "distributed_optimizer": options.distributed_optimizer,
-            "rotary_base": options.rotary_base,
-            "loss_chunk_size": options.loss_chunk_size, "transformer_impl": "local", "warmup": options.warmup,
-            "iters": options.iters, "peak_tflops_per_gpu": options.peak_tflops, "command": commands}
+    return {
+        **meta,
+        "model": f"qwen2.5-{config.model.name}",
+        "seq_len": config.seq_len,
+        "tp": 1,
+        "cp": options.cp,
+        "pp": 1,
+        "global_batch": 1,
+        "attention": config.variant.attention,
+        "sparsity_setting": config.variant.sparsity_setting,
+        "layout": config.variant.layout,
+        "dense_kernel": config.variant.dense_kernel,
+        "num_layers": config.model.num_layers,
+        "layers_timed": layers,
+        "extrapolated": layers != [config.model.num_layers],
+        "recompute": options.recompute,
+        "distributed_optimizer": options.distributed_optimizer,
+        "rotary_base": options.rotary_base,
+        "loss_chunk_size": options.loss_chunk_size,
+        "transformer_impl": "local",
+        "warmup": options.warmup,
+        "iters": options.iters,
+        "peak_tflops_per_gpu": options.peak_tflops,
+        "command": commands,
+    }
 
 
-def measured_row(config: Config, options: argparse.Namespace, meta: dict, points: list[dict],
-                 commands: list[str]) -> dict:
+def measured_row(
+    config: Config, options: argparse.Namespace, meta: dict, points: list[dict], commands: list[str]
+) -> dict:
     """The row of a configuration whose every layer count ran (``ValueError`` when it cannot be extrapolated)."""
     result = extrapolate(points, config.model.num_layers)
     densities = [point["density"] for point in points]
     density = statistics.mean(densities)
     deepest = max(points, key=lambda point: point["layers"])
     row = base_row(config, options, meta, [point["layers"] for point in points], commands)
-    row.update(status="ok", iter_ms=result["iter_ms"], density=density,
-               **throughput(config.model, config.seq_len, result["iter_ms"], density, options.cp,
-                            options.peak_tflops, options.recompute, options.loss_chunk_size > 0),
-               peak_mem_gb=deepest["peak_mem_gb"], reserved_mem_gb=deepest["reserved_mem_gb"],
-               peak_mem_layers=deepest["layers"],
-               attention_share=result["attention_share"], fit=result["fit"], points=points)
+    row.update(
+        status="ok",
+        iter_ms=result["iter_ms"],
+        density=density,
+        **throughput(
+            config.model,
+            config.seq_len,
+            result["iter_ms"],
+            density,
+            options.cp,
+            options.peak_tflops,
+            options.recompute,
+            options.loss_chunk_size > 0,
+        ),
+        peak_mem_gb=deepest["peak_mem_gb"],
+        reserved_mem_gb=deepest["reserved_mem_gb"],
+        peak_mem_layers=deepest["layers"],
+        attention_share=result["attention_share"],
+        fit=result["fit"],
+        points=points,
+    )
     return row
 
 
-def failed_row(config: Config, options: argparse.Namespace, meta: dict, layers: list[int], commands: list[str],
-               error: str, points: list[dict]) -> dict:
+def failed_row(
+    config: Config,
+    options: argparse.Namespace,
+    meta: dict,
+    layers: list[int],
+    commands: list[str],
+    error: str,
+    points: list[dict],
+) -> dict:
     """The row of a configuration that failed (OOM, crash, timeout, unusable fit): the error and any measured points."""
     row = base_row(config, options, meta, layers, commands)
     row.update(status="failed", error=error, iter_ms=None, tokens_per_s=None, points=points)
     return row
 
 
-def measure_config(config: Config, options: argparse.Namespace, meta: dict, run_dir: Path,
-                   deadline: float | None) -> dict:
+def measure_config(
+    config: Config, options: argparse.Namespace, meta: dict, run_dir: Path, deadline: float | None
+) -> dict:
     """Train ``config`` at each layer count (stopping at the first failure) and return its row."""
     layers = layer_counts(config.model, options)
     schedule = Schedule(options.warmup, options.iters, log_density=config.variant.sparse)
     points, commands = [], []
     for num_layers in layers:
-        timeout_s = options.run_timeout_s if deadline is None else max(1.0, min(options.run_timeout_s,
-                                                                                deadline - time.monotonic()))
+        timeout_s = (
+            options.run_timeout_s
+            if deadline is None
+            else max(1.0, min(options.run_timeout_s, deadline - time.monotonic()))
+        )
         point, error, command = run_point(config, num_layers, schedule, options, run_dir, timeout_s)
         commands.append(command)
         if error is not None:
@@ -541,8 +717,9 @@ def dense_baselines(rows: list[dict]) -> dict[tuple, dict]:
     baselines: dict[tuple, dict] = {}
     for row in latest_rows(rows):
         key = comparison_key(row)
-        if row["attention"] == "dense" and (key not in baselines
-                                            or row["tokens_per_s"] > baselines[key]["tokens_per_s"]):
+        if row["attention"] == "dense" and (
+            key not in baselines or row["tokens_per_s"] > baselines[key]["tokens_per_s"]
+        ):
             baselines[key] = row
     return baselines
 
@@ -561,22 +738,29 @@ def _number(value, spec: str) -> str:
 
 def format_table(rows: list[dict], baselines: dict[tuple, dict], skipped: list[str] = ()) -> str:
     """A markdown table of ``rows`` (measured and failed), then the skipped configurations."""
-    header = ("| model | N | attention | setting | layers timed | iter ms | tokens/s | TFLOP/s/GPU dense-eq | "
-              "actual | MFU dense-eq | peak GB (layers) | density | attention share | × dense | status |")
+    header = (
+        "| model | N | attention | setting | layers timed | iter ms | tokens/s | TFLOP/s/GPU dense-eq | "
+        "actual | MFU dense-eq | peak GB (layers) | density | attention share | × dense | status |"
+    )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
         setting = row["sparsity_setting"] + (f" ({row['dense_kernel']})" if row["dense_kernel"] else "")
         timed = ",".join(map(str, row["layers_timed"])) + (f"→{row['num_layers']}" if row["extrapolated"] else "")
         ok = row["status"] == "ok"
         memory = f"{row['peak_mem_gb']:.1f} ({row['peak_mem_layers']})" if ok else "–"
-        lines.append(" ".join([
-            f"| {row['model']} | {row['seq_len'] // 1024}K | {row['attention']} | {setting} | {timed} |",
-            f"{_number(row['iter_ms'], '.1f')} | {_number(row['tokens_per_s'], '.0f')} |",
-            f"{_number(row.get('tflops_per_gpu_dense_equiv'), '.1f')} |",
-            f"{_number(row.get('tflops_per_gpu_actual'), '.1f')} |",
-            f"{_number(row.get('mfu_dense_equiv'), '.3f')} | {memory} | {_number(row.get('density'), '.4f')} |",
-            f"{_number(row.get('attention_share'), '.3f')} | {_number(speedup(row, baselines), '.2f')} |",
-            f"{'ok' if ok else 'FAILED: ' + row['error'].replace('|', '/')} |"]))
+        lines.append(
+            " ".join(
+                [
+                    f"| {row['model']} | {row['seq_len'] // 1024}K | {row['attention']} | {setting} | {timed} |",
+                    f"{_number(row['iter_ms'], '.1f')} | {_number(row['tokens_per_s'], '.0f')} |",
+                    f"{_number(row.get('tflops_per_gpu_dense_equiv'), '.1f')} |",
+                    f"{_number(row.get('tflops_per_gpu_actual'), '.1f')} |",
+                    f"{_number(row.get('mfu_dense_equiv'), '.3f')} | {memory} | {_number(row.get('density'), '.4f')} |",
+                    f"{_number(row.get('attention_share'), '.3f')} | {_number(speedup(row, baselines), '.2f')} |",
+                    f"{'ok' if ok else 'FAILED: ' + row['error'].replace('|', '/')} |",
+                ]
+            )
+        )
     lines += [f"skipped: {entry}" for entry in skipped]
     return "\n".join(lines)
 
@@ -590,7 +774,8 @@ def speedup_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
         if row["attention"] == "dense" or value is None:
             continue
         method = ("" if row["extrapolated"] else ", full depth") + (
-            "" if row["recompute"] == "full" else f", recompute {row['recompute']}")
+            "" if row["recompute"] == "full" else f", recompute {row['recompute']}"
+        )
         label = f"{row['model']} {row['attention']} {row['sparsity_setting']}{method}"
         series.setdefault(label, []).append((row["seq_len"], value))
     return {label: sorted(points) for label, points in sorted(series.items())}
@@ -599,13 +784,15 @@ def speedup_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
 def write_plot(rows: list[dict], path: Path) -> None:
     """The speed-up chart (PNG) of ``rows``; raises ``ValueError`` when no row has a dense baseline."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     series = speedup_series(rows)
     if not series:
-        raise ValueError("no measured sparse row has a dense row of the same model, length, GPU and method; "
-                         "nothing to plot")
+        raise ValueError(
+            "no measured sparse row has a dense row of the same model, length, GPU and method; nothing to plot"
+        )
     figure, axes = plt.subplots(figsize=(7.5, 4.5))
     for label, points in series.items():
         axes.plot([n for n, _ in points], [value for _, value in points], marker="o", label=label)
@@ -636,8 +823,9 @@ def run_to_run(rows: list[dict]) -> str:
     for row in rows:
         if row.get("status") == "ok":
             runs.setdefault(configuration_key(row), []).append(row)
-    same_invocation = {(comparison_key(r), r["date"]): r for r in rows
-                       if r.get("status") == "ok" and r["attention"] == "dense"}
+    same_invocation = {
+        (comparison_key(r), r["date"]): r for r in rows if r.get("status") == "ok" and r["attention"] == "dense"
+    }
 
     def ratio(row: dict) -> float | None:
         dense = same_invocation.get((comparison_key(row), row["date"]))
@@ -647,20 +835,32 @@ def run_to_run(rows: list[dict]) -> str:
         text = f"{_number(before, spec)} → {_number(now, spec)}"
         return text if before is None or now is None else f"{text} ({100 * (now / before - 1):+.1f} %)"
 
-    lines = ["| model | N | attention | setting | recompute | runs (before → now) | per layer ms | fixed ms | "
-             "tokens/s | × dense (same run) |", "|" + "---|" * 10]
+    lines = [
+        "| model | N | attention | setting | recompute | runs (before → now) | per layer ms | fixed ms | "
+        "tokens/s | × dense (same run) |",
+        "|" + "---|" * 10,
+    ]
     for key, measured in runs.items():
         if len(measured) < 2:
             continue
         before, now = measured[-2], measured[-1]
         fits = [r.get("fit") or {} for r in (before, now)]
-        lines.append(" | ".join([
-            f"| {now['model']}", f"{now['seq_len'] // 1024}K", now["attention"], now["sparsity_setting"],
-            now["recompute"], f"{before['commit']} {before['date'][:16]} → {now['commit']} {now['date'][:16]}",
-            change(fits[0].get("per_layer_ms"), fits[1].get("per_layer_ms"), ".0f"),
-            change(fits[0].get("fixed_ms"), fits[1].get("fixed_ms"), ".0f"),
-            change(before["tokens_per_s"], now["tokens_per_s"], ",.0f"),
-            change(ratio(before), ratio(now), ".2f") + " |"]))
+        lines.append(
+            " | ".join(
+                [
+                    f"| {now['model']}",
+                    f"{now['seq_len'] // 1024}K",
+                    now["attention"],
+                    now["sparsity_setting"],
+                    now["recompute"],
+                    f"{before['commit']} {before['date'][:16]} → {now['commit']} {now['date'][:16]}",
+                    change(fits[0].get("per_layer_ms"), fits[1].get("per_layer_ms"), ".0f"),
+                    change(fits[0].get("fixed_ms"), fits[1].get("fixed_ms"), ".0f"),
+                    change(before["tokens_per_s"], now["tokens_per_s"], ",.0f"),
+                    change(ratio(before), ratio(now), ".2f") + " |",
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -677,18 +877,23 @@ def append_jsonl(path: Path, row: dict) -> None:
 # ---------------------------------------------------------------------------------------- main
 def git_commit() -> str:
     """Short commit hash, with ``+dirty`` when tracked files differ from it."""
+
     def git(*arguments: str) -> str:
         return subprocess.run(["git", *arguments], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if git("status", "--porcelain",
-                                                                           "--untracked-files=no").strip() else "")
+
+    return git("rev-parse", "--short", "HEAD").strip() + (
+        "+dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else ""
+    )
 
 
 def gpu_name(cp: int) -> str:
     """The name of GPU 0, asked in a child process (this one never initialises CUDA); needs ``cp`` GPUs."""
-    probe = ("import torch; n = torch.cuda.device_count(); "
-             "print(n, torch.cuda.get_device_name(0) if n else '')")
-    count, _, name = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                    check=True).stdout.strip().partition(" ")
+    probe = "import torch; n = torch.cuda.device_count(); print(n, torch.cuda.get_device_name(0) if n else '')"
+    count, _, name = (
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .partition(" ")
+    )
     if int(count) < cp:
         raise SystemExit(f"bench_e2e: --cp {cp} needs {cp} GPUs, this machine has {count}")
     return name
@@ -706,36 +911,59 @@ def _name_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--models", type=_name_list, default=list(QWEN25), help=f"of {', '.join(QWEN25)}")
     parser.add_argument("--seq-lens", type=_int_list, default=[131072, 262144, 524288])
     parser.add_argument("--variants", type=_name_list, default=list(VARIANT_KEYS), help=f"of {', '.join(VARIANT_KEYS)}")
-    parser.add_argument("--dense-kernel", choices=DENSE_KERNELS, default="sdpa_cudnn",
-                        help="dense baseline kernel: SDPA cuDNN/flash (zigzag layout) or our Triton kernels (striped)")
+    parser.add_argument(
+        "--dense-kernel",
+        choices=DENSE_KERNELS,
+        default="sdpa_cudnn",
+        help="dense baseline kernel: SDPA cuDNN/flash (zigzag layout) or our Triton kernels (striped)",
+    )
     parser.add_argument("--cp", type=int, default=2, help="context-parallel size = GPUs")
     parser.add_argument("--layers", type=_int_list, default=[2, 4], help="layer counts to time and extrapolate from")
     parser.add_argument("--full-depth", action="store_true", help="time the real layer count instead (memory fit)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per run")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations per run (median)")
-    parser.add_argument("--recompute", choices=("full", KEEP_ATTENTION, "none"), default="full",
-                        help="full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1; "
-                             f"{KEEP_ATTENTION}: that plus --mtraining-keep-attention-output (the recomputation "
-                             "skips attention)")
-    parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
-                        help="--use-distributed-optimizer: optimizer state sharded over the CP ranks (3B at 512K "
-                             "does not fit 2 H200s without it)")
+    parser.add_argument(
+        "--recompute",
+        choices=("full", KEEP_ATTENTION, "none"),
+        default="full",
+        help="full: --recompute-granularity full --recompute-method uniform --recompute-num-layers 1; "
+        f"{KEEP_ATTENTION}: that plus --mtraining-keep-attention-output (the recomputation "
+        "skips attention)",
+    )
+    parser.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--use-distributed-optimizer: optimizer state sharded over the CP ranks (3B at 512K "
+        "does not fit 2 H200s without it)",
+    )
     parser.add_argument("--rotary-base", type=int, default=ROTARY_BASE)
     parser.add_argument("--loss-chunk-size", type=int, default=LOSS_CHUNK_SIZE, help="--mtraining-loss-chunk-size")
-    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS,
-                        help="GPU dense bf16 peak for MFU (H200: 989)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS, help="GPU dense bf16 peak for MFU (H200: 989)"
+    )
     parser.add_argument("--run-timeout-s", type=float, default=600, help="each run is killed after this long")
-    parser.add_argument("--time-budget-s", type=float, default=None,
-                        help="skip configurations whose estimated time exceeds what is left of this budget")
-    parser.add_argument("--startup-s", type=float, default=45,
-                        help="estimated launcher start-up per run (budget; about 40 s on 2 H200)")
-    parser.add_argument("--assumed-tflops", type=float, default=300,
-                        help="hardware TFLOP/s per GPU assumed by the run-time estimate (budget)")
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="skip configurations whose estimated time exceeds what is left of this budget",
+    )
+    parser.add_argument(
+        "--startup-s", type=float, default=45, help="estimated launcher start-up per run (budget; about 40 s on 2 H200)"
+    )
+    parser.add_argument(
+        "--assumed-tflops",
+        type=float,
+        default=300,
+        help="hardware TFLOP/s per GPU assumed by the run-time estimate (budget)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench_e2e"), help="logs and probe records")
     parser.add_argument("--jsonl", type=Path, default=DEFAULT_JSONL)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
@@ -743,8 +971,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print the commands and estimates, run nothing")
     mode.add_argument("--plot-only", action="store_true", help="table and chart from --jsonl, run nothing")
-    mode.add_argument("--compare-runs", action="store_true",
-                      help="run nothing: each configuration measured more than once in --jsonl, latest vs previous")
+    mode.add_argument(
+        "--compare-runs",
+        action="store_true",
+        help="run nothing: each configuration measured more than once in --jsonl, latest vs previous",
+    )
     options = parser.parse_args(argv)
     _check_options(parser, options)
     return options
@@ -778,15 +1009,20 @@ def _check_options(parser: argparse.ArgumentParser, options: argparse.Namespace)
 
 def configurations(options: argparse.Namespace) -> list[Config]:
     """The matrix in run order: sequence lengths outermost, then models, then variants."""
-    return [Config(QWEN25[model], seq_len, variant_for(key, options.dense_kernel))
-            for seq_len in options.seq_lens for model in options.models for key in options.variants]
+    return [
+        Config(QWEN25[model], seq_len, variant_for(key, options.dense_kernel))
+        for seq_len in options.seq_lens
+        for model in options.models
+        for key in options.variants
+    ]
 
 
 def config_estimate_s(config: Config, options: argparse.Namespace) -> float:
     """Estimated wall time of all the runs of ``config``."""
     schedule = Schedule(options.warmup, options.iters, log_density=config.variant.sparse)
-    return sum(estimate_run_seconds(config, layers, schedule, options)
-               for layers in layer_counts(config.model, options))
+    return sum(
+        estimate_run_seconds(config, layers, schedule, options) for layers in layer_counts(config.model, options)
+    )
 
 
 def dry_run(options: argparse.Namespace) -> None:
@@ -799,8 +1035,12 @@ def dry_run(options: argparse.Namespace) -> None:
             estimate = estimate_run_seconds(config, layers, schedule, options)
             total += estimate
             print(f"# {config.name}, {layers} layers, estimated {estimate:.0f} s")
-            print(shell_line(run_command(launcher_flags(config, layers, schedule, options), options.cp),
-                             run_environment(probe_dir, schedule)))
+            print(
+                shell_line(
+                    run_command(launcher_flags(config, layers, schedule, options), options.cp),
+                    run_environment(probe_dir, schedule),
+                )
+            )
     print(f"# estimated total {total:.0f} s")
 
 
@@ -808,23 +1048,35 @@ def run_matrix(options: argparse.Namespace) -> None:
     """Measure every configuration (appending each row to the JSONL), print the table, redraw the chart."""
     started = time.monotonic()
     deadline = None if options.time_budget_s is None else started + options.time_budget_s
-    meta = {"gpu": gpu_name(options.cp), "commit": options.commit or git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": importlib.metadata.version("torch")}
+    meta = {
+        "gpu": gpu_name(options.cp),
+        "commit": options.commit or git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": importlib.metadata.version("torch"),
+    }
     run_dir = options.out_dir / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     rows, skipped = [], []
     for config in configurations(options):
         estimate = config_estimate_s(config, options)
         if deadline is not None and estimate > deadline - time.monotonic():
-            skipped.append(f"{config.name}: estimated {estimate:.0f} s, {deadline - time.monotonic():.0f} s of the "
-                           "time budget left")
+            skipped.append(
+                f"{config.name}: estimated {estimate:.0f} s, {deadline - time.monotonic():.0f} s of the "
+                "time budget left"
+            )
             print(f"# skipped {skipped[-1]}", flush=True)
             continue
         row = measure_config(config, options, meta, run_dir, deadline)
         append_jsonl(options.jsonl, row)
         rows.append(row)
-        print(f"# {config.name}: " + (f"{row['iter_ms']:.1f} ms/iteration, {row['tokens_per_s']:.0f} tokens/s"
-                                       if row["status"] == "ok" else f"FAILED: {row['error']}"), flush=True)
+        print(
+            f"# {config.name}: "
+            + (
+                f"{row['iter_ms']:.1f} ms/iteration, {row['tokens_per_s']:.0f} tokens/s"
+                if row["status"] == "ok"
+                else f"FAILED: {row['error']}"
+            ),
+            flush=True,
+        )
     everything = read_jsonl(options.jsonl)
     print(format_table(rows, dense_baselines(everything), skipped))
     if speedup_series(everything):

@@ -56,16 +56,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--density", type=float, default=0.05, help="target computed fraction of the causal area")
-    parser.add_argument("--dense-max-len", type=int, default=0,
-                        help="also time the dense ring (full pattern) for N up to this length")
-    parser.add_argument("--sdpa-max-len", type=int, default=0,
-                        help="also time the zigzag dense ring on torch's SDPA kernels for N up to this length")
+    parser.add_argument(
+        "--dense-max-len", type=int, default=0, help="also time the dense ring (full pattern) for N up to this length"
+    )
+    parser.add_argument(
+        "--sdpa-max-len",
+        type=int,
+        default=0,
+        help="also time the zigzag dense ring on torch's SDPA kernels for N up to this length",
+    )
     parser.add_argument("--sdpa-impl", choices=IMPLS, default="cudnn", help="SDPA kernel of that dense ring")
-    parser.add_argument("--inner-size", type=int, default=0,
-                        help="hierarchical sparse ring with inner rings of this many ranks (0: flat ring)")
-    parser.add_argument("--emulate-node-size", type=int, default=0,
-                        help="BENCHMARK EMULATION: nodes of this many consecutive ranks whose links to each other are "
-                             "--outer-slowdown times slower than the measured intra-node bandwidth (0: off)")
+    parser.add_argument(
+        "--inner-size",
+        type=int,
+        default=0,
+        help="hierarchical sparse ring with inner rings of this many ranks (0: flat ring)",
+    )
+    parser.add_argument(
+        "--emulate-node-size",
+        type=int,
+        default=0,
+        help="BENCHMARK EMULATION: nodes of this many consecutive ranks whose links to each other are "
+        "--outer-slowdown times slower than the measured intra-node bandwidth (0: off)",
+    )
     parser.add_argument("--outer-slowdown", type=float, default=10.0)
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--warmup", type=int, default=2)
@@ -77,7 +90,7 @@ def parse_args() -> argparse.Namespace:
 def block_density(s_idx, seq_len: int) -> float:
     """Fraction of causal 128-blocks the slashes switch on (what the bisection steers; bars are extra)."""
     num_blocks = seq_len // BLOCK_SIZE
-    hit = slash_block_hits(s_idx, num_blocks).double()                   # [b, H, NB]
+    hit = slash_block_hits(s_idx, num_blocks).double()  # [b, H, NB]
     blocks_at_distance = num_blocks - torch.arange(num_blocks, dtype=torch.float64)
     return float((hit * blocks_at_distance).sum() / (hit.shape[0] * hit.shape[1] * num_blocks * (num_blocks + 1) / 2))
 
@@ -91,7 +104,7 @@ def pattern_with_density(seq_len: int, heads: int, density: float, seed: int):
         lo, hi = (lines + 1, hi) if block_density(s_idx, seq_len) < density else (lo, lines)
     v_idx, s_idx = realistic_pattern(seq_len, heads, far_slashes=lo, far_verticals=lo, seed=seed)
     report = balance_report(v_idx, s_idx, Layout("contiguous", 1), seq_len)
-    computed = report.blocks.sum().item() * BLOCK_SIZE ** 2 + report.bars.sum().item() * BLOCK_SIZE
+    computed = report.blocks.sum().item() * BLOCK_SIZE**2 + report.bars.sum().item() * BLOCK_SIZE
     return v_idx, s_idx, computed / (heads * seq_len * (seq_len + 1) / 2)
 
 
@@ -118,6 +131,7 @@ def link_bytes_per_s(group, nbytes: int, device, repeats: int = 5) -> float:
     def hop():
         exchange.post(payload)
         exchange.wait()
+
     return nbytes / (timed(hop, 1, repeats, group) / 1e3)
 
 
@@ -131,8 +145,11 @@ def ring_groups(args, groups: RingGroups, seq_len: int, device) -> tuple[RingGro
         inner_bytes_per_s = link_bytes_per_s(groups.inner if groups.inner_size > 1 else groups.cp, kv_bytes, device)
         link = SlowLink(args.emulate_node_size, args.outer_slowdown, inner_bytes_per_s)
         groups = SlowLinkRingGroups.wrap(groups, link)
-        fields.update(emulated_node_size=link.node_size, outer_slowdown=link.slowdown,
-                      inner_gbps=round(inner_bytes_per_s / 1e9, 1))
+        fields.update(
+            emulated_node_size=link.node_size,
+            outer_slowdown=link.slowdown,
+            inner_gbps=round(inner_bytes_per_s / 1e9, 1),
+        )
     return groups, fields
 
 
@@ -142,9 +159,14 @@ def model_fwd_bwd_ms(args, seq_len: int, world: int, topology: dict, compute_ms:
     cell_s = compute_ms / world / 1e3
     inner_bytes_per_s = topology["inner_gbps"] * 1e9
     kv_bytes, grad_bytes = hop_bytes(seq_len, world, args.kv_heads, args.head_dim)
-    costs = CellCosts(cell_s / 3.5, cell_s * 2.5 / 3.5, kv_bytes=kv_bytes, grad_bytes=grad_bytes,
-                      inner_bytes_per_s=inner_bytes_per_s,
-                      outer_bytes_per_s=inner_bytes_per_s / topology["outer_slowdown"])
+    costs = CellCosts(
+        cell_s / 3.5,
+        cell_s * 2.5 / 3.5,
+        kv_bytes=kv_bytes,
+        grad_bytes=grad_bytes,
+        inner_bytes_per_s=inner_bytes_per_s,
+        outer_bytes_per_s=inner_bytes_per_s / topology["outer_slowdown"],
+    )
     if topology["outer"] > 1:
         return hierarchical_ring(costs, topology["inner"], topology["outer"]).total_s * 1e3
     return flat_ring(costs, world, topology["emulated_node_size"]).total_s * 1e3
@@ -152,10 +174,13 @@ def model_fwd_bwd_ms(args, seq_len: int, world: int, topology: dict, compute_ms:
 
 def ring_inputs(local_len: int, args, device) -> tuple[torch.Tensor, ...]:
     """Fresh bf16 q, k, v (requiring grad) and dout of one rank: ``[1, local_len, heads, d]``."""
-    q, dout = (torch.randn(1, local_len, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-               for _ in range(2))
-    k, v = (torch.randn(1, local_len, args.kv_heads, args.head_dim, device=device, dtype=torch.bfloat16,
-                        requires_grad=True) for _ in range(2))
+    q, dout = (
+        torch.randn(1, local_len, args.heads, args.head_dim, device=device, dtype=torch.bfloat16) for _ in range(2)
+    )
+    k, v = (
+        torch.randn(1, local_len, args.kv_heads, args.head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
     return q.requires_grad_(), k, v, dout
 
 
@@ -164,8 +189,7 @@ def time_ring_and_compute(ring, compute, inputs, args, groups) -> tuple[float, f
     q, k, v, dout = inputs
     ring_ms = timed(lambda: ring(q, k, v).backward(dout), args.warmup, args.repeats, groups.cp)
     with torch.no_grad():
-        comp_ms = timed(lambda: compute(q.detach(), k.detach(), v.detach(), dout), args.warmup, args.repeats,
-                        groups.cp)
+        comp_ms = timed(lambda: compute(q.detach(), k.detach(), v.detach(), dout), args.warmup, args.repeats, groups.cp)
     return ring_ms, comp_ms
 
 
@@ -210,17 +234,31 @@ def time_sdpa_ring(args, seq_len: int, groups: RingGroups, device) -> dict:
     """fwd+bwd and compute-only milliseconds of the SDPA zigzag dense ring, and this rank's dense block count."""
     rank, world = groups.cp_rank, groups.world_size
     layout = Layout("zigzag", world)
-    scale = args.head_dim ** -0.5
+    scale = args.head_dim**-0.5
     ring_ms, comp_ms = time_ring_and_compute(
         lambda q, k, v: dense_ring_attention(q, k, v, layout, groups, impl=args.sdpa_impl),
         lambda q, k, v, dout: sdpa_compute_only(args.sdpa_impl, q, k, v, dout, groups, scale),
-        ring_inputs(seq_len // world, args, device), args, groups)
-    full = balance_report(*full_index(1, 1, seq_len), layout, seq_len)          # the full pattern, one head
+        ring_inputs(seq_len // world, args, device),
+        args,
+        groups,
+    )
+    full = balance_report(*full_index(1, 1, seq_len), layout, seq_len)  # the full pattern, one head
     return dict(ring_ms=ring_ms, comp_ms=comp_ms, blocks=int(full.blocks[rank].sum()) * args.heads)
 
 
-def result_row(args, commit: str, world: int, seq_len: int, layout: str, pattern: str, density: float, timing: dict,
-               report, device, topology: dict | None = None) -> dict:
+def result_row(
+    args,
+    commit: str,
+    world: int,
+    seq_len: int,
+    layout: str,
+    pattern: str,
+    density: float,
+    timing: dict,
+    report,
+    device,
+    topology: dict | None = None,
+) -> dict:
     """One JSON row; collective (gathers every rank's compute time). ``report`` is the sparse pattern's balance."""
     per_rank = torch.tensor([timing["comp_ms"]], device=device)
     everyone = [torch.zeros_like(per_rank) for _ in range(world)]
@@ -228,18 +266,30 @@ def result_row(args, commit: str, world: int, seq_len: int, layout: str, pattern
     comp = [t.item() for t in everyone]
     ring_ms = timing["ring_ms"]
     return dict(
-        gpu=torch.cuda.get_device_name(), commit=commit, date=datetime.date.today().isoformat(),
-        world_size=world, **(topology or dict(inner=world, outer=1)), seq_len=seq_len, layout=layout,
+        gpu=torch.cuda.get_device_name(),
+        commit=commit,
+        date=datetime.date.today().isoformat(),
+        world_size=world,
+        **(topology or dict(inner=world, outer=1)),
+        seq_len=seq_len,
+        layout=layout,
         pattern=pattern,
-        heads_q=args.heads, heads_kv=args.kv_heads, head_dim=args.head_dim, density=round(density, 4),
-        fwd_bwd_ms=round(ring_ms, 3), compute_ms=round(max(comp), 3),
+        heads_q=args.heads,
+        heads_kv=args.kv_heads,
+        head_dim=args.head_dim,
+        density=round(density, 4),
+        fwd_bwd_ms=round(ring_ms, 3),
+        compute_ms=round(max(comp), 3),
         exposed_comm_frac=round(max(0.0, ring_ms - max(comp)) / ring_ms, 4),
         imbalance_worker=round(max(comp) / statistics.mean(comp), 4),
         imbalance_step=round(report.step_imbalance, 4) if report else 1.0,
         analytic_worker=round(report.worker_imbalance, 4) if report else 1.0,
         blocks_this_rank=timing["blocks"],
-        **({"model_fwd_bwd_ms": round(model_fwd_bwd_ms(args, seq_len, world, topology, max(comp)), 3)}
-           if topology and "inner_gbps" in topology else {}),
+        **(
+            {"model_fwd_bwd_ms": round(model_fwd_bwd_ms(args, seq_len, world, topology, max(comp)), 3)}
+            if topology and "inner_gbps" in topology
+            else {}
+        ),
     )
 
 
@@ -258,8 +308,9 @@ def main() -> None:
         groups, topology = ring_groups(args, sparse_groups, seq_len, device)
         if seq_len <= args.sdpa_max_len:
             timing = time_sdpa_ring(args, seq_len, flat_groups, device)
-            rows.append(result_row(args, commit, world, seq_len, "zigzag", f"sdpa_{args.sdpa_impl}", 1.0, timing,
-                                   None, device))
+            rows.append(
+                result_row(args, commit, world, seq_len, "zigzag", f"sdpa_{args.sdpa_impl}", 1.0, timing, None, device)
+            )
             if rank == 0:
                 print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
@@ -271,15 +322,17 @@ def main() -> None:
             layout = Layout(kind, world)
             for pattern, v_idx, s_idx, dens in patterns:
                 index = convert_index(v_idx.to(device), s_idx.to(device), layout, rank, seq_len)
-                scale = args.head_dim ** -0.5
+                scale = args.head_dim**-0.5
                 ring_ms, comp_ms = time_ring_and_compute(
                     lambda q, k, v: ring_attention(q, k, v, index, groups, backend=args.backend),
                     lambda q, k, v, dout: compute_only(backend, q, k, v, dout, index, groups, scale),
-                    ring_inputs(seq_len // world, args, device), args, groups)
+                    ring_inputs(seq_len // world, args, device),
+                    args,
+                    groups,
+                )
                 report = balance_report(v_idx, s_idx, layout, seq_len) if pattern == "sparse" else None
                 timing = dict(ring_ms=ring_ms, comp_ms=comp_ms, blocks=int(count_work(index)[0].sum()))
-                row = result_row(args, commit, world, seq_len, kind, pattern, dens, timing, report, device,
-                                 topology)
+                row = result_row(args, commit, world, seq_len, kind, pattern, dens, timing, report, device, topology)
                 rows.append(row)
                 if rank == 0:
                     print(json.dumps(row), flush=True)
@@ -289,12 +342,16 @@ def main() -> None:
         with open(args.jsonl, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        print(f"{'N':>8} {'layout':>8} {'pattern':>10} {'LxO':>5} {'density':>7} {'fwd+bwd ms':>10} {'compute ms':>10} "
-              f"{'exposed':>7} {'imb.w':>6}")
+        print(
+            f"{'N':>8} {'layout':>8} {'pattern':>10} {'LxO':>5} {'density':>7} {'fwd+bwd ms':>10} {'compute ms':>10} "
+            f"{'exposed':>7} {'imb.w':>6}"
+        )
         for r in rows:
-            print(f"{r['seq_len']:>8} {r['layout']:>8} {r['pattern']:>10} {r['inner']:>2}x{r['outer']:<2} "
-                  f"{r['density']:>7.3f} {r['fwd_bwd_ms']:>10.2f} {r['compute_ms']:>10.2f} "
-                  f"{r['exposed_comm_frac']:>7.3f} {r['imbalance_worker']:>6.3f}")
+            print(
+                f"{r['seq_len']:>8} {r['layout']:>8} {r['pattern']:>10} {r['inner']:>2}x{r['outer']:<2} "
+                f"{r['density']:>7.3f} {r['fwd_bwd_ms']:>10.2f} {r['compute_ms']:>10.2f} "
+                f"{r['exposed_comm_frac']:>7.3f} {r['imbalance_worker']:>6.3f}"
+            )
     dist.destroy_process_group()
 
 

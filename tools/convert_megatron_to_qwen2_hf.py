@@ -28,13 +28,20 @@ from megatron_mtraining.conversion.architecture import DTYPES
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="Megatron checkpoint root (with latest_checkpointed_iteration.txt) or its "
-                             "release/iter_XXXXXXX directory")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="Megatron checkpoint root (with latest_checkpointed_iteration.txt) or its release/iter_XXXXXXX directory",
+    )
     parser.add_argument("--output-dir", required=True, type=Path, help="Hugging Face directory to create")
-    parser.add_argument("--hf-reference", type=Path, default=None,
-                        help="original Hugging Face model directory: token ids and tokenizer files (default: the "
-                             "checkpoint's --tokenizer-model when it is a model directory)")
+    parser.add_argument(
+        "--hf-reference",
+        type=Path,
+        default=None,
+        help="original Hugging Face model directory: token ids and tokenizer files (default: the "
+        "checkpoint's --tokenizer-model when it is a model directory)",
+    )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the written tensors")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
@@ -44,14 +51,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        arch = megatron_to_hf.convert(args.checkpoint, args.output_dir, hf_reference=args.hf_reference,
-                                      dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+        arch = megatron_to_hf.convert(
+            args.checkpoint,
+            args.output_dir,
+            hf_reference=args.hf_reference,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+        )
     except ValueError as error:
         raise SystemExit(f"convert_megatron_to_qwen2_hf: error: {error}") from None
-    print(f"wrote {args.output_dir} ({arch.family}, {arch.num_layers} layers, max_position_embeddings "
-          f"{arch.max_position_embeddings}, rope_theta {arch.rotary_base}"
-          f"{f', YaRN x{arch.yarn_factor}' if arch.yarn_factor else ''}); load it with "
-          "transformers.AutoModelForCausalLM.from_pretrained")
+    print(
+        f"wrote {args.output_dir} ({arch.family}, {arch.num_layers} layers, max_position_embeddings "
+        f"{arch.max_position_embeddings}, rope_theta {arch.rotary_base}"
+        f"{f', YaRN x{arch.yarn_factor}' if arch.yarn_factor else ''}); load it with "
+        "transformers.AutoModelForCausalLM.from_pretrained"
+    )
 
 
 if __name__ == "__main__":

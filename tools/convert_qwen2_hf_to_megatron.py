@@ -39,16 +39,29 @@ from megatron_mtraining.conversion.architecture import DTYPES, MODEL_ARGS_FILE
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf-dir", required=True, type=Path,
-                        help="Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
+    parser.add_argument(
+        "--hf-dir",
+        required=True,
+        type=Path,
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer files)",
+    )
     parser.add_argument("--output-dir", required=True, type=Path, help="checkpoint root to create")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the written tensors")
-    parser.add_argument("--rotary-base", type=int, default=None,
-                        help="new RoPE base θ for context extension (e.g. 10000000); default: the model's")
-    parser.add_argument("--yarn-factor", type=float, default=None,
-                        help="use YaRN with this factor (target length / original length)")
-    parser.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
-                        help="YaRN's original length (default: the model's max_position_embeddings)")
+    parser.add_argument(
+        "--rotary-base",
+        type=int,
+        default=None,
+        help="new RoPE base θ for context extension (e.g. 10000000); default: the model's",
+    )
+    parser.add_argument(
+        "--yarn-factor", type=float, default=None, help="use YaRN with this factor (target length / original length)"
+    )
+    parser.add_argument(
+        "--yarn-original-max-position-embeddings",
+        type=int,
+        default=None,
+        help="YaRN's original length (default: the model's max_position_embeddings)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
     return parser.parse_args(argv)
 
@@ -57,14 +70,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         arch = hf_to_megatron.convert(
-            args.hf_dir, args.output_dir, dtype=args.dtype, rotary_base=args.rotary_base, yarn_factor=args.yarn_factor,
-            yarn_original_max_position_embeddings=args.yarn_original_max_position_embeddings, overwrite=args.overwrite)
+            args.hf_dir,
+            args.output_dir,
+            dtype=args.dtype,
+            rotary_base=args.rotary_base,
+            yarn_factor=args.yarn_factor,
+            yarn_original_max_position_embeddings=args.yarn_original_max_position_embeddings,
+            overwrite=args.overwrite,
+        )
     except ValueError as error:
         raise SystemExit(f"convert_qwen2_hf_to_megatron: error: {error}") from None
-    print(f"wrote {args.output_dir} ({arch.family}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab "
-          f"{arch.vocab_size}, {'tied' if arch.tie_embeddings else 'untied'} embeddings). Train with:\n"
-          f"  source {args.output_dir / MODEL_ARGS_FILE}\n"
-          f"  ... -m megatron_mtraining.pretrain \"${{MODEL_ARGS[@]}}\" --pretrained-checkpoint {args.output_dir} ...")
+    print(
+        f"wrote {args.output_dir} ({arch.family}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab "
+        f"{arch.vocab_size}, {'tied' if arch.tie_embeddings else 'untied'} embeddings). Train with:\n"
+        f"  source {args.output_dir / MODEL_ARGS_FILE}\n"
+        f'  ... -m megatron_mtraining.pretrain "${{MODEL_ARGS[@]}}" --pretrained-checkpoint {args.output_dir} ...'
+    )
 
 
 if __name__ == "__main__":

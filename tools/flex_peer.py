@@ -37,13 +37,15 @@ from mtraining_kernels.layout import BLOCK_SIZE
 from mtraining_kernels.vertical_slash import slash_block_hits, vertical_columns
 
 # FlexAttention's generated kernels (and the mask_mod lookups they inline) may compute element offsets in int32
-INT32_LIMIT = 2 ** 31
+INT32_LIMIT = 2**31
 
 
 def _check_addressable(name: str, tensor: Tensor) -> None:
     if tensor.numel() >= INT32_LIMIT:
-        raise ValueError(f"{name} has {tensor.numel()} elements, past the int32 offsets FlexAttention's kernels "
-                         "may use; lower the batch or the number of heads")
+        raise ValueError(
+            f"{name} has {tensor.numel()} elements, past the int32 offsets FlexAttention's kernels "
+            "may use; lower the batch or the number of heads"
+        )
 
 
 def active_blocks(s_idx: Tensor, seq_len: int) -> Tensor:
@@ -51,9 +53,9 @@ def active_blocks(s_idx: Tensor, seq_len: int) -> Tensor:
     if seq_len % BLOCK_SIZE:
         raise ValueError(f"seq_len={seq_len} must be a multiple of {BLOCK_SIZE}")
     num_blocks = seq_len // BLOCK_SIZE
-    hit = slash_block_hits(s_idx, num_blocks)                                   # [b, Hq, nb]
+    hit = slash_block_hits(s_idx, num_blocks)  # [b, Hq, nb]
     blocks = torch.arange(num_blocks, device=s_idx.device)
-    distance = blocks[:, None] - blocks[None, :]                                # [nb, nb]
+    distance = blocks[:, None] - blocks[None, :]  # [nb, nb]
     active = hit[..., distance.clamp(min=0)] & (distance >= 0)
     _check_addressable("the block-active table [b, Hq, nb, nb]", active)
     return active
@@ -67,8 +69,13 @@ def _block_lists(listed: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _block_mask(full: Tensor, partial: Tensor, mask_mod, seq_len: int) -> BlockMask:
-    return BlockMask.from_kv_blocks(*_block_lists(partial), *_block_lists(full), BLOCK_SIZE=BLOCK_SIZE,
-                                    mask_mod=mask_mod, seq_lengths=(seq_len, seq_len))
+    return BlockMask.from_kv_blocks(
+        *_block_lists(partial),
+        *_block_lists(full),
+        BLOCK_SIZE=BLOCK_SIZE,
+        mask_mod=mask_mod,
+        seq_lengths=(seq_len, seq_len),
+    )
 
 
 def _below_and_on_diagonal(num_blocks: int, device) -> tuple[Tensor, Tensor]:
@@ -80,8 +87,8 @@ def _below_and_on_diagonal(num_blocks: int, device) -> tuple[Tensor, Tensor]:
 def vertical_slash_block_mask(v_idx: Tensor, s_idx: Tensor, seq_len: int) -> BlockMask:
     """The BlockMask of ``reference.vertical_slash_mask(v_idx, s_idx, seq_len)`` at 128 × 128 blocks, for
     ``[b, Hq, N, d]`` queries (see the module docstring for its full and partial blocks)."""
-    active = active_blocks(s_idx, seq_len)                                      # [b, Hq, nb, nb]
-    vertical = vertical_columns(v_idx, seq_len)                                 # [b, Hq, N]
+    active = active_blocks(s_idx, seq_len)  # [b, Hq, nb, nb]
+    vertical = vertical_columns(v_idx, seq_len)  # [b, Hq, N]
     num_blocks = seq_len // BLOCK_SIZE
     below, diagonal = _below_and_on_diagonal(num_blocks, s_idx.device)
     holds_vertical = vertical.view(*vertical.shape[:-1], num_blocks, BLOCK_SIZE).any(-1)[..., None, :]
@@ -124,10 +131,10 @@ def block_only_pattern(target_area: Tensor, seq_len: int, generator: torch.Gener
         raise ValueError(f"seq_len={seq_len} needs at least two {BLOCK_SIZE}-token blocks")
     batch, heads = target_area.shape
     diagonal_area = num_blocks * BLOCK_SIZE * (BLOCK_SIZE + 1) // 2
-    gain = num_blocks - torch.arange(num_blocks)                                # blocks added by distance δ
-    left = (target_area.reshape(-1).cpu() - diagonal_area) // BLOCK_SIZE ** 2 - gain[1]
+    gain = num_blocks - torch.arange(num_blocks)  # blocks added by distance δ
+    left = (target_area.reshape(-1).cpu() - diagonal_area) // BLOCK_SIZE**2 - gain[1]
     order = torch.stack([torch.randperm(num_blocks - 2, generator=generator) + 2 for _ in range(batch * heads)])
-    taken = gain[order].cumsum(1) <= left[:, None]                              # a prefix of the order
+    taken = gain[order].cumsum(1) <= left[:, None]  # a prefix of the order
     chosen = torch.zeros(batch * heads, num_blocks, dtype=torch.bool)
     chosen.scatter_(1, order, taken)
     chosen[:, :2] = True
@@ -183,8 +190,9 @@ def heads_first(x: Tensor) -> Tensor:
     return x.detach().transpose(1, 2).contiguous()
 
 
-def flex_fwd_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, block_mask: BlockMask,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def flex_fwd_bwd(
+    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, block_mask: BlockMask, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """out, dq, dk, dv of :func:`flex_forward` for gradient ``dout``, all in our layout: q, dout, out, dq
     ``[b, N, Hq, d]``; k, v, dk, dv ``[b, N, Hkv, d]``."""
     inputs = [heads_first(x).requires_grad_() for x in (q, k, v)]

@@ -28,15 +28,31 @@ def model_rows(options: argparse.Namespace) -> list[dict]:
     for world in options.worlds:
         for seq_len in options.seq_lens:
             for inner, outer in factorizations(world):
-                costs = attention_cell_costs(seq_len, world, options.heads, options.kv_heads, options.head_dim,
-                                             options.density, options.tflops, options.inner_gbps * 1e9,
-                                             options.inner_gbps * 1e9 / options.slowdown,
-                                             latency_s=options.latency_us * 1e-6)
+                costs = attention_cell_costs(
+                    seq_len,
+                    world,
+                    options.heads,
+                    options.kv_heads,
+                    options.head_dim,
+                    options.density,
+                    options.tflops,
+                    options.inner_gbps * 1e9,
+                    options.inner_gbps * 1e9 / options.slowdown,
+                    latency_s=options.latency_us * 1e-6,
+                )
                 flat, hierarchical = flat_ring(costs, world, inner), hierarchical_ring(costs, inner, outer)
-                rows.append({"world": world, "seq_len": seq_len, "inner": inner, "outer": outer,
-                             "compute_ms": world * (costs.compute_fwd_s + costs.compute_bwd_s) * 1e3,
-                             "flat_ms": flat.total_s * 1e3, "hierarchical_ms": hierarchical.total_s * 1e3,
-                             "saving": 1 - hierarchical.total_s / flat.total_s})
+                rows.append(
+                    {
+                        "world": world,
+                        "seq_len": seq_len,
+                        "inner": inner,
+                        "outer": outer,
+                        "compute_ms": world * (costs.compute_fwd_s + costs.compute_bwd_s) * 1e3,
+                        "flat_ms": flat.total_s * 1e3,
+                        "hierarchical_ms": hierarchical.total_s * 1e3,
+                        "saving": 1 - hierarchical.total_s / flat.total_s,
+                    }
+                )
     return rows
 
 
@@ -59,11 +75,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = model_rows(options)
     if not rows:
         parser.error(f"--worlds {options.worlds}: no world size has an inner x outer split with both >= 2")
-    print("| W | N | nodes x GPUs | compute ms | flat ring ms | hierarchical ms | saving |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| W | N | nodes x GPUs | compute ms | flat ring ms | hierarchical ms | saving |\n|---|---|---|---|---|---|---|"
+    )
     for row in rows:
-        print(f"| {row['world']} | {row['seq_len'] // 1024}K | {row['outer']} x {row['inner']} | "
-              f"{row['compute_ms']:.2f} | {row['flat_ms']:.2f} | {row['hierarchical_ms']:.2f} | {row['saving']:.0%} |")
+        print(
+            f"| {row['world']} | {row['seq_len'] // 1024}K | {row['outer']} x {row['inner']} | "
+            f"{row['compute_ms']:.2f} | {row['flat_ms']:.2f} | {row['hierarchical_ms']:.2f} | {row['saving']:.0%} |"
+        )
     return rows
 
 

@@ -10,9 +10,17 @@ import torch
 from torch import Tensor
 
 
-def realistic_pattern(seq_len: int, heads: int, batch: int = 1, *, sinks: int = 30, window: int = 100,
-                      far_slashes: int = 1000, far_verticals: int = 1000,
-                      seed: int = 0) -> tuple[Tensor, Tensor]:
+def realistic_pattern(
+    seq_len: int,
+    heads: int,
+    batch: int = 1,
+    *,
+    sinks: int = 30,
+    window: int = 100,
+    far_slashes: int = 1000,
+    far_verticals: int = 1000,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor]:
     """The §2.3 simulation pattern: int32 ``v_idx [b, heads, Vmax]``, ``s_idx [b, heads, Smax]``.
 
     Per (b, head): verticals 0…sinks−1 plus ``far_verticals`` distinct random columns in
@@ -20,8 +28,10 @@ def realistic_pattern(seq_len: int, heads: int, batch: int = 1, *, sinks: int = 
     Lists are ascending, padded with the sentinel N to a multiple of 64. Seeded and reproducible.
     """
     if sinks + far_verticals > seq_len or window + far_slashes > seq_len:
-        raise ValueError(f"seq_len={seq_len} is too short for sinks={sinks} + far_verticals={far_verticals} "
-                         f"and window={window} + far_slashes={far_slashes}")
+        raise ValueError(
+            f"seq_len={seq_len} is too short for sinks={sinks} + far_verticals={far_verticals} "
+            f"and window={window} + far_slashes={far_slashes}"
+        )
     if min(sinks, window, far_slashes, far_verticals) < 0 or heads < 1 or batch < 1:
         raise ValueError("counts must be >= 0 and heads, batch >= 1")
     generator = torch.Generator().manual_seed(seed)

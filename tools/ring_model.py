@@ -25,8 +25,8 @@ class CellCosts:
 
     compute_fwd_s: float
     compute_bwd_s: float
-    kv_bytes: float            # K + V of one chunk, the forward hop
-    grad_bytes: float          # the dK + dV partial that rides the backward's second ring
+    kv_bytes: float  # K + V of one chunk, the forward hop
+    grad_bytes: float  # the dK + dV partial that rides the backward's second ring
     inner_bytes_per_s: float
     outer_bytes_per_s: float
     latency_s: float = 0.0
@@ -70,28 +70,48 @@ def hierarchical_ring(costs: CellCosts, inner: int, outer: int) -> LayerTime:
     inner_round = _ring_time(costs.compute_fwd_s, costs.hop_s(costs.kv_bytes, False), inner)
     forward = _ring_time(inner_round, costs.hop_s(costs.kv_bytes, True), outer)
     inner_grad_home = costs.hop_s(costs.grad_bytes, False) if inner > 1 else 0.0
-    inner_round_bwd = _ring_time(costs.compute_bwd_s, costs.hop_s(costs.kv_bytes + costs.grad_bytes, False),
-                                 inner) + inner_grad_home
+    inner_round_bwd = (
+        _ring_time(costs.compute_bwd_s, costs.hop_s(costs.kv_bytes + costs.grad_bytes, False), inner) + inner_grad_home
+    )
     outer_grad_home = costs.hop_s(costs.grad_bytes, True) if outer > 1 else 0.0
-    backward = _ring_time(inner_round_bwd, costs.hop_s(costs.kv_bytes + costs.grad_bytes, True),
-                          outer) + outer_grad_home
+    backward = (
+        _ring_time(inner_round_bwd, costs.hop_s(costs.kv_bytes + costs.grad_bytes, True), outer) + outer_grad_home
+    )
     return LayerTime(forward, backward)
 
 
-def hop_bytes(seq_len: int, world: int, kv_heads: int, head_dim: int, element_bytes: int = 2,
-              grad_element_bytes: int = 4) -> tuple[int, int]:
+def hop_bytes(
+    seq_len: int, world: int, kv_heads: int, head_dim: int, element_bytes: int = 2, grad_element_bytes: int = 4
+) -> tuple[int, int]:
     """(K + V bytes of one rank's chunk, dK + dV partial bytes on the gradient wire)."""
     chunk = seq_len // world * kv_heads * head_dim
     return 2 * chunk * element_bytes, 2 * chunk * grad_element_bytes
 
 
-def attention_cell_costs(seq_len: int, world: int, heads: int, kv_heads: int, head_dim: int, density: float,
-                         tflops: float, inner_bytes_per_s: float, outer_bytes_per_s: float,
-                         element_bytes: int = 2, grad_element_bytes: int = 4, latency_s: float = 0.0) -> CellCosts:
+def attention_cell_costs(
+    seq_len: int,
+    world: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    density: float,
+    tflops: float,
+    inner_bytes_per_s: float,
+    outer_bytes_per_s: float,
+    element_bytes: int = 2,
+    grad_element_bytes: int = 4,
+    latency_s: float = 0.0,
+) -> CellCosts:
     """Cell costs of causal attention at ``density`` of the causal area, computed at ``tflops`` (actually computed
     work; DESIGN.md §7: forward 4·d FLOPs per (i ≥ j) entry and head, backward 2.5 ×)."""
-    forward_flops = 4.0 * head_dim * heads * density * seq_len * (seq_len + 1) / 2 / world ** 2
+    forward_flops = 4.0 * head_dim * heads * density * seq_len * (seq_len + 1) / 2 / world**2
     kv_bytes, grad_bytes = hop_bytes(seq_len, world, kv_heads, head_dim, element_bytes, grad_element_bytes)
-    return CellCosts(compute_fwd_s=forward_flops / (tflops * 1e12), compute_bwd_s=2.5 * forward_flops / (tflops * 1e12),
-                     kv_bytes=kv_bytes, grad_bytes=grad_bytes,
-                     inner_bytes_per_s=inner_bytes_per_s, outer_bytes_per_s=outer_bytes_per_s, latency_s=latency_s)
+    return CellCosts(
+        compute_fwd_s=forward_flops / (tflops * 1e12),
+        compute_bwd_s=2.5 * forward_flops / (tflops * 1e12),
+        kv_bytes=kv_bytes,
+        grad_bytes=grad_bytes,
+        inner_bytes_per_s=inner_bytes_per_s,
+        outer_bytes_per_s=outer_bytes_per_s,
+        latency_s=latency_s,
+    )

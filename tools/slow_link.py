@@ -84,7 +84,7 @@ class _DeviceDelay:
         """Sleep-kernel cycles per second on ``device``, measured once."""
         if device not in cls._cycles_per_s:
             cycles = 20_000_000
-            torch.cuda._sleep(cycles)                   # warm-up
+            torch.cuda._sleep(cycles)  # warm-up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             torch.cuda._sleep(cycles)
@@ -130,8 +130,10 @@ class SlowLinkRingGroups(RingGroups):
     @classmethod
     def wrap(cls, groups: RingGroups, link: SlowLink) -> "SlowLinkRingGroups":
         if groups.outer is not None and link.node_size != groups.inner_size:
-            raise ValueError(f"a hierarchical ring's nodes are its inner rings: node_size={link.node_size} must be "
-                             f"the inner size {groups.inner_size}")
+            raise ValueError(
+                f"a hierarchical ring's nodes are its inner rings: node_size={link.node_size} must be "
+                f"the inner size {groups.inner_size}"
+            )
         if groups.world_size % link.node_size:
             raise ValueError(f"node_size={link.node_size} does not divide the CP size {groups.world_size}")
         return cls(cp=groups.cp, inner=groups.inner, outer=groups.outer, link=link)

@@ -29,11 +29,11 @@ import math
 
 import torch
 
-BAND_PAIRS = range(3, 40)    # RoPE pairs carrying the band (θ_f from 0.52 to 2.2e-4 at base 1e6, d = 128)
-BAND_AMPLITUDE = 1.9         # per pair, in keys; queries carry it times their head's scale
+BAND_PAIRS = range(3, 40)  # RoPE pairs carrying the band (θ_f from 0.52 to 2.2e-4 at base 1e6, d = 128)
+BAND_AMPLITUDE = 1.9  # per pair, in keys; queries carry it times their head's scale
 SINKS, HUB_EVERY = 4, 2048
 SINK_LOGIT, HUB_LOGIT = 14.0, 10.0
-COLUMN_QUERY = 9.0           # every query's slow-pair component; keys carry logit·√d / COLUMN_QUERY there
+COLUMN_QUERY = 9.0  # every query's slow-pair component; keys carry logit·√d / COLUMN_QUERY there
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -46,17 +46,27 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     return torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
 
 
-def structured_qk(batch: int, seq_len: int, q_heads: int, kv_heads: int, dim: int, *,
-                  generator: torch.Generator, device: torch.device | str = "cpu",
-                  rope_base: float = 1e6) -> tuple[torch.Tensor, torch.Tensor]:
+def structured_qk(
+    batch: int,
+    seq_len: int,
+    q_heads: int,
+    kv_heads: int,
+    dim: int,
+    *,
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
+    rope_base: float = 1e6,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q ``[b, N, Hq, d]``, k ``[b, N, Hkv, d]``) float32 on ``device``, post-RoPE, in global order.
 
     Random draws come from ``generator`` (a CPU generator; the same seed gives the same tensors on any
     device). Query head h reads key head h // (Hq / Hkv), as in GQA.
     """
     if q_heads % kv_heads or dim % 2 or dim // 2 <= max(BAND_PAIRS) or seq_len < 4 * 256:
-        raise ValueError(f"q_heads={q_heads}, kv_heads={kv_heads}, dim={dim}, seq_len={seq_len}: need Hq a "
-                         f"multiple of Hkv, an even d > {2 * max(BAND_PAIRS)} and N >= 1024")
+        raise ValueError(
+            f"q_heads={q_heads}, kv_heads={kv_heads}, dim={dim}, seq_len={seq_len}: need Hq a "
+            f"multiple of Hkv, an even d > {2 * max(BAND_PAIRS)} and N >= 1024"
+        )
     half = dim // 2
     slow_pair = half - 1
     positions = torch.arange(seq_len)

@@ -94,8 +94,11 @@ class IterationRecorder:
         record.update(_float_fields("grad_norm", grad_norm))
         if self.hash_grads:
             record["grad_sha256"] = _grad_sha256(model)
-        record.update(mem_allocated=torch.cuda.memory_allocated(), mem_reserved=torch.cuda.memory_reserved(),
-                      max_mem_allocated=torch.cuda.max_memory_allocated())
+        record.update(
+            mem_allocated=torch.cuda.memory_allocated(),
+            mem_reserved=torch.cuda.memory_reserved(),
+            max_mem_allocated=torch.cuda.max_memory_allocated(),
+        )
         with open(self.out_dir / f"rank{dist.get_rank()}.jsonl", "a") as file:
             file.write(json.dumps(record) + "\n")
         return result
@@ -116,9 +119,12 @@ def main() -> None:
     import megatron.training.training as training
     from megatron_mtraining import pretrain
 
-    training.train_step = IterationRecorder(training.train_step, Path(out_dir),
-                                            os.environ.get("MTRAINING_PROBE_HASH_GRADS") == "1",
-                                            int(profile_iteration) if profile_iteration else None)
+    training.train_step = IterationRecorder(
+        training.train_step,
+        Path(out_dir),
+        os.environ.get("MTRAINING_PROBE_HASH_GRADS") == "1",
+        int(profile_iteration) if profile_iteration else None,
+    )
     pretrain.main()
 
 

@@ -70,8 +70,10 @@ def attention_outputs(q, k, v, dout, index) -> dict[str, torch.Tensor]:
 
 def worst_rmse(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[str, float]:
     """(tensor name, relative RMSE) of the tensor that differs most; inf when any value is not finite."""
-    errors = {name: (relative_rmse(got[name], expected[name]) if torch.isfinite(got[name]).all() else float("inf"))
-              for name in expected}
+    errors = {
+        name: (relative_rmse(got[name], expected[name]) if torch.isfinite(got[name]).all() else float("inf"))
+        for name in expected
+    }
     name = max(errors, key=errors.get)
     return name, errors[name]
 
@@ -86,15 +88,23 @@ def sweep_pattern(pattern: str, q, k, v, dout, index, density: float, options, r
             try:
                 with patched(kernel, config):
                     name, rmse = worst_rmse(attention_outputs(q, k, v, dout, index), baseline)
-                    fwd_ms, bwd_ms = measure(lambda: sparse_attention(q, k, v, index, backend="triton"),
-                                             lambda out: torch.autograd.grad(out, (q, k, v), dout),
-                                             options.warmup, options.reps)
-            except Exception as error:           # a config the compiler or the GPU rejects
+                    fwd_ms, bwd_ms = measure(
+                        lambda: sparse_attention(q, k, v, index, backend="triton"),
+                        lambda out: torch.autograd.grad(out, (q, k, v), dout),
+                        options.warmup,
+                        options.reps,
+                    )
+            except Exception as error:  # a config the compiler or the GPU rejects
                 record(**row, status=f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
                 continue
             ok = rmse <= options.rmse_bound
-            record(**row, status="ok" if ok else f"wrong: {name} relative RMSE {rmse:.2e}", rmse=rmse,
-                   worst_tensor=name, ms=fwd_ms if kernel == "forward" else bwd_ms)
+            record(
+                **row,
+                status="ok" if ok else f"wrong: {name} relative RMSE {rmse:.2e}",
+                rmse=rmse,
+                worst_tensor=name,
+                ms=fwd_ms if kernel == "forward" else bwd_ms,
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,8 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sparsity", type=float, default=0.95)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--rmse-bound", type=float, default=5e-3,
-                        help="largest relative RMSE of out/dq/dk/dv against the current config")
+    parser.add_argument(
+        "--rmse-bound",
+        type=float,
+        default=5e-3,
+        help="largest relative RMSE of out/dq/dk/dv against the current config",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jsonl", type=Path, default=None)
     options = parser.parse_args(argv)
@@ -117,14 +131,24 @@ def main(argv: list[str] | None = None) -> None:
     heads, kv_heads, dim = SHAPES[options.shape]
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(options.seed)
-    q, k, v, dout = (torch.randn(1, options.seq_len, h, dim, generator=generator).to(device, torch.bfloat16)
-                     for h in (heads, kv_heads, kv_heads, heads))
+    q, k, v, dout = (
+        torch.randn(1, options.seq_len, h, dim, generator=generator).to(device, torch.bfloat16)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    meta = {"gpu": torch.cuda.get_device_name(), "commit": git_commit(), "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "shape": options.shape, "seq_len": options.seq_len, "heads_q": heads, "heads_kv": kv_heads,
-            "head_dim": dim, "dtype": "bf16"}
-    causal_fwd_flops = 4.0 * options.seq_len * (options.seq_len + 1) / 2 * heads * dim   # 4·d per (i ≥ j) entry
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shape": options.shape,
+        "seq_len": options.seq_len,
+        "heads_q": heads,
+        "heads_kv": kv_heads,
+        "head_dim": dim,
+        "dtype": "bf16",
+    }
+    causal_fwd_flops = 4.0 * options.seq_len * (options.seq_len + 1) / 2 * heads * dim  # 4·d per (i ≥ j) entry
     rows = []
 
     def record(**fields) -> None:
@@ -138,13 +162,17 @@ def main(argv: list[str] | None = None) -> None:
             with open(options.jsonl, "a") as file:
                 file.write(json.dumps(row) + "\n")
         config = row.get("config", {})
-        print(f"{row['pattern']:8s} {row['kernel']:8s} warps={config.get('num_warps', '-')} "
-              f"stages={config.get('num_stages', '-')}{' (current)' if row.get('current') else ''}: "
-              f"{row.get('ms', float('nan')):9.2f} ms {row.get('tflops_actual', float('nan')):6.1f} TFLOP/s "
-              f"{row['status']}", flush=True)
+        print(
+            f"{row['pattern']:8s} {row['kernel']:8s} warps={config.get('num_warps', '-')} "
+            f"stages={config.get('num_stages', '-')}{' (current)' if row.get('current') else ''}: "
+            f"{row.get('ms', float('nan')):9.2f} ms {row.get('tflops_actual', float('nan')):6.1f} TFLOP/s "
+            f"{row['status']}",
+            flush=True,
+        )
 
-    fwd_ms, bwd_ms = time_sdpa(SDPBackend.CUDNN_ATTENTION, q.detach(), k.detach(), v.detach(), dout, options.warmup,
-                               options.reps)
+    fwd_ms, bwd_ms = time_sdpa(
+        SDPBackend.CUDNN_ATTENTION, q.detach(), k.detach(), v.detach(), dout, options.warmup, options.reps
+    )
     record(pattern="dense", density=1.0, kernel="forward", config={"impl": "sdpa_cudnn"}, status="ok", ms=fwd_ms)
     record(pattern="dense", density=1.0, kernel="backward", config={"impl": "sdpa_cudnn"}, status="ok", ms=bwd_ms)
 
@@ -154,19 +182,31 @@ def main(argv: list[str] | None = None) -> None:
     del index
     v_idx, s_idx, _ = budget_pattern(1, heads, options.seq_len, options.sparsity, device, generator)
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, options.seq_len)
-    sweep_pattern(f"sparse{options.sparsity:g}", q, k, v, dout, index, mask_density(v_idx, s_idx, options.seq_len),
-                  options, record)
+    sweep_pattern(
+        f"sparse{options.sparsity:g}",
+        q,
+        k,
+        v,
+        dout,
+        index,
+        mask_density(v_idx, s_idx, options.seq_len),
+        options,
+        record,
+    )
 
-    print("\n| pattern | kernel | config | ms | TFLOP/s (computed) | vs cuDNN | status |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "\n| pattern | kernel | config | ms | TFLOP/s (computed) | vs cuDNN | status |\n|---|---|---|---|---|---|---|"
+    )
     cudnn = {row["kernel"]: row["tflops_actual"] for row in rows if row["config"].get("impl") == "sdpa_cudnn"}
     for row in rows:
         share = f"{row['tflops_actual'] / cudnn[row['kernel']]:.0%}" if "tflops_actual" in row else "–"
         ms = f"{row['ms']:.2f}" if "ms" in row else "–"
         tflops = f"{row['tflops_actual']:.1f}" if "tflops_actual" in row else "–"
         config = ", ".join(f"{key}={value}" for key, value in row["config"].items())
-        print(f"| {row['pattern']} | {row['kernel']} | {config}{' (current)' if row.get('current') else ''} | {ms} | "
-              f"{tflops} | {share} | {row['status']} |")
+        print(
+            f"| {row['pattern']} | {row['kernel']} | {config}{' (current)' if row.get('current') else ''} | {ms} | "
+            f"{tflops} | {share} | {row['status']} |"
+        )
 
 
 if __name__ == "__main__":

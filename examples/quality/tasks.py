@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 PAD, BOS, KV, QUERY = 0, 1, 2, 3
-NUM_SPECIAL = 8                                  # ids 0 … 7 are reserved for markers
+NUM_SPECIAL = 8  # ids 0 … 7 are reserved for markers
 FILLERS = ("walks", "phrases")
-WALK_STEP_PROBS = (0.5, 0.25, 0.15, 0.1)         # δ = 1, 2, 3, 4 of the random-walk filler
+WALK_STEP_PROBS = (0.5, 0.25, 0.15, 0.1)  # δ = 1, 2, 3, 4 of the random-walk filler
 
 
 @dataclass(frozen=True)
@@ -60,29 +60,45 @@ class RetrievalTask:
     phrase_len: int = 6
 
     def __post_init__(self) -> None:
-        for name in ("key_alphabet", "key_len", "value_len", "value_choices", "num_pairs", "num_queries", "phrases",
-                     "phrase_len"):
+        for name in (
+            "key_alphabet",
+            "key_len",
+            "value_len",
+            "value_choices",
+            "num_pairs",
+            "num_queries",
+            "phrases",
+            "phrase_len",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if self.filler not in FILLERS:
             raise ValueError(f"filler={self.filler!r} is unknown; use one of {FILLERS}")
         if self.key_specific_values and self.key_len != 1:
-            raise ValueError(f"key_specific_values reserves value tokens per key token, so it needs key_len=1, "
-                             f"got key_len={self.key_len}; use key_len=1 or key_specific_values=False")
+            raise ValueError(
+                f"key_specific_values reserves value tokens per key token, so it needs key_len=1, "
+                f"got key_len={self.key_len}; use key_len=1 or key_specific_values=False"
+            )
         if self.value_choices < 2:
             raise ValueError(f"value_choices={self.value_choices} leaves nothing to retrieve; use >= 2")
         if self.filler_alphabet < 2 * len(WALK_STEP_PROBS):
             needed = self.filler_base + 2 * len(WALK_STEP_PROBS)
-            raise ValueError(f"vocab_size={self.vocab_size} leaves {self.filler_alphabet} filler ids after "
-                             f"{NUM_SPECIAL} specials, {self.key_alphabet} keys and {self.value_alphabet} values; "
-                             f"use vocab_size >= {needed} or fewer keys/values")
+            raise ValueError(
+                f"vocab_size={self.vocab_size} leaves {self.filler_alphabet} filler ids after "
+                f"{NUM_SPECIAL} specials, {self.key_alphabet} keys and {self.value_alphabet} values; "
+                f"use vocab_size >= {needed} or fewer keys/values"
+            )
         if self.num_queries > self.num_pairs:
-            raise ValueError(f"num_queries={self.num_queries} exceeds num_pairs={self.num_pairs}; every query asks a "
-                             "different pair, so use num_queries <= num_pairs")
-        if self.key_alphabet ** self.key_len < self.num_pairs:
-            raise ValueError(f"key_alphabet**key_len={self.key_alphabet ** self.key_len} distinct keys cannot cover "
-                             f"num_pairs={self.num_pairs}; raise key_alphabet or key_len")
+            raise ValueError(
+                f"num_queries={self.num_queries} exceeds num_pairs={self.num_pairs}; every query asks a "
+                "different pair, so use num_queries <= num_pairs"
+            )
+        if self.key_alphabet**self.key_len < self.num_pairs:
+            raise ValueError(
+                f"key_alphabet**key_len={self.key_alphabet**self.key_len} distinct keys cannot cover "
+                f"num_pairs={self.num_pairs}; raise key_alphabet or key_len"
+            )
 
     # ------------------------------------------------------------------ layout
     @property
@@ -123,9 +139,11 @@ class RetrievalTask:
         """Raise unless ``seq_len`` fits the needles with room to spare (at least twice their tokens)."""
         needed = 2 * self.num_pairs * self.pair_len
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or self.haystack_len(seq_len) < needed:
-            raise ValueError(f"seq_len={seq_len!r} leaves a haystack of {self.haystack_len(seq_len)} tokens; "
-                             f"{self.num_pairs} needles of {self.pair_len} tokens need >= {needed}; use seq_len >= "
-                             f"{needed + 1 + self.query_block_len} or fewer pairs")
+            raise ValueError(
+                f"seq_len={seq_len!r} leaves a haystack of {self.haystack_len(seq_len)} tokens; "
+                f"{self.num_pairs} needles of {self.pair_len} tokens need >= {needed}; use seq_len >= "
+                f"{needed + 1 + self.query_block_len} or fewer pairs"
+            )
 
     def values_of(self, key_index: int, choices: np.ndarray) -> np.ndarray:
         """Value tokens ``[V]`` of a key (its index in the key alphabet; key_len 1) for per-slot ``choices [V]``."""
@@ -149,28 +167,29 @@ class RetrievalTask:
         haystack = self.haystack_len(seq_len)
         tokens = np.empty(seq_len, dtype=np.int64)
         tokens[0] = BOS
-        tokens[1:1 + haystack] = self._filler(rng, haystack)
+        tokens[1 : 1 + haystack] = self._filler(rng, haystack)
 
         starts = 1 + self._needle_starts(rng, haystack, target_depth)
-        codes = rng.choice(self.key_alphabet ** self.key_len, size=self.num_pairs, replace=False)
+        codes = rng.choice(self.key_alphabet**self.key_len, size=self.num_pairs, replace=False)
         pairs = []
         for start, code in zip(starts, codes):
-            key = self.key_base + np.array([(code // self.key_alphabet ** i) % self.key_alphabet
-                                            for i in reversed(range(self.key_len))])
+            key = self.key_base + np.array(
+                [(code // self.key_alphabet**i) % self.key_alphabet for i in reversed(range(self.key_len))]
+            )
             value = self.values_of(int(code), rng.integers(self.value_choices, size=self.value_len))
             pair = np.concatenate([key, value])
-            tokens[start:start + self.pair_len] = np.concatenate([[KV], pair])
+            tokens[start : start + self.pair_len] = np.concatenate([[KV], pair])
             pairs.append(pair)
 
         asked = rng.choice(self.num_pairs, size=self.num_queries, replace=False)
         target = None
         if target_depth is not None:
-            asked = np.concatenate([asked[asked != 0][:self.num_queries - 1], [0]])
+            asked = np.concatenate([asked[asked != 0][: self.num_queries - 1], [0]])
             target = self.num_queries - 1
         answer_spans = []
         position = 1 + haystack
         for pair in asked:
-            tokens[position:position + self.pair_len] = np.concatenate([[QUERY], pairs[pair]])
+            tokens[position : position + self.pair_len] = np.concatenate([[QUERY], pairs[pair]])
             # label t is token t+1: the first answer token is predicted at the last key token
             answer_spans.append(position + self.key_len)
             position += self.pair_len
@@ -194,14 +213,15 @@ class RetrievalTask:
         starts: list[int] = []
         if target_depth is not None:
             starts.append(int(round(target_depth * (haystack - length))))
-        while len(starts) < self.num_pairs:                 # the haystack is at least twice the needles
+        while len(starts) < self.num_pairs:  # the haystack is at least twice the needles
             candidate = int(rng.integers(haystack - length + 1))
             if all(abs(candidate - start) >= length for start in starts):
                 starts.append(candidate)
         return np.array(starts, dtype=np.int64)
 
-    def batch(self, seed: int, stream: int, index: int, batch_size: int, seq_len: int,
-              target_depth: float | None = None) -> "Batch":
+    def batch(
+        self, seed: int, stream: int, index: int, batch_size: int, seq_len: int, target_depth: float | None = None
+    ) -> "Batch":
         """Batch ``index`` of stream ``stream`` (e.g. 0 = training, 1 = evaluation): the same for the same arguments."""
         depth_code = 0 if target_depth is None else 1 + int(round(target_depth * 1e6))
         rng = np.random.default_rng([seed, stream, index, seq_len, depth_code])
@@ -234,8 +254,14 @@ class Batch:
         return cls(tokens, labels, loss_mask, answer_mask, slots, -1 if target is None else target)
 
     def to(self, device) -> "Batch":
-        return Batch(self.tokens.to(device), self.labels.to(device), self.loss_mask.to(device),
-                     self.answer_mask.to(device), self.answer_slots.to(device), self.target)
+        return Batch(
+            self.tokens.to(device),
+            self.labels.to(device),
+            self.loss_mask.to(device),
+            self.answer_mask.to(device),
+            self.answer_slots.to(device),
+            self.target,
+        )
 
 
 def query_correct(predictions: torch.Tensor, labels: torch.Tensor, answer_slots: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,11 @@ from recall import pattern_recall  # noqa: E402
 from tasks import RetrievalTask, query_correct  # noqa: E402
 
 TRAIN_STREAM, EVAL_STREAM, RECALL_STREAM = 0, 1, 2
-KERNEL_SETTINGS = {   # --kernel (the kernels named in the results) → MTrainingConfig settings
-    "triton": dict(backend="triton"), "torch_blocksparse": dict(backend="torch"),
-    "sdpa_cudnn": dict(dense_impl="sdpa_cudnn"), "sdpa_flash": dict(dense_impl="sdpa_flash"),
+KERNEL_SETTINGS = {  # --kernel (the kernels named in the results) → MTrainingConfig settings
+    "triton": dict(backend="triton"),
+    "torch_blocksparse": dict(backend="torch"),
+    "sdpa_cudnn": dict(dense_impl="sdpa_cudnn"),
+    "sdpa_flash": dict(dense_impl="sdpa_flash"),
 }
 
 
@@ -64,8 +66,9 @@ def parse_phases(text: str) -> list[tuple[int, int, int, int | None]]:
             raise argparse.ArgumentTypeError(f"phase {part!r} must be SEQ_LENxBATCHxSTEPS[xPAIRS], e.g. 2048x8x300")
         seq_len, batch, steps, pairs = *numbers[:3], (numbers[3] if len(numbers) == 4 else None)
         if seq_len % 128 or seq_len < 128 or batch < 1 or steps < 1 or (pairs is not None and pairs < 1):
-            raise argparse.ArgumentTypeError(f"phase {part!r}: seq_len must be a multiple of 128, batch, steps and "
-                                             "pairs >= 1")
+            raise argparse.ArgumentTypeError(
+                f"phase {part!r}: seq_len must be a multiple of 128, batch, steps and pairs >= 1"
+            )
         phases.append((seq_len, batch, steps, pairs))
     return phases
 
@@ -89,19 +92,36 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cap", type=int, default=None, help="MTraining cap (default: MTrainingConfig's)")
     run.add_argument("--sink-tokens", type=int, default=30)
     run.add_argument("--local-window", type=int, default=100)
-    run.add_argument("--kernel", choices=("auto", *KERNEL_SETTINGS), default="auto",
-                     help="MTraining kernels; auto: torch_blocksparse on CPU, triton on GPU (dense runs: sdpa_cudnn)")
+    run.add_argument(
+        "--kernel",
+        choices=("auto", *KERNEL_SETTINGS),
+        default="auto",
+        help="MTraining kernels; auto: torch_blocksparse on CPU, triton on GPU (dense runs: sdpa_cudnn)",
+    )
     run.add_argument("--seed", type=int, default=1234)
-    run.add_argument("--time-budget-s", type=float, default=None,
-                     help="wall-clock budget of the whole run; training stops --eval-reserve-s before it")
+    run.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget of the whole run; training stops --eval-reserve-s before it",
+    )
     run.add_argument("--eval-reserve-s", type=float, default=60.0)
     run.add_argument("--log-interval", type=int, default=10, help="steps between attention-density records")
-    run.add_argument("--stop-after-phase", type=int, default=None, metavar="K",
-                     help="train phases 1..K, write the checkpoint <out>/<run>.pt and exit without evaluating: the "
-                          "shared start that --resume branches from")
-    run.add_argument("--resume", type=Path, default=None,
-                     help="a --stop-after-phase checkpoint: continue its training (same weights, optimizer state, "
-                          "step, seed and phases), so that every run differs only from that step on")
+    run.add_argument(
+        "--stop-after-phase",
+        type=int,
+        default=None,
+        metavar="K",
+        help="train phases 1..K, write the checkpoint <out>/<run>.pt and exit without evaluating: the "
+        "shared start that --resume branches from",
+    )
+    run.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a --stop-after-phase checkpoint: continue its training (same weights, optimizer state, "
+        "step, seed and phases), so that every run differs only from that step on",
+    )
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
     model = parser.add_argument_group("model (Qwen2-shaped)")
@@ -119,43 +139,64 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument("--key-len", type=int, default=1)
     task.add_argument("--value-len", type=int, default=2)
     task.add_argument("--value-choices", type=int, default=16, help="tokens each answer slot chooses from")
-    task.add_argument("--shared-values", action="store_true",
-                      help="draw every value token from one shared alphabet (needs induction; slow to learn)")
-    task.add_argument("--pairs", type=int, default=12, help="needles per sequence (evaluation, and phases "
-                                                            "without their own count)")
+    task.add_argument(
+        "--shared-values",
+        action="store_true",
+        help="draw every value token from one shared alphabet (needs induction; slow to learn)",
+    )
+    task.add_argument(
+        "--pairs", type=int, default=12, help="needles per sequence (evaluation, and phases without their own count)"
+    )
     task.add_argument("--queries", type=int, default=8, help="queries at the end (keep them in the last 64 tokens)")
     task.add_argument("--filler", choices=("walks", "phrases"), default="walks")
     task.add_argument("--phrases", type=int, default=32, help="filler words per sequence (--filler phrases)")
     task.add_argument("--phrase-len", type=int, default=6, help="tokens per filler word (--filler phrases)")
 
     train = parser.add_argument_group("training")
-    train.add_argument("--phases", type=parse_phases,
-                       default=parse_phases("128x64x2400x8,512x16x400x8,2048x8x300,8192x2x150,16384x1x150"),
-                       help="length curriculum SEQ_LENxBATCHxSTEPS[xPAIRS],...")
+    train.add_argument(
+        "--phases",
+        type=parse_phases,
+        default=parse_phases("128x64x2400x8,512x16x400x8,2048x8x300,8192x2x150,16384x1x150"),
+        help="length curriculum SEQ_LENxBATCHxSTEPS[xPAIRS],...",
+    )
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--min-lr-ratio", type=float, default=0.1)
     train.add_argument("--warmup", type=int, default=100)
     train.add_argument("--decay-fraction", type=float, default=0.25, help="share of the steps with cosine decay")
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--clip-grad", type=float, default=1.0)
-    train.add_argument("--answer-weight", type=float, default=1.0,
-                       help="objective = mean loss over all tokens + this x mean loss over the answer tokens "
-                            "(0 = plain LM loss); keeps the retrieval signal independent of the length")
-    train.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                       help="bf16: model in bf16, fp32 master weights in the optimizer; auto: bf16 on a GPU, fp32 on "
-                            "a CPU")
+    train.add_argument(
+        "--answer-weight",
+        type=float,
+        default=1.0,
+        help="objective = mean loss over all tokens + this x mean loss over the answer tokens "
+        "(0 = plain LM loss); keeps the retrieval signal independent of the length",
+    )
+    train.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="bf16: model in bf16, fp32 master weights in the optimizer; auto: bf16 on a GPU, fp32 on a CPU",
+    )
 
     evaluation = parser.add_argument_group("evaluation")
-    evaluation.add_argument("--eval-lengths", type=int_list, default=None,
-                            help="default: the phases' lengths from 1024 on (all of them if none is that long)")
+    evaluation.add_argument(
+        "--eval-lengths",
+        type=int_list,
+        default=None,
+        help="default: the phases' lengths from 1024 on (all of them if none is that long)",
+    )
     evaluation.add_argument("--eval-depths", type=float_list, default=[i / 10 for i in range(11)])
     evaluation.add_argument("--eval-samples", type=int, default=16, help="sequences per (length, depth) cell")
     evaluation.add_argument("--eval-tokens", type=int, default=65536, help="tokens per evaluation forward")
     evaluation.add_argument("--recall-lengths", type=int_list, default=None, help="default: the longest phase")
     evaluation.add_argument("--recall-samples", type=int, default=1)
-    evaluation.add_argument("--recall-top-p", type=float_list, default=None,
-                            help="top-P budgets whose pattern recall is measured (default: the run's own; dense "
-                                 "runs: 0.9,0.95)")
+    evaluation.add_argument(
+        "--recall-top-p",
+        type=float_list,
+        default=None,
+        help="top-P budgets whose pattern recall is measured (default: the run's own; dense runs: 0.9,0.95)",
+    )
     evaluation.add_argument("--recall-row-chunk", type=int, default=1024)
     return parser
 
@@ -182,9 +223,12 @@ def recall_settings(args, top_ps: list[float]) -> dict:
     """The MTraining settings whose estimated pattern the recall measures, by name."""
     from megatron_mtraining.config import MTrainingConfig
 
-    return {f"top-p {p:g}": MTrainingConfig(top_p=p, cap=args.cap, backend="torch",
-                                            sink_tokens=args.sink_tokens, local_window=args.local_window)
-            for p in top_ps}
+    return {
+        f"top-p {p:g}": MTrainingConfig(
+            top_p=p, cap=args.cap, backend="torch", sink_tokens=args.sink_tokens, local_window=args.local_window
+        )
+        for p in top_ps
+    }
 
 
 def init_megatron(device: torch.device) -> None:
@@ -194,8 +238,9 @@ def init_megatron(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
 
@@ -213,17 +258,40 @@ def build_model(args, mtraining, max_len: int) -> torch.nn.Module:
     from megatron_mtraining.spec import get_gpt_layer_mtraining_spec
 
     config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        num_query_groups=args.kv_heads, kv_channels=args.head_dim, ffn_hidden_size=args.ffn,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-        use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False)
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        kv_channels=args.head_dim,
+        ffn_hidden_size=args.ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
     torch.manual_seed(args.seed)
     spec = get_gpt_layer_mtraining_spec(config, transformer_impl="local", mtraining=mtraining)
-    return GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=max_len, position_embedding_type="rope",
-                    rotary_base=int(args.rope_base), share_embeddings_and_output_weights=True)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=args.vocab,
+        max_sequence_length=max_len,
+        position_embedding_type="rope",
+        rotary_base=int(args.rope_base),
+        share_embeddings_and_output_weights=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -255,8 +323,9 @@ class MasterWeightAdamW:
 
     def __init__(self, model: torch.nn.Module, args):
         self.params = list(model.parameters())
-        self.master = [p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
-                       for p in self.params]
+        self.master = [
+            p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
+        ]
         self.optimizer = torch.optim.AdamW(self.master, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         self.clip_grad = args.clip_grad
 
@@ -289,10 +358,36 @@ class MasterWeightAdamW:
 
 
 # The settings a checkpoint and the run resuming it must share: model, task, data and schedule.
-TRAJECTORY_SETTINGS = ("seed", "phases", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "rope_base",
-                       "vocab", "key_alphabet", "key_len", "value_len", "value_choices", "shared_values", "pairs",
-                       "queries", "filler", "phrases", "phrase_len", "lr", "min_lr_ratio", "warmup", "decay_fraction",
-                       "weight_decay", "clip_grad", "answer_weight", "precision")
+TRAJECTORY_SETTINGS = (
+    "seed",
+    "phases",
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "ffn",
+    "rope_base",
+    "vocab",
+    "key_alphabet",
+    "key_len",
+    "value_len",
+    "value_choices",
+    "shared_values",
+    "pairs",
+    "queries",
+    "filler",
+    "phrases",
+    "phrase_len",
+    "lr",
+    "min_lr_ratio",
+    "warmup",
+    "decay_fraction",
+    "weight_decay",
+    "clip_grad",
+    "answer_weight",
+    "precision",
+)
 
 
 def trajectory_settings(args) -> dict:
@@ -300,8 +395,16 @@ def trajectory_settings(args) -> dict:
 
 
 def save_checkpoint(path: Path, model, optimizer: MasterWeightAdamW, args, step: int, records: list) -> None:
-    torch.save({"step": step, "settings": trajectory_settings(args), "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "train": records}, path)
+    torch.save(
+        {
+            "step": step,
+            "settings": trajectory_settings(args),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "train": records,
+        },
+        path,
+    )
 
 
 def load_checkpoint(path: Path, model, optimizer: MasterWeightAdamW, args) -> dict:
@@ -310,8 +413,10 @@ def load_checkpoint(path: Path, model, optimizer: MasterWeightAdamW, args) -> di
     saved, ours = checkpoint["settings"], trajectory_settings(args)
     differing = {name: (saved.get(name), ours[name]) for name in ours if saved.get(name) != ours[name]}
     if differing:
-        raise ValueError(f"--resume {path}: the checkpoint was trained with other settings (saved, this run): "
-                         f"{differing}; pass the same flags as the run that wrote it")
+        raise ValueError(
+            f"--resume {path}: the checkpoint was trained with other settings (saved, this run): "
+            f"{differing}; pass the same flags as the run that wrote it"
+        )
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     return checkpoint
@@ -337,19 +442,27 @@ def mean_density(model) -> list[float] | None:
     return [s.density for s in stats] or None
 
 
-def train(model, optimizer: MasterWeightAdamW, task, args, device, results: Results, deadline: float | None,
-          start_step: int = 0) -> int:
+def train(
+    model,
+    optimizer: MasterWeightAdamW,
+    task,
+    args,
+    device,
+    results: Results,
+    deadline: float | None,
+    start_step: int = 0,
+) -> int:
     """Train from step ``start_step`` through the phases (the first ``--stop-after-phase`` ones when set); returns
     the number of steps done."""
     total = sum(phase[2] for phase in args.phases)
-    phases = args.phases[:args.stop_after_phase] if args.stop_after_phase else args.phases
+    phases = args.phases[: args.stop_after_phase] if args.stop_after_phase else args.phases
     records = results.data["train"]
     step = 0
     started = time.perf_counter()
     for seq_len, batch_size, steps, pairs in phases:
         phase_task = task if pairs is None else dataclasses.replace(task, num_pairs=pairs)
         for _ in range(steps):
-            if step < start_step:                           # done by the checkpoint's run
+            if step < start_step:  # done by the checkpoint's run
                 step += 1
                 continue
             if deadline is not None and time.perf_counter() > deadline:
@@ -366,15 +479,19 @@ def train(model, optimizer: MasterWeightAdamW, task, args, device, results: Resu
             accuracy = query_correct(predictions, batch.labels, batch.answer_slots).float().mean()
             values = torch.stack([objective, lm_loss, answer_loss, accuracy, grad_norm]).detach().tolist()
             record = dict(zip(("loss", "lm_loss", "answer_loss", "answer_accuracy", "grad_norm"), values))
-            record.update(step=step, seq_len=seq_len, batch=batch_size, lr=lr,
-                          elapsed_s=round(time.perf_counter() - started, 3))
+            record.update(
+                step=step, seq_len=seq_len, batch=batch_size, lr=lr, elapsed_s=round(time.perf_counter() - started, 3)
+            )
             records.append(record)
             results.data["steps_done"] = step
             if step % args.log_interval == 0 or step == total:
                 record["density"] = mean_density(model)
-                print(f"[{args.run}] step {step}/{total} len {seq_len} | loss {record['loss']:.4f} | lm "
-                      f"{record['lm_loss']:.4f} | answer {record['answer_loss']:.4f} acc "
-                      f"{record['answer_accuracy']:.2f} | {record['elapsed_s']:.0f} s", flush=True)
+                print(
+                    f"[{args.run}] step {step}/{total} len {seq_len} | loss {record['loss']:.4f} | lm "
+                    f"{record['lm_loss']:.4f} | answer {record['answer_loss']:.4f} acc "
+                    f"{record['answer_accuracy']:.2f} | {record['elapsed_s']:.0f} s",
+                    flush=True,
+                )
                 results.save()
     return step
 
@@ -387,8 +504,15 @@ def evaluate(model, task, args, device, results: Results) -> None:
     runs can be compared pair by pair."""
     model.eval()
     lengths, depths = args.eval_lengths, args.eval_depths
-    evaluation = {"lengths": lengths, "depths": depths, "samples": args.eval_samples, "accuracy": [],
-                  "correct": [], "lm_loss": [], "answer_loss": []}
+    evaluation = {
+        "lengths": lengths,
+        "depths": depths,
+        "samples": args.eval_samples,
+        "accuracy": [],
+        "correct": [],
+        "lm_loss": [],
+        "answer_loss": [],
+    }
     results.data["eval"] = evaluation
     for seq_len in lengths:
         per_forward = max(1, min(args.eval_samples, args.eval_tokens // seq_len))
@@ -410,8 +534,11 @@ def evaluate(model, task, args, device, results: Results) -> None:
         evaluation["correct"].append(per_sequence)
         evaluation["lm_loss"].append(loss_sum / token_count)
         evaluation["answer_loss"].append(answer_sum / answer_count)
-        print(f"[{args.run}] eval len {seq_len}: accuracy {sum(row) / len(row):.3f} by depth "
-              f"{[round(a, 2) for a in row]} | lm loss {evaluation['lm_loss'][-1]:.4f}", flush=True)
+        print(
+            f"[{args.run}] eval len {seq_len}: accuracy {sum(row) / len(row):.3f} by depth "
+            f"{[round(a, 2) for a in row]} | lm loss {evaluation['lm_loss'][-1]:.4f}",
+            flush=True,
+        )
         results.save()
     model.train()
 
@@ -427,9 +554,11 @@ def measure_recall(model, task, args, device, results: Results) -> None:
         by_setting = pattern_recall(model, batch.tokens, settings, args.recall_row_chunk)
         results.data["recall"].append({"seq_len": seq_len, "samples": args.recall_samples, "by_setting": by_setting})
         for name, layers in by_setting.items():
-            print(f"[{args.run}] recall len {seq_len} {name}: per layer mean/min over heads "
-                  + " ".join(f"{sum(x['recall']) / len(x['recall']):.3f}/{min(x['recall']):.3f}" for x in layers),
-                  flush=True)
+            print(
+                f"[{args.run}] recall len {seq_len} {name}: per layer mean/min over heads "
+                + " ".join(f"{sum(x['recall']) / len(x['recall']):.3f}/{min(x['recall']):.3f}" for x in layers),
+                flush=True,
+            )
         results.save()
     model.train()
 
@@ -439,18 +568,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.time_budget_s is not None and args.time_budget_s <= args.eval_reserve_s:
-        parser.error(f"--time-budget-s={args.time_budget_s} leaves no training time after --eval-reserve-s="
-                     f"{args.eval_reserve_s}; raise the budget or lower the reserve")
+        parser.error(
+            f"--time-budget-s={args.time_budget_s} leaves no training time after --eval-reserve-s="
+            f"{args.eval_reserve_s}; raise the budget or lower the reserve"
+        )
     if not args.eval_depths or not all(0.0 <= depth <= 1.0 for depth in args.eval_depths):
         parser.error(f"--eval-depths={args.eval_depths} must be fractions in [0, 1], e.g. 0,0.5,1")
     if args.eval_samples < 1 or args.recall_samples < 1:
         parser.error("--eval-samples and --recall-samples must be >= 1")
     if args.stop_after_phase is not None and not 1 <= args.stop_after_phase < len(args.phases):
-        parser.error(f"--stop-after-phase={args.stop_after_phase} must leave phases to branch into: use 1 .. "
-                     f"{len(args.phases) - 1} for {len(args.phases)} phases")
+        parser.error(
+            f"--stop-after-phase={args.stop_after_phase} must leave phases to branch into: use 1 .. "
+            f"{len(args.phases) - 1} for {len(args.phases)} phases"
+        )
     if args.stop_after_phase is not None and args.resume is not None:
-        parser.error("--stop-after-phase and --resume exclude each other: one run writes the checkpoint, the "
-                     "others resume from it")
+        parser.error(
+            "--stop-after-phase and --resume exclude each other: one run writes the checkpoint, the "
+            "others resume from it"
+        )
     if args.resume is not None and not args.resume.is_file():
         parser.error(f"--resume {args.resume}: no such checkpoint; run train.py --stop-after-phase K first")
     start = time.perf_counter()
@@ -462,10 +597,19 @@ def main(argv: list[str] | None = None) -> dict:
     args.eval_lengths = args.eval_lengths or sorted({n for n in lengths if n >= 1024} or set(lengths))
     args.recall_lengths = args.recall_lengths or [max(lengths)]
     max_len = max(lengths + args.eval_lengths + args.recall_lengths)
-    task = RetrievalTask(vocab_size=args.vocab, key_alphabet=args.key_alphabet, key_len=args.key_len,
-                         value_len=args.value_len, value_choices=args.value_choices,
-                         key_specific_values=not args.shared_values, num_pairs=args.pairs, num_queries=args.queries,
-                         filler=args.filler, phrases=args.phrases, phrase_len=args.phrase_len)
+    task = RetrievalTask(
+        vocab_size=args.vocab,
+        key_alphabet=args.key_alphabet,
+        key_len=args.key_len,
+        value_len=args.value_len,
+        value_choices=args.value_choices,
+        key_specific_values=not args.shared_values,
+        num_pairs=args.pairs,
+        num_queries=args.queries,
+        filler=args.filler,
+        phrases=args.phrases,
+        phrase_len=args.phrase_len,
+    )
     for seq_len, _, _, pairs in args.phases:
         (task if pairs is None else dataclasses.replace(task, num_pairs=pairs)).check_length(seq_len)
     for seq_len in set(args.eval_lengths + args.recall_lengths):
@@ -476,32 +620,53 @@ def main(argv: list[str] | None = None) -> dict:
     init_megatron(device)
     model = build_model(args, mtraining, max_len).to(device, torch.bfloat16 if bf16 else torch.float32)
     settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
-    results = Results(args.out / f"{args.run}.json", {
-        "run": args.run, "attention": args.attention, "top_p": args.top_p if args.attention == "mtraining" else None,
-        "kernel": kernel, "precision": "bf16" if bf16 else "fp32", "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "parameters": sum(p.numel() for p in model.parameters()), "settings": settings,
-        "mtraining": {k: v for k, v in vars(mtraining).items()}, "task": dataclasses.asdict(task),
-        "steps_planned": sum(phase[2] for phase in args.phases[:args.stop_after_phase or len(args.phases)]),
-        "steps_done": 0, "stopped_early": False, "status": "training", "train": []})
+    results = Results(
+        args.out / f"{args.run}.json",
+        {
+            "run": args.run,
+            "attention": args.attention,
+            "top_p": args.top_p if args.attention == "mtraining" else None,
+            "kernel": kernel,
+            "precision": "bf16" if bf16 else "fp32",
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "settings": settings,
+            "mtraining": {k: v for k, v in vars(mtraining).items()},
+            "task": dataclasses.asdict(task),
+            "steps_planned": sum(phase[2] for phase in args.phases[: args.stop_after_phase or len(args.phases)]),
+            "steps_done": 0,
+            "stopped_early": False,
+            "status": "training",
+            "train": [],
+        },
+    )
     optimizer = MasterWeightAdamW(model, args)
     start_step = 0
     if args.resume is not None:
         checkpoint = load_checkpoint(args.resume, model, optimizer, args)
         start_step = checkpoint["step"]
-        results.data.update(resumed_from={"path": str(args.resume), "step": start_step}, steps_done=start_step,
-                            train=checkpoint["train"])
+        results.data.update(
+            resumed_from={"path": str(args.resume), "step": start_step},
+            steps_done=start_step,
+            train=checkpoint["train"],
+        )
     results.save()
-    print(f"[{args.run}] {results.data['parameters'] / 1e6:.1f}M parameters, attention {args.attention}, kernel "
-          f"{kernel}, {results.data['precision']}, device {device}", flush=True)
+    print(
+        f"[{args.run}] {results.data['parameters'] / 1e6:.1f}M parameters, attention {args.attention}, kernel "
+        f"{kernel}, {results.data['precision']}, device {device}",
+        flush=True,
+    )
     timings = results.data.setdefault("timing_s", {})
     with rope_tables_on(device):
         steps_done = train(model, optimizer, task, args, device, results, deadline, start_step)
         timings["train"] = round(time.perf_counter() - start, 1)
         if args.stop_after_phase is not None:
             if results.data["stopped_early"]:
-                raise SystemExit(f"[{args.run}] the time budget ended training at step {steps_done} of "
-                                 f"{results.data['steps_planned']}: no checkpoint written; raise --time-budget-s")
+                raise SystemExit(
+                    f"[{args.run}] the time budget ended training at step {steps_done} of "
+                    f"{results.data['steps_planned']}: no checkpoint written; raise --time-budget-s"
+                )
             save_checkpoint(args.out / f"{args.run}.pt", model, optimizer, args, steps_done, results.data["train"])
             results.data["status"] = "checkpointed"
             results.save()

@@ -29,20 +29,22 @@ def check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
-def check_forced(v_size: int, s_size: int, seq_len: int, sink_tokens: int, local_window: int,
-                  where: str = "") -> None:
+def check_forced(v_size: int, s_size: int, seq_len: int, sink_tokens: int, local_window: int, where: str = "") -> None:
     """Raise unless ``sink_tokens <= v_size <= seq_len`` and ``local_window <= s_size <= seq_len``."""
     for name, size, forced, forced_name, what in (
         ("v_size", v_size, sink_tokens, "sink_tokens", "sink columns"),
         ("s_size", s_size, local_window, "local_window", "local-window offsets"),
     ):
         if size > seq_len:
-            raise ValueError(f"{where}{name}={size} is larger than the sequence (seq_len={seq_len}); "
-                             f"use {name} <= {seq_len}")
+            raise ValueError(
+                f"{where}{name}={size} is larger than the sequence (seq_len={seq_len}); use {name} <= {seq_len}"
+            )
         if size < forced:
-            raise ValueError(f"{where}{name}={size} is smaller than the {forced} forced {what} "
-                             f"({forced_name}={forced}), which count toward the budget; "
-                             f"use {name} >= {forced}")
+            raise ValueError(
+                f"{where}{name}={size} is smaller than the {forced} forced {what} "
+                f"({forced_name}={forced}), which count toward the budget; "
+                f"use {name} >= {forced}"
+            )
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,16 @@ class StaticBudget:
         check_forced(self.v_size, self.s_size, seq_len, sink_tokens, local_window)
 
     @classmethod
-    def for_sparsity(cls, sparsity: float, seq_len: int, *, vertical_share: float = 0.1,
-                     sink_tokens: int = 30, local_window: int = 100,
-                     block_size: int = BLOCK_SIZE) -> "StaticBudget":
+    def for_sparsity(
+        cls,
+        sparsity: float,
+        seq_len: int,
+        *,
+        vertical_share: float = 0.1,
+        sink_tokens: int = 30,
+        local_window: int = 100,
+        block_size: int = BLOCK_SIZE,
+    ) -> "StaticBudget":
         """The uniform pair whose every possible index has mask sparsity ``>= sparsity`` (§2.1).
 
         Conversion (a guaranteed bound, so realised sparsity is usually higher): the causal triangle has
@@ -82,14 +91,17 @@ class StaticBudget:
         check_int("seq_len", seq_len, 1)
         check_int("block_size", block_size, 1)
         if seq_len % block_size:
-            raise ValueError(f"seq_len={seq_len} must be a multiple of block_size={block_size} to convert "
-                             f"a sparsity into budgets; use {seq_len // block_size * block_size or block_size} "
-                             f"or {(seq_len // block_size + 1) * block_size}")
+            raise ValueError(
+                f"seq_len={seq_len} must be a multiple of block_size={block_size} to convert "
+                f"a sparsity into budgets; use {seq_len // block_size * block_size or block_size} "
+                f"or {(seq_len // block_size + 1) * block_size}"
+            )
         check_int("sink_tokens", sink_tokens, 0)
-        check_int("local_window", local_window, 2)     # offsets 0 and 1 make block distance 1 forced
+        check_int("local_window", local_window, 2)  # offsets 0 and 1 make block distance 1 forced
         if max(sink_tokens, local_window) > seq_len:
-            raise ValueError(f"sink_tokens={sink_tokens} and local_window={local_window} must both be <= "
-                             f"seq_len={seq_len}")
+            raise ValueError(
+                f"sink_tokens={sink_tokens} and local_window={local_window} must both be <= seq_len={seq_len}"
+            )
         n, b, nb = seq_len, block_size, seq_len // block_size
         forced_blocks = nb * b * (b + 1) // 2 + (nb - 1) * b * b
         min_vertical = max(sink_tokens, 1)
@@ -97,19 +109,21 @@ class StaticBudget:
         allowed = math.floor((1 - sparsity) * n * (n + 1) / 2)
         if allowed < forced_area:
             best = 1 - forced_area / (n * (n + 1) / 2)
-            raise ValueError(f"sparsity={sparsity} cannot be guaranteed at seq_len={seq_len}: the forced sinks, "
-                             f"window and diagonal blocks alone may keep {forced_area} pairs; "
-                             f"use sparsity <= {math.floor(best * 1e4) / 1e4}")
+            raise ValueError(
+                f"sparsity={sparsity} cannot be guaranteed at seq_len={seq_len}: the forced sinks, "
+                f"window and diagonal blocks alone may keep {forced_area} pairs; "
+                f"use sparsity <= {math.floor(best * 1e4) / 1e4}"
+            )
         v_size = min(n, max(min_vertical, math.floor(vertical_share * (allowed - forced_blocks) / n)))
         remaining = allowed - forced_blocks - v_size * n
         extra_diagonals = 0
-        for delta in range(2, nb):                          # at most NB−2 iterations over block distances
+        for delta in range(2, nb):  # at most NB−2 iterations over block distances
             cost = (nb - delta) * b * b
             if cost > remaining:
                 break
             remaining -= cost
             extra_diagonals += 1
-        all_fit = extra_diagonals == max(nb - 2, 0)        # then no slash set can exceed the bound
+        all_fit = extra_diagonals == max(nb - 2, 0)  # then no slash set can exceed the bound
         s_size = n if all_fit else min(n, local_window + extra_diagonals // 2)
         return cls(v_size, s_size)
 
@@ -133,8 +147,10 @@ class TopPBudget:
         """Raise ``ValueError`` unless the cap leaves room for the forced entries."""
         forced = max(sink_tokens, local_window)
         if self.cap < forced:
-            raise ValueError(f"cap={self.cap} is smaller than the forced entries (sink_tokens={sink_tokens}, "
-                             f"local_window={local_window}), which count toward the cap; use cap >= {forced}")
+            raise ValueError(
+                f"cap={self.cap} is smaller than the forced entries (sink_tokens={sink_tokens}, "
+                f"local_window={local_window}), which count toward the cap; use cap >= {forced}"
+            )
 
     def effective_cap(self, seq_len: int) -> int:
         return min(self.cap, seq_len)
@@ -150,16 +166,20 @@ class StaticHeadBudgets:
     def __post_init__(self) -> None:
         for name, sizes in (("v_size", self.v_size), ("s_size", self.s_size)):
             if sizes.dim() != 1 or sizes.dtype != torch.int64 or sizes.numel() == 0:
-                raise ValueError(f"{name} must be a non-empty 1-D int64 tensor, got shape "
-                                 f"{tuple(sizes.shape)} and dtype {sizes.dtype}")
+                raise ValueError(
+                    f"{name} must be a non-empty 1-D int64 tensor, got shape "
+                    f"{tuple(sizes.shape)} and dtype {sizes.dtype}"
+                )
         if self.v_size.shape != self.s_size.shape:
             raise ValueError(f"v_size has {self.v_size.numel()} heads but s_size has {self.s_size.numel()}")
 
     @classmethod
     def uniform(cls, budget: StaticBudget, num_heads: int) -> "StaticHeadBudgets":
         check_int("num_heads", num_heads, 1)
-        return cls(torch.full((num_heads,), budget.v_size, dtype=torch.int64),
-                   torch.full((num_heads,), budget.s_size, dtype=torch.int64))
+        return cls(
+            torch.full((num_heads,), budget.v_size, dtype=torch.int64),
+            torch.full((num_heads,), budget.s_size, dtype=torch.int64),
+        )
 
     @property
     def num_heads(self) -> int:

@@ -42,13 +42,13 @@ import torch
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
 
-FIXED_POINT_ONE = 2 ** 32                 # fixed point: value·2^32 rounded to int64
-STATIC_LOGIT_LIMIT = 2.0 ** 24            # |logit| clamp: 64 rows · 2^24 · 2^32 = 2^62 cannot overflow
-MAX_LAST_Q = 64                           # one tile of query rows; also what keeps the clamp above safe
-FORCED_KEY = 2 ** 63 - 1                  # ranking key of forced entries: above every score
-INCOMPLETE_SCORE = -(2 ** 63 - 1)         # static V(j) = −∞: below every sum, and its negation fits
-LIST_ALIGNMENT = 64                       # list widths Vmax/Smax are multiples of this (or N)
-_EXP_INPUT_FLOOR = -80.0                  # exp(−80)·2^32 < 1e−25: rounds to 0 in fixed point
+FIXED_POINT_ONE = 2**32  # fixed point: value·2^32 rounded to int64
+STATIC_LOGIT_LIMIT = 2.0**24  # |logit| clamp: 64 rows · 2^24 · 2^32 = 2^62 cannot overflow
+MAX_LAST_Q = 64  # one tile of query rows; also what keeps the clamp above safe
+FORCED_KEY = 2**63 - 1  # ranking key of forced entries: above every score
+INCOMPLETE_SCORE = -(2**63 - 1)  # static V(j) = −∞: below every sum, and its negation fits
+LIST_ALIGNMENT = 64  # list widths Vmax/Smax are multiples of this (or N)
+_EXP_INPUT_FLOOR = -80.0  # exp(−80)·2^32 < 1e−25: rounds to 0 in fixed point
 _LOG2_E = 1.4426950408889634
 # 2^f = Σ_k (f·ln 2)^k / k! on [0, 1); the degree-13 truncation error is below 2e−13 (relative)
 _EXP2_COEFFICIENTS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(14))
@@ -85,18 +85,25 @@ def _uses_triton(tensor: torch.Tensor) -> bool:
 def _triton_estimation():
     """:mod:`mtraining_kernels.triton_estimation`, imported on first use (Triton is only needed there)."""
     from . import triton_estimation
+
     return triton_estimation
 
 
 def _fixed_point_rules():
     """This module's integer arithmetic, as the Triton kernels take it."""
     return _triton_estimation().FixedPointRules(
-        one=FIXED_POINT_ONE, static_logit_limit=STATIC_LOGIT_LIMIT, incomplete_score=INCOMPLETE_SCORE,
-        exp_input_floor=_EXP_INPUT_FLOOR, log2_e=_LOG2_E, exp2_coefficients=_EXP2_COEFFICIENTS)
+        one=FIXED_POINT_ONE,
+        static_logit_limit=STATIC_LOGIT_LIMIT,
+        incomplete_score=INCOMPLETE_SCORE,
+        exp_input_floor=_EXP_INPUT_FLOOR,
+        log2_e=_LOG2_E,
+        exp2_coefficients=_EXP2_COEFFICIENTS,
+    )
 
 
-def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
-                      k_positions: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def estimation_logits(
+    q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, k_positions: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """Logits of the estimation rows against some keys: fp32 ``[b, Hq, L, n]``, −inf where j > i.
 
     ``q_rows [b, L, Hq, d]`` and their global positions ``q_positions [L]``; ``k [b, n, Hkv, d]`` and
@@ -111,15 +118,21 @@ def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.
     return _torch_estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
 
 
-def _torch_estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
-                             k_positions: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def _torch_estimation_logits(
+    q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, k_positions: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """:func:`estimation_logits` with PyTorch ops on any device: one broadcast product and add per t."""
     batch, rows, q_heads, dim = q_rows.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
     # [d, b, Hkv, group·L, 1] against [d, b, Hkv, 1, n]: one broadcast product per t
-    q_by_dim = (q_rows.float().reshape(batch, rows, kv_heads, group, dim).permute(4, 0, 2, 3, 1)
-                .reshape(dim, batch, kv_heads, group * rows, 1).contiguous())
+    q_by_dim = (
+        q_rows.float()
+        .reshape(batch, rows, kv_heads, group, dim)
+        .permute(4, 0, 2, 3, 1)
+        .reshape(dim, batch, kv_heads, group * rows, 1)
+        .contiguous()
+    )
     k_by_dim = k.float().permute(3, 0, 2, 1).unsqueeze(3).contiguous()
     logits = torch.mul(q_by_dim[0], k_by_dim[0])
     product = torch.empty_like(logits)
@@ -151,7 +164,7 @@ def _exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
     """
     y = x.clamp(min=_EXP_INPUT_FLOOR) * _LOG2_E
     whole = torch.floor(y)
-    fraction = y - whole                                                 # exact, in [0, 1)
+    fraction = y - whole  # exact, in [0, 1)
     poly = torch.full_like(fraction, _EXP2_COEFFICIENTS[-1])
     for coefficient in reversed(_EXP2_COEFFICIENTS[:-1]):
         poly.mul_(fraction).add_(coefficient)
@@ -167,7 +180,7 @@ def exp_fixed_point(logits: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor
     """
     masked = torch.isneginf(logits)
     shifted = logits.double() - row_max.double()[..., None]
-    shifted = shifted.masked_fill_(masked, _EXP_INPUT_FLOOR)            # its E rounds to 0
+    shifted = shifted.masked_fill_(masked, _EXP_INPUT_FLOOR)  # its E rounds to 0
     return to_fixed_point(_exp_nonpositive(shifted))
 
 
@@ -191,8 +204,9 @@ def vertical_scores(values: torch.Tensor, incomplete_columns: torch.Tensor | Non
     return scores
 
 
-def slash_partial_sums(values: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor,
-                       seq_len: int) -> torch.Tensor:
+def slash_partial_sums(
+    values: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, seq_len: int
+) -> torch.Tensor:
     """Per-offset sums S(s) = Σ values[..., i, j] over pairs with i − j = s: int64 ``[..., seq_len]``.
 
     ``values [..., L, n]`` int64 with rows at ``q_positions [L]`` and columns at ``k_positions [n]``
@@ -200,7 +214,7 @@ def slash_partial_sums(values: torch.Tensor, q_positions: torch.Tensor, k_positi
     exactly to the full S(s).
     """
     offsets = q_positions.to(values.device)[:, None] - k_positions.to(values.device)[None, :]
-    offsets = torch.where(offsets >= 0, offsets, seq_len).reshape(-1)   # masked pairs → spare slot
+    offsets = torch.where(offsets >= 0, offsets, seq_len).reshape(-1)  # masked pairs → spare slot
     leading = values.shape[:-2]
     sums = values.new_zeros(*leading, seq_len + 1)
     sums.scatter_add_(-1, offsets.expand(*leading, -1), values.reshape(*leading, -1))
@@ -208,8 +222,9 @@ def slash_partial_sums(values: torch.Tensor, q_positions: torch.Tensor, k_positi
 
 
 # ------------------------------------------------------------------------------------------- selection
-def rank_candidates(scores: torch.Tensor, indices: torch.Tensor, num_forced: int,
-                    limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_candidates(
+    scores: torch.Tensor, indices: torch.Tensor, num_forced: int, limit: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Order candidates and keep the first ``limit``: (ranked scores, ranked indices), int64 ``[..., limit]``.
 
     ``scores``/``indices [..., m]`` int64, indices distinct along the last dim, in any order. The
@@ -221,12 +236,13 @@ def rank_candidates(scores: torch.Tensor, indices: torch.Tensor, num_forced: int
     indices = indices.gather(-1, by_index)
     scores = scores.gather(-1, by_index)
     keys = torch.where(indices < num_forced, FORCED_KEY, scores)
-    order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]     # ties keep index order
+    order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]  # ties keep index order
     return scores.gather(-1, order), indices.gather(-1, order)
 
 
-def top_p_counts(ranked_masses: torch.Tensor, num_forced: int, total_mass: torch.Tensor, p: float,
-                 cap: int) -> torch.Tensor:
+def top_p_counts(
+    ranked_masses: torch.Tensor, num_forced: int, total_mass: torch.Tensor, p: float, cap: int
+) -> torch.Tensor:
     """Per head, the smallest count c ≥ ``num_forced`` whose first c ranked masses reach ``p``·total, at most ``cap``.
 
     ``ranked_masses [..., m]`` int64 ≥ 0 from :func:`rank_candidates` (forced entries first, so their
@@ -235,12 +251,13 @@ def top_p_counts(ranked_masses: torch.Tensor, num_forced: int, total_mass: torch
     """
     needed = torch.ceil(total_mass.double() * p).long()
     cumulative = ranked_masses[..., :cap].cumsum(dim=-1)
-    short = (cumulative < needed[..., None]).sum(dim=-1)                 # entries before the mass is reached
+    short = (cumulative < needed[..., None]).sum(dim=-1)  # entries before the mass is reached
     return (short + 1).clamp(min=num_forced, max=cap)
 
 
-def index_list(ranked_indices: torch.Tensor, counts: torch.Tensor, width: int,
-               seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def index_list(
+    ranked_indices: torch.Tensor, counts: torch.Tensor, width: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``counts`` ranked indices, ascending, padded with ``seq_len``: (int32 ``[..., width]``, int32 counts).
 
     ``ranked_indices [..., m]`` with m ≥ width ≥ max(counts).
@@ -268,20 +285,28 @@ def check_query_key(q, k, softmax_scale) -> None:
     """Shape, dtype, GQA and device checks of q/k (the whole sequence or one rank's shard) and the scale."""
     for name, x in (("q", q), ("k", k)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor [b, N, heads, d], got "
-                             f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', '')}")
+            raise ValueError(
+                f"{name} must be a floating-point tensor [b, N, heads, d], got "
+                f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', '')}"
+            )
     (batch, seq_len, q_heads, dim), (k_batch, k_len, kv_heads, k_dim) = q.shape, k.shape
     if (batch, seq_len, dim) != (k_batch, k_len, k_dim):
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on [b, N, ·, d]")
     if 0 in q.shape or 0 in k.shape:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must not be empty")
     if q_heads % kv_heads:
-        raise ValueError(f"query heads Hq={q_heads} are not divisible by KV heads Hkv={kv_heads}; "
-                         "GQA needs Hq to be a multiple of Hkv")
+        raise ValueError(
+            f"query heads Hq={q_heads} are not divisible by KV heads Hkv={kv_heads}; "
+            "GQA needs Hq to be a multiple of Hkv"
+        )
     if q.device != k.device:
         raise ValueError(f"q is on {q.device} but k is on {k.device}; put both on one device")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number or None (d^-1/2)")
 
 
@@ -293,30 +318,44 @@ def check_forced_entries(sink_tokens, local_window, seq_len: int) -> None:
 def _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window) -> None:
     check_query_key(q, k, softmax_scale)
     seq_len = q.shape[1]
-    check_int("last_q", last_q, 1, min(MAX_LAST_Q, seq_len),
-               f"at most the sequence length N={seq_len} and at most one {MAX_LAST_Q}-row tile")
+    check_int(
+        "last_q",
+        last_q,
+        1,
+        min(MAX_LAST_Q, seq_len),
+        f"at most the sequence length N={seq_len} and at most one {MAX_LAST_Q}-row tile",
+    )
     check_forced_entries(sink_tokens, local_window, seq_len)
 
 
-def resolve_budget(budget, q_heads: int, seq_len: int, sink_tokens: int,
-                    local_window: int) -> StaticHeadBudgets | TopPBudget:
+def resolve_budget(
+    budget, q_heads: int, seq_len: int, sink_tokens: int, local_window: int
+) -> StaticHeadBudgets | TopPBudget:
     """The budget as per-head static sizes or a top-P budget, checked against Hq, N and the forced entries."""
     if isinstance(budget, StaticBudget):
         budget = StaticHeadBudgets.uniform(budget, q_heads)
     if isinstance(budget, StaticHeadBudgets):
         if budget.num_heads != q_heads:
-            raise ValueError(f"the budget has {budget.num_heads} heads but q has Hq={q_heads}; resolve the "
-                             "budget for this rank's query heads")
+            raise ValueError(
+                f"the budget has {budget.num_heads} heads but q has Hq={q_heads}; resolve the "
+                "budget for this rank's query heads"
+            )
     elif not isinstance(budget, TopPBudget):
         raise ValueError(f"budget={budget!r} must be a StaticBudget, StaticHeadBudgets or TopPBudget")
     budget.validate_for(seq_len, sink_tokens, local_window)
     return budget
 
 
-def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor,
-                            budget: StaticBudget | StaticHeadBudgets | TopPBudget, *,
-                            softmax_scale: float | None = None, last_q: int = 64, sink_tokens: int = 30,
-                            local_window: int = 100) -> VerticalSlashIndex:
+def estimate_vertical_slash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    budget: StaticBudget | StaticHeadBudgets | TopPBudget,
+    *,
+    softmax_scale: float | None = None,
+    last_q: int = 64,
+    sink_tokens: int = 30,
+    local_window: int = 100,
+) -> VerticalSlashIndex:
     """Estimate the vertical-slash index of one layer from post-RoPE q/k in global order (DESIGN.md §2.2).
 
     ``q [b, N, Hq, d]``, ``k [b, N, Hkv, d]`` (any float dtype; logits in fp32). ``budget`` is a uniform
@@ -330,23 +369,33 @@ def estimate_vertical_slash(q: torch.Tensor, k: torch.Tensor,
     batch, seq_len, q_heads, dim = q.shape
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
-    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
     device = q.device
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = torch.arange(seq_len, device=device)
-    logits = estimation_logits(q[:, seq_len - last_q:], q_positions, k, k_positions, scale)
-    v_scores, s_scores = vertical_and_slash_scores(logits, isinstance(budget, TopPBudget), q_positions,
-                                                    k_positions, seq_len)
+    logits = estimation_logits(q[:, seq_len - last_q :], q_positions, k, k_positions, scale)
+    v_scores, s_scores = vertical_and_slash_scores(
+        logits, isinstance(budget, TopPBudget), q_positions, k_positions, seq_len
+    )
     del logits
 
-    total_mass = v_scores.sum(dim=-1) if isinstance(budget, TopPBudget) else None   # = s_scores.sum(-1) exactly
-    return select_index(v_scores, _all_candidates(v_scores), s_scores, _all_candidates(s_scores), budget, total_mass,
-                   seq_len, sink_tokens, local_window)
+    total_mass = v_scores.sum(dim=-1) if isinstance(budget, TopPBudget) else None  # = s_scores.sum(-1) exactly
+    return select_index(
+        v_scores,
+        _all_candidates(v_scores),
+        s_scores,
+        _all_candidates(s_scores),
+        budget,
+        total_mass,
+        seq_len,
+        sink_tokens,
+        local_window,
+    )
 
 
-def _values_and_vertical_scores(logits: torch.Tensor, top_p: bool,
-                                reduce_rows: RowReduction | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _values_and_vertical_scores(
+    logits: torch.Tensor, top_p: bool, reduce_rows: RowReduction | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The int64 terms of the scores (``values``, like ``logits``) and V over the logits' columns ``[b, Hq, n]``.
 
     Static terms are the clamped logits; top-P terms are the masses P. ``reduce_rows(tensor, "max" | "sum")``
@@ -367,10 +416,14 @@ def _values_and_vertical_scores(logits: torch.Tensor, top_p: bool,
     return values, vertical_scores(values)
 
 
-def vertical_and_slash_scores(logits: torch.Tensor, top_p: bool, q_positions: torch.Tensor,
-                               k_positions: torch.Tensor, seq_len: int,
-                               reduce_rows: RowReduction | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def vertical_and_slash_scores(
+    logits: torch.Tensor,
+    top_p: bool,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    seq_len: int,
+    reduce_rows: RowReduction | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(V over the logits' columns ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64, from the logits.
 
     ``reduce_rows`` as in :func:`_values_and_vertical_scores`. With Triton (see :func:`_uses_triton`)
@@ -404,9 +457,17 @@ def list_widths(budget: StaticHeadBudgets | TopPBudget, seq_len: int) -> tuple[i
     return list_width(int(budget.v_size.max()), seq_len), list_width(int(budget.s_size.max()), seq_len)
 
 
-def select_index(v_scores: torch.Tensor, v_indices: torch.Tensor, s_scores: torch.Tensor, s_indices: torch.Tensor,
-            budget: StaticHeadBudgets | TopPBudget, total_mass: torch.Tensor | None, seq_len: int,
-            sink_tokens: int, local_window: int) -> VerticalSlashIndex:
+def select_index(
+    v_scores: torch.Tensor,
+    v_indices: torch.Tensor,
+    s_scores: torch.Tensor,
+    s_indices: torch.Tensor,
+    budget: StaticHeadBudgets | TopPBudget,
+    total_mass: torch.Tensor | None,
+    seq_len: int,
+    sink_tokens: int,
+    local_window: int,
+) -> VerticalSlashIndex:
     """The index from (score, global index) candidates ``[b, Hq, m]`` of verticals and of slashes.
 
     The candidates must contain every head's best Vmax (Smax) entries in the order of
@@ -416,8 +477,10 @@ def select_index(v_scores: torch.Tensor, v_indices: torch.Tensor, s_scores: torc
     v_width, s_width = list_widths(budget, seq_len)
     v_sizes, s_sizes = (None, None) if isinstance(budget, TopPBudget) else (budget.v_size, budget.s_size)
     lists = []
-    for scores, indices, num_forced, width, sizes in ((v_scores, v_indices, sink_tokens, v_width, v_sizes),
-                                                      (s_scores, s_indices, local_window, s_width, s_sizes)):
+    for scores, indices, num_forced, width, sizes in (
+        (v_scores, v_indices, sink_tokens, v_width, v_sizes),
+        (s_scores, s_indices, local_window, s_width, s_sizes),
+    ):
         ranked_scores, ranked_indices = rank_candidates(scores, indices, num_forced, width)
         if sizes is None:
             counts = top_p_counts(ranked_scores, num_forced, total_mass, budget.p, budget.effective_cap(seq_len))

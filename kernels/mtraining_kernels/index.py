@@ -90,11 +90,14 @@ def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
         if out_of_range:
             raise ValueError(
                 f"{name} holds values outside [0, {seq_len}] (min {int(idx.min())}, max {int(idx.max())}); "
-                f"valid entries are in [0, N) and unused slots hold the sentinel N={seq_len}")
+                f"valid entries are in [0, N) and unused slots hold the sentinel N={seq_len}"
+            )
         not_ascending = bool(((idx[..., 1:] <= idx[..., :-1]) & (idx[..., 1:] < seq_len)).any())
         if not_ascending:
-            raise ValueError(f"{name} valid entries must be ascending and distinct per [b, h], "
-                             f"with sentinels N={seq_len} last; sort and deduplicate the index")
+            raise ValueError(
+                f"{name} valid entries must be ascending and distinct per [b, h], "
+                f"with sentinels N={seq_len} last; sort and deduplicate the index"
+            )
 
 
 def _block_tables(layout: Layout, rank: int, seq_len: int, device) -> tuple[Tensor, Tensor]:
@@ -124,16 +127,15 @@ def _block_lists(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor) -> tu
     """
     batch, heads = hit.shape[:2]
     world, nb = source_blocks.shape
-    distance = query_blocks[None, :, None] - source_blocks[:, None, :]                # [W, nb, nb]
+    distance = query_blocks[None, :, None] - source_blocks[:, None, :]  # [W, nb, nb]
     active = hit.index_select(-1, distance.clamp(min=0).flatten()).view(batch, heads, world, nb, nb)
-    active = (active & (distance >= 0)).permute(2, 0, 1, 3, 4).contiguous().view(-1, nb)   # rows (w, b, h, i)
+    active = (active & (distance >= 0)).permute(2, 0, 1, 3, 4).contiguous().view(-1, nb)  # rows (w, b, h, i)
     key_block = (torch.nonzero(active.view(-1)).squeeze(1) % nb).to(torch.int32)
     col = torch.stack((2 * key_block, 2 * key_block + 1), dim=1).view(-1)
     return _csr_offsets(2 * active.sum(1), (world, batch, heads, nb)), col
 
 
-def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
-               seq_len: int) -> tuple[Tensor, Tensor]:
+def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout, seq_len: int) -> tuple[Tensor, Tensor]:
     """CSR bar lists: verticals strictly before the query block whose block is not active.
 
     A sentinel N is clamped into the last block, which is never strictly before a query block, so
@@ -141,24 +143,25 @@ def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
     """
     batch, heads, width = v_idx.shape
     world, nb, local_len = layout.world_size, query_blocks.numel(), seq_len // layout.world_size
-    column = v_idx.long().clamp(max=seq_len - 1)                                       # [b, Hq, V]
+    column = v_idx.long().clamp(max=seq_len - 1)  # [b, Hq, V]
     owner, local = layout.to_local(column, seq_len)
-    distance = query_blocks[None, None, :, None] - (column // BLOCK_SIZE)[:, :, None, :]   # [b, Hq, nb, V]
+    distance = query_blocks[None, None, :, None] - (column // BLOCK_SIZE)[:, :, None, :]  # [b, Hq, nb, V]
     block_hit = hit.gather(-1, distance.clamp(min=0).view(batch, heads, nb * width)).view_as(distance)
-    flat = torch.nonzero(((distance > 0) & ~block_hit).view(-1)).squeeze(1)           # over (b, h, i, v)
-    head_row = flat // width                                                          # (b, h)·nb + i
-    vertical = head_row // nb * width + flat % width                                  # over (b, h, v)
-    row = owner.view(-1)[vertical] * (batch * heads * nb) + head_row                  # over (w, b, h, i)
+    flat = torch.nonzero(((distance > 0) & ~block_hit).view(-1)).squeeze(1)  # over (b, h, i, v)
+    head_row = flat // width  # (b, h)·nb + i
+    vertical = head_row // nb * width + flat % width  # over (b, h, v)
+    row = owner.view(-1)[vertical] * (batch * heads * nb) + head_row  # over (w, b, h, i)
     order_key = torch.sort(row * local_len + local.view(-1)[vertical]).values
-    row_starts = torch.searchsorted(order_key // local_len,
-                                    torch.arange(world * batch * heads * nb + 1, device=v_idx.device))
+    row_starts = torch.searchsorted(
+        order_key // local_len, torch.arange(world * batch * heads * nb + 1, device=v_idx.device)
+    )
     col = (order_key % local_len).to(torch.int32)
     return _csr_offsets(row_starts[1:] - row_starts[:-1], (world, batch, heads, nb)), col
 
 
 def _lists_triton(candidates, shape: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
     """CSR lists by the Triton kernels of ``triton_index``: a count pass, the offsets, a write pass."""
-    from . import triton_index       # Triton is imported only where its kernels run
+    from . import triton_index  # Triton is imported only where its kernels run
 
     counts = triton_index.count_rows(candidates)
     ptr = _csr_offsets(counts.view(-1).long(), shape)
@@ -173,8 +176,9 @@ def _block_lists_triton(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor
     return _lists_triton(block_candidates(source_blocks, query_blocks, hit), shape)
 
 
-def _bar_lists_triton(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
-                      seq_len: int) -> tuple[Tensor, Tensor]:
+def _bar_lists_triton(
+    v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout, seq_len: int
+) -> tuple[Tensor, Tensor]:
     """:func:`_bar_lists` without the int64 ``[b, Hq, nb, Vmax]`` temporaries and the sort."""
     from .triton_index import bar_candidates
 
@@ -193,7 +197,7 @@ def convert_index(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
     can be that large).
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
-    hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)                  # [b, Hq, NB]
+    hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
     query_blocks, source_blocks = _block_tables(layout, rank, seq_len, v_idx.device)
     use_triton = _conversion_backend == "triton" or (_conversion_backend == "auto" and v_idx.is_cuda)
     if use_triton:
@@ -216,12 +220,12 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
     nb = seq_len // world // BLOCK_SIZE
     query_blocks = layout.global_blocks(seq_len, rank).tolist()
     source_blocks = [layout.global_blocks(seq_len, w).tolist() for w in range(world)]
-    owner_local = {}                                         # global position → (source rank, local position)
+    owner_local = {}  # global position → (source rank, local position)
     for w in range(world):
         for local, position in enumerate(layout.global_positions(seq_len, w).tolist()):
             owner_local[position] = (w, local)
 
-    blk_rows, bar_rows = [], []                             # one list of columns per row (w, b, h, i)
+    blk_rows, bar_rows = [], []  # one list of columns per row (w, b, h, i)
     for w in range(world):
         for b in range(batch):
             for h in range(heads):
@@ -232,8 +236,7 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
                     delta = qb - kb
                     if delta == 0:
                         return True
-                    return delta > 0 and any((delta - 1) * BLOCK_SIZE < s < (delta + 1) * BLOCK_SIZE
-                                             for s in slashes)
+                    return delta > 0 and any((delta - 1) * BLOCK_SIZE < s < (delta + 1) * BLOCK_SIZE for s in slashes)
 
                 for qb in query_blocks:
                     tiles = []
@@ -262,8 +265,10 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
                         row += 1
                     ptr[w][b][h][nb] = len(cols)
         device = v_idx.device
-        return (torch.tensor(ptr, dtype=torch.int32, device=device),
-                torch.tensor(cols, dtype=torch.int32, device=device))
+        return (
+            torch.tensor(ptr, dtype=torch.int32, device=device),
+            torch.tensor(cols, dtype=torch.int32, device=device),
+        )
 
     blk_ptr, blk_col = to_csr(blk_rows)
     bar_ptr, bar_col = to_csr(bar_rows)

@@ -36,8 +36,7 @@ def get_backend(name: str) -> ModuleType:
         return importlib.import_module(BACKEND_MODULES[name])
     except ImportError as err:
         raise ImportError(
-            f"backend {name!r} is unavailable ({err}); install its requirements or use "
-            f"backend='torch_blocksparse'"
+            f"backend {name!r} is unavailable ({err}); install its requirements or use backend='torch_blocksparse'"
         ) from err
 
 
@@ -55,25 +54,39 @@ def replay_output_error(q: torch.Tensor, replay_output) -> str:
     out, lse = replay_output
     batch, seq_len, heads, _ = q.shape
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        return (f"replay_output out {tuple(out.shape)} {out.dtype} on {out.device} must match q {tuple(q.shape)} "
-                f"{q.dtype} on {q.device}; pass the out of the same call's first forward")
+        return (
+            f"replay_output out {tuple(out.shape)} {out.dtype} on {out.device} must match q {tuple(q.shape)} "
+            f"{q.dtype} on {q.device}; pass the out of the same call's first forward"
+        )
     if lse.shape != (batch, heads, seq_len) or not lse.is_floating_point() or lse.device != q.device:
-        return (f"replay_output lse {tuple(lse.shape)} {lse.dtype} must be a float [b, Hq, N] = "
-                f"{(batch, heads, seq_len)} on {q.device}; pass the lse of the same call's first forward")
+        return (
+            f"replay_output lse {tuple(lse.shape)} {lse.dtype} must be a float [b, Hq, N] = "
+            f"{(batch, heads, seq_len)} on {q.device}; pass the lse of the same call's first forward"
+        )
     return ""
 
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, index: BlockBarIndex, softmax_scale: float, backend: ModuleType,
-                deterministic: bool, replay_output):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        index: BlockBarIndex,
+        softmax_scale: float,
+        backend: ModuleType,
+        deterministic: bool,
+        replay_output,
+    ):
         if replay_output is None:
             batch, seq_len, heads, _ = q.shape
             acc = accumulator_dtype(q.dtype)
             out = torch.zeros(q.shape, dtype=acc, device=q.device)
             lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
-            backend.block_bar_forward(q, k, v, *_step_lists(index), out, lse, causal_diag=True,
-                                      softmax_scale=softmax_scale)
+            backend.block_bar_forward(
+                q, k, v, *_step_lists(index), out, lse, causal_diag=True, softmax_scale=softmax_scale
+            )
             out = out.to(q.dtype)
         else:
             out, lse = replay_output
@@ -87,13 +100,25 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         acc = lse.dtype
         dout = dout.contiguous()
-        delta = (out.to(acc) * dout.to(acc)).sum(dim=-1).transpose(1, 2).contiguous()   # [b, Hq, N]
+        delta = (out.to(acc) * dout.to(acc)).sum(dim=-1).transpose(1, 2).contiguous()  # [b, Hq, N]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        ctx.backend.block_bar_backward(q, k, v, dout, lse, delta, *_step_lists(ctx.index), dq, dk, dv,
-                                       causal_diag=True, softmax_scale=ctx.softmax_scale,
-                                       deterministic=ctx.deterministic)
+        ctx.backend.block_bar_backward(
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            *_step_lists(ctx.index),
+            dq,
+            dk,
+            dv,
+            causal_diag=True,
+            softmax_scale=ctx.softmax_scale,
+            deterministic=ctx.deterministic,
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
@@ -103,15 +128,26 @@ def _check_single_device(q: torch.Tensor, index: BlockBarIndex) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor [b, N, Hq, d], got {getattr(q, 'shape', type(q))}")
     if index.world_size != 1:
-        raise ValueError(f"index was built for world_size={index.world_size}; sparse_attention is single-device, "
-                         f"build it with Layout(kind, 1) and rank 0 (or use the ring for context parallelism)")
+        raise ValueError(
+            f"index was built for world_size={index.world_size}; sparse_attention is single-device, "
+            f"build it with Layout(kind, 1) and rank 0 (or use the ring for context parallelism)"
+        )
     if index.seq_len != q.shape[1]:
         raise ValueError(f"index was built for seq_len={index.seq_len} but q has length {q.shape[1]}")
 
 
-def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockBarIndex, *,
-                     softmax_scale: float | None = None, backend: str = "torch_blocksparse",
-                     return_lse: bool = False, deterministic: bool = False, replay_output=None):
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: BlockBarIndex,
+    *,
+    softmax_scale: float | None = None,
+    backend: str = "torch_blocksparse",
+    return_lse: bool = False,
+    deterministic: bool = False,
+    replay_output=None,
+):
     """Causal vertical-slash sparse attention on one device, differentiable in q, k, v.
 
     ``index`` is ``convert_index(v_idx, s_idx, Layout(kind, 1), 0, N)``. Returns out
@@ -129,9 +165,15 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: B
     return (out, lse) if return_lse else out
 
 
-def torch_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_idx: torch.Tensor,
-                                 s_idx: torch.Tensor, softmax_scale: float | None = None,
-                                 return_lse: bool = False):
+def torch_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_idx: torch.Tensor,
+    s_idx: torch.Tensor,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
     """:func:`sparse_attention` on the ``torch_blocksparse`` backend, straight from (v_idx, s_idx).
 
     v_idx/s_idx int32 ``[b, Hq, Vmax/Smax]``, ascending, sentinel N for unused slots (DESIGN.md §2.1).
@@ -139,8 +181,9 @@ def torch_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor [b, N, Hq, d], got {getattr(q, 'shape', type(q))}")
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, q.shape[1])
-    return sparse_attention(q, k, v, index, softmax_scale=softmax_scale, backend="torch_blocksparse",
-                            return_lse=return_lse)
+    return sparse_attention(
+        q, k, v, index, softmax_scale=softmax_scale, backend="torch_blocksparse", return_lse=return_lse
+    )
 
 
 class _DenseAttention(torch.autograd.Function):
@@ -159,13 +202,23 @@ class _DenseAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         causal, softmax_scale, impl = ctx.setup
-        dq, dk, dv = sdpa_backend.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                                     softmax_scale=softmax_scale, impl=impl)
+        dq, dk, dv = sdpa_backend.attention_backward(
+            dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, impl=impl
+        )
         return dq, dk, dv, None, None, None, None
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "cudnn", causal: bool = True,
-                    softmax_scale: float | None = None, return_lse: bool = False, replay_output=None):
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    impl: str = "cudnn",
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    replay_output=None,
+):
     """Dense attention on one device on torch's SDPA kernels (``sdpa_backend``), differentiable in q, k, v.
 
     q ``[b, N, Hq, d]``, k/v ``[b, N, Hkv, d]``; ``impl`` is ``"cudnn"`` (CUDA) or ``"flash"`` (CUDA, or
@@ -175,7 +228,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: 
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor [b, N, Hq, d], got {getattr(q, 'shape', type(q))}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    sdpa_backend.check_step_inputs(q, k, v, causal=causal, softmax_scale=scale, impl=impl)   # before autograd
+    sdpa_backend.check_step_inputs(q, k, v, causal=causal, softmax_scale=scale, impl=impl)  # before autograd
     if error := replay_output_error(q, replay_output):
         raise ValueError(error)
     out, lse = _DenseAttention.apply(q, k, v, causal, scale, impl, replay_output)

@@ -19,5 +19,7 @@ def check_accumulator(name: str, tensor, shape: tuple, dtype: torch.dtype, devic
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device}; move it to {device}")
     if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is updated in place); pass {name}.contiguous() "
-                         f"and read the result from that tensor")
+        raise ValueError(
+            f"{name} must be contiguous (it is updated in place); pass {name}.contiguous() "
+            f"and read the result from that tensor"
+        )

@@ -41,9 +41,7 @@ class Layout:
             raise ValueError(f"world_size={self.world_size!r} must be an integer >= 1")
         g = self.granularity
         if not isinstance(g, int) or g < 16 or g & (g - 1):
-            raise ValueError(
-                f"granularity={g!r} must be a power of two >= 16 (the default is {BLOCK_SIZE})"
-            )
+            raise ValueError(f"granularity={g!r} must be a power of two >= 16 (the default is {BLOCK_SIZE})")
 
     # ------------------------------------------------------------------ validation
     def unit(self, block_size: int | None = None) -> int:
@@ -147,8 +145,10 @@ class Layout:
             raise ValueError(f"got {len(parts)} parts for world_size={self.world_size}")
         lengths = [part.shape[dim] for part in parts]
         if len(set(lengths)) != 1:
-            raise ValueError(f"parts have unequal lengths {lengths} along dim {dim} (by rank); every rank holds "
-                             f"N/W tokens, so pass the {self.world_size} parts of one sequence")
+            raise ValueError(
+                f"parts have unequal lengths {lengths} along dim {dim} (by rank); every rank holds "
+                f"N/W tokens, so pass the {self.world_size} parts of one sequence"
+            )
         seq_len = lengths[0] * self.world_size
         stacked = torch.cat(list(parts), dim=dim)
         # position in the concatenation of global p = owner(p)·N_loc + local(p)
@@ -156,19 +156,20 @@ class Layout:
         return stacked.index_select(dim, rank * (seq_len // self.world_size) + local)
 
 
-def shard(x: torch.Tensor, layout: str, world_size: int, rank: int, dim: int = 1,
-          granularity: int = BLOCK_SIZE) -> torch.Tensor:
+def shard(
+    x: torch.Tensor, layout: str, world_size: int, rank: int, dim: int = 1, granularity: int = BLOCK_SIZE
+) -> torch.Tensor:
     """Functional form of :meth:`Layout.shard`."""
     return Layout(layout, world_size, granularity).shard(x, rank, dim)
 
 
-def unshard(parts: Sequence[torch.Tensor], layout: str, dim: int = 1,
-            granularity: int = BLOCK_SIZE) -> torch.Tensor:
+def unshard(parts: Sequence[torch.Tensor], layout: str, dim: int = 1, granularity: int = BLOCK_SIZE) -> torch.Tensor:
     """Functional form of :meth:`Layout.unshard`; the world size is ``len(parts)``."""
     return Layout(layout, len(parts), granularity).unshard(parts, dim)
 
 
-def global_positions(layout: str, seq_len: int, world_size: int, rank: int,
-                     granularity: int = BLOCK_SIZE) -> torch.Tensor:
+def global_positions(
+    layout: str, seq_len: int, world_size: int, rank: int, granularity: int = BLOCK_SIZE
+) -> torch.Tensor:
     """Functional form of :meth:`Layout.global_positions`."""
     return Layout(layout, world_size, granularity).global_positions(seq_len, rank)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
-                    lse1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attention(
+    out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor, lse1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial softmax results over disjoint key sets (DESIGN.md §2.4).
 
     out ``[b, N, H, d]`` fp32, lse ``[b, H, N]`` fp32. Returns new tensors. A side with lse = −inf
@@ -14,11 +15,11 @@ def merge_attention(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
     A NaN or +inf lse (from NaN/Inf logits) is not "nothing": it makes the merged row NaN, so a poisoned
     input reaches the output instead of vanishing.
     """
-    hi = torch.maximum(lse0, lse1)                    # NaN if either side is NaN
+    hi = torch.maximum(lse0, lse1)  # NaN if either side is NaN
     lo = torch.minimum(lse0, lse1)
-    empty = hi == float("-inf")                       # both sides empty
+    empty = hi == float("-inf")  # both sides empty
     safe_hi = torch.where(empty, 0.0, hi)
-    tail = torch.exp(lo - safe_hi)                    # 0 on empty rows instead of exp(−inf + inf) = NaN
+    tail = torch.exp(lo - safe_hi)  # 0 on empty rows instead of exp(−inf + inf) = NaN
     lse = torch.where(empty, lse0, hi + torch.log1p(tail))
 
     def weighted(out_side, lse_side):

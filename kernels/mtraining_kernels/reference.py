@@ -17,8 +17,13 @@ from .layout import BLOCK_SIZE
 from .vertical_slash import slash_block_hits, vertical_columns
 
 
-def vertical_slash_mask(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int,
-                        block_size: int = BLOCK_SIZE, rows: torch.Tensor | None = None) -> torch.Tensor:
+def vertical_slash_mask(
+    v_idx: torch.Tensor,
+    s_idx: torch.Tensor,
+    seq_len: int,
+    block_size: int = BLOCK_SIZE,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The exact causal mask M of DESIGN.md §2.1: bool ``[b, Hq, N, N]`` (query i, key j), or only the query
     rows ``rows [r]`` (int, on s_idx's device): ``[b, Hq, r, N]``.
 
@@ -30,12 +35,12 @@ def vertical_slash_mask(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int,
     if v_idx.shape[:-1] != s_idx.shape[:-1]:
         raise ValueError(f"v_idx {tuple(v_idx.shape)} and s_idx {tuple(s_idx.shape)} disagree on [b, Hq]")
     num_blocks = seq_len // block_size
-    hit = slash_block_hits(s_idx, num_blocks, block_size)                  # [b, H, NB]
+    hit = slash_block_hits(s_idx, num_blocks, block_size)  # [b, H, NB]
     qb = torch.arange(num_blocks, device=s_idx.device)
-    delta = qb[:, None] - qb[None, :]                                        # [NB, NB]
-    block = (delta >= 0) & hit[..., delta.clamp(min=0)]                      # [b, H, NB, NB]
+    delta = qb[:, None] - qb[None, :]  # [NB, NB]
+    block = (delta >= 0) & hit[..., delta.clamp(min=0)]  # [b, H, NB, NB]
     query_rows = torch.arange(seq_len, device=s_idx.device) if rows is None else rows
-    token = block[..., query_rows // block_size, :].repeat_interleave(block_size, -1)   # [b, H, r, N]
+    token = block[..., query_rows // block_size, :].repeat_interleave(block_size, -1)  # [b, H, r, N]
     token = token | vertical_columns(v_idx, seq_len)[..., None, :]
     causal = torch.arange(seq_len, device=s_idx.device)[None, :] <= query_rows[:, None]
     return token & causal
@@ -47,9 +52,14 @@ def sparsity(mask: torch.Tensor) -> torch.Tensor:
     return 1.0 - mask.sum(dim=(-1, -2)).double() / (n * (n + 1) / 2)
 
 
-def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                               softmax_scale: float | None = None,
-                               compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    softmax_scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked softmax attention, differentiable.
 
     q ``[b, N, Hq, d]``; k, v ``[b, N, Hkv, d]`` with Hq % Hkv == 0 (GQA: query head h reads KV
@@ -62,14 +72,14 @@ def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"query heads {hq} are not divisible by KV heads {hkv}")
     dtype = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    qf = q.to(dtype).transpose(1, 2)                                         # [b, Hq, N, d]
+    qf = q.to(dtype).transpose(1, 2)  # [b, Hq, N, d]
     kf = k.to(dtype).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
     vf = v.to(dtype).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
     scores = (qf @ kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(scores - row_max)                                    # 0 where masked
+    weights = torch.exp(scores - row_max)  # 0 where masked
     total = weights.sum(dim=-1, keepdim=True)
     safe_total = torch.where(total > 0, total, torch.ones_like(total))
     out = (weights / safe_total) @ vf

@@ -25,7 +25,7 @@ from .launch_checks import check_accumulator
 from .layout import BLOCK_SIZE
 from .merge import merge_attention
 
-SUB_TILE = 64                      # key sub-tile width of the work lists (contract of BlockBarIndex)
+SUB_TILE = 64  # key sub-tile width of the work lists (contract of BlockBarIndex)
 SCORE_ELEMENTS_PER_CHUNK = 1 << 25
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -38,12 +38,12 @@ def accumulator_dtype(input_dtype: torch.dtype) -> torch.dtype:
 class _Chunk(NamedTuple):
     """A group of query blocks with work, and their padded key columns."""
 
-    batch: torch.Tensor    # int64 [R]
-    head: torch.Tensor     # int64 [R] query head
-    qblock: torch.Tensor   # int64 [R] local query block
+    batch: torch.Tensor  # int64 [R]
+    head: torch.Tensor  # int64 [R] query head
+    qblock: torch.Tensor  # int64 [R] local query block
     columns: torch.Tensor  # int64 [R, K] local key columns in the source chunk (padding: 0)
-    valid: torch.Tensor    # bool  [R, K] column is a listed entry, not padding
-    keep: torch.Tensor     # bool  [R, 1 or 128, K] score is used (valid and, on the diagonal, causal)
+    valid: torch.Tensor  # bool  [R, K] column is a listed entry, not padding
+    keep: torch.Tensor  # bool  [R, 1 or 128, K] score is used (valid and, on the diagonal, causal)
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -54,30 +54,40 @@ def _shape_error(name: str, tensor: torch.Tensor, expected: tuple, meaning: str)
 def _check_index(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, key_len, device):
     for name, ptr, col in (("blk", blk_ptr, blk_col), ("bar", bar_ptr, bar_col)):
         if not isinstance(ptr, torch.Tensor) or ptr.dtype != torch.int32 or ptr.dim() != 3:
-            raise ValueError(f"{name}_ptr must be an int32 tensor [b, Hq, nb+1] (one step's slice, e.g. "
-                             f"index.{name}_ptr[w]), got {getattr(ptr, 'dtype', type(ptr))} "
-                             f"with shape {tuple(getattr(ptr, 'shape', ()))}")
+            raise ValueError(
+                f"{name}_ptr must be an int32 tensor [b, Hq, nb+1] (one step's slice, e.g. "
+                f"index.{name}_ptr[w]), got {getattr(ptr, 'dtype', type(ptr))} "
+                f"with shape {tuple(getattr(ptr, 'shape', ()))}"
+            )
         if tuple(ptr.shape) != (batch, heads, num_blocks + 1):
             raise _shape_error(f"{name}_ptr", ptr, (batch, heads, num_blocks + 1), "[b, Hq, nb+1] of q")
         if not isinstance(col, torch.Tensor) or col.dtype != torch.int32 or col.dim() != 1:
-            raise ValueError(f"{name}_col must be a 1-D int32 tensor, got {getattr(col, 'dtype', type(col))} "
-                             f"with shape {tuple(getattr(col, 'shape', ()))}")
+            raise ValueError(
+                f"{name}_col must be a 1-D int32 tensor, got {getattr(col, 'dtype', type(col))} "
+                f"with shape {tuple(getattr(col, 'shape', ()))}"
+            )
         if ptr.device != device or col.device != device:
             raise ValueError(f"{name}_ptr/{name}_col are on {ptr.device}/{col.device}; move them to {device}")
         if ptr.min() < 0 or ptr.max() > col.numel() or (ptr[..., 1:] < ptr[..., :-1]).any():
-            raise ValueError(f"{name}_ptr must be non-decreasing offsets within [0, {col.numel()}] "
-                             f"(the length of {name}_col)")
+            raise ValueError(
+                f"{name}_ptr must be non-decreasing offsets within [0, {col.numel()}] (the length of {name}_col)"
+            )
     limit = 2 * num_blocks
     if blk_col.numel() and (blk_col.min() < 0 or blk_col.max() >= limit):
-        raise ValueError(f"blk_col holds sub-tile indices outside [0, {limit}) = [0, 2*nb); "
-                         f"the index was built for another local length")
+        raise ValueError(
+            f"blk_col holds sub-tile indices outside [0, {limit}) = [0, 2*nb); "
+            f"the index was built for another local length"
+        )
     pairs = blk_col.view(-1, 2) if blk_col.numel() % 2 == 0 else None
     if (blk_ptr % 2).any() or pairs is None or (pairs[:, 0] % 2).any() or (pairs[:, 1] != pairs[:, 0] + 1).any():
-        raise ValueError("blk_col must list each 128-key block j as the sub-tile pair 2j, 2j+1 at an even offset "
-                         "(the Triton forward reads a pair as one tile); build the index with convert_index")
+        raise ValueError(
+            "blk_col must list each 128-key block j as the sub-tile pair 2j, 2j+1 at an even offset "
+            "(the Triton forward reads a pair as one tile); build the index with convert_index"
+        )
     if bar_col.numel() and (bar_col.min() < 0 or bar_col.max() >= key_len):
-        raise ValueError(f"bar_col holds key columns outside [0, {key_len}) = [0, Nk); "
-                         f"the index was built for another local length")
+        raise ValueError(
+            f"bar_col holds key columns outside [0, {key_len}) = [0, Nk); the index was built for another local length"
+        )
 
 
 def _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale) -> torch.dtype:
@@ -104,8 +114,7 @@ def _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale) ->
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"query heads {heads} must be a multiple of KV heads {kv_heads} (GQA)")
     if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite positive number "
-                         f"(usually head_dim ** -0.5)")
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite positive number (usually head_dim ** -0.5)")
     _check_index(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, query_len // BLOCK_SIZE, key_len, q.device)
     return accumulator_dtype(q.dtype)
 
@@ -188,8 +197,9 @@ def _add_rows(buffer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------------------------- launchers
-def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, causal_diag: bool,
-                      softmax_scale: float) -> None:
+def block_bar_forward(
+    q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, causal_diag: bool, softmax_scale: float
+) -> None:
     """Attend one source chunk through one step's lists and merge into (out, lse) in place.
 
     q ``[b, Nq, Hq, d]``; k, v ``[b, Nk, Hkv, d]`` (Nk == Nq); blk_ptr/bar_ptr int32
@@ -214,7 +224,7 @@ def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, 
         row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
         probs = scores.sub_(row_max).exp_()
         total = probs.sum(dim=-1, keepdim=True)
-        seen = total != 0                 # 0: no key in this step; NaN (poisoned logits) is kept, not dropped
+        seen = total != 0  # 0: no key in this step; NaN (poisoned logits) is kept, not dropped
         rows_out = torch.bmm(probs, v_rows) / torch.where(seen, total, 1.0)
         rows_lse = torch.where(seen, row_max + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
         step_out[chunk.batch, chunk.qblock, :, chunk.head] = rows_out
@@ -224,8 +234,25 @@ def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, 
     lse.copy_(merged_lse)
 
 
-def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar_col, dq, dk, dv, *,
-                       causal_diag: bool, softmax_scale: float, deterministic: bool = False) -> None:
+def block_bar_backward(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    blk_ptr,
+    blk_col,
+    bar_ptr,
+    bar_col,
+    dq,
+    dk,
+    dv,
+    *,
+    causal_diag: bool,
+    softmax_scale: float,
+    deterministic: bool = False,
+) -> None:
     """Accumulate one step's gradients in place.
 
     lse ``[b, Hq, Nq]`` is the FINAL merged lse and delta ``[b, Hq, Nq]`` = rowsum(out ⊙ dout), both in
@@ -238,8 +265,7 @@ def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
     if not isinstance(dout, torch.Tensor) or dout.dtype not in (q.dtype, acc):
-        raise ValueError(f"dout must be a tensor of dtype {q.dtype} or {acc}, "
-                         f"got {getattr(dout, 'dtype', type(dout))}")
+        raise ValueError(f"dout must be a tensor of dtype {q.dtype} or {acc}, got {getattr(dout, 'dtype', type(dout))}")
     if dout.shape != q.shape or dout.device != q.device:
         raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
     check_accumulator("lse", lse, (batch, heads, query_len), acc, q.device, "the final lse [b, Hq, Nq]")

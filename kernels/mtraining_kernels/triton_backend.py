@@ -53,13 +53,14 @@ def _check_inputs(q, k, v, softmax_scale) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [b, N, H, d], got {getattr(t, 'shape', type(t))}")
     if q.dtype not in INPUT_DTYPES:
-        raise ValueError(f"q has dtype {q.dtype}; the triton backend takes {INPUT_DTYPES} (cast q, k, v, "
-                         f"or use backend='torch_blocksparse' for fp32/fp64)")
+        raise ValueError(
+            f"q has dtype {q.dtype}; the triton backend takes {INPUT_DTYPES} (cast q, k, v, "
+            f"or use backend='torch_blocksparse' for fp32/fp64)"
+        )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
     if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"q is on {q.device}; the triton backend needs CUDA tensors "
-                         f"(or TRITON_INTERPRET=1 for CPU)")
+        raise ValueError(f"q is on {q.device}; the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v devices differ ({q.device}, {k.device}, {v.device})")
     batch, query_len, heads, dim = q.shape
@@ -76,10 +77,13 @@ def _check_inputs(q, k, v, softmax_scale) -> None:
     kv_heads = k.shape[2]
     if heads == 0 or kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"query heads {heads} must be a positive multiple of KV heads {kv_heads} (GQA)")
-    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite positive number "
-                         f"(usually head_dim ** -0.5)")
+    if (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be a finite positive number (usually head_dim ** -0.5)")
 
 
 def _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch: int, heads: int, num_blocks: int, device) -> None:
@@ -87,12 +91,16 @@ def _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch: int, heads: int, num
     for name, ptr, col in (("blk", blk_ptr, blk_col), ("bar", bar_ptr, bar_col)):
         expected = (batch, heads, num_blocks + 1)
         if not isinstance(ptr, torch.Tensor) or ptr.dtype != torch.int32 or tuple(ptr.shape) != expected:
-            raise ValueError(f"{name}_ptr must be an int32 tensor of shape {expected} ([b, Hq, nb+1], one step's "
-                             f"slice such as index.{name}_ptr[w]), got {getattr(ptr, 'dtype', type(ptr))} "
-                             f"{tuple(getattr(ptr, 'shape', ()))}")
+            raise ValueError(
+                f"{name}_ptr must be an int32 tensor of shape {expected} ([b, Hq, nb+1], one step's "
+                f"slice such as index.{name}_ptr[w]), got {getattr(ptr, 'dtype', type(ptr))} "
+                f"{tuple(getattr(ptr, 'shape', ()))}"
+            )
         if not isinstance(col, torch.Tensor) or col.dtype != torch.int32 or col.dim() != 1:
-            raise ValueError(f"{name}_col must be a 1-D int32 tensor, got {getattr(col, 'dtype', type(col))} "
-                             f"{tuple(getattr(col, 'shape', ()))}")
+            raise ValueError(
+                f"{name}_col must be a 1-D int32 tensor, got {getattr(col, 'dtype', type(col))} "
+                f"{tuple(getattr(col, 'shape', ()))}"
+            )
         if ptr.device != device or col.device != device:
             raise ValueError(f"{name}_ptr/{name}_col are on {ptr.device}/{col.device}; move them to {device}")
         if ptr.stride(-1) != 1:
@@ -124,8 +132,9 @@ def _bhs(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 # ---------------------------------------------------------------------------------------- forward
-def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, causal_diag: bool,
-                      softmax_scale: float) -> None:
+def block_bar_forward(
+    q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, causal_diag: bool, softmax_scale: float
+) -> None:
     """Attend one source chunk through one step's lists and merge into (out, lse) in place.
 
     q ``[b, Nq, Hq, d]``; k, v ``[b, Nk, Hkv, d]``; blk_ptr/bar_ptr int32 ``[b, Hq, nb+1]``
@@ -141,11 +150,29 @@ def block_bar_forward(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, 
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the running lse [b, Hq, Nq]")
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     block_bar_forward_kernel[(num_blocks, heads, batch)](
-        q, k, v, out, lse, blk_ptr, blk_col, bar_ptr, bar_col,
-        *_bhs(q), *_bhs(k), *_bhs(v), *_bhs(out), lse.stride(0), lse.stride(1),
-        blk_ptr.stride(0), blk_ptr.stride(1),
-        num_blocks, heads // k.shape[2], softmax_scale * LOG2E,
-        CAUSAL_DIAG=bool(causal_diag), **_tiles(dim), **_forward_config(dim),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        blk_ptr,
+        blk_col,
+        bar_ptr,
+        bar_col,
+        *_bhs(q),
+        *_bhs(k),
+        *_bhs(v),
+        *_bhs(out),
+        lse.stride(0),
+        lse.stride(1),
+        blk_ptr.stride(0),
+        blk_ptr.stride(1),
+        num_blocks,
+        heads // k.shape[2],
+        softmax_scale * LOG2E,
+        CAUSAL_DIAG=bool(causal_diag),
+        **_tiles(dim),
+        **_forward_config(dim),
     )
 
 
@@ -155,13 +182,14 @@ def _list_rows(ptr: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torc
     starts = ptr[..., :-1].reshape(-1).long()
     counts = (ptr[..., 1:] - ptr[..., :-1]).reshape(-1).long()
     first, last = int(ptr.reshape(-1)[0]), int(ptr.reshape(-1)[-1])
-    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts,
-                                   output_size=last - first)
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts, output_size=last - first)
     # rows are stored back to back (DESIGN: ptr[b, h, nb] == ptr[b, h+1, 0]); checked, as a bad slice
     # would otherwise read the wrong entries silently
     if rows.numel() and not torch.equal(starts, torch.cumsum(counts, 0) - counts + first):
-        raise ValueError("blk_ptr/bar_ptr rows are not back to back (ptr[b, h, nb] != ptr[b, h+1, 0]); "
-                         "pass one step's slice of a BlockBarIndex")
+        raise ValueError(
+            "blk_ptr/bar_ptr rows are not back to back (ptr[b, h, nb] != ptr[b, h+1, 0]); "
+            "pass one step's slice of a BlockBarIndex"
+        )
     return rows, col[first:last].long()
 
 
@@ -207,8 +235,9 @@ class _BarChunks:
         bit_of_slot = rank_in_row % SUB_TILE
         num_chunks = int(chunks_per_row.sum())
         self.num_chunks = num_chunks
-        self.head_row = torch.repeat_interleave(torch.arange(per_row.numel(), device=device), chunks_per_row,
-                                                output_size=num_chunks)
+        self.head_row = torch.repeat_interleave(
+            torch.arange(per_row.numel(), device=device), chunks_per_row, output_size=num_chunks
+        )
         chunk_in_row = torch.arange(num_chunks, device=device) - chunk_base[self.head_row]
         self.first = (row_first[self.head_row] + chunk_in_row * SUB_TILE).to(torch.int32)
         self.length = torch.clamp(per_row[self.head_row] - chunk_in_row * SUB_TILE, max=SUB_TILE).to(torch.int32)
@@ -216,16 +245,16 @@ class _BarChunks:
         pair_key = chunk_of_slot[slot_of_entry] * num_blocks + qblock
         pairs, pair_of_entry = torch.unique(pair_key, return_inverse=True)
         self.pair_bits = torch.zeros(pairs.numel(), dtype=torch.int64, device=device)
-        self.pair_bits.index_add_(0, pair_of_entry, torch.bitwise_left_shift(
-            torch.ones_like(bit_of_slot), bit_of_slot)[slot_of_entry])
+        self.pair_bits.index_add_(
+            0, pair_of_entry, torch.bitwise_left_shift(torch.ones_like(bit_of_slot), bit_of_slot)[slot_of_entry]
+        )
         self.pair_qblock = (pairs % num_blocks).to(torch.int32)
         pair_counts = torch.bincount(pairs // num_blocks, minlength=num_chunks)
         self.pair_ptr = torch.zeros(num_chunks + 1, dtype=torch.int32, device=device)
         self.pair_ptr[1:] = torch.cumsum(pair_counts, 0)
 
 
-def _reduce_bar_partials(chunks: _BarChunks, scratch: torch.Tensor, grad: torch.Tensor, heads: int,
-                         group: int) -> None:
+def _reduce_bar_partials(chunks: _BarChunks, scratch: torch.Tensor, grad: torch.Tensor, heads: int, group: int) -> None:
     """grad[z, column, h // group] += scratch rows, one GQA member at a time (member order fixed).
 
     Within one member the targets are distinct, so each element receives exactly one addition.
@@ -235,12 +264,30 @@ def _reduce_bar_partials(chunks: _BarChunks, scratch: torch.Tensor, grad: torch.
     for g in range(group):
         pick = torch.nonzero(member == g).squeeze(1)
         if pick.numel():
-            grad.index_put_((sample[pick], chunks.column[pick].long(), head[pick] // group), scratch[pick],
-                            accumulate=True)
+            grad.index_put_(
+                (sample[pick], chunks.column[pick].long(), head[pick] // group), scratch[pick], accumulate=True
+            )
 
 
-def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar_col, dq, dk, dv, *,
-                       causal_diag: bool, softmax_scale: float, deterministic: bool = False) -> None:
+def block_bar_backward(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    blk_ptr,
+    blk_col,
+    bar_ptr,
+    bar_col,
+    dq,
+    dk,
+    dv,
+    *,
+    causal_diag: bool,
+    softmax_scale: float,
+    deterministic: bool = False,
+) -> None:
     """Accumulate one step's gradients in place.
 
     lse fp32 ``[b, Hq, Nq]`` is the FINAL merged lse and delta fp32 ``[b, Hq, Nq]`` = rowsum(out ⊙ dout);
@@ -258,8 +305,9 @@ def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar
     if dout.shape != q.shape or dout.device != q.device:
         raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the final lse [b, Hq, Nq]")
-    check_accumulator("delta", delta, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device,
-                      "rowsum(out * dout) [b, Hq, Nq]")
+    check_accumulator(
+        "delta", delta, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "rowsum(out * dout) [b, Hq, Nq]"
+    )
     check_accumulator("dq", dq, tuple(q.shape), ACCUMULATOR_DTYPE, q.device, "the dq accumulator [b, Nq, Hq, d]")
     check_accumulator("dk", dk, tuple(k.shape), ACCUMULATOR_DTYPE, q.device, "the dk accumulator [b, Nk, Hkv, d]")
     check_accumulator("dv", dv, tuple(v.shape), ACCUMULATOR_DTYPE, q.device, "the dv accumulator [b, Nk, Hkv, d]")
@@ -271,21 +319,64 @@ def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar
     operand_strides = (*_bhs(q), *_bhs(k), *_bhs(v), *_bhs(dout))
 
     query_major_backward_kernel[(num_blocks, heads, batch)](
-        q, k, v, dout, lse, delta, dq, dk, dv, blk_ptr, blk_col, bar_ptr, bar_col,
-        *operand_strides, *_bhs(dq), *_bhs(dk), *_bhs(dv), lse.stride(0), lse.stride(1),
-        blk_ptr.stride(0), blk_ptr.stride(1),
-        num_blocks, group, softmax_scale, qk_scale_log2,
-        CAUSAL_DIAG=bool(causal_diag), ATOMIC_DKDV=not deterministic, **tiles, **QUERY_MAJOR_CONFIG,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        dk,
+        dv,
+        blk_ptr,
+        blk_col,
+        bar_ptr,
+        bar_col,
+        *operand_strides,
+        *_bhs(dq),
+        *_bhs(dk),
+        *_bhs(dv),
+        lse.stride(0),
+        lse.stride(1),
+        blk_ptr.stride(0),
+        blk_ptr.stride(1),
+        num_blocks,
+        group,
+        softmax_scale,
+        qk_scale_log2,
+        CAUSAL_DIAG=bool(causal_diag),
+        ATOMIC_DKDV=not deterministic,
+        **tiles,
+        **QUERY_MAJOR_CONFIG,
     )
     if not deterministic:
         return
 
     key_ptr, key_qblock = _block_lists_by_key(blk_ptr, blk_col, num_blocks)
     key_major_backward_kernel[(2 * num_blocks, kv_heads, batch)](
-        q, k, v, dout, lse, delta, dk, dv, key_ptr, key_qblock,
-        *operand_strides, *_bhs(dk), *_bhs(dv), lse.stride(0), lse.stride(1),
-        2 * num_blocks, heads, group, softmax_scale, qk_scale_log2,
-        CAUSAL_DIAG=bool(causal_diag), **tiles, **KEY_MAJOR_CONFIG,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        key_ptr,
+        key_qblock,
+        *operand_strides,
+        *_bhs(dk),
+        *_bhs(dv),
+        lse.stride(0),
+        lse.stride(1),
+        2 * num_blocks,
+        heads,
+        group,
+        softmax_scale,
+        qk_scale_log2,
+        CAUSAL_DIAG=bool(causal_diag),
+        **tiles,
+        **KEY_MAJOR_CONFIG,
     )
 
     chunks = _BarChunks(bar_ptr, bar_col, num_blocks, query_len)
@@ -294,10 +385,30 @@ def block_bar_backward(q, k, v, dout, lse, delta, blk_ptr, blk_col, bar_ptr, bar
     scratch_dk = torch.empty(chunks.column.numel(), dim, dtype=torch.float32, device=q.device)
     scratch_dv = torch.empty_like(scratch_dk)
     bar_chunk_backward_kernel[(chunks.num_chunks,)](
-        q, k, v, dout, lse, delta, scratch_dk, scratch_dv,
-        chunks.head_row, chunks.first, chunks.length, chunks.column, chunks.pair_ptr, chunks.pair_qblock,
-        chunks.pair_bits, *operand_strides, lse.stride(0), lse.stride(1),
-        heads, group, softmax_scale, qk_scale_log2, **tiles, **KEY_MAJOR_CONFIG,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        scratch_dk,
+        scratch_dv,
+        chunks.head_row,
+        chunks.first,
+        chunks.length,
+        chunks.column,
+        chunks.pair_ptr,
+        chunks.pair_qblock,
+        chunks.pair_bits,
+        *operand_strides,
+        lse.stride(0),
+        lse.stride(1),
+        heads,
+        group,
+        softmax_scale,
+        qk_scale_log2,
+        **tiles,
+        **KEY_MAJOR_CONFIG,
     )
     _reduce_bar_partials(chunks, scratch_dk, dk, heads, group)
     _reduce_bar_partials(chunks, scratch_dv, dv, heads, group)

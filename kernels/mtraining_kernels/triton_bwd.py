@@ -25,9 +25,25 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _load_query_side(Q, DO, LSE, DELTA, sample, head, first_row,
-                     stride_qb, stride_qn, stride_qh, stride_db, stride_dn, stride_dh, stride_lb, stride_lh,
-                     HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+def _load_query_side(
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    sample,
+    head,
+    first_row,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """q, dO ``[ROWS, D]``, base-2 lse and delta ``[ROWS]`` of query rows first_row … (lse −inf → +inf: P = 0)."""
     offs_m = tl.arange(0, ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -43,20 +59,53 @@ def _load_query_side(Q, DO, LSE, DELTA, sample, head, first_row,
 
 @triton.jit
 def query_major_backward_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV,
-    BLK_PTR, BLK_COL, BAR_PTR, BAR_COL,
-    stride_qb, stride_qn, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_db, stride_dn, stride_dh,
-    stride_gqb, stride_gqn, stride_gqh,
-    stride_gkb, stride_gkn, stride_gkh,
-    stride_gvb, stride_gvn, stride_gvh,
-    stride_lb, stride_lh,
-    stride_pb, stride_ph,
-    num_q_blocks, group_size, softmax_scale, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_DIAG: tl.constexpr, ATOMIC_DKDV: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    DK,
+    DV,
+    BLK_PTR,
+    BLK_COL,
+    BAR_PTR,
+    BAR_COL,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_gqb,
+    stride_gqn,
+    stride_gqh,
+    stride_gkb,
+    stride_gkn,
+    stride_gkh,
+    stride_gvb,
+    stride_gvn,
+    stride_gvh,
+    stride_lb,
+    stride_lh,
+    stride_pb,
+    stride_ph,
+    num_q_blocks,
+    group_size,
+    softmax_scale,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_DIAG: tl.constexpr,
+    ATOMIC_DKDV: tl.constexpr,
 ):
     qblock = num_q_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -72,8 +121,24 @@ def query_major_backward_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q, do, lse2, delta, q_rows = _load_query_side(
-        Q, DO, LSE, DELTA, sample, head, qblock * BLOCK_M, stride_qb, stride_qn, stride_qh,
-        stride_db, stride_dn, stride_dh, stride_lb, stride_lh, HEAD_DIM, BLOCK_M)
+        Q,
+        DO,
+        LSE,
+        DELTA,
+        sample,
+        head,
+        qblock * BLOCK_M,
+        stride_qb,
+        stride_qn,
+        stride_qh,
+        stride_db,
+        stride_dn,
+        stride_dh,
+        stride_lb,
+        stride_lh,
+        HEAD_DIM,
+        BLOCK_M,
+    )
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
     dk_base = DK + sample * stride_gkb + kv_head * stride_gkh
@@ -111,31 +176,60 @@ def query_major_backward_kernel(
         if ATOMIC_DKDV:
             dv_tile = tl.dot(tl.trans(probs.to(do.dtype)), do)
             dk_tile = tl.dot(tl.trans(dscores.to(q.dtype)), q) * softmax_scale
-            tl.atomic_add(dv_base + cols[:, None] * stride_gvn + offs_d[None, :], dv_tile,
-                          mask=listed[:, None], sem="relaxed")
-            tl.atomic_add(dk_base + cols[:, None] * stride_gkn + offs_d[None, :], dk_tile,
-                          mask=listed[:, None], sem="relaxed")
+            tl.atomic_add(
+                dv_base + cols[:, None] * stride_gvn + offs_d[None, :], dv_tile, mask=listed[:, None], sem="relaxed"
+            )
+            tl.atomic_add(
+                dk_base + cols[:, None] * stride_gkn + offs_d[None, :], dk_tile, mask=listed[:, None], sem="relaxed"
+            )
 
     has_work = (blk_end > blk_start) | (bar_end > bar_start)
-    dq_ptrs = (DQ + sample * stride_gqb + head * stride_gqh
-               + q_rows.to(tl.int64)[:, None] * stride_gqn + offs_d[None, :])
+    dq_ptrs = DQ + sample * stride_gqb + head * stride_gqh + q_rows.to(tl.int64)[:, None] * stride_gqn + offs_d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs) + dq * softmax_scale, mask=has_work)
 
 
 @triton.jit
 def key_major_backward_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    KEY_PTR, KEY_QBLOCK,
-    stride_qb, stride_qn, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_db, stride_dn, stride_dh,
-    stride_gkb, stride_gkn, stride_gkh,
-    stride_gvb, stride_gvn, stride_gvh,
-    stride_lb, stride_lh,
-    num_key_tiles, heads_q, group_size, softmax_scale, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_DIAG: tl.constexpr, QUERY_ROWS: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    KEY_PTR,
+    KEY_QBLOCK,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_gkb,
+    stride_gkn,
+    stride_gkh,
+    stride_gvb,
+    stride_gvn,
+    stride_gvh,
+    stride_lb,
+    stride_lh,
+    num_key_tiles,
+    heads_q,
+    group_size,
+    softmax_scale,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_DIAG: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,
 ):
     """KEY_PTR int32 ``[b·Hq·2nb + 1]``: row (z, h, key sub-tile) spans KEY_QBLOCK[ptr[row]:ptr[row+1]],
     the ascending local query blocks whose block list holds that sub-tile. Each listed query block is
@@ -164,11 +258,25 @@ def key_major_backward_kernel(
         for step in range(start * SLICES, end * SLICES):
             qblock = tl.load(KEY_QBLOCK + step // SLICES)
             q, do, lse2, delta, q_rows = _load_query_side(
-                Q, DO, LSE, DELTA, sample, head, qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
-                stride_qb, stride_qn, stride_qh, stride_db, stride_dn, stride_dh, stride_lb, stride_lh,
-                HEAD_DIM, QUERY_ROWS)
-            probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2
-                              - lse2[None, :])
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                sample,
+                head,
+                qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
+                stride_qb,
+                stride_qn,
+                stride_qh,
+                stride_db,
+                stride_dn,
+                stride_dh,
+                stride_lb,
+                stride_lh,
+                HEAD_DIM,
+                QUERY_ROWS,
+            )
+            probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
             if CAUSAL_DIAG:
                 off_diagonal = (tile // 2) != qblock
                 probs_t = tl.where(off_diagonal | (k_rows[:, None] <= q_rows[None, :]), probs_t, 0.0)
@@ -186,15 +294,43 @@ def key_major_backward_kernel(
 
 @triton.jit
 def bar_chunk_backward_kernel(
-    Q, K, V, DO, LSE, DELTA, SCRATCH_DK, SCRATCH_DV,
-    CHUNK_HEAD, CHUNK_FIRST, CHUNK_LEN, BAR_COLUMN, PAIR_PTR, PAIR_QBLOCK, PAIR_BITS,
-    stride_qb, stride_qn, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_db, stride_dn, stride_dh,
-    stride_lb, stride_lh,
-    heads_q, group_size, softmax_scale, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUERY_ROWS: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    SCRATCH_DK,
+    SCRATCH_DV,
+    CHUNK_HEAD,
+    CHUNK_FIRST,
+    CHUNK_LEN,
+    BAR_COLUMN,
+    PAIR_PTR,
+    PAIR_QBLOCK,
+    PAIR_BITS,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_lb,
+    stride_lh,
+    heads_q,
+    group_size,
+    softmax_scale,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,
 ):
     """Chunk c covers BAR_COLUMN[first : first+len] (distinct local key columns of row CHUNK_HEAD[c] =
     z·Hq + h); pairs PAIR_PTR[c] … PAIR_PTR[c+1] give a query block and a 64-bit word whose bit t says
@@ -213,10 +349,16 @@ def bar_chunk_backward_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     in_chunk = offs_n < count
     cols = tl.load(BAR_COLUMN + first + offs_n, mask=in_chunk, other=0).to(tl.int64)
-    k = tl.load(K + sample * stride_kb + kv_head * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
-                mask=in_chunk[:, None], other=0.0)
-    v = tl.load(V + sample * stride_vb + kv_head * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
-                mask=in_chunk[:, None], other=0.0)
+    k = tl.load(
+        K + sample * stride_kb + kv_head * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
+        mask=in_chunk[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        V + sample * stride_vb + kv_head * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
+        mask=in_chunk[:, None],
+        other=0.0,
+    )
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -225,11 +367,25 @@ def bar_chunk_backward_kernel(
         bits = tl.load(PAIR_BITS + step // SLICES)
         listed = ((bits >> offs_n.to(tl.int64)) & 1) != 0
         q, do, lse2, delta, q_rows = _load_query_side(
-            Q, DO, LSE, DELTA, sample, head, qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
-            stride_qb, stride_qn, stride_qh, stride_db, stride_dn, stride_dh, stride_lb, stride_lh,
-            HEAD_DIM, QUERY_ROWS)
-        probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2
-                          - lse2[None, :])
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            sample,
+            head,
+            qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
+            stride_qb,
+            stride_qn,
+            stride_qh,
+            stride_db,
+            stride_dn,
+            stride_dh,
+            stride_lb,
+            stride_lh,
+            HEAD_DIM,
+            QUERY_ROWS,
+        )
+        probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
         probs_t = tl.where(listed[:, None], probs_t, 0.0)
         dv += tl.dot(probs_t.to(do.dtype), do)
         dprobs_t = tl.dot(v, tl.trans(do))

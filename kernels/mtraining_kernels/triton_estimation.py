@@ -32,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_TILE = 64          # the estimation rows, L ≤ 64: one tile
+ROWS_PER_TILE = 64  # the estimation rows, L ≤ 64: one tile
 # Tile shapes and warps are the fastest of those timed at N = 512K (tests/gpu/test_estimation_gpu.py script
 # mode; the timings are in docs/benchmarks.md). They set the launch only, never a bit of the results.
-LOGIT_KEYS_PER_TILE = 128   # keys per logits tile
+LOGIT_KEYS_PER_TILE = 128  # keys per logits tile
 LOGIT_NUM_WARPS = 2
-LOGIT_UNROLL = 8            # head dimensions per logits-loop iteration (1 when d is not a multiple)
-SCORE_KEYS_PER_TILE = 128   # columns per vertical / slash score tile
+LOGIT_UNROLL = 8  # head dimensions per logits-loop iteration (1 when d is not a multiple)
+SCORE_KEYS_PER_TILE = 128  # columns per vertical / slash score tile
 SCORE_NUM_WARPS = 8
 _KERNEL_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 # positions of the fp64 constants in the tensor built by _constants
@@ -63,20 +63,36 @@ class FixedPointRules(NamedTuple):
 
 
 def _constants(rules: FixedPointRules, device: torch.device) -> torch.Tensor:
-    values = (float(rules.one), rules.static_logit_limit, rules.exp_input_floor, rules.log2_e,
-              *rules.exp2_coefficients)
+    values = (float(rules.one), rules.static_logit_limit, rules.exp_input_floor, rules.log2_e, *rules.exp2_coefficients)
     return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 # --------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _logits_kernel(
-    Q_BY_DIM, K, Q_POS, K_POS, OUT,
-    stride_qb, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_ob, stride_oh, stride_or,
-    num_rows, num_keys, group_size, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    Q_BY_DIM,
+    K,
+    Q_POS,
+    K_POS,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_ob,
+    stride_oh,
+    stride_or,
+    num_rows,
+    num_keys,
+    group_size,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """One tile of 64 rows × BLOCK_N keys of one (query head, sample); Q_BY_DIM is fp32 ``[b, Hq, d, L]``.
 
@@ -93,11 +109,11 @@ def _logits_kernel(
     q_t = tl.load(q_ptrs, mask=row_ok, other=0.0)
     k_t = tl.load(k_ptrs, mask=col_ok, other=0.0).to(tl.float32)
     acc = q_t[:, None] * k_t[None, :]
-    for u in tl.static_range(1, UNROLL):                                 # t = 1 … UNROLL − 1
+    for u in tl.static_range(1, UNROLL):  # t = 1 … UNROLL − 1
         q_t = tl.load(q_ptrs + u * stride_qd, mask=row_ok, other=0.0)
         k_t = tl.load(k_ptrs + u * stride_kd, mask=col_ok, other=0.0).to(tl.float32)
         acc = acc + q_t[:, None] * k_t[None, :]
-    for first in range(UNROLL, HEAD_DIM, UNROLL):                        # then UNROLL at a time, in order
+    for first in range(UNROLL, HEAD_DIM, UNROLL):  # then UNROLL at a time, in order
         for u in tl.static_range(UNROLL):
             q_t = tl.load(q_ptrs + (first + u) * stride_qd, mask=row_ok, other=0.0)
             k_t = tl.load(k_ptrs + (first + u) * stride_kd, mask=col_ok, other=0.0).to(tl.float32)
@@ -115,8 +131,7 @@ def _round_to_integer(x):
     """Round-half-to-even of fp64 ``x`` (as ``torch.round``), still fp64: |x| + 2^52 has unit spacing, and
     every fp64 of magnitude ≥ 2^52 is an integer already."""
     magnitude = tl.abs(x)
-    rounded = tl.where(magnitude < 4503599627370496.0, (magnitude + 4503599627370496.0) - 4503599627370496.0,
-                       magnitude)
+    rounded = tl.where(magnitude < 4503599627370496.0, (magnitude + 4503599627370496.0) - 4503599627370496.0, magnitude)
     return tl.where(x < 0, -rounded, rounded)
 
 
@@ -130,7 +145,7 @@ def _exp_fixed_point(logits, row_max, counted, CONSTANTS, NUM_COEFFICIENTS: tl.c
     whole = tl.floor(y)
     fraction = y - whole
     poly = tl.zeros_like(fraction) + tl.load(CONSTANTS + _FIRST_COEFFICIENT + NUM_COEFFICIENTS - 1)
-    for step in tl.static_range(NUM_COEFFICIENTS - 1):                    # c_{K-1} down to c_0
+    for step in tl.static_range(NUM_COEFFICIENTS - 1):  # c_{K-1} down to c_0
         poly = poly * fraction
         poly = poly + tl.load(CONSTANTS + _FIRST_COEFFICIENT + NUM_COEFFICIENTS - 2 - step)
     power = ((whole.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
@@ -139,8 +154,9 @@ def _exp_fixed_point(logits, row_max, counted, CONSTANTS, NUM_COEFFICIENTS: tl.c
 
 
 @triton.jit
-def _score_terms(logits, counted, ROW_MAX, DENOMINATOR, rows, row_ok, CONSTANTS,
-                 TOP_P: tl.constexpr, NUM_COEFFICIENTS: tl.constexpr):
+def _score_terms(
+    logits, counted, ROW_MAX, DENOMINATOR, rows, row_ok, CONSTANTS, TOP_P: tl.constexpr, NUM_COEFFICIENTS: tl.constexpr
+):
     """int64 terms of the scores, 0 where not ``counted``: static, round(clamp(ℓ, ±limit)·2^32); top-P,
     P = round(E·2^32 / (L·Z_i)) with the row's max at ROW_MAX and L·Z_i (fp64) at DENOMINATOR."""
     one = tl.load(CONSTANTS + _ONE)
@@ -158,10 +174,20 @@ def _score_terms(logits, counted, ROW_MAX, DENOMINATOR, rows, row_ok, CONSTANTS,
 
 @triton.jit
 def _exp_row_sums_kernel(
-    LOGITS, ROW_MAX, CONSTANTS, ROW_SUMS,
-    stride_lb, stride_lh, stride_lr, stride_mb, stride_mh,
-    num_rows, num_keys,
-    NUM_COEFFICIENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOGITS,
+    ROW_MAX,
+    CONSTANTS,
+    ROW_SUMS,
+    stride_lb,
+    stride_lh,
+    stride_lr,
+    stride_mb,
+    stride_mh,
+    num_rows,
+    num_keys,
+    NUM_COEFFICIENTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Adds Σ_j E(i, j) over one column tile into the int64 ROW_SUMS ``[b, Hq, L]`` (atomics)."""
     head = tl.program_id(1).to(tl.int64)
@@ -181,10 +207,25 @@ def _exp_row_sums_kernel(
 
 @triton.jit
 def _vertical_kernel(
-    LOGITS, ROW_MAX, DENOMINATOR, CONSTANTS, SCORES,
-    stride_lb, stride_lh, stride_lr, stride_mb, stride_mh, stride_sb, stride_sh,
-    num_rows, num_keys, incomplete_score,
-    TOP_P: tl.constexpr, NUM_COEFFICIENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOGITS,
+    ROW_MAX,
+    DENOMINATOR,
+    CONSTANTS,
+    SCORES,
+    stride_lb,
+    stride_lh,
+    stride_lr,
+    stride_mb,
+    stride_mh,
+    stride_sb,
+    stride_sh,
+    num_rows,
+    num_keys,
+    incomplete_score,
+    TOP_P: tl.constexpr,
+    NUM_COEFFICIENTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """V(j) = Σ_i terms(i, j) of one column tile into int64 SCORES ``[b, Hq, n]``; static columns with a
     masked (−inf) logit get ``incomplete_score``."""
@@ -199,8 +240,17 @@ def _vertical_kernel(
     logits = tl.load(tile_ptrs, mask=in_tile, other=0.0)
     masked = in_tile & (logits == float("-inf"))
     row_offset = sample * stride_mb + head * stride_mh
-    terms = _score_terms(logits, in_tile & ~masked, ROW_MAX + row_offset, DENOMINATOR + row_offset, rows, row_ok,
-                         CONSTANTS, TOP_P, NUM_COEFFICIENTS)
+    terms = _score_terms(
+        logits,
+        in_tile & ~masked,
+        ROW_MAX + row_offset,
+        DENOMINATOR + row_offset,
+        rows,
+        row_ok,
+        CONSTANTS,
+        TOP_P,
+        NUM_COEFFICIENTS,
+    )
     scores = tl.sum(terms, axis=0)
     if not TOP_P:
         scores = tl.where(tl.max(masked.to(tl.int32), axis=0) > 0, incomplete_score, scores)
@@ -209,10 +259,26 @@ def _vertical_kernel(
 
 @triton.jit
 def _slash_kernel(
-    LOGITS, Q_POS, K_POS, ROW_MAX, DENOMINATOR, CONSTANTS, SUMS,
-    stride_lb, stride_lh, stride_lr, stride_mb, stride_mh, stride_sb, stride_sh,
-    num_rows, num_keys,
-    TOP_P: tl.constexpr, NUM_COEFFICIENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    LOGITS,
+    Q_POS,
+    K_POS,
+    ROW_MAX,
+    DENOMINATOR,
+    CONSTANTS,
+    SUMS,
+    stride_lb,
+    stride_lh,
+    stride_lr,
+    stride_mb,
+    stride_mh,
+    stride_sb,
+    stride_sh,
+    num_rows,
+    num_keys,
+    TOP_P: tl.constexpr,
+    NUM_COEFFICIENTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Adds the terms of one skewed tile (row r, column u at key c₀ + r + u) into int64 SUMS ``[b, Hq, N]``
     at their offsets s = i − j; pairs with j > i are skipped.
@@ -224,7 +290,7 @@ def _slash_kernel(
     sample = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     first_col = tl.program_id(0).to(tl.int64) * BLOCK_S - (BLOCK_M - 1)
-    cols = first_col + rows[:, None] + tl.arange(0, BLOCK_S)[None, :]            # [BLOCK_M, BLOCK_S]
+    cols = first_col + rows[:, None] + tl.arange(0, BLOCK_S)[None, :]  # [BLOCK_M, BLOCK_S]
     row_ok = rows < num_rows
     in_tile = row_ok[:, None] & (cols >= 0) & (cols < num_keys)
     tile_ptrs = LOGITS + sample * stride_lb + head * stride_lh + rows[:, None].to(tl.int64) * stride_lr + cols
@@ -233,18 +299,30 @@ def _slash_kernel(
     offsets = q_pos[:, None] - tl.load(K_POS + cols, mask=in_tile, other=0)
     counted = in_tile & (offsets >= 0) & (logits != float("-inf"))
     row_offset = sample * stride_mb + head * stride_mh
-    terms = _score_terms(logits, counted, ROW_MAX + row_offset, DENOMINATOR + row_offset, rows, row_ok,
-                         CONSTANTS, TOP_P, NUM_COEFFICIENTS)
+    terms = _score_terms(
+        logits,
+        counted,
+        ROW_MAX + row_offset,
+        DENOMINATOR + row_offset,
+        rows,
+        row_ok,
+        CONSTANTS,
+        TOP_P,
+        NUM_COEFFICIENTS,
+    )
     largest = tl.max(tl.where(counted, offsets, -1), axis=0)
-    smallest = tl.min(tl.where(counted, offsets, 2 ** 62), axis=0)               # above every offset
+    smallest = tl.min(tl.where(counted, offsets, 2**62), axis=0)  # above every offset
     at_largest = counted & (offsets == largest[None, :])
     at_smallest = counted & (offsets == smallest[None, :]) & ~at_largest
     elsewhere = counted & ~at_largest & ~at_smallest
     sums_ptr = SUMS + sample * stride_sb + head * stride_sh
-    tl.atomic_add(sums_ptr + largest, tl.sum(tl.where(at_largest, terms, 0), axis=0), mask=largest >= 0,
-                  sem="relaxed")
-    tl.atomic_add(sums_ptr + smallest, tl.sum(tl.where(at_smallest, terms, 0), axis=0),
-                  mask=(smallest != largest) & (largest >= 0), sem="relaxed")
+    tl.atomic_add(sums_ptr + largest, tl.sum(tl.where(at_largest, terms, 0), axis=0), mask=largest >= 0, sem="relaxed")
+    tl.atomic_add(
+        sums_ptr + smallest,
+        tl.sum(tl.where(at_smallest, terms, 0), axis=0),
+        mask=(smallest != largest) & (largest >= 0),
+        sem="relaxed",
+    )
     tl.atomic_add(sums_ptr + offsets, terms, mask=elsewhere, sem="relaxed")
 
 
@@ -256,11 +334,14 @@ def _check_device(*tensors: torch.Tensor) -> None:
             raise ValueError(f"tensors on {tensor.device} and {device}; put all estimation inputs on one device")
 
 
-def _check_logits(logits: torch.Tensor, q_positions: torch.Tensor | None = None,
-                  k_positions: torch.Tensor | None = None) -> None:
+def _check_logits(
+    logits: torch.Tensor, q_positions: torch.Tensor | None = None, k_positions: torch.Tensor | None = None
+) -> None:
     if logits.dtype != torch.float32 or logits.dim() != 4 or not 1 <= logits.shape[2] <= ROWS_PER_TILE:
-        raise ValueError(f"logits must be fp32 [b, Hq, L, n] with 1 <= L <= {ROWS_PER_TILE}, got "
-                         f"{logits.dtype} {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be fp32 [b, Hq, L, n] with 1 <= L <= {ROWS_PER_TILE}, got "
+            f"{logits.dtype} {tuple(logits.shape)}"
+        )
     if logits.stride(-1) != 1:
         raise ValueError(f"logits need unit stride along keys, got strides {logits.stride()}; pass .contiguous()")
     if q_positions is not None and q_positions.shape != (logits.shape[2],):
@@ -275,9 +356,16 @@ def _row_stats(logits: torch.Tensor, row_tensor: torch.Tensor, name: str, dtype:
     return row_tensor.to(dtype).contiguous()
 
 
-def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, k_positions: torch.Tensor,
-                      softmax_scale: float, *, keys_per_tile: int = LOGIT_KEYS_PER_TILE,
-                      num_warps: int = LOGIT_NUM_WARPS) -> torch.Tensor:
+def estimation_logits(
+    q_rows: torch.Tensor,
+    q_positions: torch.Tensor,
+    k: torch.Tensor,
+    k_positions: torch.Tensor,
+    softmax_scale: float,
+    *,
+    keys_per_tile: int = LOGIT_KEYS_PER_TILE,
+    num_warps: int = LOGIT_NUM_WARPS,
+) -> torch.Tensor:
     """ℓ = scale·⟨q_i, k_j⟩: fp32 ``[b, Hq, L, n]``, −inf where k_positions[j] > q_positions[i].
 
     ``q_rows [b, L, Hq, d]`` (L ≤ 64) and global positions ``q_positions [L]``; ``k [b, n, Hkv, d]``
@@ -289,26 +377,48 @@ def estimation_logits(q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.
     batch, num_rows, q_heads, dim = q_rows.shape
     k_batch, num_keys, kv_heads, k_dim = k.shape
     if (k_batch, k_dim) != (batch, dim) or q_heads % kv_heads or not 1 <= num_rows <= ROWS_PER_TILE:
-        raise ValueError(f"q_rows {tuple(q_rows.shape)} and k {tuple(k.shape)} must be [b, L<={ROWS_PER_TILE}, Hq, d] "
-                         "and [b, n, Hkv, d] with Hq a multiple of Hkv")
+        raise ValueError(
+            f"q_rows {tuple(q_rows.shape)} and k {tuple(k.shape)} must be [b, L<={ROWS_PER_TILE}, Hq, d] "
+            "and [b, n, Hkv, d] with Hq a multiple of Hkv"
+        )
     if q_positions.shape != (num_rows,) or k_positions.shape != (num_keys,):
-        raise ValueError(f"positions {tuple(q_positions.shape)}, {tuple(k_positions.shape)} must be "
-                         f"[L={num_rows}] and [n={num_keys}]")
+        raise ValueError(
+            f"positions {tuple(q_positions.shape)}, {tuple(k_positions.shape)} must be "
+            f"[L={num_rows}] and [n={num_keys}]"
+        )
     if keys_per_tile < 16 or keys_per_tile & (keys_per_tile - 1):
         raise ValueError(f"keys_per_tile={keys_per_tile} must be a power of two >= 16")
     _check_device(q_rows, q_positions, k, k_positions)
-    q_by_dim = q_rows.float().permute(0, 2, 3, 1).contiguous()                     # [b, Hq, d, L]
+    q_by_dim = q_rows.float().permute(0, 2, 3, 1).contiguous()  # [b, Hq, d, L]
     logits = torch.empty(batch, q_heads, num_rows, num_keys, dtype=torch.float32, device=k.device)
-    scale = torch.tensor(softmax_scale, dtype=torch.float32).item()                # exactly an fp32 value
+    scale = torch.tensor(softmax_scale, dtype=torch.float32).item()  # exactly an fp32 value
     grid = (triton.cdiv(num_keys, keys_per_tile), q_heads, batch)
     _logits_kernel[grid](
-        q_by_dim, k, q_positions.long().contiguous(), k_positions.long().contiguous(), logits,
-        q_by_dim.stride(0), q_by_dim.stride(1), q_by_dim.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        logits.stride(0), logits.stride(1), logits.stride(2),
-        num_rows, num_keys, q_heads // kv_heads, scale,
-        HEAD_DIM=dim, BLOCK_M=ROWS_PER_TILE, BLOCK_N=keys_per_tile,
-        UNROLL=LOGIT_UNROLL if dim % LOGIT_UNROLL == 0 else 1, num_warps=num_warps, enable_fp_fusion=False,
+        q_by_dim,
+        k,
+        q_positions.long().contiguous(),
+        k_positions.long().contiguous(),
+        logits,
+        q_by_dim.stride(0),
+        q_by_dim.stride(1),
+        q_by_dim.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        k.stride(3),
+        logits.stride(0),
+        logits.stride(1),
+        logits.stride(2),
+        num_rows,
+        num_keys,
+        q_heads // kv_heads,
+        scale,
+        HEAD_DIM=dim,
+        BLOCK_M=ROWS_PER_TILE,
+        BLOCK_N=keys_per_tile,
+        UNROLL=LOGIT_UNROLL if dim % LOGIT_UNROLL == 0 else 1,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     return logits
 
@@ -326,10 +436,20 @@ def exp_row_sums(logits: torch.Tensor, row_max: torch.Tensor, rules: FixedPointR
     row_sums = torch.zeros(batch, q_heads, num_rows, dtype=torch.int64, device=logits.device)
     grid = (triton.cdiv(num_keys, SCORE_KEYS_PER_TILE), q_heads, batch)
     _exp_row_sums_kernel[grid](
-        logits, row_max, _constants(rules, logits.device), row_sums,
-        logits.stride(0), logits.stride(1), logits.stride(2), row_max.stride(0), row_max.stride(1),
-        num_rows, num_keys,
-        NUM_COEFFICIENTS=len(rules.exp2_coefficients), BLOCK_M=ROWS_PER_TILE, BLOCK_N=SCORE_KEYS_PER_TILE,
+        logits,
+        row_max,
+        _constants(rules, logits.device),
+        row_sums,
+        logits.stride(0),
+        logits.stride(1),
+        logits.stride(2),
+        row_max.stride(0),
+        row_max.stride(1),
+        num_rows,
+        num_keys,
+        NUM_COEFFICIENTS=len(rules.exp2_coefficients),
+        BLOCK_M=ROWS_PER_TILE,
+        BLOCK_N=SCORE_KEYS_PER_TILE,
         **_KERNEL_OPTIONS,
     )
     return row_sums
@@ -341,31 +461,56 @@ def _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denom
     _check_device(logits, q_positions, k_positions)
     batch, q_heads, num_rows, num_keys = logits.shape
     top_p = row_max is not None
-    if not top_p:                                           # unused by the static kernels: any fp tensor will do
+    if not top_p:  # unused by the static kernels: any fp tensor will do
         row_max = denominators = logits.new_zeros(1, 1, 1)
     constants = _constants(rules, logits.device)
     vertical = torch.empty(batch, q_heads, num_keys, dtype=torch.int64, device=logits.device)
     slash = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=logits.device)
     shared = (logits.stride(0), logits.stride(1), logits.stride(2), row_max.stride(0), row_max.stride(1))
-    meta = dict(TOP_P=top_p, NUM_COEFFICIENTS=len(rules.exp2_coefficients), BLOCK_M=ROWS_PER_TILE,
-                num_warps=SCORE_NUM_WARPS, enable_fp_fusion=False)
+    meta = dict(
+        TOP_P=top_p,
+        NUM_COEFFICIENTS=len(rules.exp2_coefficients),
+        BLOCK_M=ROWS_PER_TILE,
+        num_warps=SCORE_NUM_WARPS,
+        enable_fp_fusion=False,
+    )
     _vertical_kernel[(triton.cdiv(num_keys, SCORE_KEYS_PER_TILE), q_heads, batch)](
-        logits, row_max, denominators, constants, vertical,
-        *shared, vertical.stride(0), vertical.stride(1),
-        num_rows, num_keys, rules.incomplete_score,
-        BLOCK_N=SCORE_KEYS_PER_TILE, **meta,
+        logits,
+        row_max,
+        denominators,
+        constants,
+        vertical,
+        *shared,
+        vertical.stride(0),
+        vertical.stride(1),
+        num_rows,
+        num_keys,
+        rules.incomplete_score,
+        BLOCK_N=SCORE_KEYS_PER_TILE,
+        **meta,
     )
     _slash_kernel[(triton.cdiv(num_keys + ROWS_PER_TILE - 1, SCORE_KEYS_PER_TILE), q_heads, batch)](
-        logits, q_positions.long().contiguous(), k_positions.long().contiguous(), row_max, denominators, constants,
-        slash, *shared, slash.stride(0), slash.stride(1),
-        num_rows, num_keys,
-        BLOCK_S=SCORE_KEYS_PER_TILE, **meta,
+        logits,
+        q_positions.long().contiguous(),
+        k_positions.long().contiguous(),
+        row_max,
+        denominators,
+        constants,
+        slash,
+        *shared,
+        slash.stride(0),
+        slash.stride(1),
+        num_rows,
+        num_keys,
+        BLOCK_S=SCORE_KEYS_PER_TILE,
+        **meta,
     )
     return vertical, slash
 
 
-def static_scores(logits: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, seq_len: int,
-                  rules: FixedPointRules) -> tuple[torch.Tensor, torch.Tensor]:
+def static_scores(
+    logits: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, seq_len: int, rules: FixedPointRules
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Static scores of the logits' keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64.
 
     Terms are round(clamp(ℓ, ±limit)·2^32), 0 where masked; V(j) is their column sum, or
@@ -376,9 +521,15 @@ def static_scores(logits: torch.Tensor, q_positions: torch.Tensor, k_positions: 
     return _score_sums(logits, q_positions, k_positions, seq_len, rules, None, None)
 
 
-def top_p_scores(logits: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, seq_len: int,
-                 row_max: torch.Tensor, row_sums: torch.Tensor,
-                 rules: FixedPointRules) -> tuple[torch.Tensor, torch.Tensor]:
+def top_p_scores(
+    logits: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    seq_len: int,
+    row_max: torch.Tensor,
+    row_sums: torch.Tensor,
+    rules: FixedPointRules,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-P scores of the logits' keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64.
 
     Terms are the masses P = round(E·2^32 / (L·Z_i)) with ``row_max`` and ``row_sums`` (int64 Z_i·2^32)

@@ -51,8 +51,23 @@ def _diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG: tl
 
 
 @triton.jit
-def _block_tile_step(acc, row_max, row_sum, q, q_rows, k_base, v_base, first_sub_tile, offs_block, offs_d,
-                     stride_kn, stride_vn, qk_scale_log2, SUB_TILE: tl.constexpr, CAUSAL_MASK: tl.constexpr):
+def _block_tile_step(
+    acc,
+    row_max,
+    row_sum,
+    q,
+    q_rows,
+    k_base,
+    v_base,
+    first_sub_tile,
+    offs_block,
+    offs_d,
+    stride_kn,
+    stride_vn,
+    qk_scale_log2,
+    SUB_TILE: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+):
     """Fold the listed 128-key block whose sub-tiles start at ``first_sub_tile`` in (with the token causal
     mask when ``CAUSAL_MASK``)."""
     k_rows = (first_sub_tile * SUB_TILE + offs_block).to(tl.int64)
@@ -66,16 +81,37 @@ def _block_tile_step(acc, row_max, row_sum, q, q_rows, k_base, v_base, first_sub
 
 @triton.jit
 def block_bar_forward_kernel(
-    Q, K, V, OUT, LSE,
-    BLK_PTR, BLK_COL, BAR_PTR, BAR_COL,
-    stride_qb, stride_qn, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_on, stride_oh,
-    stride_lb, stride_lh,
-    stride_pb, stride_ph,
-    num_q_blocks, group_size, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    BLK_PTR,
+    BLK_COL,
+    BAR_PTR,
+    BAR_COL,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    stride_pb,
+    stride_ph,
+    num_q_blocks,
+    group_size,
+    qk_scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr,
 ):
     # heavy query blocks (late in the sequence) start first
@@ -94,8 +130,7 @@ def block_bar_forward_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = qblock * BLOCK_M + offs_m
-    q = tl.load(Q + sample * stride_qb + head * stride_qh
-                + q_rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
+    q = tl.load(Q + sample * stride_qb + head * stride_qh + q_rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
 
@@ -108,13 +143,41 @@ def block_bar_forward_kernel(
     # a listed block is two consecutive entries (sub-tiles 2j, 2j + 1): one 128-key tile per pair
     offs_block = tl.arange(0, BLOCK_M)
     for entry in range(blk_start, diag_start, 2):
-        acc, row_max, row_sum = _block_tile_step(acc, row_max, row_sum, q, q_rows, k_base, v_base,
-                                                 tl.load(BLK_COL + entry), offs_block, offs_d, stride_kn, stride_vn,
-                                                 qk_scale_log2, BLOCK_N, False)
+        acc, row_max, row_sum = _block_tile_step(
+            acc,
+            row_max,
+            row_sum,
+            q,
+            q_rows,
+            k_base,
+            v_base,
+            tl.load(BLK_COL + entry),
+            offs_block,
+            offs_d,
+            stride_kn,
+            stride_vn,
+            qk_scale_log2,
+            BLOCK_N,
+            False,
+        )
     for entry in range(diag_start, blk_end, 2):
-        acc, row_max, row_sum = _block_tile_step(acc, row_max, row_sum, q, q_rows, k_base, v_base,
-                                                 tl.load(BLK_COL + entry), offs_block, offs_d, stride_kn, stride_vn,
-                                                 qk_scale_log2, BLOCK_N, True)
+        acc, row_max, row_sum = _block_tile_step(
+            acc,
+            row_max,
+            row_sum,
+            q,
+            q_rows,
+            k_base,
+            v_base,
+            tl.load(BLK_COL + entry),
+            offs_block,
+            offs_d,
+            stride_kn,
+            stride_vn,
+            qk_scale_log2,
+            BLOCK_N,
+            True,
+        )
 
     # ---- loop 2: bar columns, gathered 64 at a time (bars are never causal)
     for entry in range(bar_start, bar_end, BLOCK_N):
@@ -127,14 +190,13 @@ def block_bar_forward_kernel(
         acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v)
 
     # ---- epilogue: stable merge into the running (out, lse); rows without work stay untouched
-    has_work = row_sum != 0.0          # 0: no key in this step; NaN (poisoned logits) is written, not dropped
+    has_work = row_sum != 0.0  # 0: no key in this step; NaN (poisoned logits) is written, not dropped
     safe_sum = tl.where(has_work, row_sum, 1.0)
     step_lse = (tl.where(has_work, row_max, 0.0) + tl.log2(safe_sum)) * LN2
     step_out = acc / safe_sum[:, None]
 
     lse_ptrs = LSE + sample * stride_lb + head * stride_lh + q_rows
-    out_ptrs = (OUT + sample * stride_ob + head * stride_oh
-                + q_rows.to(tl.int64)[:, None] * stride_on + offs_d[None, :])
+    out_ptrs = OUT + sample * stride_ob + head * stride_oh + q_rows.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
     old_lse = tl.load(lse_ptrs)
     old_out = tl.load(out_ptrs, mask=has_work[:, None], other=0.0)
     larger = tl.maximum(old_lse, step_lse)
@@ -144,7 +206,8 @@ def block_bar_forward_kernel(
     # scale even the dominant side by 1 ± 5e-4, which dq amplifies for rows that attend to one key
     old_weight = tl.exp(old_lse - larger) / (1.0 + tail)
     new_weight = tl.exp(step_lse - larger) / (1.0 + tail)
-    merged_out = tl.where((old_lse == float("-inf"))[:, None], step_out,
-                          old_weight[:, None] * old_out + new_weight[:, None] * step_out)
+    merged_out = tl.where(
+        (old_lse == float("-inf"))[:, None], step_out, old_weight[:, None] * old_out + new_weight[:, None] * step_out
+    )
     tl.store(lse_ptrs, merged_lse, mask=has_work)
     tl.store(out_ptrs, merged_out, mask=has_work[:, None])

@@ -24,14 +24,31 @@ import torch
 import triton
 import triton.language as tl
 
-CANDIDATES_PER_STEP = 128   # candidates one program reads per loop step
+CANDIDATES_PER_STEP = 128  # candidates one program reads per loop step
 
 
 @triton.jit
-def _list_rows_kernel(KEY_BLOCK, OWNER, VALUE, PREFIX, HIT, QUERY_BLOCK, ROW_START, COUNT, COL,
-                      cand_stride_bh, cand_stride_w, prefix_stride_bh, prefix_stride_w,
-                      num_global_blocks, num_local_blocks, batch_heads,
-                      BARS: tl.constexpr, WRITE: tl.constexpr, STEP: tl.constexpr):
+def _list_rows_kernel(
+    KEY_BLOCK,
+    OWNER,
+    VALUE,
+    PREFIX,
+    HIT,
+    QUERY_BLOCK,
+    ROW_START,
+    COUNT,
+    COL,
+    cand_stride_bh,
+    cand_stride_w,
+    prefix_stride_bh,
+    prefix_stride_w,
+    num_global_blocks,
+    num_local_blocks,
+    batch_heads,
+    BARS: tl.constexpr,
+    WRITE: tl.constexpr,
+    STEP: tl.constexpr,
+):
     i = tl.program_id(0)
     bh = tl.program_id(1)
     w = tl.program_id(2)
@@ -65,7 +82,7 @@ def _list_rows_kernel(KEY_BLOCK, OWNER, VALUE, PREFIX, HIT, QUERY_BLOCK, ROW_STA
         if BARS:
             tl.store(COUNT + row, found)
         else:
-            tl.store(COUNT + row, 2 * found)                     # two sub-tiles per block
+            tl.store(COUNT + row, 2 * found)  # two sub-tiles per block
 
 
 class ListCandidates(NamedTuple):
@@ -73,11 +90,11 @@ class ListCandidates(NamedTuple):
     :func:`bar_candidates`."""
 
     bars: bool
-    key_block: torch.Tensor     # blocks: source key blocks [W, nb]; bars: verticals' key blocks [b·Hq, V]
-    owner: torch.Tensor         # bars: the verticals' source ranks [b·Hq, V] (blocks: key_block, unread)
-    value: torch.Tensor         # bars: the verticals' local columns [b·Hq, V] (blocks: key_block, unread)
-    prefix: torch.Tensor        # candidates before each local query block: blocks [W, nb], bars [b·Hq, nb]
-    hit: torch.Tensor           # int8 [b·Hq, NB], hit[bh, δ] = block diagonal δ is active
+    key_block: torch.Tensor  # blocks: source key blocks [W, nb]; bars: verticals' key blocks [b·Hq, V]
+    owner: torch.Tensor  # bars: the verticals' source ranks [b·Hq, V] (blocks: key_block, unread)
+    value: torch.Tensor  # bars: the verticals' local columns [b·Hq, V] (blocks: key_block, unread)
+    prefix: torch.Tensor  # candidates before each local query block: blocks [W, nb], bars [b·Hq, nb]
+    hit: torch.Tensor  # int8 [b·Hq, NB], hit[bh, δ] = block diagonal δ is active
     query_blocks: torch.Tensor  # [nb] global ids of this rank's query blocks
     world_size: int
     batch_heads: int
@@ -97,16 +114,31 @@ def block_candidates(source_blocks: torch.Tensor, query_blocks: torch.Tensor, hi
     return ListCandidates(False, key_block, key_block, key_block, prefix, flat_hit, queries, world, flat_hit.shape[0])
 
 
-def bar_candidates(owner: torch.Tensor, local: torch.Tensor, key_block: torch.Tensor, query_blocks: torch.Tensor,
-                   hit: torch.Tensor, world_size: int) -> ListCandidates:
+def bar_candidates(
+    owner: torch.Tensor,
+    local: torch.Tensor,
+    key_block: torch.Tensor,
+    query_blocks: torch.Tensor,
+    hit: torch.Tensor,
+    world_size: int,
+) -> ListCandidates:
     """The verticals' ``owner``, ``local`` column and ``key_block``, each ``[b, Hq, V]`` (ascending per row)."""
     rows = key_block.shape[0] * key_block.shape[1]
     blocks = _int32(key_block.reshape(rows, -1))
     queries = _int32(query_blocks)
     prefix = _int32(torch.searchsorted(blocks, queries.expand(rows, -1).contiguous()))
     flat_hit = hit.reshape(rows, -1).to(torch.int8).contiguous()
-    return ListCandidates(True, blocks, _int32(owner.reshape(rows, -1)), _int32(local.reshape(rows, -1)), prefix,
-                          flat_hit, queries, world_size, rows)
+    return ListCandidates(
+        True,
+        blocks,
+        _int32(owner.reshape(rows, -1)),
+        _int32(local.reshape(rows, -1)),
+        prefix,
+        flat_hit,
+        queries,
+        world_size,
+        rows,
+    )
 
 
 def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, col: torch.Tensor, write: bool) -> None:
@@ -115,16 +147,32 @@ def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, co
     cand_strides = (width, 0) if c.bars else (0, width)
     prefix_strides = (num_local_blocks, 0) if c.bars else (0, num_local_blocks)
     _list_rows_kernel[(num_local_blocks, c.batch_heads, c.world_size)](
-        c.key_block, c.owner, c.value, c.prefix, c.hit, c.query_blocks, row_start, counts, col,
-        *cand_strides, *prefix_strides, c.hit.shape[1], num_local_blocks, c.batch_heads,
-        BARS=c.bars, WRITE=write, STEP=CANDIDATES_PER_STEP)
+        c.key_block,
+        c.owner,
+        c.value,
+        c.prefix,
+        c.hit,
+        c.query_blocks,
+        row_start,
+        counts,
+        col,
+        *cand_strides,
+        *prefix_strides,
+        c.hit.shape[1],
+        num_local_blocks,
+        c.batch_heads,
+        BARS=c.bars,
+        WRITE=write,
+        STEP=CANDIDATES_PER_STEP,
+    )
 
 
 def count_rows(c: ListCandidates) -> torch.Tensor:
     """Entries per row, int32 ``[W, b·Hq, nb]``."""
-    counts = torch.empty((c.world_size, c.batch_heads, c.query_blocks.numel()), dtype=torch.int32,
-                         device=c.key_block.device)
-    _launch(c, counts, counts, counts, write=False)                 # row_start and col are not read
+    counts = torch.empty(
+        (c.world_size, c.batch_heads, c.query_blocks.numel()), dtype=torch.int32, device=c.key_block.device
+    )
+    _launch(c, counts, counts, counts, write=False)  # row_start and col are not read
     return counts
 
 

@@ -49,8 +49,7 @@ def full_index(batch: int, heads: int, seq_len: int, device=None) -> tuple[torch
     return v_idx.contiguous(), s_idx.contiguous()
 
 
-def mask_area(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int,
-              block_size: int = BLOCK_SIZE) -> torch.Tensor:
+def mask_area(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """|M| of :func:`vertical_slash_mask` per [b, Hq] (int64), counted without building the mask.
 
     |M| = NB·B(B+1)/2 (diagonal blocks) + B²·Σ_{δ≥1} hit[δ]·(NB−δ) (active blocks) + B·Σ_v #{δ in
@@ -58,12 +57,15 @@ def mask_area(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int,
     its key block is not already active).
     """
     num_blocks = seq_len // block_size
-    hit = slash_block_hits(s_idx, num_blocks, block_size)                  # [b, Hq, NB]
+    hit = slash_block_hits(s_idx, num_blocks, block_size)  # [b, Hq, NB]
     distance = torch.arange(num_blocks, device=hit.device)
     active_blocks = (hit[..., 1:].long() * (num_blocks - distance[1:])).sum(-1)
-    misses_up_to = (~hit).long().cumsum(-1)                                  # Σ_{δ≤m} (not hit[δ]); hit[0] is on
+    misses_up_to = (~hit).long().cumsum(-1)  # Σ_{δ≤m} (not hit[δ]); hit[0] is on
     valid = v_idx < seq_len
     key_block = v_idx.long().clamp(max=seq_len - 1) // block_size
     bar_blocks = torch.where(valid, misses_up_to.gather(-1, num_blocks - 1 - key_block), 0).sum(-1)
-    return (num_blocks * block_size * (block_size + 1) // 2 + block_size * block_size * active_blocks
-            + block_size * bar_blocks)
+    return (
+        num_blocks * block_size * (block_size + 1) // 2
+        + block_size * block_size * active_blocks
+        + block_size * bar_blocks
+    )

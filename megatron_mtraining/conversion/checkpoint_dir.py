@@ -21,8 +21,9 @@ def read_hf_config(directory: Path, option: str) -> dict:
     """The ``config.json`` of the Hugging Face model ``directory`` (given as ``option``), as a dict."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise ValueError(f"{option} {directory} is not a directory; give a Hugging Face model directory "
-                         "(config.json, *.safetensors)")
+        raise ValueError(
+            f"{option} {directory} is not a directory; give a Hugging Face model directory (config.json, *.safetensors)"
+        )
     path = directory / "config.json"
     if not path.is_file():
         raise ValueError(f"{option} {directory} has no config.json; give a Hugging Face model directory")
@@ -39,8 +40,10 @@ def resolve_checkpoint_dir(path: Path) -> Path:
     """The ``torch_dist`` directory of ``path``: a checkpoint root (tracker file) or ``release``/``iter_*`` itself."""
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"--checkpoint {path} is not a directory; give the checkpoint root (with {TRACKER_FILE}) "
-                         "or its release/iter_XXXXXXX directory")
+        raise ValueError(
+            f"--checkpoint {path} is not a directory; give the checkpoint root (with {TRACKER_FILE}) "
+            "or its release/iter_XXXXXXX directory"
+        )
     tracker = path / TRACKER_FILE
     if tracker.is_file():
         text = tracker.read_text().strip()
@@ -51,8 +54,10 @@ def resolve_checkpoint_dir(path: Path) -> Path:
         else:
             raise ValueError(f"{tracker} holds {text!r}; expected 'release' or an iteration number")
     if not (path / "metadata.json").is_file():
-        raise ValueError(f"{path} is not a Megatron torch_dist checkpoint (no metadata.json, and no {TRACKER_FILE} "
-                         "pointing to one); give the checkpoint root or its release/iter_XXXXXXX directory")
+        raise ValueError(
+            f"{path} is not a Megatron torch_dist checkpoint (no metadata.json, and no {TRACKER_FILE} "
+            "pointing to one); give the checkpoint root or its release/iter_XXXXXXX directory"
+        )
     return path
 
 
@@ -66,11 +71,14 @@ def check_output_dir(output: Path, overwrite: bool, inputs: dict[str, Path]) -> 
         raise ValueError(f"--output-dir {output} is a file; give a directory path")
     for option, path in inputs.items():
         if Path(path).resolve().is_relative_to(output.resolve()):
-            raise ValueError(f"--output-dir {output} holds {option} {path}, which the conversion reads; choose "
-                             "another --output-dir")
+            raise ValueError(
+                f"--output-dir {output} holds {option} {path}, which the conversion reads; choose another --output-dir"
+            )
     if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise ValueError(f"--output-dir {output} is not empty (it may hold a checkpoint); choose another directory "
-                         "or pass --overwrite to replace it")
+        raise ValueError(
+            f"--output-dir {output} is not empty (it may hold a checkpoint); choose another directory "
+            "or pass --overwrite to replace it"
+        )
 
 
 @contextmanager
@@ -95,4 +103,3 @@ def staged_output_dir(output: Path) -> Iterator[Path]:
         shutil.rmtree(previous)
     else:
         staging.rename(output)
-

@@ -19,7 +19,7 @@ from .checkpoint_dir import SAFETENSORS_INDEX, read_hf_config
 from .tensor_map import LM_HEAD, expected_hf_shapes
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")
-IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)     # non-persistent buffers some old exports contain
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old exports contain
 
 
 class HFCheckpoint:
@@ -66,8 +66,10 @@ class HFCheckpoint:
             return files
         files = sorted(self.hf_dir.glob("*.safetensors"))
         if not files:
-            raise ValueError(f"--hf-dir {self.hf_dir} has no *.safetensors files (pytorch_model.bin is not read; "
-                             "re-save the model with save_pretrained(..., safe_serialization=True))")
+            raise ValueError(
+                f"--hf-dir {self.hf_dir} has no *.safetensors files (pytorch_model.bin is not read; "
+                "re-save the model with save_pretrained(..., safe_serialization=True))"
+            )
         return files
 
     def _open(self, path: Path):
@@ -90,29 +92,38 @@ class HFCheckpoint:
         present = {name for name in self._owner if not name.endswith(IGNORED_HF_SUFFIXES)}
         missing = sorted(set(expected) - present)
         if missing:
-            raise ValueError(f"{self.hf_dir}: {len(missing)} tensors that config.json implies are missing, e.g. "
-                             f"{', '.join(missing[:3])}" + ("; an untied model (tie_word_embeddings=false) needs "
-                                                            "lm_head.weight" if LM_HEAD in missing else ""))
+            raise ValueError(
+                f"{self.hf_dir}: {len(missing)} tensors that config.json implies are missing, e.g. "
+                f"{', '.join(missing[:3])}"
+                + ("; an untied model (tie_word_embeddings=false) needs lm_head.weight" if LM_HEAD in missing else "")
+            )
         unexpected = sorted(present - set(expected) - {LM_HEAD})
         if unexpected:
             listed = ", ".join(unexpected[:3]) + (" …" if len(unexpected) > 3 else "")
-            has_qk_norms = any(name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
-                               for name in unexpected)
+            has_qk_norms = any(
+                name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) for name in unexpected
+            )
             hint = "; q_norm/k_norm are Qwen3's: is model_type 'qwen3'?" if has_qk_norms else ""
-            raise ValueError(f"{self.hf_dir}: tensors that a {self.arch.family} model of this config does not have: "
-                             f"{listed} (is num_hidden_layers right?{hint})")
+            raise ValueError(
+                f"{self.hf_dir}: tensors that a {self.arch.family} model of this config does not have: "
+                f"{listed} (is num_hidden_layers right?{hint})"
+            )
         for name, shape in expected.items():
             tensor_slice = self._files[self._owner[name]].get_slice(name)
             found = tuple(tensor_slice.get_shape())
             if found != shape:
-                raise ValueError(f"{name} has shape {list(found)} but config.json (hidden_size "
-                                 f"{self.arch.hidden_size}, vocab_size {self.arch.vocab_size}, intermediate_size "
-                                 f"{self.arch.ffn_hidden_size}, heads {self.arch.num_attention_heads}/"
-                                 f"{self.arch.num_query_groups}, head dim {self.arch.kv_channels}) implies "
-                                 f"{list(shape)}; the config does not match the weights")
+                raise ValueError(
+                    f"{name} has shape {list(found)} but config.json (hidden_size "
+                    f"{self.arch.hidden_size}, vocab_size {self.arch.vocab_size}, intermediate_size "
+                    f"{self.arch.ffn_hidden_size}, heads {self.arch.num_attention_heads}/"
+                    f"{self.arch.num_query_groups}, head dim {self.arch.kv_channels}) implies "
+                    f"{list(shape)}; the config does not match the weights"
+                )
             if tensor_slice.get_dtype() not in FLOAT_DTYPES:
                 raise ValueError(f"{name} has dtype {tensor_slice.get_dtype()}; expected one of {FLOAT_DTYPES}")
         if self.arch.tie_embeddings and LM_HEAD in present:
             if not torch.equal(self.tensor(LM_HEAD), self.tensor("model.embed_tokens.weight")):
-                raise ValueError(f"{self.hf_dir}: config.json ties the embeddings (tie_word_embeddings=true) but "
-                                 "lm_head.weight differs from model.embed_tokens.weight; fix tie_word_embeddings")
+                raise ValueError(
+                    f"{self.hf_dir}: config.json ties the embeddings (tie_word_embeddings=true) but "
+                    "lm_head.weight differs from model.embed_tokens.weight; fix tie_word_embeddings"
+                )

@@ -30,8 +30,12 @@ from .tensor_map import EXTRA_STATE_KEYS, conversion_steps
 CHECKPOINT_CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def extend_context(arch: QwenArchitecture, rotary_base: int | None = None, yarn_factor: float | None = None,
-                   yarn_original_max_position_embeddings: int | None = None) -> QwenArchitecture:
+def extend_context(
+    arch: QwenArchitecture,
+    rotary_base: int | None = None,
+    yarn_factor: float | None = None,
+    yarn_original_max_position_embeddings: int | None = None,
+) -> QwenArchitecture:
     """``arch`` with a new RoPE base θ, or with YaRN (factor, original length; default the model's length)."""
     if rotary_base is not None and yarn_factor is not None:
         raise ValueError("--rotary-base and --yarn-factor are alternative context extensions; pass one of them")
@@ -45,8 +49,10 @@ def extend_context(arch: QwenArchitecture, rotary_base: int | None = None, yarn_
         if yarn_factor <= 1:
             raise ValueError(f"--yarn-factor {yarn_factor} must be > 1 (target length / original length, e.g. 16)")
         if yarn_original_max_position_embeddings is not None and yarn_original_max_position_embeddings < 1:
-            raise ValueError(f"--yarn-original-max-position-embeddings {yarn_original_max_position_embeddings} must "
-                             "be a positive integer, e.g. 32768")
+            raise ValueError(
+                f"--yarn-original-max-position-embeddings {yarn_original_max_position_embeddings} must "
+                "be a positive integer, e.g. 32768"
+            )
         original = yarn_original_max_position_embeddings or arch.max_position_embeddings
         return dataclasses.replace(arch, yarn_factor=yarn_factor, yarn_original_max_position_embeddings=original)
     return arch
@@ -59,8 +65,9 @@ def checkpoint_args(model_flags: list[str], arch: QwenArchitecture) -> argparse.
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_megatron_arguments(parser)
     length = str(arch.max_position_embeddings)
-    return parser.parse_args(model_flags + ["--seq-length", length, "--max-position-embeddings", length,
-                                            "--ckpt-format", "torch_dist"])
+    return parser.parse_args(
+        model_flags + ["--seq-length", length, "--max-position-embeddings", length, "--ckpt-format", "torch_dist"]
+    )
 
 
 def _sharded_state_dict(arch: QwenArchitecture, staged: dict[tuple[str, int | None], torch.Tensor]) -> dict:
@@ -72,8 +79,9 @@ def _sharded_state_dict(arch: QwenArchitecture, staged: dict[tuple[str, int | No
         if layer is None:
             model[key] = ShardedTensor.from_rank_offsets(key, data, replica_id=0)
         else:
-            model[f"{key}.{layer}"] = ShardedTensor.from_rank_offsets(key, data, (0, layer, arch.num_layers),
-                                                                      replica_id=0, prepend_axis_num=1)
+            model[f"{key}.{layer}"] = ShardedTensor.from_rank_offsets(
+                key, data, (0, layer, arch.num_layers), replica_id=0, prepend_axis_num=1
+            )
     for key in EXTRA_STATE_KEYS:
         for layer in range(arch.num_layers):
             model[f"{key}.{layer}"] = ShardedObject(key, None, (arch.num_layers,), (layer,), replica_id=0)
@@ -86,9 +94,16 @@ def _stage(directory: Path, index: int, tensor: torch.Tensor, dtype: torch.dtype
     return staged.view(tensor.shape).copy_(tensor)
 
 
-def convert(hf_dir: Path, output_dir: Path, *, dtype: str = "bf16", rotary_base: int | None = None,
-            yarn_factor: float | None = None, yarn_original_max_position_embeddings: int | None = None,
-            overwrite: bool = False) -> QwenArchitecture:
+def convert(
+    hf_dir: Path,
+    output_dir: Path,
+    *,
+    dtype: str = "bf16",
+    rotary_base: int | None = None,
+    yarn_factor: float | None = None,
+    yarn_original_max_position_embeddings: int | None = None,
+    overwrite: bool = False,
+) -> QwenArchitecture:
     """Write the ``torch_dist`` checkpoint and args file of ``hf_dir`` to ``output_dir``; return the architecture.
 
     Every input and option is checked before anything is written (``ValueError`` naming the problem).
@@ -100,8 +115,9 @@ def convert(hf_dir: Path, output_dir: Path, *, dtype: str = "bf16", rotary_base:
         arch = extend_context(hf.arch, rotary_base, yarn_factor, yarn_original_max_position_embeddings)
         check_output_dir(output_dir, overwrite, {"--hf-dir": hf_dir})
         if importlib.util.find_spec("psutil") is None:
-            raise ValueError("Megatron's torch_dist writer needs psutil (a dependency of this project); "
-                             "pip install psutil")
+            raise ValueError(
+                "Megatron's torch_dist writer needs psutil (a dependency of this project); pip install psutil"
+            )
         model_flags = arch.megatron_flags(str(hf_dir))
         args = checkpoint_args(model_flags, arch)
         with staged_output_dir(output_dir) as staging, single_process_group(), torch_dist_writer_on_cpu():
@@ -113,8 +129,9 @@ def convert(hf_dir: Path, output_dir: Path, *, dtype: str = "bf16", rotary_base:
     return arch
 
 
-def _convert_tensors(hf: HFCheckpoint, arch: QwenArchitecture, staging: Path,
-                     dtype: torch.dtype) -> dict[tuple[str, int | None], torch.Tensor]:
+def _convert_tensors(
+    hf: HFCheckpoint, arch: QwenArchitecture, staging: Path, dtype: torch.dtype
+) -> dict[tuple[str, int | None], torch.Tensor]:
     staging.mkdir()
     staged = {}
     steps = conversion_steps(arch)

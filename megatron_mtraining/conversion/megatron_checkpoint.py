@@ -21,8 +21,10 @@ def read_checkpoint_args(checkpoint_dir: Path) -> argparse.Namespace:
 
     common = dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
     if not isinstance(common, dict) or common.get("args") is None:
-        raise ValueError(f"{checkpoint_dir} stores no Megatron 'args'; the architecture is unknown (was it written "
-                         "by Megatron's training loop or tools/convert_qwen2_hf_to_megatron.py?)")
+        raise ValueError(
+            f"{checkpoint_dir} stores no Megatron 'args'; the architecture is unknown (was it written "
+            "by Megatron's training loop or tools/convert_qwen2_hf_to_megatron.py?)"
+        )
     return common["args"]
 
 
@@ -38,18 +40,28 @@ def stored_dtypes(checkpoint_dir: Path, arch: QwenArchitecture) -> dict[str, tor
     dtypes = {}
     for mapping in tensor_mappings(arch):
         if mapping.key not in stored:
-            raise ValueError(f"{checkpoint_dir} has no tensor {mapping.key}, which the checkpoint's args "
-                             f"({'tied' if arch.tie_embeddings else 'untied'} embeddings) imply")
+            raise ValueError(
+                f"{checkpoint_dir} has no tensor {mapping.key}, which the checkpoint's args "
+                f"({'tied' if arch.tie_embeddings else 'untied'} embeddings) imply"
+            )
         shape = tuple(stored[mapping.key].global_shape)
         if shape != _global_shape(mapping, arch):
-            raise ValueError(f"{mapping.key} has shape {list(shape)} in {checkpoint_dir} but the checkpoint's args "
-                             f"imply {list(_global_shape(mapping, arch))}")
+            raise ValueError(
+                f"{mapping.key} has shape {list(shape)} in {checkpoint_dir} but the checkpoint's args "
+                f"imply {list(_global_shape(mapping, arch))}"
+            )
         dtypes[mapping.key] = stored[mapping.key].dtype
     return dtypes
 
 
-def load_step(checkpoint_dir: Path, strategy, arch: QwenArchitecture, layer: int | None,
-              mappings: list[TensorMapping], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+def load_step(
+    checkpoint_dir: Path,
+    strategy,
+    arch: QwenArchitecture,
+    layer: int | None,
+    mappings: list[TensorMapping],
+    dtypes: dict[str, torch.dtype],
+) -> dict[str, torch.Tensor]:
     """Megatron tensors of one layer (or of the non-layer tensors), read from the checkpoint into NaN-filled buffers."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -59,10 +71,12 @@ def load_step(checkpoint_dir: Path, strategy, arch: QwenArchitecture, layer: int
         if layer is None:
             buffer = torch.full(mapping.shape(arch), torch.nan, dtype=dtypes[mapping.key])
             request[mapping.key] = ShardedTensor.from_rank_offsets(mapping.key, buffer, replica_id=0)
-        else:     # a leading axis of 1 (not prepend_axis_num) lets a single rank read one layer of the stack
+        else:  # a leading axis of 1 (not prepend_axis_num) lets a single rank read one layer of the stack
             buffer = torch.full((1,) + mapping.shape(arch), torch.nan, dtype=dtypes[mapping.key])
-            request[mapping.key] = ShardedTensor.from_rank_offsets(mapping.key, buffer, (0, layer, arch.num_layers),
-                                                                   replica_id=0)
-    loaded = dist_checkpointing.load(request, str(checkpoint_dir), sharded_strategy=strategy,
-                                     validate_access_integrity=False)
+            request[mapping.key] = ShardedTensor.from_rank_offsets(
+                mapping.key, buffer, (0, layer, arch.num_layers), replica_id=0
+            )
+    loaded = dist_checkpointing.load(
+        request, str(checkpoint_dir), sharded_strategy=strategy, validate_access_integrity=False
+    )
     return {key: loaded[key] if layer is None else loaded[key][0] for key in request}

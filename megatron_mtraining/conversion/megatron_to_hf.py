@@ -21,15 +21,27 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .architecture import DTYPES, QwenArchitecture
-from .checkpoint_dir import (SAFETENSORS_INDEX, check_output_dir, read_hf_config, resolve_checkpoint_dir,
-                             staged_output_dir)
+from .checkpoint_dir import (
+    SAFETENSORS_INDEX,
+    check_output_dir,
+    read_hf_config,
+    resolve_checkpoint_dir,
+    staged_output_dir,
+)
 from .megatron_checkpoint import load_step, read_checkpoint_args, stored_dtypes
 from .single_process import single_process_group
 from .tensor_map import conversion_steps
 
-COPIED_REFERENCE_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                          "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                          "generation_config.json")
+COPIED_REFERENCE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def _default_reference(args: argparse.Namespace) -> Path | None:
@@ -45,13 +57,27 @@ def reference_config(reference: Path | None, arch: QwenArchitecture) -> dict | N
         return None
     config = read_hf_config(reference, "--hf-reference")
     ref = QwenArchitecture.from_hf_config(config, str(Path(reference) / "config.json"))
-    shape_fields = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "kv_channels", "vocab_size", "tie_embeddings")
-    differing = [f"{name}: reference {getattr(ref, name)}, checkpoint {getattr(arch, name)}"
-                 for name in shape_fields if getattr(ref, name) != getattr(arch, name)]
+    shape_fields = (
+        "model_type",
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "vocab_size",
+        "tie_embeddings",
+    )
+    differing = [
+        f"{name}: reference {getattr(ref, name)}, checkpoint {getattr(arch, name)}"
+        for name in shape_fields
+        if getattr(ref, name) != getattr(arch, name)
+    ]
     if differing:
-        raise ValueError(f"--hf-reference {reference} is a different model ({'; '.join(differing)}); give the "
-                         "model the checkpoint was converted from")
+        raise ValueError(
+            f"--hf-reference {reference} is a different model ({'; '.join(differing)}); give the "
+            "model the checkpoint was converted from"
+        )
     return config
 
 
@@ -78,8 +104,15 @@ def _shard_names(count: int) -> list[str]:
     return [f"model-{index:05d}-of-{count:05d}.safetensors" for index in range(1, count + 1)]
 
 
-def convert(checkpoint: Path, output_dir: Path, *, hf_reference: Path | None = None, dtype: str = "bf16",
-            max_shard_size: str = "5GB", overwrite: bool = False) -> QwenArchitecture:
+def convert(
+    checkpoint: Path,
+    output_dir: Path,
+    *,
+    hf_reference: Path | None = None,
+    dtype: str = "bf16",
+    max_shard_size: str = "5GB",
+    overwrite: bool = False,
+) -> QwenArchitecture:
     """Write the Hugging Face directory of ``checkpoint`` to ``output_dir``; return the architecture.
 
     Every input and option is checked before anything is written (``ValueError`` naming the problem).
@@ -97,8 +130,11 @@ def convert(checkpoint: Path, output_dir: Path, *, hf_reference: Path | None = N
         reference = Path(hf_reference) if hf_reference is not None else _default_reference(args)
         base_config = reference_config(reference, arch)
         if reference is None:
-            print("note: no --hf-reference (and the run's --tokenizer-model is not a model directory here): "
-                  "config.json gets no token ids and no tokenizer files are copied", file=sys.stderr)
+            print(
+                "note: no --hf-reference (and the run's --tokenizer-model is not a model directory here): "
+                "config.json gets no token ids and no tokenizer files are copied",
+                file=sys.stderr,
+            )
         protected = {"--checkpoint": checkpoint_dir} | ({} if reference is None else {"--hf-reference": reference})
         check_output_dir(output_dir, overwrite, protected)
         shards = plan_shards(arch, out_dtype, max_bytes)
@@ -120,8 +156,14 @@ def convert(checkpoint: Path, output_dir: Path, *, hf_reference: Path | None = N
     return arch
 
 
-def _write_metadata(directory: Path, arch: QwenArchitecture, base_config: dict | None, reference: Path | None,
-                    dtype: torch.dtype, file_of: dict[str, str]) -> None:
+def _write_metadata(
+    directory: Path,
+    arch: QwenArchitecture,
+    base_config: dict | None,
+    reference: Path | None,
+    dtype: torch.dtype,
+    file_of: dict[str, str],
+) -> None:
     (directory / "config.json").write_text(json.dumps(arch.hf_config(base_config, dtype), indent=2) + "\n")
     if len(set(file_of.values())) > 1:
         total = sum((directory / file).stat().st_size for file in set(file_of.values()))
@@ -134,11 +176,11 @@ def _write_metadata(directory: Path, arch: QwenArchitecture, base_config: dict |
 
 def parse_size(text: str) -> int:
     """Bytes of a size such as ``5GB``, ``500MB`` or ``1000000`` (decimal units, as Hugging Face uses)."""
-    units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "B": 1}
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
     cleaned = text.strip().upper()
     for suffix, factor in units.items():
-        if cleaned.endswith(suffix) and cleaned[:-len(suffix)].strip().replace(".", "", 1).isdigit():
-            return math.floor(float(cleaned[:-len(suffix)]) * factor)
+        if cleaned.endswith(suffix) and cleaned[: -len(suffix)].strip().replace(".", "", 1).isdigit():
+            return math.floor(float(cleaned[: -len(suffix)]) * factor)
     if cleaned.isdigit():
         return int(cleaned)
     raise ValueError(f"size {text!r} is not understood; use e.g. 5GB, 500MB or a number of bytes")

@@ -41,7 +41,9 @@ def torch_dist_writer_on_cpu() -> Iterator[None]:
         return
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    with (mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
-          mock.patch.object(torch.cuda, "synchronize", lambda device=None: None),
-          mock.patch.object(filesystem_async, "_results_queue", queue.Queue())):
+    with (
+        mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
+        mock.patch.object(torch.cuda, "synchronize", lambda device=None: None),
+        mock.patch.object(filesystem_async, "_results_queue", queue.Queue()),
+    ):
         yield

@@ -37,17 +37,20 @@ class TensorMapping:
         """Shape of one layer's (or the only) tensor in Megatron's layout."""
         h, d = arch.hidden_size, arch.kv_channels
         qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * d
-        return {"embedding.word_embeddings.weight": (arch.vocab_size, h), "output_layer.weight": (arch.vocab_size, h),
-                "decoder.final_layernorm.weight": (h,),
-                "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (h,),
-                "decoder.layers.self_attention.linear_qkv.weight": (qkv_rows, h),
-                "decoder.layers.self_attention.linear_qkv.bias": (qkv_rows,),
-                "decoder.layers.self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
-                "decoder.layers.self_attention.q_layernorm.weight": (d,),
-                "decoder.layers.self_attention.k_layernorm.weight": (d,),
-                "decoder.layers.mlp.linear_fc1.layer_norm_weight": (h,),
-                "decoder.layers.mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h),
-                "decoder.layers.mlp.linear_fc2.weight": (h, arch.ffn_hidden_size)}[self.key]
+        return {
+            "embedding.word_embeddings.weight": (arch.vocab_size, h),
+            "output_layer.weight": (arch.vocab_size, h),
+            "decoder.final_layernorm.weight": (h,),
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (h,),
+            "decoder.layers.self_attention.linear_qkv.weight": (qkv_rows, h),
+            "decoder.layers.self_attention.linear_qkv.bias": (qkv_rows,),
+            "decoder.layers.self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
+            "decoder.layers.self_attention.q_layernorm.weight": (d,),
+            "decoder.layers.self_attention.k_layernorm.weight": (d,),
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight": (h,),
+            "decoder.layers.mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h),
+            "decoder.layers.mlp.linear_fc2.weight": (h, arch.ffn_hidden_size),
+        }[self.key]
 
     def hf_shapes(self, arch: QwenArchitecture) -> list[tuple[int, ...]]:
         """Shapes of the Hugging Face sources, in ``hf_names`` order."""
@@ -79,31 +82,44 @@ class TensorMapping:
 _LAYER = "model.layers.{layer}."
 TENSOR_MAP = (
     TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COPY),
-    TensorMapping("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-                  (_LAYER + "input_layernorm.weight",), COPY),
-    TensorMapping("decoder.layers.self_attention.linear_qkv.weight",
-                  tuple(_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), QKV),
-    TensorMapping("decoder.layers.self_attention.linear_qkv.bias",
-                  tuple(_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV),
+    TensorMapping(
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (_LAYER + "input_layernorm.weight",), COPY
+    ),
+    TensorMapping(
+        "decoder.layers.self_attention.linear_qkv.weight",
+        tuple(_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
+        QKV,
+    ),
+    TensorMapping(
+        "decoder.layers.self_attention.linear_qkv.bias", tuple(_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV
+    ),
     TensorMapping("decoder.layers.self_attention.q_layernorm.weight", (_LAYER + "self_attn.q_norm.weight",), COPY),
     TensorMapping("decoder.layers.self_attention.k_layernorm.weight", (_LAYER + "self_attn.k_norm.weight",), COPY),
     TensorMapping("decoder.layers.self_attention.linear_proj.weight", (_LAYER + "self_attn.o_proj.weight",), COPY),
-    TensorMapping("decoder.layers.mlp.linear_fc1.layer_norm_weight", (_LAYER + "post_attention_layernorm.weight",),
-                  COPY),
-    TensorMapping("decoder.layers.mlp.linear_fc1.weight",
-                  (_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"), GATE_UP),
+    TensorMapping(
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight", (_LAYER + "post_attention_layernorm.weight",), COPY
+    ),
+    TensorMapping(
+        "decoder.layers.mlp.linear_fc1.weight",
+        (_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"),
+        GATE_UP,
+    ),
     TensorMapping("decoder.layers.mlp.linear_fc2.weight", (_LAYER + "mlp.down_proj.weight",), COPY),
     TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), COPY),
     TensorMapping("output_layer.weight", ("lm_head.weight",), COPY),
 )
 # Per-layer ``ShardedObject``s every GPTModel layer saves and loads (``None`` for local-spec layers,
 # Transformer Engine's FP8 metadata otherwise).
-EXTRA_STATE_KEYS = tuple(f"decoder.layers.{module}._extra_state" for module in (
-    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+EXTRA_STATE_KEYS = tuple(
+    f"decoder.layers.{module}._extra_state"
+    for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+)
 LM_HEAD = "lm_head.weight"
 QKV_BIAS_KEY = "decoder.layers.self_attention.linear_qkv.bias"
-QK_LAYERNORM_KEYS = ("decoder.layers.self_attention.q_layernorm.weight",
-                     "decoder.layers.self_attention.k_layernorm.weight")
+QK_LAYERNORM_KEYS = (
+    "decoder.layers.self_attention.q_layernorm.weight",
+    "decoder.layers.self_attention.k_layernorm.weight",
+)
 
 
 def tensor_mappings(arch: QwenArchitecture) -> list[TensorMapping]:
@@ -127,8 +143,12 @@ def conversion_steps(arch: QwenArchitecture) -> list[tuple[int | None, list[Tens
 
 def expected_hf_shapes(arch: QwenArchitecture) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor name of ``arch`` (without a tied ``lm_head``) and its shape."""
-    return {name: shape for layer, mappings in conversion_steps(arch) for m in mappings
-            for name, shape in zip(m.hf_tensor_names(layer), m.hf_shapes(arch))}
+    return {
+        name: shape
+        for layer, mappings in conversion_steps(arch)
+        for m in mappings
+        for name, shape in zip(m.hf_tensor_names(layer), m.hf_shapes(arch))
+    }
 
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: QwenArchitecture) -> torch.Tensor:
@@ -139,8 +159,11 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Qwen
     """
     g, d = arch.num_query_groups, arch.kv_channels
     trailing = q.shape[1:]
-    grouped = [q.reshape(g, arch.heads_per_group * d, *trailing), k.reshape(g, d, *trailing),
-               v.reshape(g, d, *trailing)]
+    grouped = [
+        q.reshape(g, arch.heads_per_group * d, *trailing),
+        k.reshape(g, d, *trailing),
+        v.reshape(g, d, *trailing),
+    ]
     return torch.cat(grouped, dim=1).reshape(-1, *trailing)
 
 
@@ -150,4 +173,3 @@ def split_qkv(qkv: torch.Tensor, arch: QwenArchitecture) -> tuple[torch.Tensor, 
     trailing = qkv.shape[1:]
     q, k, v = qkv.reshape(g, (arch.heads_per_group + 2) * d, *trailing).split([arch.heads_per_group * d, d, d], dim=1)
     return tuple(part.reshape(-1, *trailing).contiguous() for part in (q, k, v))
-

@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-DIGEST_BYTES = 32            # one SHA-256 digest per setting
-SHOWN_POSITIONS = 4          # differing positions of a sequence setting named in the message
+DIGEST_BYTES = 32  # one SHA-256 digest per setting
+SHOWN_POSITIONS = 4  # differing positions of a sequence setting named in the message
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -61,8 +61,9 @@ def _by_rank(name: str, values: list) -> dict[str, list]:
     return shown
 
 
-def agree_on_inputs(what: str, names: Sequence[str], values: Sequence | None, error: ValueError | None,
-                    group: dist.ProcessGroup) -> None:
+def agree_on_inputs(
+    what: str, names: Sequence[str], values: Sequence | None, error: ValueError | None, group: dist.ProcessGroup
+) -> None:
     """Raise on every rank of ``group`` unless no rank has an ``error`` and all ranks' ``values`` are equal.
 
     Call it before the first other collective, so that a bad or inconsistent rank never leaves its
@@ -84,13 +85,14 @@ def agree_on_inputs(what: str, names: Sequence[str], values: Sequence | None, er
     mine = mine.to(collective_device(group))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).cpu()                                       # [W, 32·len(names) + 1]
+    table = torch.stack(gathered).cpu()  # [W, 32·len(names) + 1]
     if error is not None:
         raise error
     bad = table[:, -1].nonzero().flatten().tolist()
     if bad:
-        raise ValueError(f"{what}: the input is invalid on rank(s) {bad} of the group (they raised the reason); "
-                         "fix the input there")
+        raise ValueError(
+            f"{what}: the input is invalid on rank(s) {bad} of the group (they raised the reason); fix the input there"
+        )
     per_setting = table[:, :-1].view(len(gathered), len(names), DIGEST_BYTES)
     differing = (per_setting != per_setting[:1]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     if not differing:
@@ -100,5 +102,7 @@ def agree_on_inputs(what: str, names: Sequence[str], values: Sequence | None, er
     shown = {}
     for position, i in enumerate(differing):
         shown.update(_by_rank(names[i], [rank_values[position] for rank_values in everyone]))
-    raise ValueError(f"{what}: the ranks of the group disagree on {shown} (values by rank); every rank "
-                     "must pass the same shapes, dtype, budget and options")
+    raise ValueError(
+        f"{what}: the ranks of the group disagree on {shown} (values by rank); every rank "
+        "must pass the same shapes, dtype, budget and options"
+    )

@@ -68,27 +68,34 @@ def merge_step(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor, ste
     lse.copy_(torch.logaddexp(lse, step_lse))
 
 
-def _signature_error(q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale,
-                     grad_wire_dtype: str) -> str:
+def _signature_error(
+    q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale, grad_wire_dtype: str
+) -> str:
     """Why this rank's inputs are unusable, or '' (local checks only; never raises)."""
     if grad_wire_dtype not in WIRE_DTYPES:
         return f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
     if groups.outer is not None:
-        return ("the SDPA dense ring is flat only, got RingGroups with an outer ring (a hierarchical ring); "
-                "pass flat RingGroups (outer=None)")
+        return (
+            "the SDPA dense ring is flat only, got RingGroups with an outer ring (a hierarchical ring); "
+            "pass flat RingGroups (outer=None)"
+        )
     if not isinstance(layout, Layout) or layout.kind != "zigzag":
         return f"the SDPA dense ring needs the zigzag layout, got {layout!r}; use Layout('zigzag', world_size)"
     if layout.world_size != groups.world_size:
-        return (f"layout is for world_size={layout.world_size} but the CP group has {groups.world_size} ranks; "
-                f"use Layout('zigzag', {groups.world_size})")
+        return (
+            f"layout is for world_size={layout.world_size} but the CP group has {groups.world_size} ranks; "
+            f"use Layout('zigzag', {groups.world_size})"
+        )
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
             return f"{name} must be a 4-D tensor [b, N_loc, heads, d], got {getattr(tensor, 'shape', type(tensor))}"
     if k.shape[1] != q.shape[1]:
         return f"k has {k.shape[1]} tokens but q has {q.shape[1]}; every rank holds the same tokens of q, k and v"
     if q.shape[1] % 2:
-        return (f"N_loc={q.shape[1]} is odd, but a zigzag rank holds two equal chunks; use a sequence length "
-                f"that is a multiple of 2 x {groups.world_size}")
+        return (
+            f"N_loc={q.shape[1]} is odd, but a zigzag rank holds two equal chunks; use a sequence length "
+            f"that is a multiple of 2 x {groups.world_size}"
+        )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     try:
         check_step_inputs(q, k, v, causal=True, softmax_scale=scale, impl=impl)
@@ -98,25 +105,61 @@ def _signature_error(q, k, v, layout: Layout, groups: RingGroups, impl: str, sof
 
 
 # every setting that changes what the dense ring sends or computes; the ranks agree on them exactly
-_RING_SETTINGS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "layout", "impl", "softmax_scale",
-                  "grad_wire_dtype", "replay")
+_RING_SETTINGS = (
+    "b",
+    "N_loc",
+    "Hq",
+    "d",
+    "k b",
+    "k N_loc",
+    "Hkv",
+    "k d",
+    "dtype",
+    "layout",
+    "impl",
+    "softmax_scale",
+    "grad_wire_dtype",
+    "replay",
+)
 
 
-def check_dense_ring_inputs(q, k, v, layout: Layout, groups: RingGroups, impl: str, softmax_scale=None,
-                            grad_wire_dtype: str = "fp32", replay_output=None) -> None:
+def check_dense_ring_inputs(
+    q,
+    k,
+    v,
+    layout: Layout,
+    groups: RingGroups,
+    impl: str,
+    softmax_scale=None,
+    grad_wire_dtype: str = "fp32",
+    replay_output=None,
+) -> None:
     """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad, or if the ranks differ in any of
     :data:`_RING_SETTINGS` (shapes, dtype, layout, SDPA impl, resolved softmax scale, dK/dV wire dtype, or
     in replaying); one small all-gather over the CP group, as :func:`.sparse_ring.check_ring_inputs`."""
-    error = (_signature_error(q, k, v, layout, groups, impl, softmax_scale, grad_wire_dtype)
-             or replay_output_error(q, replay_output))
+    error = _signature_error(q, k, v, layout, groups, impl, softmax_scale, grad_wire_dtype) or replay_output_error(
+        q, replay_output
+    )
     values = None
     if not error:
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        values = [*q.shape, *k.shape, q.dtype, repr(layout), impl, float(scale), grad_wire_dtype,
-                  int(replay_output is not None)]
-    agree_on_inputs("dense ring attention", _RING_SETTINGS, values,
-                    ValueError(f"dense ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
-                    groups.cp)
+        values = [
+            *q.shape,
+            *k.shape,
+            q.dtype,
+            repr(layout),
+            impl,
+            float(scale),
+            grad_wire_dtype,
+            int(replay_output is not None),
+        ]
+    agree_on_inputs(
+        "dense ring attention",
+        _RING_SETTINGS,
+        values,
+        ValueError(f"dense ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
+        groups.cp,
+    )
 
 
 def dense_ring_forward(q, kv, groups: RingGroups, impl: str, scale: float):
@@ -129,12 +172,19 @@ def dense_ring_forward(q, kv, groups: RingGroups, impl: str, scale: float):
     def step(held, source, _t):
         nonlocal out, lse
         plan = zigzag_step(rank, source, local_len)
-        step_out, step_lse = attention_forward(q[:, plan.queries], held[0][:, plan.keys], held[1][:, plan.keys],
-                                               causal=plan.causal, softmax_scale=scale, impl=impl)
+        step_out, step_lse = attention_forward(
+            q[:, plan.queries],
+            held[0][:, plan.keys],
+            held[1][:, plan.keys],
+            causal=plan.causal,
+            softmax_scale=scale,
+            impl=impl,
+        )
         if out is None:  # step 0 covers every local query
             out, lse = step_out.to(acc).contiguous(), step_lse.to(acc)
         else:
             merge_step(out[:, plan.queries], lse[:, :, plan.queries], step_out, step_lse)
+
     run_forward_ring(kv, groups, step)
     return out, lse
 
@@ -149,13 +199,22 @@ def dense_ring_backward(q, kv, dout, out, lse, groups: RingGroups, impl: str, sc
         plan = zigzag_step(rank, source, local_len)
         rows, keys = plan.queries, plan.keys
         dq_step, dk_step, dv_step = attention_backward(
-            dout[:, rows], q[:, rows], held[0][:, keys], held[1][:, keys], out[:, rows], lse[:, :, rows],
-            causal=plan.causal, softmax_scale=scale, impl=impl)
+            dout[:, rows],
+            q[:, rows],
+            held[0][:, keys],
+            held[1][:, keys],
+            out[:, rows],
+            lse[:, :, rows],
+            causal=plan.causal,
+            softmax_scale=scale,
+            impl=impl,
+        )
         dq[:, rows] += dq_step
         contribution = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         contribution[0, :, keys] = dk_step
         contribution[1, :, keys] = dv_step
         return contribution
+
     dkv = run_backward_ring(kv, groups, step, wire)
     return dq, dkv
 
@@ -183,9 +242,19 @@ class DenseRingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None
 
 
-def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, groups: RingGroups, *,
-                         impl: str = "cudnn", softmax_scale: float | None = None, grad_wire_dtype: str = "fp32",
-                         return_lse: bool = False, replay_output=None):
+def dense_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Layout,
+    groups: RingGroups,
+    *,
+    impl: str = "cudnn",
+    softmax_scale: float | None = None,
+    grad_wire_dtype: str = "fp32",
+    return_lse: bool = False,
+    replay_output=None,
+):
     """Dense causal attention of this rank's queries against the whole CP group, on SDPA ``impl`` kernels.
 
     q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in ``layout`` = ``Layout("zigzag", W)`` over the
@@ -195,6 +264,7 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layo
     """
     check_dense_ring_inputs(q, k, v, layout, groups, impl, softmax_scale, grad_wire_dtype, replay_output)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = DenseRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), groups, impl, scale,
-                                        WIRE_DTYPES[grad_wire_dtype], replay_output)
+    out, lse = DenseRingAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), groups, impl, scale, WIRE_DTYPES[grad_wire_dtype], replay_output
+    )
     return (out, lse) if return_lse else out

@@ -15,9 +15,19 @@ import torch
 import torch.distributed as dist
 
 from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
-from mtraining_kernels.estimation import (MAX_LAST_Q, VerticalSlashIndex, check_forced_entries, check_int,
-                                          check_query_key, estimation_logits, list_widths, rank_candidates,
-                                          resolve_budget, select_index, vertical_and_slash_scores)
+from mtraining_kernels.estimation import (
+    MAX_LAST_Q,
+    VerticalSlashIndex,
+    check_forced_entries,
+    check_int,
+    check_query_key,
+    estimation_logits,
+    list_widths,
+    rank_candidates,
+    resolve_budget,
+    select_index,
+    vertical_and_slash_scores,
+)
 from mtraining_kernels.layout import Layout
 
 from .consensus import agree_on_inputs
@@ -27,64 +37,118 @@ _COLLECTIVE_DEVICE_TYPES = {"nccl": "cuda", "gloo": "cpu"}
 _REDUCE_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 
 
-def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens,
-                              local_window) -> int:
+def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens, local_window) -> int:
     """The checks of :func:`estimate_vertical_slash_distributed`, alike on every rank; returns N."""
     check_query_key(q_local, k_local, softmax_scale)
     if not isinstance(layout, Layout):
-        raise ValueError(f"layout={layout!r} must be a mtraining_kernels.layout.Layout, e.g. "
-                         "Layout('striped', cp_size)")
+        raise ValueError(
+            f"layout={layout!r} must be a mtraining_kernels.layout.Layout, e.g. Layout('striped', cp_size)"
+        )
     world_size = dist.get_world_size(group)
     if layout.world_size != world_size:
-        raise ValueError(f"the layout has world_size={layout.world_size} but the group has {world_size} ranks; "
-                         f"build the layout with the group's size, Layout({layout.kind!r}, {world_size})")
+        raise ValueError(
+            f"the layout has world_size={layout.world_size} but the group has {world_size} ranks; "
+            f"build the layout with the group's size, Layout({layout.kind!r}, {world_size})"
+        )
     backend = str(dist.get_backend(group))
     device_type = _COLLECTIVE_DEVICE_TYPES.get(backend)
     if device_type is not None and q_local.device.type != device_type:
-        raise ValueError(f"q_local and k_local are on {q_local.device} but the group's {backend} backend moves "
-                         f"{device_type} tensors; move them to {device_type}")
+        raise ValueError(
+            f"q_local and k_local are on {q_local.device} but the group's {backend} backend moves "
+            f"{device_type} tensors; move them to {device_type}"
+        )
     local_len = q_local.shape[1]
     seq_len = local_len * world_size
     try:
         layout.validate(seq_len)
     except ValueError as error:
-        raise ValueError(f"the local length N_loc={local_len} on {world_size} ranks gives N={seq_len}, which "
-                         f"the layout cannot split: {error}") from None
+        raise ValueError(
+            f"the local length N_loc={local_len} on {world_size} ranks gives N={seq_len}, which "
+            f"the layout cannot split: {error}"
+        ) from None
     check_int("last_q", last_q, 1, MAX_LAST_Q, f"at most one {MAX_LAST_Q}-row tile")
     owner, held = last_rows_owner(layout, seq_len, min(MAX_LAST_Q, seq_len))
     if last_q > held:
-        raise ValueError(f"last_q={last_q}: the estimation rows N-{last_q} … N-1 must all live on one rank to be "
-                         f"broadcast, but the {layout.kind} layout {layout} with N={seq_len} puts only the last "
-                         f"{held} positions on rank {owner}; use last_q <= {held}")
+        raise ValueError(
+            f"last_q={last_q}: the estimation rows N-{last_q} … N-1 must all live on one rank to be "
+            f"broadcast, but the {layout.kind} layout {layout} with N={seq_len} puts only the last "
+            f"{held} positions on rank {owner}; use last_q <= {held}"
+        )
     check_forced_entries(sink_tokens, local_window, seq_len)
     return seq_len
 
 
 # every setting that changes what a distributed estimation sends or computes; the ranks agree on them exactly
-_AGREED_FIELDS = ("b", "N_loc", "Hq", "Hkv", "d", "dtype", "layout", "last_q", "sink_tokens", "local_window",
-                  "softmax_scale", "top-P", "Vmax", "Smax", "p", "cap", "v_size", "s_size")
+_AGREED_FIELDS = (
+    "b",
+    "N_loc",
+    "Hq",
+    "Hkv",
+    "d",
+    "dtype",
+    "layout",
+    "last_q",
+    "sink_tokens",
+    "local_window",
+    "softmax_scale",
+    "top-P",
+    "Vmax",
+    "Smax",
+    "p",
+    "cap",
+    "v_size",
+    "s_size",
+)
 
 
-def _agreed_values(q_local, k_local, layout: Layout, budget: StaticHeadBudgets | TopPBudget, seq_len: int,
-                   softmax_scale, last_q: int, sink_tokens: int, local_window: int) -> list:
+def _agreed_values(
+    q_local,
+    k_local,
+    layout: Layout,
+    budget: StaticHeadBudgets | TopPBudget,
+    seq_len: int,
+    softmax_scale,
+    last_q: int,
+    sink_tokens: int,
+    local_window: int,
+) -> list:
     """This rank's values of :data:`_AGREED_FIELDS`, from checked inputs and the resolved budget: the exact
     scale, p and per-head sizes (None where the budget kind has no such value)."""
     batch, local_len, q_heads, dim = q_local.shape
-    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
     v_width, s_width = list_widths(budget, seq_len)
     if isinstance(budget, TopPBudget):
         budget_values = [1, v_width, s_width, float(budget.p), budget.cap, None, None]
     else:
         budget_values = [0, v_width, s_width, None, None, budget.v_size, budget.s_size]
-    return [batch, local_len, q_heads, k_local.shape[2], dim, q_local.dtype, repr(layout), last_q, sink_tokens,
-            local_window, float(scale), *budget_values]
+    return [
+        batch,
+        local_len,
+        q_heads,
+        k_local.shape[2],
+        dim,
+        q_local.dtype,
+        repr(layout),
+        last_q,
+        sink_tokens,
+        local_window,
+        float(scale),
+        *budget_values,
+    ]
 
 
-def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Tensor,
-                                        budget: StaticBudget | StaticHeadBudgets | TopPBudget, layout: Layout,
-                                        group: dist.ProcessGroup, *, softmax_scale: float | None = None,
-                                        last_q: int = 64, sink_tokens: int = 30,
-                                        local_window: int = 100) -> VerticalSlashIndex:
+def estimate_vertical_slash_distributed(
+    q_local: torch.Tensor,
+    k_local: torch.Tensor,
+    budget: StaticBudget | StaticHeadBudgets | TopPBudget,
+    layout: Layout,
+    group: dist.ProcessGroup,
+    *,
+    softmax_scale: float | None = None,
+    last_q: int = 64,
+    sink_tokens: int = 30,
+    local_window: int = 100,
+) -> VerticalSlashIndex:
     """:func:`~mtraining_kernels.estimation.estimate_vertical_slash` of the whole sequence from this rank's
     shard: the same index, bit for bit, returned on every rank of ``group``.
 
@@ -107,11 +171,13 @@ def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Te
     """
     values, error = None, None
     try:
-        seq_len = _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens,
-                                            local_window)
+        seq_len = _check_distributed_inputs(
+            q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens, local_window
+        )
         budget = resolve_budget(budget, q_local.shape[2], seq_len, sink_tokens, local_window)
-        values = _agreed_values(q_local, k_local, layout, budget, seq_len, softmax_scale, last_q, sink_tokens,
-                                local_window)
+        values = _agreed_values(
+            q_local, k_local, layout, budget, seq_len, softmax_scale, last_q, sink_tokens, local_window
+        )
     except ValueError as caught:
         error = caught
     agree_on_inputs("distributed index estimation", _AGREED_FIELDS, values, error, group)
@@ -123,7 +189,7 @@ def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Te
         dist.all_reduce(tensor, op=_REDUCE_OPS[reduction], group=group)
         return tensor
 
-    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
     device = q_local.device
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = layout.global_positions(seq_len, dist.get_rank(group), device=device)
@@ -138,7 +204,17 @@ def estimate_vertical_slash_distributed(q_local: torch.Tensor, k_local: torch.Te
     s_scores_top, s_indices_top = rank_candidates(s_scores, s_offsets.expand_as(s_scores), local_window, s_width)
     mass_shares = [v_scores.sum(dim=-1, keepdim=True)] if top_p else []
     v_scores_all, v_indices_all, s_scores_all, s_indices_all, *mass_all = all_gather_last_dim(
-        [v_scores_top, v_indices_top.int(), s_scores_top, s_indices_top.int(), *mass_shares], group)
+        [v_scores_top, v_indices_top.int(), s_scores_top, s_indices_top.int(), *mass_shares], group
+    )
     total_mass = mass_all[0].sum(dim=-1) if top_p else None
-    return select_index(v_scores_all, v_indices_all.long(), s_scores_all, s_indices_all.long(), budget, total_mass,
-                   seq_len, sink_tokens, local_window)
+    return select_index(
+        v_scores_all,
+        v_indices_all.long(),
+        s_scores_all,
+        s_indices_all.long(),
+        budget,
+        total_mass,
+        seq_len,
+        sink_tokens,
+        local_window,
+    )

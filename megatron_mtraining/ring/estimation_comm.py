@@ -32,8 +32,9 @@ def last_rows_owner(layout: Layout, seq_len: int, span: int) -> tuple[int, int]:
     return owner, held
 
 
-def broadcast_last_rows(q_local: torch.Tensor, layout: Layout, seq_len: int, last_q: int,
-                        group: dist.ProcessGroup) -> torch.Tensor:
+def broadcast_last_rows(
+    q_local: torch.Tensor, layout: Layout, seq_len: int, last_q: int, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Q_L = q[:, N−L:] ``[b, L, Hq, d]`` in q's dtype on every rank, broadcast by the rank that holds it.
 
     ``q_local [b, N_loc, Hq, d]`` is this rank's shard; the owner must hold all L rows
@@ -62,7 +63,7 @@ def _halo_sends(layout: Layout, seq_len: int, last_q: int, sender: int) -> tuple
     columns = layout.global_positions(seq_len, sender)
     following = columns + 1
     following = following[following < seq_len]
-    run_ends = following[layout.to_local(following, seq_len)[0] != sender]       # first foreign column
+    run_ends = following[layout.to_local(following, seq_len)[0] != sender]  # first foreign column
     tops = (run_ends[:, None] + torch.arange(last_q - 1)).flatten()
     tops = tops[tops < seq_len].unique()
     owners = layout.to_local(tops, seq_len)[0]
@@ -71,8 +72,9 @@ def _halo_sends(layout: Layout, seq_len: int, last_q: int, sender: int) -> tuple
     return tuple((int(dest), (seq_len - 1 - tops[owners == dest]).sort().values) for dest in owners.unique())
 
 
-def complete_slash_sums(partials: torch.Tensor, layout: Layout, seq_len: int, last_q: int,
-                        group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def complete_slash_sums(
+    partials: torch.Tensor, layout: Layout, seq_len: int, last_q: int, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Complete this rank's owned slash sums with the other ranks' halo partials.
 
     ``partials [b, Hq, N]`` int64 are this rank's partial S(s) over its own key columns (modified in
@@ -113,11 +115,10 @@ def all_gather_last_dim(tensors: Sequence[torch.Tensor], group: dist.ProcessGrou
     packed = torch.cat(as_bytes, dim=-1)
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, packed, group=group)
-    stacked = torch.stack(gathered)                                           # [W, ..., bytes]
+    stacked = torch.stack(gathered)  # [W, ..., bytes]
     results, start = [], 0
     for tensor, raw in zip(tensors, as_bytes):
-        part = stacked[..., start:start + raw.shape[-1]].contiguous().view(tensor.dtype)   # [W, ..., m]
+        part = stacked[..., start : start + raw.shape[-1]].contiguous().view(tensor.dtype)  # [W, ..., m]
         results.append(part.movedim(0, -2).flatten(-2))
         start += raw.shape[-1]
     return results
-

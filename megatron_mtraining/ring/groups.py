@@ -62,8 +62,7 @@ class RingGroups:
         return cls(cp=cp, inner=cp, outer=None)
 
     @classmethod
-    def hierarchical(cls, cp: dist.ProcessGroup, inner: dist.ProcessGroup,
-                     outer: dist.ProcessGroup) -> "RingGroups":
+    def hierarchical(cls, cp: dist.ProcessGroup, inner: dist.ProcessGroup, outer: dist.ProcessGroup) -> "RingGroups":
         """Check that (inner, outer) tile ``cp`` as cp_rank = outer_rank·L + inner_rank; no communication."""
         cp_members = dist.get_process_group_ranks(cp)
         inner_members = dist.get_process_group_ranks(inner)
@@ -75,7 +74,7 @@ class RingGroups:
                 f"choose sizes whose product is the CP size"
             )
         outer_rank, inner_rank = dist.get_rank(outer), dist.get_rank(inner)
-        node = cp_members[outer_rank * size_l:(outer_rank + 1) * size_l]
+        node = cp_members[outer_rank * size_l : (outer_rank + 1) * size_l]
         column = cp_members[inner_rank::size_l]
         if inner_members != node or outer_members != column:
             raise ValueError(
@@ -86,8 +85,7 @@ class RingGroups:
         return cls(cp=cp, inner=inner, outer=outer)
 
 
-def build_hierarchical_groups(inner_size: int,
-                              cp_groups: Sequence[Sequence[int]] | None = None) -> RingGroups:
+def build_hierarchical_groups(inner_size: int, cp_groups: Sequence[Sequence[int]] | None = None) -> RingGroups:
     """Create the groups of a hierarchical ring for standalone (non-Megatron) callers.
 
     ``cp_groups`` lists every CP group as global ranks (default: the whole world is one CP group).
@@ -98,14 +96,12 @@ def build_hierarchical_groups(inner_size: int,
     me = dist.get_rank()
     for members in groups:
         if len(members) % inner_size:
-            raise ValueError(
-                f"inner_size={inner_size} does not divide the CP size {len(members)}; pick a divisor"
-            )
+            raise ValueError(f"inner_size={inner_size} does not divide the CP size {len(members)}; pick a divisor")
     mine: dict[str, dist.ProcessGroup] = {}
     for members in groups:  # same creation order on every rank, as new_group requires
         levels = {
             "cp": [members],
-            "inner": [members[i:i + inner_size] for i in range(0, len(members), inner_size)],
+            "inner": [members[i : i + inner_size] for i in range(0, len(members), inner_size)],
             "outer": [members[i::inner_size] for i in range(inner_size)],
         }
         for level, rank_lists in levels.items():

@@ -33,8 +33,11 @@ def _options_error(backend: str, softmax_scale, grad_wire_dtype: str) -> str:
         get_backend(backend)
     except (ValueError, ImportError) as error:
         return str(error)
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale)):
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+    ):
         return f"softmax_scale={softmax_scale!r} must be a finite number, or None for 1/sqrt(d)"
     if grad_wire_dtype not in WIRE_DTYPES:
         return f"grad_wire_dtype={grad_wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}"
@@ -49,33 +52,71 @@ def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
     if not isinstance(index, BlockBarIndex):
         return f"index must be a BlockBarIndex from convert_index, got {type(index).__name__}"
     if not isinstance(index.layout, Layout) or index.layout.world_size != index.world_size:
-        return (f"index carries layout {index.layout!r} for world_size={index.world_size}; build it with "
-                "convert_index, which records the layout it was built for")
+        return (
+            f"index carries layout {index.layout!r} for world_size={index.world_size}; build it with "
+            "convert_index, which records the layout it was built for"
+        )
     b, n_loc, hq, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[1] != n_loc or k.shape[3] != d:
         return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
     if k.shape[2] == 0 or hq % k.shape[2]:
         return f"query heads {hq} are not divisible by KV heads {k.shape[2]}"
     if index.world_size != groups.world_size or index.rank != groups.cp_rank:
-        return (f"index was built for world_size={index.world_size}, rank={index.rank} but this is CP rank "
-                f"{groups.cp_rank} of {groups.world_size}; build it with this rank's layout")
+        return (
+            f"index was built for world_size={index.world_size}, rank={index.rank} but this is CP rank "
+            f"{groups.cp_rank} of {groups.world_size}; build it with this rank's layout"
+        )
     if index.seq_len != n_loc * groups.world_size:
-        return (f"index was built for seq_len={index.seq_len}, inputs have {n_loc} x {groups.world_size} tokens; "
-                f"convert the index for N={n_loc * groups.world_size}")
+        return (
+            f"index was built for seq_len={index.seq_len}, inputs have {n_loc} x {groups.world_size} tokens; "
+            f"convert the index for N={n_loc * groups.world_size}"
+        )
     if tuple(index.blk_ptr.shape[1:3]) != (b, hq):
-        return (f"index covers [b, Hq]={tuple(index.blk_ptr.shape[1:3])}, q has {(b, hq)}; convert the index "
-                "of this batch and these query heads")
+        return (
+            f"index covers [b, Hq]={tuple(index.blk_ptr.shape[1:3])}, q has {(b, hq)}; convert the index "
+            "of this batch and these query heads"
+        )
     return ""
 
 
 # every setting that changes what the ring sends or computes; the ranks agree on them exactly
-_RING_SETTINGS = ("b", "N_loc", "Hq", "d", "k b", "k N_loc", "Hkv", "k d", "dtype", "k dtype", "v dtype", "N",
-                  "index layout", "inner ring size", "outer ring size", "backend", "softmax_scale", "deterministic",
-                  "grad_wire_dtype", "replay")
+_RING_SETTINGS = (
+    "b",
+    "N_loc",
+    "Hq",
+    "d",
+    "k b",
+    "k N_loc",
+    "Hkv",
+    "k d",
+    "dtype",
+    "k dtype",
+    "v dtype",
+    "N",
+    "index layout",
+    "inner ring size",
+    "outer ring size",
+    "backend",
+    "softmax_scale",
+    "deterministic",
+    "grad_wire_dtype",
+    "replay",
+)
 
 
-def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups, *, backend: str, softmax_scale,
-                      deterministic: bool, grad_wire_dtype: str, replay_output=None) -> None:
+def check_ring_inputs(
+    q,
+    k,
+    v,
+    index: BlockBarIndex,
+    groups: RingGroups,
+    *,
+    backend: str,
+    softmax_scale,
+    deterministic: bool,
+    grad_wire_dtype: str,
+    replay_output=None,
+) -> None:
     """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad, or if the ranks differ in any
     of :data:`_RING_SETTINGS`: shapes, dtypes, the index's length and layout, the ring's shape, the kernel
     backend, the (resolved) softmax scale, determinism, the dK/dV wire dtype, or in replaying an earlier
@@ -85,17 +126,37 @@ def check_ring_inputs(q, k, v, index: BlockBarIndex, groups: RingGroups, *, back
     inputs seen before would let a rank whose input changed enter the all-gather while its peers enter
     the ring.
     """
-    error = (_options_error(backend, softmax_scale, grad_wire_dtype) or _signature_error(q, k, v, index, groups)
-             or replay_output_error(q, replay_output))
+    error = (
+        _options_error(backend, softmax_scale, grad_wire_dtype)
+        or _signature_error(q, k, v, index, groups)
+        or replay_output_error(q, replay_output)
+    )
     values = None
     if not error:
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        values = [*q.shape, *k.shape, q.dtype, k.dtype, v.dtype, index.seq_len, repr(index.layout), groups.inner_size,
-                  groups.outer_size, backend, float(scale), bool(deterministic), grad_wire_dtype,
-                  int(replay_output is not None)]
-    agree_on_inputs("ring attention", _RING_SETTINGS, values,
-                    ValueError(f"ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
-                    groups.cp)
+        values = [
+            *q.shape,
+            *k.shape,
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            index.seq_len,
+            repr(index.layout),
+            groups.inner_size,
+            groups.outer_size,
+            backend,
+            float(scale),
+            bool(deterministic),
+            grad_wire_dtype,
+            int(replay_output is not None),
+        ]
+    agree_on_inputs(
+        "ring attention",
+        _RING_SETTINGS,
+        values,
+        ValueError(f"ring attention input on CP rank {groups.cp_rank}: {error}") if error else None,
+        groups.cp,
+    )
 
 
 def sparse_ring_forward(q, kv, index, groups, backend, scale):
@@ -107,9 +168,19 @@ def sparse_ring_forward(q, kv, index, groups, backend, scale):
 
     def step(held, source, t):
         backend.block_bar_forward(
-            q, held[0], held[1], index.blk_ptr[source], index.blk_col, index.bar_ptr[source], index.bar_col,
-            out, lse, causal_diag=t == 0, softmax_scale=scale,
+            q,
+            held[0],
+            held[1],
+            index.blk_ptr[source],
+            index.blk_col,
+            index.bar_ptr[source],
+            index.bar_col,
+            out,
+            lse,
+            causal_diag=t == 0,
+            softmax_scale=scale,
         )
+
     run_forward_ring(kv, groups, step)
     return out, lse
 
@@ -117,17 +188,31 @@ def sparse_ring_forward(q, kv, index, groups, backend, scale):
 def sparse_ring_backward(q, kv, dout, out, lse, index, groups, backend, scale, deterministic, wire):
     """Returns (dq fp32, dkv fp32 ``[2, b, N_loc, Hkv, d]``) for this rank's own chunk; ``out`` is the
     forward's output in q's dtype, ``dout`` contiguous."""
-    delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()   # [b, Hq, N_loc]
+    delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()  # [b, Hq, N_loc]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
     def step(held, source, t):
         contribution = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         backend.block_bar_backward(
-            q, held[0], held[1], dout, lse, delta, index.blk_ptr[source], index.blk_col,
-            index.bar_ptr[source], index.bar_col, dq, contribution[0], contribution[1],
-            causal_diag=t == 0, softmax_scale=scale, deterministic=deterministic,
+            q,
+            held[0],
+            held[1],
+            dout,
+            lse,
+            delta,
+            index.blk_ptr[source],
+            index.blk_col,
+            index.bar_ptr[source],
+            index.bar_col,
+            dq,
+            contribution[0],
+            contribution[1],
+            causal_diag=t == 0,
+            softmax_scale=scale,
+            deterministic=deterministic,
         )
         return contribution
+
     dkv = run_backward_ring(kv, groups, step, wire)
     return dq, dkv
 
@@ -153,15 +238,26 @@ class SparseRingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, kv, out, lse = ctx.saved_tensors
         index, groups, backend, scale, deterministic, grad_wire = ctx.setup
-        dq, dkv = sparse_ring_backward(q, kv, dout.contiguous(), out, lse, index, groups, backend, scale,
-                                       deterministic, grad_wire)
+        dq, dkv = sparse_ring_backward(
+            q, kv, dout.contiguous(), out, lse, index, groups, backend, scale, deterministic, grad_wire
+        )
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None, None, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockBarIndex,
-                   groups: RingGroups, *, backend: str = "triton", softmax_scale: float | None = None,
-                   deterministic: bool = False, grad_wire_dtype: str = "fp32",
-                   return_lse: bool = False, replay_output=None):
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: BlockBarIndex,
+    groups: RingGroups,
+    *,
+    backend: str = "triton",
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+    grad_wire_dtype: str = "fp32",
+    return_lse: bool = False,
+    replay_output=None,
+):
     """Causal vertical-slash sparse attention of this rank's queries against the whole CP group.
 
     q ``[b, N_loc, Hq, d]``, k/v ``[b, N_loc, Hkv, d]`` in the layout ``index`` was built for.
@@ -170,9 +266,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Blo
     skipped and they are returned, with this call's backward. Every CP rank must pass the same settings;
     bad or differing inputs raise a ``ValueError`` on every rank before the first send (:func:`check_ring_inputs`).
     """
-    check_ring_inputs(q, k, v, index, groups, backend=backend, softmax_scale=softmax_scale,
-                      deterministic=deterministic, grad_wire_dtype=grad_wire_dtype, replay_output=replay_output)
+    check_ring_inputs(
+        q,
+        k,
+        v,
+        index,
+        groups,
+        backend=backend,
+        softmax_scale=softmax_scale,
+        deterministic=deterministic,
+        grad_wire_dtype=grad_wire_dtype,
+        replay_output=replay_output,
+    )
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = SparseRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index, groups,
-                                         backend, scale, deterministic, WIRE_DTYPES[grad_wire_dtype], replay_output)
+    out, lse = SparseRingAttention.apply(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        index,
+        groups,
+        backend,
+        scale,
+        deterministic,
+        WIRE_DTYPES[grad_wire_dtype],
+        replay_output,
+    )
     return (out, lse) if return_lse else out

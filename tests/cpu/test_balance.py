@@ -39,7 +39,7 @@ def test_analytic_counts_equal_conversion_counts_on_realistic_pattern(seed):
 
 
 def test_by_step_reads_source_rank_minus_step():
-    per_source = torch.arange(9).view(3, 3)            # value 3·rank + source
+    per_source = torch.arange(9).view(3, 3)  # value 3·rank + source
     steps = by_step(per_source)
     for rank in range(3):
         for step in range(3):
@@ -61,7 +61,7 @@ def test_dense_contiguous_report_matches_hand_count():
     assert torch.equal(report.cost, expected.double())
     totals = expected.sum(1).double()
     assert report.worker_imbalance == pytest.approx(float(totals.max() / totals.mean()))
-    assert report.step_imbalance == pytest.approx(2.0)           # step 1: max nb², mean nb²/2
+    assert report.step_imbalance == pytest.approx(2.0)  # step 1: max nb², mean nb²/2
     assert report.critical_path_ratio == pytest.approx((tri + nb * nb) / ((2 * tri + nb * nb) / 2))
 
 
@@ -84,7 +84,7 @@ def test_realistic_pattern_shape_forced_entries_and_seed(seed):
         valid = idx < seq_len
         assert bool((valid.sum(-1) == total).all()), f"seed={seed}"
         assert bool((idx[..., :forced] == torch.arange(forced, dtype=torch.int32)).all()), f"seed={seed}"
-        assert bool((idx[..., 1:total] > idx[..., :total - 1]).all()), f"not ascending: seed={seed}"
+        assert bool((idx[..., 1:total] > idx[..., : total - 1]).all()), f"not ascending: seed={seed}"
         assert bool((idx[..., total:] == seq_len).all()), f"sentinel padding: seed={seed}"
     again = realistic_pattern(seq_len, 3, 2, far_slashes=50, far_verticals=70, seed=seed)
     other = realistic_pattern(seq_len, 3, 2, far_slashes=50, far_verticals=70, seed=seed + 1)
@@ -110,12 +110,15 @@ def test_bad_inputs_raise_value_error():
 def test_striped_balances_a_realistic_512k_pattern_and_zigzag_does_not(seed):
     seq_len, world, heads = 512 * 1024, 8, 4
     v_idx, s_idx = realistic_pattern(seq_len, heads, seed=seed)
-    reports = {kind: balance_report(v_idx, s_idx, Layout(kind, world), seq_len)
-               for kind in ("contiguous", "zigzag", "striped")}
+    reports = {
+        kind: balance_report(v_idx, s_idx, Layout(kind, world), seq_len) for kind in ("contiguous", "zigzag", "striped")
+    }
     print(f"\nN={seq_len} W={world} heads={heads} seed={seed}")
     for kind, report in reports.items():
-        print(f"{kind:>10}: worker max/mean {report.worker_imbalance:.4f}  step max/mean "
-              f"{report.step_imbalance:.4f}  critical path/ideal {report.critical_path_ratio:.4f}")
+        print(
+            f"{kind:>10}: worker max/mean {report.worker_imbalance:.4f}  step max/mean "
+            f"{report.step_imbalance:.4f}  critical path/ideal {report.critical_path_ratio:.4f}"
+        )
     striped, zigzag = reports["striped"], reports["zigzag"]
     assert striped.worker_imbalance <= 1.05 and striped.step_imbalance <= 1.05, f"seed={seed}"
     assert striped.critical_path_ratio <= 1.05, f"seed={seed}"

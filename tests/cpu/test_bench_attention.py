@@ -15,23 +15,37 @@ pytest.importorskip("matplotlib")
 def row(date, shape, impl, fwd_ms, bwd_ms, seq_len=131072, **extra):
     tflops = {"fwd": 1.0, "bwd": 1.0, "fwd_bwd": 1.0}
     dense = impl.startswith("sdpa") or impl == "mtraining_dense"
-    fields = dict(gpu="test GPU", torch="2.x", commit=f"c-{date}", date=date, shape=shape, impl=impl,
-                  seq_len=seq_len, density=1.0 if dense else 0.05, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
-                  index_ms=0.0 if dense else 2.0, dense_equiv_tflops=tflops, actual_tflops=tflops)
+    fields = dict(
+        gpu="test GPU",
+        torch="2.x",
+        commit=f"c-{date}",
+        date=date,
+        shape=shape,
+        impl=impl,
+        seq_len=seq_len,
+        density=1.0 if dense else 0.05,
+        fwd_ms=fwd_ms,
+        bwd_ms=bwd_ms,
+        index_ms=0.0 if dense else 2.0,
+        dense_equiv_tflops=tflops,
+        actual_tflops=tflops,
+    )
     if not dense and "top_p" not in extra:
         fields["target_sparsity"] = 0.95
     return fields | extra
 
 
 OLD, NEW = "2026-01-01T00:00:00+00:00", "2026-01-02T00:00:00+00:00"
-ROWS = [row(OLD, "qwen2.5-3b", "sdpa_cudnn", 100.0, 300.0),            # an earlier run: 400 ms cuDNN
-        row(OLD, "qwen2.5-3b", "mtraining", 10.0, 30.0),
-        row(NEW, "qwen2.5-3b", "sdpa_cudnn", 120.0, 360.0),            # the latest run: 480 ms cuDNN
-        row(NEW, "qwen2.5-3b", "mtraining", 12.0, 28.0),               # 12x
-        row(NEW, "qwen2.5-3b", "mtraining_deterministic", 12.0, 68.0),  # 6x
-        row(NEW, "qwen2.5-3b", "mtraining", 20.0, 60.0, top_p=0.9),    # 6x
-        row(NEW, "mha", "sdpa_cudnn", 100.0, 300.0, seq_len=32768),
-        row(NEW, "mha", "mtraining", 20.0, 30.0, seq_len=32768)]       # 8x
+ROWS = [
+    row(OLD, "qwen2.5-3b", "sdpa_cudnn", 100.0, 300.0),  # an earlier run: 400 ms cuDNN
+    row(OLD, "qwen2.5-3b", "mtraining", 10.0, 30.0),
+    row(NEW, "qwen2.5-3b", "sdpa_cudnn", 120.0, 360.0),  # the latest run: 480 ms cuDNN
+    row(NEW, "qwen2.5-3b", "mtraining", 12.0, 28.0),  # 12x
+    row(NEW, "qwen2.5-3b", "mtraining_deterministic", 12.0, 68.0),  # 6x
+    row(NEW, "qwen2.5-3b", "mtraining", 20.0, 60.0, top_p=0.9),  # 6x
+    row(NEW, "mha", "sdpa_cudnn", 100.0, 300.0, seq_len=32768),
+    row(NEW, "mha", "mtraining", 20.0, 30.0, seq_len=32768),
+]  # 8x
 
 
 def test_report_only_uses_the_latest_run_and_its_own_cudnn(tmp_path):
@@ -44,18 +58,23 @@ def test_report_only_uses_the_latest_run_and_its_own_cudnn(tmp_path):
     assert len(body) == 6, text
     cells = [line.split(" | ") for line in body]
     all_speedups = {(c[0].lstrip("| "), c[2]): c[10].split("/")[-1] for c in cells}
-    assert all_speedups == {("qwen2.5-3b", "sdpa_cudnn"): "–", ("qwen2.5-3b", "mtraining"): "12.00",   # 10.00: old run
-                            ("qwen2.5-3b", "mtraining_deterministic"): "6.00",
-                            ("qwen2.5-3b", "mtraining (top-P 0.9)"): "6.00",
-                            ("mha", "sdpa_cudnn"): "–", ("mha", "mtraining"): "8.00"}, text
+    assert all_speedups == {
+        ("qwen2.5-3b", "sdpa_cudnn"): "–",
+        ("qwen2.5-3b", "mtraining"): "12.00",  # 10.00: old run
+        ("qwen2.5-3b", "mtraining_deterministic"): "6.00",
+        ("qwen2.5-3b", "mtraining (top-P 0.9)"): "6.00",
+        ("mha", "sdpa_cudnn"): "–",
+        ("mha", "mtraining"): "8.00",
+    }, text
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
 def test_plot_has_a_panel_per_shape_and_a_colour_per_pattern():
     fig = bench_attention.speedup_figure(bench_attention.latest_run(ROWS))
-    panels = {ax.get_title(): {line.get_label(): line for line in ax.get_lines()
-                               if not line.get_label().startswith("_")}
-              for ax in fig.axes}
+    panels = {
+        ax.get_title(): {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+        for ax in fig.axes
+    }
     assert set(panels) == {"mha", "qwen2.5-3b"}
     lines = panels["qwen2.5-3b"]
     assert set(lines) == {"sparsity 0.95", "deterministic sparsity 0.95", "top-P 0.90 (structured q/k)"}

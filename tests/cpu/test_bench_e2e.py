@@ -31,12 +31,17 @@ bench = load_tool("bench_e2e")
 # a tiny shape whose FLOPs are counted by hand below
 TINY = bench.ModelShape("tiny", num_layers=3, hidden=4, ffn=8, heads=2, kv_heads=1, head_dim=2, vocab=10)
 # Qwen2.5 HF configs (config.json values) and the parameter counts of their model cards
-HF_CONFIGS = {"0.5b": dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-                           num_key_value_heads=2),
-              "1.5b": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
-                           num_key_value_heads=2),
-              "3b": dict(num_hidden_layers=36, hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
-                         num_key_value_heads=2)}
+HF_CONFIGS = {
+    "0.5b": dict(
+        num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "1.5b": dict(
+        num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2
+    ),
+    "3b": dict(
+        num_hidden_layers=36, hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2
+    ),
+}
 MODEL_CARD_PARAMETERS = {"0.5b": 0.49e9, "1.5b": 1.54e9, "3b": 3.09e9}
 
 
@@ -86,9 +91,10 @@ def test_attention_dominates_qwen25_3b_at_512k():
 
 
 def test_throughput_by_hand():
-    n, iter_ms, gpus, peak = 6, 2.0, 2, 1e-9     # peak in TFLOP/s, tiny so that the MFU is readable
-    result = bench.throughput(TINY, n, iter_ms, density=0.5, gpus=gpus, peak_tflops=peak, recompute="full",
-                              loss_chunked=True)
+    n, iter_ms, gpus, peak = 6, 2.0, 2, 1e-9  # peak in TFLOP/s, tiny so that the MFU is readable
+    result = bench.throughput(
+        TINY, n, iter_ms, density=0.5, gpus=gpus, peak_tflops=peak, recompute="full", loss_chunked=True
+    )
     assert result["tokens_per_s"] == pytest.approx(6 / 0.002)
     dense = 19584 / 2 / 0.002 / 1e12
     actual = 3 * 6096 / 2 / 0.002 / 1e12
@@ -132,8 +138,8 @@ def dry_run_commands(*argv: str) -> list[tuple[str, dict[str, str], argparse.Nam
         words = shlex.split(line)
         start = words.index(sys.executable)
         env = dict(word.split("=", 1) for word in words[:start])
-        assert words[start + 1:start + 3] == ["-m", "torch.distributed.run"], line
-        runs.append((comment, env, get_args_parser().parse_args(words[start + 3:])))
+        assert words[start + 1 : start + 3] == ["-m", "torch.distributed.run"], line
+        runs.append((comment, env, get_args_parser().parse_args(words[start + 3 :])))
     return runs
 
 
@@ -147,8 +153,16 @@ def launcher_args(parser, torchrun: argparse.Namespace) -> argparse.Namespace:
 
 
 def test_kept_attention_output_mode_reaches_the_launcher(megatron_parser):
-    runs = dry_run_commands("--models", "0.5b", "--seq-lens", "131072", "--variants", "mtraining-static,dense",
-                            "--recompute", bench.KEEP_ATTENTION)
+    runs = dry_run_commands(
+        "--models",
+        "0.5b",
+        "--seq-lens",
+        "131072",
+        "--variants",
+        "mtraining-static,dense",
+        "--recompute",
+        bench.KEEP_ATTENTION,
+    )
     assert len(runs) == 2 * 2
     for _, _, torchrun in runs:
         args = launcher_args(megatron_parser, torchrun)
@@ -167,11 +181,19 @@ def test_default_dry_run_commands_are_accepted_by_the_launcher(megatron_parser):
         name = comment.split(",")[0][2:]
         model = bench.QWEN25[name.split("_")[0].removeprefix("qwen2.5-")]
         assert args.num_layers in (2, 4) and f"_L{args.num_layers}" in env["MTRAINING_PROBE_DIR"]
-        assert (args.hidden_size, args.ffn_hidden_size, args.num_attention_heads, args.num_query_groups,
-                args.kv_channels) == (model.hidden, model.ffn, model.heads, model.kv_heads, model.head_dim)
+        assert (
+            args.hidden_size,
+            args.ffn_hidden_size,
+            args.num_attention_heads,
+            args.num_query_groups,
+            args.kv_channels,
+        ) == (model.hidden, model.ffn, model.heads, model.kv_heads, model.head_dim)
         assert args.seq_length == args.max_position_embeddings and args.seq_length in (131072, 262144, 524288)
-        assert (args.context_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size) \
-            == (2, 1, 1)
+        assert (args.context_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (
+            2,
+            1,
+            1,
+        )
         assert args.bf16 and args.mock_data and args.transformer_impl == "local"
         assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "uniform", 1)
         assert args.mtraining_loss_chunk_size == 8192
@@ -183,16 +205,28 @@ def test_default_dry_run_commands_are_accepted_by_the_launcher(megatron_parser):
         else:
             assert args.mtraining_stats_interval == args.train_iters == schedule_iters + 1 == 7
             assert args.mtraining_backend == "triton"
-        seen.add((args.mtraining_dense, args.mtraining_layout, args.mtraining_budget, args.mtraining_top_p,
-                  args.mtraining_sparsity))
-    assert {(False, "striped", "top-p", 0.9, None), (False, "striped", "static", None, 0.95),
-            (False, "zigzag", "top-p", 0.9, None), (False, "zigzag", "static", None, 0.95)} <= seen
+        seen.add(
+            (
+                args.mtraining_dense,
+                args.mtraining_layout,
+                args.mtraining_budget,
+                args.mtraining_top_p,
+                args.mtraining_sparsity,
+            )
+        )
+    assert {
+        (False, "striped", "top-p", 0.9, None),
+        (False, "striped", "static", None, 0.95),
+        (False, "zigzag", "top-p", 0.9, None),
+        (False, "zigzag", "static", None, 0.95),
+    } <= seen
 
 
 @pytest.mark.parametrize("kernel", bench.DENSE_KERNELS)
 def test_dense_baseline_commands(megatron_parser, kernel):
-    (comment, _, torchrun), *_ = dry_run_commands("--variants", "dense", "--dense-kernel", kernel, "--models", "3b",
-                                                  "--seq-lens", "524288")
+    (comment, _, torchrun), *_ = dry_run_commands(
+        "--variants", "dense", "--dense-kernel", kernel, "--models", "3b", "--seq-lens", "524288"
+    )
     assert f"dense-{kernel}" in comment
     args = launcher_args(megatron_parser, torchrun)
     assert args.mtraining_dense and args.mtraining_dense_impl == ("mtraining" if kernel == "triton" else kernel)
@@ -200,8 +234,9 @@ def test_dense_baseline_commands(megatron_parser, kernel):
     assert args.mtraining_layout == ("striped" if kernel == "triton" else "zigzag")
 
 
-@pytest.mark.parametrize("variant", ["mtraining", "mtraining-static", "mtraining-zigzag", "mtraining-zigzag-static",
-                                     "dense"])
+@pytest.mark.parametrize(
+    "variant", ["mtraining", "mtraining-static", "mtraining-zigzag", "mtraining-zigzag-static", "dense"]
+)
 def test_megatron_validates_each_variant(variant):
     """Megatron's own ``validate_args`` (as the launcher runs it) accepts the flags: bf16, recompute, CP."""
     import torch
@@ -223,14 +258,23 @@ def test_model_flags_are_the_qwen25_architecture(megatron_parser, name):
 
     shape = bench.QWEN25[name]
     config = bench.Config(shape, 131072, bench.SPARSE_VARIANTS["mtraining"])
-    args = megatron_parser.parse_args(bench.launcher_flags(config, shape.num_layers, bench.Schedule(1, 1, True),
-                                                           options()))
+    args = megatron_parser.parse_args(
+        bench.launcher_flags(config, shape.num_layers, bench.Schedule(1, 1, True), options())
+    )
     args.rank = 0
     args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
-    hf = {"model_type": "qwen2", "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "vocab_size": 151936,
-          "tie_word_embeddings": True, "max_position_embeddings": 32768, **HF_CONFIGS[name]}
-    expected = dataclasses.replace(QwenArchitecture.from_hf_config(hf), rotary_base=bench.ROTARY_BASE,
-                                   max_position_embeddings=131072)
+    hf = {
+        "model_type": "qwen2",
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+        **HF_CONFIGS[name],
+    }
+    expected = dataclasses.replace(
+        QwenArchitecture.from_hf_config(hf), rotary_base=bench.ROTARY_BASE, max_position_embeddings=131072
+    )
     assert QwenArchitecture.from_megatron_args(args) == expected
     assert shape.vocab == args.padded_vocab_size and shape.head_dim == expected.kv_channels
 
@@ -258,17 +302,29 @@ def test_schedule_iteration_numbers():
     assert list(schedule.timed) == [3, 4, 5]
     assert (schedule.profile_iteration, schedule.density_iteration, schedule.train_iters) == (6, 7, 7)
     dense = bench.Schedule(warmup=1, iters=4, log_density=False)
-    assert (list(dense.timed), dense.profile_iteration, dense.density_iteration, dense.train_iters) == \
-        ([2, 3, 4, 5], 6, None, 6)
+    assert (list(dense.timed), dense.profile_iteration, dense.density_iteration, dense.train_iters) == (
+        [2, 3, 4, 5],
+        6,
+        None,
+        6,
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--models", "7b"], "--models"), (["--variants", "sparse"], "--variants"), (["--layers", "4"], "two distinct"),
-    (["--layers", "2,30"], "exceed the depth"), (["--seq-lens", "131072,131072"], "twice"),
-    (["--iters", "0"], "--iters"),
-    (["--dense-kernel", "fa3"], "--dense-kernel"), (["--seq-lens", "128k"], "integers"),
-    (["--run-timeout-s", "0"], "--run-timeout-s"), (["--dry-run", "--plot-only"], "not allowed with"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--models", "7b"], "--models"),
+        (["--variants", "sparse"], "--variants"),
+        (["--layers", "4"], "two distinct"),
+        (["--layers", "2,30"], "exceed the depth"),
+        (["--seq-lens", "131072,131072"], "twice"),
+        (["--iters", "0"], "--iters"),
+        (["--dense-kernel", "fa3"], "--dense-kernel"),
+        (["--seq-lens", "128k"], "integers"),
+        (["--run-timeout-s", "0"], "--run-timeout-s"),
+        (["--dry-run", "--plot-only"], "not allowed with"),
+    ],
+)
 def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -294,15 +350,25 @@ def test_parse_density():
         bench.parse_density(LOG, 6)
 
 
-@pytest.mark.parametrize("log, timed_out, expected", [
-    ("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n", False, "CUDA out of memory"),
-    ("", True, "timed out after 600 s (killed)"),
-    ("Traceback (most recent call last):\n[rank0]: ValueError: --mtraining-cap=10 is smaller\n"
-     "[rank1]: RuntimeError: NCCL communicator was aborted\n"
-     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n", False,
-     "exit code 1: ValueError: --mtraining-cap=10 is smaller"),
-    ("Segmentation fault\n", False, "exit code 1"),
-])
+@pytest.mark.parametrize(
+    "log, timed_out, expected",
+    [
+        (
+            "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n",
+            False,
+            "CUDA out of memory",
+        ),
+        ("", True, "timed out after 600 s (killed)"),
+        (
+            "Traceback (most recent call last):\n[rank0]: ValueError: --mtraining-cap=10 is smaller\n"
+            "[rank1]: RuntimeError: NCCL communicator was aborted\n"
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n",
+            False,
+            "exit code 1: ValueError: --mtraining-cap=10 is smaller",
+        ),
+        ("Segmentation fault\n", False, "exit code 1"),
+    ],
+)
 def test_failure_reason(log, timed_out, expected):
     assert bench.failure_reason(1, timed_out, 600, log) == expected
 
@@ -313,13 +379,18 @@ def fake_records(schedule: bench.Schedule, layers: int, rank: int, fixed_ms=100.
     for number in range(1, schedule.train_iters + 1):
         iter_ms = fixed_ms + per_layer_ms * layers + rank + (number % 3) - 1
         if number <= schedule.warmup:
-            iter_ms += 5000                                   # compilation: must not count
-        record = {"iteration": number, "iter_ms": iter_ms, "max_mem_allocated": (10 + layers + rank) * 10**9,
-                  "mem_reserved": (12 + layers + rank - number % 2) * 10**9}
+            iter_ms += 5000  # compilation: must not count
+        record = {
+            "iteration": number,
+            "iter_ms": iter_ms,
+            "max_mem_allocated": (10 + layers + rank) * 10**9,
+            "mem_reserved": (12 + layers + rank - number % 2) * 10**9,
+        }
         if number == schedule.profile_iteration:
-            iter_ms += 300                                    # profiler overhead: must not count
-            record.update(iter_ms=iter_ms, kernel_ms=80.0 + 40.0 * layers + rank,
-                          attention_kernel_ms=30.0 * layers + rank)
+            iter_ms += 300  # profiler overhead: must not count
+            record.update(
+                iter_ms=iter_ms, kernel_ms=80.0 + 40.0 * layers + rank, attention_kernel_ms=30.0 * layers + rank
+            )
         records.append(record)
     return records
 
@@ -348,8 +419,15 @@ def test_fit_line_is_least_squares():
 
 
 def point(layers: int, iter_ms: float, kernel_ms: float, attention_ms: float) -> dict:
-    return {"layers": layers, "iter_ms": iter_ms, "kernel_ms": kernel_ms, "attention_kernel_ms": attention_ms,
-            "attention_share": attention_ms / kernel_ms, "density": 1.0, "peak_mem_gb": 1.0}
+    return {
+        "layers": layers,
+        "iter_ms": iter_ms,
+        "kernel_ms": kernel_ms,
+        "attention_kernel_ms": attention_ms,
+        "attention_share": attention_ms / kernel_ms,
+        "density": 1.0,
+        "peak_mem_gb": 1.0,
+    }
 
 
 def test_extrapolate_to_full_depth():
@@ -366,9 +444,29 @@ def test_extrapolate_to_full_depth():
 
 
 # ---------------------------------------------------------------------------------------- running (fake launcher)
-REQUIRED_FIELDS = {"gpu", "commit", "date", "model", "seq_len", "tp", "cp", "pp", "attention", "sparsity_setting",
-                   "iter_ms", "tokens_per_s", "tflops_per_gpu_dense_equiv", "mfu_dense_equiv", "peak_mem_gb",
-                   "dense_kernel", "layers_timed", "extrapolated", "density", "attention_share", "command"}
+REQUIRED_FIELDS = {
+    "gpu",
+    "commit",
+    "date",
+    "model",
+    "seq_len",
+    "tp",
+    "cp",
+    "pp",
+    "attention",
+    "sparsity_setting",
+    "iter_ms",
+    "tokens_per_s",
+    "tflops_per_gpu_dense_equiv",
+    "mfu_dense_equiv",
+    "peak_mem_gb",
+    "dense_kernel",
+    "layers_timed",
+    "extrapolated",
+    "density",
+    "attention_share",
+    "command",
+}
 META = {"gpu": "NVIDIA H200", "commit": "abc1234", "date": "2026-12-01T00:00:00+00:00", "torch": "2.11.0"}
 
 
@@ -376,12 +474,16 @@ class FakeLauncher:
     """Stands in for :func:`bench_e2e.launch`: writes the probe records and the launcher's output of one run."""
 
     def __init__(self, density=0.0731, fail_at_layers=None, failure_log="", timed_out=False):
-        self.density, self.fail_at_layers, self.failure_log, self.timed_out = density, fail_at_layers, failure_log, \
-            timed_out
+        self.density, self.fail_at_layers, self.failure_log, self.timed_out = (
+            density,
+            fail_at_layers,
+            failure_log,
+            timed_out,
+        )
         self.calls = []
 
     def __call__(self, command, env, log_path, timeout_s):
-        flags = command[command.index(bench.PROBE) + 1:]
+        flags = command[command.index(bench.PROBE) + 1 :]
         layers = int(flags[flags.index("--num-layers") + 1])
         stats_iteration = int(flags[flags.index("--mtraining-stats-interval") + 1])
         self.calls.append((layers, timeout_s, env))
@@ -395,8 +497,11 @@ class FakeLauncher:
             with open(Path(env["MTRAINING_PROBE_DIR"], f"rank{rank}.jsonl"), "w") as file:
                 for record in fake_records(schedule, layers, rank):
                     file.write(json.dumps(record) + "\n")
-        log = "" if stats_iteration == 0 else (f" mtraining | iteration {stats_iteration:8d} | density "
-                                               f"{self.density:.4f} | worker imbalance 1.0\n")
+        log = (
+            ""
+            if stats_iteration == 0
+            else (f" mtraining | iteration {stats_iteration:8d} | density {self.density:.4f} | worker imbalance 1.0\n")
+        )
         log_path.write_text(log)
         return 0, False
 
@@ -423,12 +528,16 @@ def test_measured_row_extrapolates_and_has_every_field(monkeypatch, tmp_path):
     assert row["tflops_per_gpu_actual"] < row["tflops_per_gpu_hardware"] < row["tflops_per_gpu_dense_equiv"]
     assert (row["peak_mem_gb"], row["reserved_mem_gb"], row["peak_mem_layers"]) == (15.0, 17.0, 4)  # deepest run
     assert row["attention_share"] == pytest.approx((0.5 + 30 * 36) / (80.5 + 40 * 36))
-    assert (row["attention"], row["sparsity_setting"], row["dense_kernel"], row["layout"]) == \
-        ("mtraining", "top_p=0.9", None, "striped")
+    assert (row["attention"], row["sparsity_setting"], row["dense_kernel"], row["layout"]) == (
+        "mtraining",
+        "top_p=0.9",
+        None,
+        "striped",
+    )
     assert (row["tp"], row["cp"], row["pp"], row["recompute"]) == (1, 2, 1, "full")
     assert len(row["command"]) == 2 and "--num-layers 4" in row["command"][1]
     assert "MTRAINING_PROBE_PROFILE_ITER=5" in row["command"][0]
-    json.dumps(row)                                               # a JSON object
+    json.dumps(row)  # a JSON object
 
 
 def test_dense_row_has_density_one_and_its_kernel(monkeypatch, tmp_path):
@@ -437,8 +546,12 @@ def test_dense_row_has_density_one_and_its_kernel(monkeypatch, tmp_path):
     row = bench.measure_config(config, options(), META, tmp_path, deadline=None)
     assert row["status"] == "ok" and row["density"] == 1.0
     assert row["tflops_per_gpu_actual"] == pytest.approx(row["tflops_per_gpu_dense_equiv"])
-    assert (row["attention"], row["sparsity_setting"], row["dense_kernel"], row["layout"]) == \
-        ("dense", "dense", "sdpa_cudnn", "zigzag")
+    assert (row["attention"], row["sparsity_setting"], row["dense_kernel"], row["layout"]) == (
+        "dense",
+        "dense",
+        "sdpa_cudnn",
+        "zigzag",
+    )
 
 
 def test_oom_is_recorded_with_the_points_measured_before(monkeypatch, tmp_path):
@@ -489,19 +602,40 @@ def test_run_matrix_skips_what_does_not_fit_the_budget(monkeypatch, tmp_path, ca
     monkeypatch.setattr(bench, "launch", fake)
     monkeypatch.setattr(bench, "gpu_name", lambda cp: "NVIDIA H200")
     jsonl = tmp_path / "e2e.jsonl"
-    argv = ["--models", "0.5b,3b", "--seq-lens", "131072", "--variants", "mtraining,dense", "--dense-kernel",
-            "triton", "--jsonl", str(jsonl), "--plot", str(tmp_path / "chart.png"), "--out-dir", str(tmp_path / "runs"),
-            "--commit", "abc1234", "--startup-s", "10"]
+    argv = [
+        "--models",
+        "0.5b,3b",
+        "--seq-lens",
+        "131072",
+        "--variants",
+        "mtraining,dense",
+        "--dense-kernel",
+        "triton",
+        "--jsonl",
+        str(jsonl),
+        "--plot",
+        str(tmp_path / "chart.png"),
+        "--out-dir",
+        str(tmp_path / "runs"),
+        "--commit",
+        "abc1234",
+        "--startup-s",
+        "10",
+    ]
     opts = options(*argv)
-    small = bench.config_estimate_s(bench.Config(bench.QWEN25["0.5b"], 131072, bench.SPARSE_VARIANTS["mtraining"]),
-                                    opts)
+    small = bench.config_estimate_s(
+        bench.Config(bench.QWEN25["0.5b"], 131072, bench.SPARSE_VARIANTS["mtraining"]), opts
+    )
     dense_3b = bench.config_estimate_s(bench.Config(bench.QWEN25["3b"], 131072, bench.dense_variant("triton")), opts)
     assert small < dense_3b
-    bench.main([*argv, "--time-budget-s", str(dense_3b - 1)])      # the 3B dense estimate no longer fits
+    bench.main([*argv, "--time-budget-s", str(dense_3b - 1)])  # the 3B dense estimate no longer fits
     output = capsys.readouterr().out
     rows = bench.read_jsonl(jsonl)
     assert [(row["model"], row["attention"]) for row in rows] == [
-        ("qwen2.5-0.5b", "mtraining"), ("qwen2.5-0.5b", "dense"), ("qwen2.5-3b", "mtraining")]
+        ("qwen2.5-0.5b", "mtraining"),
+        ("qwen2.5-0.5b", "dense"),
+        ("qwen2.5-3b", "mtraining"),
+    ]
     assert all(row["status"] == "ok" and row["commit"] == "abc1234" for row in rows)
     assert "skipped: qwen2.5-3b_128k_dense-triton: estimated" in output
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -526,7 +660,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     status = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
-    return status != "Z"                              # a zombie awaiting its parent is dead
+    return status != "Z"  # a zombie awaiting its parent is dead
 
 
 def test_launch_passes_the_environment_and_exit_code(tmp_path):
@@ -537,24 +671,52 @@ def test_launch_passes_the_environment_and_exit_code(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- report
-def row(model="qwen2.5-3b", seq_len=524288, attention="mtraining", setting="top_p=0.9", kernel=None,
-        tokens_per_s=1000.0, extrapolated=True, status="ok", gpu="NVIDIA H200") -> dict:
-    return {"gpu": gpu, "cp": 2, "model": model, "seq_len": seq_len, "recompute": "full",
-            "extrapolated": extrapolated, "attention": attention, "sparsity_setting": setting, "dense_kernel": kernel,
-            "tokens_per_s": tokens_per_s if status == "ok" else None, "status": status, "num_layers": 36,
-            "layers_timed": [2, 4] if extrapolated else [36], "iter_ms": 1.0 if status == "ok" else None,
-            "tflops_per_gpu_dense_equiv": 1.0, "tflops_per_gpu_actual": 0.1, "mfu_dense_equiv": 0.5,
-            "peak_mem_gb": 50.0, "peak_mem_layers": 4, "density": 0.05, "attention_share": 0.6,
-            **({} if status == "ok" else {"error": "CUDA out of memory"})}
+def row(
+    model="qwen2.5-3b",
+    seq_len=524288,
+    attention="mtraining",
+    setting="top_p=0.9",
+    kernel=None,
+    tokens_per_s=1000.0,
+    extrapolated=True,
+    status="ok",
+    gpu="NVIDIA H200",
+) -> dict:
+    return {
+        "gpu": gpu,
+        "cp": 2,
+        "model": model,
+        "seq_len": seq_len,
+        "recompute": "full",
+        "extrapolated": extrapolated,
+        "attention": attention,
+        "sparsity_setting": setting,
+        "dense_kernel": kernel,
+        "tokens_per_s": tokens_per_s if status == "ok" else None,
+        "status": status,
+        "num_layers": 36,
+        "layers_timed": [2, 4] if extrapolated else [36],
+        "iter_ms": 1.0 if status == "ok" else None,
+        "tflops_per_gpu_dense_equiv": 1.0,
+        "tflops_per_gpu_actual": 0.1,
+        "mfu_dense_equiv": 0.5,
+        "peak_mem_gb": 50.0,
+        "peak_mem_layers": 4,
+        "density": 0.05,
+        "attention_share": 0.6,
+        **({} if status == "ok" else {"error": "CUDA out of memory"}),
+    }
 
 
 def test_speedup_is_over_the_fastest_latest_dense_row():
-    rows = [row(attention="dense", setting="dense", kernel="triton", tokens_per_s=900.0),    # superseded below
-            row(attention="dense", setting="dense", kernel="triton", tokens_per_s=100.0),
-            row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=200.0),
-            row(tokens_per_s=1200.0),
-            row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=5000.0, status="failed"),
-            row(tokens_per_s=700.0, gpu="NVIDIA H100")]                                      # no H100 baseline
+    rows = [
+        row(attention="dense", setting="dense", kernel="triton", tokens_per_s=900.0),  # superseded below
+        row(attention="dense", setting="dense", kernel="triton", tokens_per_s=100.0),
+        row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=200.0),
+        row(tokens_per_s=1200.0),
+        row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=5000.0, status="failed"),
+        row(tokens_per_s=700.0, gpu="NVIDIA H100"),
+    ]  # no H100 baseline
     baselines = bench.dense_baselines(rows)
     assert len(baselines) == 1
     assert next(iter(baselines.values()))["dense_kernel"] == "sdpa_cudnn"
@@ -564,51 +726,65 @@ def test_speedup_is_over_the_fastest_latest_dense_row():
 
 
 def test_speedup_series_one_line_per_model_variant_and_method():
-    rows = [row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=100.0, seq_len=n)
-            for n in (131072, 524288)]
-    rows += [row(tokens_per_s=300.0, seq_len=524288), row(tokens_per_s=150.0, seq_len=131072),
-             row(setting="sparsity=0.95", tokens_per_s=500.0, seq_len=524288),
-             row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=10.0, extrapolated=False),
-             row(tokens_per_s=40.0, extrapolated=False)]
-    kept = [row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=125.0, seq_len=131072),
-            row(tokens_per_s=250.0, seq_len=131072)]
+    rows = [
+        row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=100.0, seq_len=n)
+        for n in (131072, 524288)
+    ]
+    rows += [
+        row(tokens_per_s=300.0, seq_len=524288),
+        row(tokens_per_s=150.0, seq_len=131072),
+        row(setting="sparsity=0.95", tokens_per_s=500.0, seq_len=524288),
+        row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=10.0, extrapolated=False),
+        row(tokens_per_s=40.0, extrapolated=False),
+    ]
+    kept = [
+        row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=125.0, seq_len=131072),
+        row(tokens_per_s=250.0, seq_len=131072),
+    ]
     for r in kept:
         r["recompute"] = "full-keep-attention"
     assert bench.speedup_series(rows + kept) == {
         "qwen2.5-3b mtraining sparsity=0.95": [(524288, 5.0)],
         "qwen2.5-3b mtraining top_p=0.9": [(131072, 1.5), (524288, 3.0)],
         "qwen2.5-3b mtraining top_p=0.9, full depth": [(524288, 4.0)],
-        "qwen2.5-3b mtraining top_p=0.9, recompute full-keep-attention": [(131072, 2.0)]}
+        "qwen2.5-3b mtraining top_p=0.9, recompute full-keep-attention": [(131072, 2.0)],
+    }
 
 
 def test_compare_runs_puts_each_configurations_latest_run_next_to_the_one_before():
     def dated(date, **kwargs):
         r = row(**kwargs)
-        r.update(date=date, commit=f"c{date[-1]}",
-                 fit={"per_layer_ms": 1000.0 / kwargs["tokens_per_s"], "fixed_ms": 5.0})
+        r.update(
+            date=date, commit=f"c{date[-1]}", fit={"per_layer_ms": 1000.0 / kwargs["tokens_per_s"], "fixed_ms": 5.0}
+        )
         return r
 
     dense = dict(attention="dense", setting="dense", kernel="sdpa_cudnn")
-    rows = [dated("2026-01-01T00:00:01", tokens_per_s=200.0),              # sparse alone: no × dense that run
-            dated("2026-01-02T00:00:02", tokens_per_s=100.0, **dense),
-            dated("2026-01-02T00:00:02", tokens_per_s=250.0),              # 2.5x the dense of its run
-            dated("2026-01-02T00:00:02", tokens_per_s=90.0, model="qwen2.5-1.5b"),   # measured once: no line
-            row(status="failed")]
+    rows = [
+        dated("2026-01-01T00:00:01", tokens_per_s=200.0),  # sparse alone: no × dense that run
+        dated("2026-01-02T00:00:02", tokens_per_s=100.0, **dense),
+        dated("2026-01-02T00:00:02", tokens_per_s=250.0),  # 2.5x the dense of its run
+        dated("2026-01-02T00:00:02", tokens_per_s=90.0, model="qwen2.5-1.5b"),  # measured once: no line
+        row(status="failed"),
+    ]
     lines = bench.run_to_run(rows).splitlines()
-    assert len(lines) == 3, lines                                        # header, rule, the one repeated config
+    assert len(lines) == 3, lines  # header, rule, the one repeated config
     cells = lines[2].split(" | ")
     assert cells[2] == "mtraining" and "c1 2026-01-01T00:00 → c2 2026-01-02T00:00" in cells[5]
-    assert cells[6] == "5 → 4 (-20.0 %)"                                 # per layer ms
+    assert cells[6] == "5 → 4 (-20.0 %)"  # per layer ms
     assert cells[8] == "200 → 250 (+25.0 %)"
     assert cells[9] == "– → 2.50 |"
 
 
 def test_table_shows_measured_failed_and_skipped_rows():
-    rows = [row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=100.0), row(tokens_per_s=550.0),
-            row(model="qwen2.5-1.5b", status="failed")]
+    rows = [
+        row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=100.0),
+        row(tokens_per_s=550.0),
+        row(model="qwen2.5-1.5b", status="failed"),
+    ]
     table = bench.format_table(rows, bench.dense_baselines(rows), ["qwen2.5-3b_512k_dense: estimated 900 s"])
     lines = table.splitlines()
-    assert len({line.count("|") for line in lines[:5]}) == 1                   # a well-formed markdown table
+    assert len({line.count("|") for line in lines[:5]}) == 1  # a well-formed markdown table
     assert "dense (sdpa_cudnn)" in lines[2] and "2,4→36" in lines[2] and "| 1.00 |" in lines[2]
     assert "| 5.50 |" in lines[3] and "50.0 (4)" in lines[3]
     assert "FAILED: CUDA out of memory" in lines[4]
@@ -617,8 +793,10 @@ def test_table_shows_measured_failed_and_skipped_rows():
 
 def test_plot_only_writes_the_chart_from_the_jsonl(tmp_path, capsys):
     jsonl, chart = tmp_path / "e2e.jsonl", tmp_path / "chart.png"
-    for item in (row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=100.0),
-                 row(tokens_per_s=600.0)):
+    for item in (
+        row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=100.0),
+        row(tokens_per_s=600.0),
+    ):
         bench.append_jsonl(jsonl, item)
     bench.main(["--plot-only", "--jsonl", str(jsonl), "--plot", str(chart)])
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -631,6 +809,7 @@ def test_plot_only_writes_the_chart_from_the_jsonl(tmp_path, capsys):
 
 def test_git_commit_names_the_checkout():
     commit = bench.git_commit()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert commit.removesuffix("+dirty") == head

@@ -12,22 +12,41 @@ from mtraining_kernels.reference import sparsity, vertical_slash_mask
 
 
 def random_table(rng: random.Random, num_layers: int, num_heads: int) -> BudgetTable:
-    rows = tuple(tuple(StaticBudget(rng.randint(30, 900), rng.randint(100, 900)) for _ in range(num_heads))
-                 for _ in range(num_layers))
+    rows = tuple(
+        tuple(StaticBudget(rng.randint(30, 900), rng.randint(100, 900)) for _ in range(num_heads))
+        for _ in range(num_layers)
+    )
     return BudgetTable(num_layers, num_heads, per_head=rows)
 
 
 # ---------------------------------------------------------------------------------------- dataclasses
-@pytest.mark.parametrize("v_size, s_size, bad", [(0, 200, "v_size=0"), (-3, 200, "v_size=-3"),
-                                                 (100, 1.5, "s_size=1.5"), (True, 200, "v_size=True"),
-                                                 (100, "200", "s_size='200'")])
+@pytest.mark.parametrize(
+    "v_size, s_size, bad",
+    [
+        (0, 200, "v_size=0"),
+        (-3, 200, "v_size=-3"),
+        (100, 1.5, "s_size=1.5"),
+        (True, 200, "v_size=True"),
+        (100, "200", "s_size='200'"),
+    ],
+)
 def test_static_budget_rejects_non_positive_integers(v_size, s_size, bad):
     with pytest.raises(ValueError, match=bad):
         StaticBudget(v_size, s_size)
 
 
-@pytest.mark.parametrize("p, bad", [(0, "p=0"), (0.0, "p=0.0"), (-0.5, "p=-0.5"), (1.01, "p=1.01"),
-                                    (float("nan"), "p=nan"), (True, "p=True"), ("0.9", "p='0.9'")])
+@pytest.mark.parametrize(
+    "p, bad",
+    [
+        (0, "p=0"),
+        (0.0, "p=0.0"),
+        (-0.5, "p=-0.5"),
+        (1.01, "p=1.01"),
+        (float("nan"), "p=nan"),
+        (True, "p=True"),
+        ("0.9", "p='0.9'"),
+    ],
+)
 def test_top_p_rejects_p_outside_unit_interval(p, bad):
     with pytest.raises(ValueError, match=bad):
         TopPBudget(p)
@@ -41,15 +60,18 @@ def test_top_p_defaults_and_cap_rules():
             TopPBudget(0.9, cap)
     with pytest.raises(ValueError, match="cap=64 .*sink_tokens=30, local_window=100.*cap >= 100"):
         TopPBudget(0.9, 64).validate_for(1024, 30, 100)
-    TopPBudget(0.9, 100).validate_for(50, 30, 100)          # a cap above N is a ceiling, not an error
+    TopPBudget(0.9, 100).validate_for(50, 30, 100)  # a cap above N is a ceiling, not an error
 
 
-@pytest.mark.parametrize("v_size, s_size, match", [
-    (1025, 200, "v_size=1025 is larger than the sequence \\(seq_len=1024\\)"),
-    (100, 2000, "s_size=2000 is larger than the sequence"),
-    (29, 200, "v_size=29 is smaller than the 30 forced sink columns \\(sink_tokens=30\\).*v_size >= 30"),
-    (100, 99, "s_size=99 is smaller than the 100 forced local-window offsets.*s_size >= 100"),
-])
+@pytest.mark.parametrize(
+    "v_size, s_size, match",
+    [
+        (1025, 200, "v_size=1025 is larger than the sequence \\(seq_len=1024\\)"),
+        (100, 2000, "s_size=2000 is larger than the sequence"),
+        (29, 200, "v_size=29 is smaller than the 30 forced sink columns \\(sink_tokens=30\\).*v_size >= 30"),
+        (100, 99, "s_size=99 is smaller than the 100 forced local-window offsets.*s_size >= 100"),
+    ],
+)
 def test_static_budget_must_fit_sequence_and_forced_entries(v_size, s_size, match):
     with pytest.raises(ValueError, match=match):
         StaticBudget(v_size, s_size).validate_for(1024, 30, 100)
@@ -87,7 +109,7 @@ def test_resolve_uses_one_based_layer_numbers_and_head_ranges(seed):
     table = random_table(rng, num_layers=4, num_heads=6)
     raw = table.to_json()
     for layer_number in range(1, 5):
-        resolved = table.resolve(layer_number, heads=range(2, 5))     # a tensor-parallel rank's heads
+        resolved = table.resolve(layer_number, heads=range(2, 5))  # a tensor-parallel rank's heads
         expected = [raw[str(layer_number - 1)][str(h)] for h in range(2, 5)]
         assert isinstance(resolved, StaticHeadBudgets)
         assert resolved.v_size.tolist() == [v for v, _ in expected], f"seed={seed} layer_number={layer_number}"
@@ -103,18 +125,24 @@ def test_resolve_uses_one_based_layer_numbers_and_head_ranges(seed):
     assert top_p.resolve(3, range(0, 3)) == TopPBudget(0.95, 2048)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda raw: raw.pop("2"), "has layer keys for 2 layers but the model has 3.*missing \\[2\\]"),
-    (lambda raw: raw.update({"3": raw["0"]}), "has layer keys for 4 layers but the model has 3.*unexpected \\[3\\]"),
-    (lambda raw: raw["1"].pop("4"), "layer 1 has head keys for 4 heads but the model has 5"),
-    (lambda raw: raw["0"].update({"7": [100, 100]}), "layer 0 has head keys for 6 heads.*unexpected \\[7\\]"),
-    (lambda raw: raw["2"].update({"3": [100, 200, 3]}), "layer 2 head 3: \\[100, 200, 3\\] must be a pair"),
-    (lambda raw: raw["2"].update({"1": [100.5, 200]}), "layer 2 head 1: v_size=100.5"),
-    (lambda raw: raw["1"].update({"0": [0, 200]}), "layer 1 head 0: v_size=0"),
-    (lambda raw: raw.update({"01": raw.pop("1")}), "layer key '01' is not a non-negative integer"),
-    (lambda raw: raw["0"].update({"x": raw["0"].pop("0")}), "head key 'x'"),
-    (lambda raw: raw.update({"0": [1, 2]}), "layer 0 must map head ids"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda raw: raw.pop("2"), "has layer keys for 2 layers but the model has 3.*missing \\[2\\]"),
+        (
+            lambda raw: raw.update({"3": raw["0"]}),
+            "has layer keys for 4 layers but the model has 3.*unexpected \\[3\\]",
+        ),
+        (lambda raw: raw["1"].pop("4"), "layer 1 has head keys for 4 heads but the model has 5"),
+        (lambda raw: raw["0"].update({"7": [100, 100]}), "layer 0 has head keys for 6 heads.*unexpected \\[7\\]"),
+        (lambda raw: raw["2"].update({"3": [100, 200, 3]}), "layer 2 head 3: \\[100, 200, 3\\] must be a pair"),
+        (lambda raw: raw["2"].update({"1": [100.5, 200]}), "layer 2 head 1: v_size=100.5"),
+        (lambda raw: raw["1"].update({"0": [0, 200]}), "layer 1 head 0: v_size=0"),
+        (lambda raw: raw.update({"01": raw.pop("1")}), "layer key '01' is not a non-negative integer"),
+        (lambda raw: raw["0"].update({"x": raw["0"].pop("0")}), "head key 'x'"),
+        (lambda raw: raw.update({"0": [1, 2]}), "layer 0 must map head ids"),
+    ],
+)
 def test_json_for_a_different_model_or_malformed_is_rejected(tmp_path, seed, edit, match):
     raw = random_table(random.Random(seed), num_layers=3, num_heads=5).to_json()
     edit(raw)
@@ -157,17 +185,26 @@ def test_settings_from_flags(tmp_path):
     assert BudgetTable.from_settings(mode="static", pattern_file=path, num_layers=2, num_heads=3) == table
 
 
-@pytest.mark.parametrize("settings, match", [
-    (dict(mode="static", top_p=0.9, v_size=100, s_size=200), "top-P settings \\{'top_p': 0.9\\} and static settings"),
-    (dict(mode="top-p", top_p=0.9, cap=1024, pattern_file="x.json"), "given together"),
-    (dict(mode="top-p", v_size=100, s_size=200), "mode 'top-p' does not take static settings .*'v_size': 100"),
-    (dict(mode="static", cap=1024), "mode 'static' does not take top-P settings \\{'cap': 1024\\}"),
-    (dict(mode="top-p", cap=1024), "needs top_p"),
-    (dict(mode="static", v_size=100), "needs pattern_file or both v_size and s_size; got v_size=100, s_size=None"),
-    (dict(mode="static", v_size=100, s_size=200, pattern_file="x.json"), "pattern_file='x.json' and a uniform pair"),
-    (dict(mode="dense"), "budget mode 'dense' is unknown"),
-    (dict(mode="top-p", top_p=1.5), "p=1.5"),
-])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (
+            dict(mode="static", top_p=0.9, v_size=100, s_size=200),
+            "top-P settings \\{'top_p': 0.9\\} and static settings",
+        ),
+        (dict(mode="top-p", top_p=0.9, cap=1024, pattern_file="x.json"), "given together"),
+        (dict(mode="top-p", v_size=100, s_size=200), "mode 'top-p' does not take static settings .*'v_size': 100"),
+        (dict(mode="static", cap=1024), "mode 'static' does not take top-P settings \\{'cap': 1024\\}"),
+        (dict(mode="top-p", cap=1024), "needs top_p"),
+        (dict(mode="static", v_size=100), "needs pattern_file or both v_size and s_size; got v_size=100, s_size=None"),
+        (
+            dict(mode="static", v_size=100, s_size=200, pattern_file="x.json"),
+            "pattern_file='x.json' and a uniform pair",
+        ),
+        (dict(mode="dense"), "budget mode 'dense' is unknown"),
+        (dict(mode="top-p", top_p=1.5), "p=1.5"),
+    ],
+)
 def test_settings_reject_conflicts(settings, match):
     with pytest.raises(ValueError, match=match):
         BudgetTable.from_settings(num_layers=2, num_heads=3, **settings)

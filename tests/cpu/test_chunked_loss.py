@@ -13,8 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mtraining.chunked_loss import (ChunkedLossOutputProcessor, chunked_language_model_loss,
-                                             sequence_parallel_rows)
+from megatron_mtraining.chunked_loss import (
+    ChunkedLossOutputProcessor,
+    chunked_language_model_loss,
+    sequence_parallel_rows,
+)
 
 SEQ, BATCH, HIDDEN, VOCAB = 53, 2, 16, 97
 RTOL = 1e-12
@@ -25,19 +28,22 @@ def _problem(seed: int, seq: int = SEQ):
     hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen, dtype=torch.float64)
     weight = torch.randn(VOCAB, HIDDEN, generator=gen, dtype=torch.float64) * 0.3
     labels = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
-    upstream = (torch.rand(BATCH, seq, generator=gen) < 0.7).double() * torch.rand(BATCH, seq, generator=gen,
-                                                                                  dtype=torch.float64)
+    upstream = (torch.rand(BATCH, seq, generator=gen) < 0.7).double() * torch.rand(
+        BATCH, seq, generator=gen, dtype=torch.float64
+    )
     return hidden, weight, labels, upstream
 
 
 def _linear_cross_entropy(weight, calls=None, repeats: int = 1):
     """``chunk_loss`` of a linear output layer; ``repeats`` emulates the sequence-parallel gather of equal shards."""
+
     def chunk_loss(hidden_chunk, labels_chunk):
         if calls is not None:
             calls.append(hidden_chunk.shape[0])
-        gathered = hidden_chunk.repeat(repeats, 1, 1)                       # [T·r, b, h]
-        logits = gathered @ weight.T                                         # [T·r, b, V]
-        return F.cross_entropy(logits.permute(1, 2, 0), labels_chunk, reduction="none")   # [b, T·r]
+        gathered = hidden_chunk.repeat(repeats, 1, 1)  # [T·r, b, h]
+        logits = gathered @ weight.T  # [T·r, b, V]
+        return F.cross_entropy(logits.permute(1, 2, 0), labels_chunk, reduction="none")  # [b, T·r]
+
     return chunk_loss
 
 
@@ -62,10 +68,12 @@ def test_chunked_loss_and_gradients_equal_full(seed, chunk_size):
 
     assert chunked.shape == (BATCH, SEQ)
     torch.testing.assert_close(chunked, full, rtol=RTOL, atol=0, msg=lambda m: f"loss (seed={seed}): {m}")
-    torch.testing.assert_close(chunk_hidden.grad, full_hidden.grad, rtol=RTOL, atol=1e-14,
-                               msg=lambda m: f"hidden grad (seed={seed}): {m}")
-    torch.testing.assert_close(chunk_weight.grad, full_weight.grad, rtol=1e-10, atol=1e-13,
-                               msg=lambda m: f"weight grad (seed={seed}): {m}")
+    torch.testing.assert_close(
+        chunk_hidden.grad, full_hidden.grad, rtol=RTOL, atol=1e-14, msg=lambda m: f"hidden grad (seed={seed}): {m}"
+    )
+    torch.testing.assert_close(
+        chunk_weight.grad, full_weight.grad, rtol=1e-10, atol=1e-13, msg=lambda m: f"weight grad (seed={seed}): {m}"
+    )
 
 
 def test_autograd_keeps_no_logits(seed):
@@ -95,8 +103,13 @@ def test_sequence_parallel_rows_restore_the_sequence_order(seed, shards):
     (reference * upstream).sum().backward()
 
     chunk_shard, chunk_weight = _leaves(shard, weight)
-    chunked = chunked_language_model_loss(chunk_shard, labels, _linear_cross_entropy(chunk_weight, repeats=shards),
-                                          chunk_size=8, sequence_parallel_size=shards)
+    chunked = chunked_language_model_loss(
+        chunk_shard,
+        labels,
+        _linear_cross_entropy(chunk_weight, repeats=shards),
+        chunk_size=8,
+        sequence_parallel_size=shards,
+    )
     (chunked * upstream).sum().backward()
     torch.testing.assert_close(chunked, reference, rtol=RTOL, atol=0, msg=lambda m: f"seed={seed}: {m}")
     torch.testing.assert_close(chunk_shard.grad, ref_shard.grad, rtol=RTOL, atol=1e-14)

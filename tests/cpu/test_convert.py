@@ -37,8 +37,12 @@ import pytest
 import torch
 
 from megatron_mtraining.conversion import hf_to_megatron, megatron_to_hf
-from megatron_mtraining.conversion.architecture import (MODEL_ARGS_FILE, MODEL_ARGS_VARIABLE, QwenArchitecture,
-                                                        write_model_args)
+from megatron_mtraining.conversion.architecture import (
+    MODEL_ARGS_FILE,
+    MODEL_ARGS_VARIABLE,
+    QwenArchitecture,
+    write_model_args,
+)
 from megatron_mtraining.conversion.megatron_checkpoint import read_checkpoint_args
 from megatron_mtraining.conversion.single_process import single_process_group, torch_dist_writer_on_cpu
 from megatron_mtraining.conversion.tensor_map import interleave_qkv, split_qkv
@@ -52,25 +56,49 @@ to_hf_tool = load_tool("convert_megatron_to_qwen2_hf")
 SEQ_LEN = 256
 VOCAB = 320
 BATCH = 2
-LOGITS_ATOL = 1e-4          # acceptance bound; observed ~1e-5 at logit std ~4 (fp32 sums in another order)
-CPU_FLAGS = ["--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
-             "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
-RUN_FLAGS = ["--micro-batch-size", "1", "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(SEQ_LEN),
-             "--mtraining-dense", "--mtraining-backend", "torch"]
-MODELS = {"tied": dict(tied=True), "untied": dict(tied=False), "tied-yarn": dict(tied=True, yarn=True),
-          "qwen3-tied": dict(tied=True, model_type="qwen3"), "qwen3-untied": dict(tied=False, model_type="qwen3")}
-QWEN3_HEAD_DIM = 32         # differs from hidden_size / num_attention_heads = 16, as --kv-channels allows
+LOGITS_ATOL = 1e-4  # acceptance bound; observed ~1e-5 at logit std ~4 (fp32 sums in another order)
+CPU_FLAGS = [
+    "--transformer-impl",
+    "local",
+    "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+]
+RUN_FLAGS = [
+    "--micro-batch-size",
+    "1",
+    "--seq-length",
+    str(SEQ_LEN),
+    "--max-position-embeddings",
+    str(SEQ_LEN),
+    "--mtraining-dense",
+    "--mtraining-backend",
+    "torch",
+]
+MODELS = {
+    "tied": dict(tied=True),
+    "untied": dict(tied=False),
+    "tied-yarn": dict(tied=True, yarn=True),
+    "qwen3-tied": dict(tied=True, model_type="qwen3"),
+    "qwen3-untied": dict(tied=False, model_type="qwen3"),
+}
+QWEN3_HEAD_DIM = 32  # differs from hidden_size / num_attention_heads = 16, as --kv-channels allows
 MODULE_SEED = int.from_bytes(os.urandom(4), "little")
 
 # Qwen2.5 sizes of DESIGN.md §4 and Qwen3 dense sizes: model_type, layers, hidden, heads, kv groups, ffn, head dim,
 # vocab, tied.
-QWEN_SIZES = {"Qwen2.5-0.5B": ("qwen2", 24, 896, 14, 2, 4864, 64, 151936, True),
-              "Qwen2.5-1.5B": ("qwen2", 28, 1536, 12, 2, 8960, 128, 151936, True),
-              "Qwen2.5-3B": ("qwen2", 36, 2048, 16, 2, 11008, 128, 151936, True),
-              "Qwen2.5-7B": ("qwen2", 28, 3584, 28, 4, 18944, 128, 152064, False),
-              "Qwen3-0.6B": ("qwen3", 28, 1024, 16, 8, 3072, 128, 151936, True),
-              "Qwen3-4B": ("qwen3", 36, 2560, 32, 8, 9728, 128, 151936, True),
-              "Qwen3-8B": ("qwen3", 36, 4096, 32, 8, 12288, 128, 151936, False)}
+QWEN_SIZES = {
+    "Qwen2.5-0.5B": ("qwen2", 24, 896, 14, 2, 4864, 64, 151936, True),
+    "Qwen2.5-1.5B": ("qwen2", 28, 1536, 12, 2, 8960, 128, 151936, True),
+    "Qwen2.5-3B": ("qwen2", 36, 2048, 16, 2, 11008, 128, 151936, True),
+    "Qwen2.5-7B": ("qwen2", 28, 3584, 28, 4, 18944, 128, 152064, False),
+    "Qwen3-0.6B": ("qwen3", 28, 1024, 16, 8, 3072, 128, 151936, True),
+    "Qwen3-4B": ("qwen3", 36, 2560, 32, 8, 9728, 128, 151936, True),
+    "Qwen3-8B": ("qwen3", 36, 4096, 32, 8, 12288, 128, 151936, False),
+}
 
 
 # ------------------------------------------------------------------------------------------ models and helpers
@@ -81,9 +109,20 @@ def _hf_config(tied: bool, yarn: bool = False, model_type: str = "qwen2"):
     rope = {"rope_type": "default", "rope_theta": 1e6}
     if yarn:
         rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": SEQ_LEN // 4, "rope_theta": 1e6}
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=SEQ_LEN, tie_word_embeddings=tied,
-                 rope_parameters=rope, bos_token_id=3, eos_token_id=5)
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=tied,
+        rope_parameters=rope,
+        bos_token_id=3,
+        eos_token_id=5,
+    )
     if model_type == "qwen3":
         return Qwen3Config(**shape, head_dim=QWEN3_HEAD_DIM, attention_bias=False)
     return Qwen2Config(**shape)
@@ -156,13 +195,14 @@ def _megatron_logits(checkpoint: Path, tokens: torch.Tensor, tp: int = 1) -> tor
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model = _launcher_model(sourced_model_args(checkpoint / MODEL_ARGS_FILE), tp)
     assert all(isinstance(layer.self_attention.core_attention, MTrainingAttention) for layer in model.decoder.layers)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint / "release"),
-                                     strict="raise_all")
+    loaded = dist_checkpointing.load(
+        {"model": model.sharded_state_dict()}, str(checkpoint / "release"), strict="raise_all"
+    )
     model.load_state_dict(loaded["model"])
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         logits = model(tokens, positions, None)
-    if tp > 1:           # vocab-parallel output: gather the TP shards
+    if tp > 1:  # vocab-parallel output: gather the TP shards
         group = parallel_state.get_tensor_model_parallel_group()
         parts = [torch.empty_like(logits) for _ in range(tp)]
         dist.all_gather(parts, logits.contiguous(), group=group)
@@ -191,8 +231,13 @@ def workdir(tmp_path_factory) -> dict[str, dict[str, Path]]:
         model.save_pretrained(hf_dir, max_shard_size="200KB" if name == "untied" else "5GB")
         (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
         hf_to_megatron.convert(hf_dir, root / f"mcore-{name}", dtype="fp32")
-        megatron_to_hf.convert(root / f"mcore-{name}", root / f"back-{name}", hf_reference=hf_dir, dtype="fp32",
-                      max_shard_size="150KB" if name == "untied" else "5GB")
+        megatron_to_hf.convert(
+            root / f"mcore-{name}",
+            root / f"back-{name}",
+            hf_reference=hf_dir,
+            dtype="fp32",
+            max_shard_size="150KB" if name == "untied" else "5GB",
+        )
         dirs[name] = {"hf": hf_dir, "mcore": root / f"mcore-{name}", "back": root / f"back-{name}"}
     return dirs
 
@@ -231,8 +276,9 @@ def test_tp2_load_gives_tp1_logits(workdir, tokens, tp1_logits, distributed):
     for name in checkpoints:
         for rank, logits in enumerate(per_rank):
             difference = (logits[name] - tp1_logits[name]).abs().max().item()
-            assert difference <= LOGITS_ATOL, f"{name} rank {rank}: TP=2 vs TP=1 max |Δ| = {difference:.3g} " \
-                                              f"(seed={MODULE_SEED})"
+            assert difference <= LOGITS_ATOL, (
+                f"{name} rank {rank}: TP=2 vs TP=1 max |Δ| = {difference:.3g} (seed={MODULE_SEED})"
+            )
 
 
 # ------------------------------------------------------------------------------------------ round trip
@@ -246,8 +292,9 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(workdir, tokens, name):
     back_config = json.loads((workdir[name]["back"] / "config.json").read_text())
     assert QwenArchitecture.from_hf_config(back_config) == QwenArchitecture.from_hf_config(original_config)
     assert (back_config["bos_token_id"], back_config["eos_token_id"]) == (3, 5), "token ids of the reference"
-    assert (workdir[name]["back"] / "tokenizer_config.json").read_bytes() == \
-        (workdir[name]["hf"] / "tokenizer_config.json").read_bytes()
+    assert (workdir[name]["back"] / "tokenizer_config.json").read_bytes() == (
+        workdir[name]["hf"] / "tokenizer_config.json"
+    ).read_bytes()
     assert back_config["architectures"] == original_config["architectures"]
     assert torch.equal(_hf_logits(workdir[name]["back"], tokens), _hf_logits(workdir[name]["hf"], tokens))
 
@@ -264,7 +311,7 @@ def test_bf16_round_trip_is_bit_exact(tmp_path):
     model = _random_hf_model(tied=False, seed=MODULE_SEED + 7).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "hf")
     hf_to_megatron.convert(tmp_path / "hf", tmp_path / "mcore", dtype="bf16")
-    megatron_to_hf.convert(tmp_path / "mcore", tmp_path / "back", dtype="bf16")       # reference: --tokenizer-model
+    megatron_to_hf.convert(tmp_path / "mcore", tmp_path / "back", dtype="bf16")  # reference: --tokenizer-model
     original, back = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
     assert sorted(back) == sorted(original)
     assert all(back[key].dtype == torch.bfloat16 and torch.equal(back[key], original[key]) for key in original)
@@ -277,24 +324,50 @@ def test_args_file_reproduces_qwen_architectures(tmp_path, size):
     from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
 
     model_type, layers, hidden, heads, groups, ffn, head_dim, vocab, tied = QWEN_SIZES[size]
-    hf_config = {"architectures": [f"{model_type.capitalize()}ForCausalLM"], "model_type": model_type,
-                 "hidden_act": "silu", "num_hidden_layers": layers, "hidden_size": hidden,
-                 "num_attention_heads": heads, "num_key_value_heads": groups, "intermediate_size": ffn,
-                 "vocab_size": vocab, "tie_word_embeddings": tied, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-                 "max_position_embeddings": 32768, "sliding_window": 32768, "use_sliding_window": False}
+    hf_config = {
+        "architectures": [f"{model_type.capitalize()}ForCausalLM"],
+        "model_type": model_type,
+        "hidden_act": "silu",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "intermediate_size": ffn,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+    }
     if model_type == "qwen3":
         hf_config.update(head_dim=head_dim, attention_bias=False)
     arch = QwenArchitecture.from_hf_config(hf_config)
     write_model_args(tmp_path / MODEL_ARGS_FILE, arch.megatron_flags("/models/Qwen"), size)
-    args = _parser().parse_args(sourced_model_args(tmp_path / MODEL_ARGS_FILE) + CPU_FLAGS +
-                                ["--seq-length", "32768", "--max-position-embeddings", "32768"])
+    args = _parser().parse_args(
+        sourced_model_args(tmp_path / MODEL_ARGS_FILE)
+        + CPU_FLAGS
+        + ["--seq-length", "32768", "--max-position-embeddings", "32768"]
+    )
     args.params_dtype = torch.bfloat16
     config = core_transformer_config_from_args(args)
     model = gpt_config_from_args(args, config)
-    assert (config.num_layers, config.hidden_size, config.num_attention_heads, config.num_query_groups,
-            config.ffn_hidden_size, config.kv_channels) == (layers, hidden, heads, groups, ffn, head_dim)
-    assert (config.normalization, config.layernorm_epsilon, config.gated_linear_unit, config.add_bias_linear,
-            config.activation_func) == ("RMSNorm", 1e-6, True, False, torch.nn.functional.silu)
+    assert (
+        config.num_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.ffn_hidden_size,
+        config.kv_channels,
+    ) == (layers, hidden, heads, groups, ffn, head_dim)
+    assert (
+        config.normalization,
+        config.layernorm_epsilon,
+        config.gated_linear_unit,
+        config.add_bias_linear,
+        config.activation_func,
+    ) == ("RMSNorm", 1e-6, True, False, torch.nn.functional.silu)
     assert (config.add_qkv_bias, config.qk_layernorm) == (model_type == "qwen2", model_type == "qwen3")
     assert (model.vocab_size, model.should_pad_vocab, model.share_embeddings_and_output_weights) == (vocab, False, tied)
     assert (model.position_embedding_type, model.rotary_base, model.rotary_percent) == ("rope", 1_000_000, 1.0)
@@ -306,8 +379,10 @@ def test_context_extension_options_reach_megatrons_config(tmp_path):
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     base = QwenArchitecture.from_hf_config(_hf_config(tied=True).to_dict())
-    for arch, rope in ((hf_to_megatron.extend_context(base, rotary_base=10_000_000), "rope"),
-                       (hf_to_megatron.extend_context(base, yarn_factor=16.0), "yarn")):
+    for arch, rope in (
+        (hf_to_megatron.extend_context(base, rotary_base=10_000_000), "rope"),
+        (hf_to_megatron.extend_context(base, yarn_factor=16.0), "yarn"),
+    ):
         write_model_args(tmp_path / MODEL_ARGS_FILE, arch.megatron_flags("/tok"), "test")
         flags = sourced_model_args(tmp_path / MODEL_ARGS_FILE) + CPU_FLAGS + ["--seq-length", str(SEQ_LEN)]
         args = _parser().parse_args(flags)
@@ -341,9 +416,14 @@ def test_qkv_interleave_keeps_query_groups_whole(seed):
     fused = interleave_qkv(q, k, v, arch)
     group_rows = (arch.heads_per_group + 2) * d
     for g in range(arch.num_query_groups):
-        block = fused[g * group_rows:(g + 1) * group_rows]
-        expected = torch.cat([q[g * arch.heads_per_group * d:(g + 1) * arch.heads_per_group * d],
-                              k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]])
+        block = fused[g * group_rows : (g + 1) * group_rows]
+        expected = torch.cat(
+            [
+                q[g * arch.heads_per_group * d : (g + 1) * arch.heads_per_group * d],
+                k[g * d : (g + 1) * d],
+                v[g * d : (g + 1) * d],
+            ]
+        )
         assert torch.equal(block, expected), f"group {g} (seed={seed})"
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, arch), (q, k, v)))
     bias = torch.randn(q.shape[0] + 2 * k.shape[0])
@@ -361,11 +441,13 @@ def test_command_lines_convert_on_cpu_both_ways(workdir, tmp_path, monkeypatch, 
     hf_dir = workdir["qwen3-untied"]["hf"]
     to_megatron_tool.main(["--hf-dir", str(hf_dir), "--output-dir", str(tmp_path / "mcore"), "--dtype", "fp32"])
     assert "wrote" in capsys.readouterr().out
-    assert (torch.cuda.current_device, torch.cuda.synchronize, filesystem_async._results_queue) == cuda_names, \
+    assert (torch.cuda.current_device, torch.cuda.synchronize, filesystem_async._results_queue) == cuda_names, (
         "the CPU patches of the torch_dist writer must be undone"
+    )
     assert "--qk-layernorm" in sourced_model_args(tmp_path / "mcore" / MODEL_ARGS_FILE)
-    to_hf_tool.main(["--checkpoint", str(tmp_path / "mcore"), "--output-dir", str(tmp_path / "back"),
-                     "--dtype", "fp32"])
+    to_hf_tool.main(
+        ["--checkpoint", str(tmp_path / "mcore"), "--output-dir", str(tmp_path / "back"), "--dtype", "fp32"]
+    )
     original, back = _tensors(hf_dir), _tensors(tmp_path / "back")
     assert sorted(back) == sorted(original) and all(torch.equal(back[key], original[key]) for key in original)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
@@ -388,11 +470,22 @@ def test_command_line_refuses_a_llama_model_before_writing(tmp_path, monkeypatch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "llama")
-    with pytest.raises(SystemExit, match=r"model_type='llama' \(architectures=\['LlamaForCausalLM'\]\) is not "
-                                         r"supported; .*'qwen2', Qwen2ForCausalLM\) and dense Qwen3 \(model_type "
-                                         r"'qwen3', Qwen3ForCausalLM\)"):
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path / "llama")
+    with pytest.raises(
+        SystemExit,
+        match=r"model_type='llama' \(architectures=\['LlamaForCausalLM'\]\) is not "
+        r"supported; .*'qwen2', Qwen2ForCausalLM\) and dense Qwen3 \(model_type "
+        r"'qwen3', Qwen3ForCausalLM\)",
+    ):
         to_megatron_tool.main(["--hf-dir", str(tmp_path / "llama"), "--output-dir", str(tmp_path / "out")])
     assert sorted(os.listdir(tmp_path)) == ["llama"], "nothing may be written for a refused model"
 
@@ -419,38 +512,85 @@ def _edit_tensors(directory: Path, edit) -> None:
 
 # case: (source model, config.json changes, tensor edit, expected message)
 BAD_HF_INPUTS = {
-    "llama": ("tied", dict(model_type="llama", architectures=["LlamaForCausalLM"]), None,
-              r"model_type='llama' \(architectures=\['LlamaForCausalLM'\]\) is not supported; this converter maps "
-              r"Qwen2/Qwen2.5 .* and dense Qwen3"),
-    "qwen3-moe": ("qwen3-tied", dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), None,
-                  r"model_type='qwen3_moe' .* is a mixture-of-experts model, which is not mapped"),
-    "architecture-of-other-family": ("qwen3-tied", dict(architectures=["Qwen2ForCausalLM"]), None,
-                                     r"architectures=\['Qwen2ForCausalLM'\] has no Qwen3ForCausalLM"),
+    "llama": (
+        "tied",
+        dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+        None,
+        r"model_type='llama' \(architectures=\['LlamaForCausalLM'\]\) is not supported; this converter maps "
+        r"Qwen2/Qwen2.5 .* and dense Qwen3",
+    ),
+    "qwen3-moe": (
+        "qwen3-tied",
+        dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]),
+        None,
+        r"model_type='qwen3_moe' .* is a mixture-of-experts model, which is not mapped",
+    ),
+    "architecture-of-other-family": (
+        "qwen3-tied",
+        dict(architectures=["Qwen2ForCausalLM"]),
+        None,
+        r"architectures=\['Qwen2ForCausalLM'\] has no Qwen3ForCausalLM",
+    ),
     "sliding-window": ("tied", dict(use_sliding_window=True), None, "use_sliding_window=true is not mapped"),
-    "linear-rope": ("tied", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}), None,
-                    "RoPE scaling type 'linear' is not mapped"),
-    "vocab-mismatch": ("tied", dict(vocab_size=VOCAB + 64), None,
-                       r"has shape \[320, 64\] but config.json .* implies \[384, 64\]"),
+    "linear-rope": (
+        "tied",
+        dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+        None,
+        "RoPE scaling type 'linear' is not mapped",
+    ),
+    "vocab-mismatch": (
+        "tied",
+        dict(vocab_size=VOCAB + 64),
+        None,
+        r"has shape \[320, 64\] but config.json .* implies \[384, 64\]",
+    ),
     "hidden-mismatch": ("tied", dict(intermediate_size=96), None, "the config does not match the weights"),
     "untied-without-lm-head": ("tied", dict(tie_word_embeddings=False), None, "needs lm_head.weight"),
-    "tied-lm-head-differs": ("tied", {}, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}),
-                             "lm_head.weight differs from model.embed_tokens.weight"),
-    "extra-layer-tensor": ("tied", {},
-                           lambda t: t.update({"model.layers.2.mlp.down_proj.weight": torch.zeros(64, 160)}),
-                           "does not have: model.layers.2.mlp.down_proj.weight"),
-    "qwen3-attention-bias": ("qwen3-tied", dict(attention_bias=True), None,
-                             "attention_bias=true is not mapped: it adds a bias to q/k/v and o_proj"),
+    "tied-lm-head-differs": (
+        "tied",
+        {},
+        lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}),
+        "lm_head.weight differs from model.embed_tokens.weight",
+    ),
+    "extra-layer-tensor": (
+        "tied",
+        {},
+        lambda t: t.update({"model.layers.2.mlp.down_proj.weight": torch.zeros(64, 160)}),
+        "does not have: model.layers.2.mlp.down_proj.weight",
+    ),
+    "qwen3-attention-bias": (
+        "qwen3-tied",
+        dict(attention_bias=True),
+        None,
+        "attention_bias=true is not mapped: it adds a bias to q/k/v and o_proj",
+    ),
     "qwen3-without-head-dim": ("qwen3-tied", dict(head_dim=None), None, "Qwen3 config has no head_dim; add"),
-    "qwen3-head-dim-mismatch": ("qwen3-tied", dict(head_dim=16), None,
-                                r"q_proj.weight has shape \[128, 64\] but config.json .* head dim 16\) implies "
-                                r"\[64, 64\]"),
-    "qwen3-read-as-qwen2": ("qwen3-tied", dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), None,
-                            r"head_dim=32 differs from hidden_size/num_attention_heads = 64/4; Qwen2 ties them"),
-    "qwen2-read-as-qwen3": ("tied", dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16), None,
-                            r"missing, e.g. model.layers.0.self_attn.k_norm.weight"),
-    "qwen3-norms-in-qwen2": ("tied", {}, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
-                             r"Qwen2 model of this config does not have: model.layers.0.self_attn.q_norm.weight .*"
-                             r"q_norm/k_norm are Qwen3's: is model_type 'qwen3'\?"),
+    "qwen3-head-dim-mismatch": (
+        "qwen3-tied",
+        dict(head_dim=16),
+        None,
+        r"q_proj.weight has shape \[128, 64\] but config.json .* head dim 16\) implies "
+        r"\[64, 64\]",
+    ),
+    "qwen3-read-as-qwen2": (
+        "qwen3-tied",
+        dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+        None,
+        r"head_dim=32 differs from hidden_size/num_attention_heads = 64/4; Qwen2 ties them",
+    ),
+    "qwen2-read-as-qwen3": (
+        "tied",
+        dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16),
+        None,
+        r"missing, e.g. model.layers.0.self_attn.k_norm.weight",
+    ),
+    "qwen3-norms-in-qwen2": (
+        "tied",
+        {},
+        lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
+        r"Qwen2 model of this config does not have: model.layers.0.self_attn.q_norm.weight .*"
+        r"q_norm/k_norm are Qwen3's: is model_type 'qwen3'\?",
+    ),
 }
 
 
@@ -489,7 +629,7 @@ def test_missing_and_corrupt_files_are_refused(workdir, tmp_path):
         hf_to_megatron.convert(hf_dir, tmp_path / "out")
     hf_dir = _copy(workdir["tied"]["hf"], tmp_path / "truncated")
     data = (hf_dir / "model.safetensors").read_bytes()
-    (hf_dir / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (hf_dir / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         hf_to_megatron.convert(hf_dir, tmp_path / "out")
     hf_dir = _copy(workdir["untied"]["hf"], tmp_path / "missing-shard")
@@ -545,8 +685,11 @@ def test_bad_megatron_input_is_refused(workdir, tmp_path):
         megatron_to_hf.convert(tmp_path, tmp_path / "out")
     with pytest.raises(ValueError, match="is a different model"):
         megatron_to_hf.convert(workdir["tied"]["mcore"], tmp_path / "out", hf_reference=workdir["untied"]["hf"])
-    with pytest.raises(ValueError, match=r"is a different model \(model_type: reference qwen2, checkpoint qwen3; "
-                                         r"kv_channels: reference 16, checkpoint 32"):
+    with pytest.raises(
+        ValueError,
+        match=r"is a different model \(model_type: reference qwen2, checkpoint qwen3; "
+        r"kv_channels: reference 16, checkpoint 32",
+    ):
         megatron_to_hf.convert(workdir["qwen3-tied"]["mcore"], tmp_path / "out", hf_reference=workdir["tied"]["hf"])
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "config.json").write_text("{}")
@@ -561,6 +704,9 @@ def test_bad_megatron_input_is_refused(workdir, tmp_path):
         QwenArchitecture.from_megatron_args(args)
     args = _parser().parse_args(sourced_model_args(workdir["qwen3-tied"]["mcore"] / MODEL_ARGS_FILE))
     args.add_qkv_bias = True
-    with pytest.raises(ValueError, match=r"not Qwen3-shaped: add_qkv_bias=True \(Qwen3: False\) \(read as Qwen3 "
-                                         r"because qk_layernorm=True\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"not Qwen3-shaped: add_qkv_bias=True \(Qwen3: False\) \(read as Qwen3 "
+        r"because qk_layernorm=True\)",
+    ):
         QwenArchitecture.from_megatron_args(args)

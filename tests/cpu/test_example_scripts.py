@@ -31,43 +31,127 @@ ONE_NODE = "examples/slurm/qwen2.5-3b_512k_1node.sbatch"
 MULTI_NODE = "examples/slurm/qwen2.5-3b_512k_multinode.sbatch"
 TEMPLATES = (ONE_NODE, MULTI_NODE)
 LAUNCHING = (TRAIN, DEMO, *TEMPLATES)
-SCRIPTS = sorted([*REPO.glob("examples/*.sh"), *REPO.glob("examples/slurm/*.sbatch"),
-                  *REPO.glob("examples/models/*.sh")])
+SCRIPTS = sorted(
+    [*REPO.glob("examples/*.sh"), *REPO.glob("examples/slurm/*.sbatch"), *REPO.glob("examples/models/*.sh")]
+)
 PRESETS = sorted(REPO.glob("examples/models/*.sh"))
 FAKE_COMMANDS = ("srun", "scontrol", "torchrun", "python")
-TE_FLAGS = ("--transformer-impl", "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion",
-            "--no-persist-layer-norm", "--no-masked-softmax-fusion")
+TE_FLAGS = (
+    "--transformer-impl",
+    "--no-rope-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+)
 
 # config.json of the public Qwen2.5 checkpoints on the Hugging Face hub (the fields the converter reads).
 _QWEN25_COMMON = dict(model_type="qwen2", rope_theta=1000000.0, rms_norm_eps=1e-06)
 QWEN25 = {
-    "0.5B": dict(_QWEN25_COMMON, num_hidden_layers=24, hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
-    "1.5B": dict(_QWEN25_COMMON, num_hidden_layers=28, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=131072),
-    "3B": dict(_QWEN25_COMMON, num_hidden_layers=36, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
-               intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
-    "7B": dict(_QWEN25_COMMON, num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
-               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
+    "0.5B": dict(
+        _QWEN25_COMMON,
+        num_hidden_layers=24,
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    "1.5B": dict(
+        _QWEN25_COMMON,
+        num_hidden_layers=28,
+        hidden_size=1536,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    ),
+    "3B": dict(
+        _QWEN25_COMMON,
+        num_hidden_layers=36,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        intermediate_size=11008,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    "7B": dict(
+        _QWEN25_COMMON,
+        num_hidden_layers=28,
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+    ),
 }
 # config.json of the public dense Qwen3 checkpoints (q/k RMSNorm, no QKV bias, explicit head_dim).
-_QWEN3_COMMON = dict(model_type="qwen3", rope_theta=1000000.0, rms_norm_eps=1e-06, head_dim=128, attention_bias=False,
-                     vocab_size=151936, max_position_embeddings=40960)
+_QWEN3_COMMON = dict(
+    model_type="qwen3",
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-06,
+    head_dim=128,
+    attention_bias=False,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+)
 QWEN3 = {
-    "0.6B": dict(_QWEN3_COMMON, num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=3072, tie_word_embeddings=True),
-    "1.7B": dict(_QWEN3_COMMON, num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=6144, tie_word_embeddings=True),
-    "4B": dict(_QWEN3_COMMON, num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=9728, tie_word_embeddings=True),
-    "8B": dict(_QWEN3_COMMON, num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=12288, tie_word_embeddings=False),
+    "0.6B": dict(
+        _QWEN3_COMMON,
+        num_hidden_layers=28,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=3072,
+        tie_word_embeddings=True,
+    ),
+    "1.7B": dict(
+        _QWEN3_COMMON,
+        num_hidden_layers=28,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=6144,
+        tie_word_embeddings=True,
+    ),
+    "4B": dict(
+        _QWEN3_COMMON,
+        num_hidden_layers=36,
+        hidden_size=2560,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=9728,
+        tie_word_embeddings=True,
+    ),
+    "8B": dict(
+        _QWEN3_COMMON,
+        num_hidden_layers=36,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=12288,
+        tie_word_embeddings=False,
+    ),
 }
-PRESET_CONFIGS = {**{f"qwen2.5-{size.lower()}": (config, f"Qwen/Qwen2.5-{size}") for size, config in QWEN25.items()},
-                  **{f"qwen3-{size.lower()}": (config, f"Qwen/Qwen3-{size}") for size, config in QWEN3.items()}}
+PRESET_CONFIGS = {
+    **{f"qwen2.5-{size.lower()}": (config, f"Qwen/Qwen2.5-{size}") for size, config in QWEN25.items()},
+    **{f"qwen3-{size.lower()}": (config, f"Qwen/Qwen3-{size}") for size, config in QWEN3.items()},
+}
 # What each launching script runs by default: (model size, GPUs per node, nodes, CP, ring, inner ring size).
-DEFAULT_LAYOUT = {TRAIN: ("3B", 8, 1, 8, "flat", None), DEMO: ("0.5B", 1, 1, 1, "flat", None),
-                  ONE_NODE: ("3B", 8, 1, 8, "flat", None), MULTI_NODE: ("3B", 8, 4, 32, "hierarchical", 8)}
+DEFAULT_LAYOUT = {
+    TRAIN: ("3B", 8, 1, 8, "flat", None),
+    DEMO: ("0.5B", 1, 1, 1, "flat", None),
+    ONE_NODE: ("3B", 8, 1, 8, "flat", None),
+    MULTI_NODE: ("3B", 8, 4, 32, "hierarchical", 8),
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +176,9 @@ def fake_bin(tmp_path) -> Path:
     for name in FAKE_COMMANDS:
         fake = directory / name
         log = directory / "calls.log"
-        fake.write_text(f'#!/bin/bash\nprintf "%q " {name} "WORLD_SIZE=${{WORLD_SIZE-}}" "$@" >> "{log}"\n'
-                        f'echo >> "{log}"\n')
+        fake.write_text(
+            f'#!/bin/bash\nprintf "%q " {name} "WORLD_SIZE=${{WORLD_SIZE-}}" "$@" >> "{log}"\necho >> "{log}"\n'
+        )
         fake.chmod(0o755)
     return directory
 
@@ -106,18 +191,27 @@ def _calls(fake_bin: Path) -> list[list[str]]:
 def _checkpoint(directory: Path, size: str) -> Path:
     """A converted-checkpoint directory holding just the args file (what the scripts read of it)."""
     directory.mkdir()
-    write_model_args(directory / MODEL_ARGS_FILE, QwenArchitecture.from_hf_config(QWEN25[size]).megatron_flags(
-        f"/models/Qwen2.5-{size}"), f"Qwen2.5-{size}")
+    write_model_args(
+        directory / MODEL_ARGS_FILE,
+        QwenArchitecture.from_hf_config(QWEN25[size]).megatron_flags(f"/models/Qwen2.5-{size}"),
+        f"Qwen2.5-{size}",
+    )
     return directory
 
 
-def _run(script: str, environment: dict[str, str], *arguments: str, path: Path | None = None,
-         timeout: int = 60) -> subprocess.CompletedProcess:
+def _run(
+    script: str, environment: dict[str, str], *arguments: str, path: Path | None = None, timeout: int = 60
+) -> subprocess.CompletedProcess:
     """``bash script arguments`` from the repository root with only ``environment`` set (no SLURM_*, no settings)."""
-    env = {"PATH": f"{path}:/usr/bin:/bin" if path else "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/"),
-           "LANG": "C.UTF-8", **environment}
-    return subprocess.run(["bash", str(REPO / script), *arguments], env=env, capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout)
+    env = {
+        "PATH": f"{path}:/usr/bin:/bin" if path else "/usr/bin:/bin",
+        "HOME": os.environ.get("HOME", "/"),
+        "LANG": "C.UTF-8",
+        **environment,
+    }
+    return subprocess.run(
+        ["bash", str(REPO / script), *arguments], env=env, capture_output=True, text=True, cwd=REPO, timeout=timeout
+    )
 
 
 def _dry_run(script: str, environment: dict[str, str]) -> subprocess.CompletedProcess:
@@ -156,8 +250,12 @@ def _comment(output: str, topic: str) -> str:
 
 def _model_args(preset: Path) -> list[str]:
     """``MODEL_ARGS`` as bash defines it when sourcing ``preset``."""
-    result = subprocess.run(["bash", "-c", 'source "$1"; printf "%s\\0" "${MODEL_ARGS[@]}"', "_", str(preset)],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        ["bash", "-c", 'source "$1"; printf "%s\\0" "${MODEL_ARGS[@]}"', "_", str(preset)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return result.stdout.split("\0")[:-1]
 
 
@@ -209,7 +307,10 @@ def test_dry_run_is_accepted_by_the_launcher(parser, tmp_path, script, with_chec
     args = _parsed(parser, flags)
     config = QWEN25[size]
     assert (args.num_layers, args.hidden_size, args.padded_vocab_size) == (
-        config["num_hidden_layers"], config["hidden_size"], config["vocab_size"])
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["vocab_size"],
+    )
     if with_checkpoint:
         assert args.pretrained_checkpoint == environment["CHECKPOINT"]
         assert args.tokenizer_model == f"/models/Qwen2.5-{size}"
@@ -224,43 +325,61 @@ def test_dry_run_is_accepted_by_the_launcher(parser, tmp_path, script, with_chec
 
 
 def test_real_data_and_evaluation_settings(parser):
-    result = _dry_run(TRAIN, {"DATA_PREFIX": "data/long_docs", "SPLIT": "90,5,5", "EVAL_INTERVAL": "50",
-                              "EVAL_ITERS": "2"})
+    result = _dry_run(
+        TRAIN, {"DATA_PREFIX": "data/long_docs", "SPLIT": "90,5,5", "EVAL_INTERVAL": "50", "EVAL_ITERS": "2"}
+    )
     args = _parsed(parser, _launch_command(result.stdout)[1])
     assert args.data_path == ["data/long_docs"] and not args.mock_data
     assert (args.split, args.eval_interval, args.eval_iters) == ("90,5,5", 50, 2)
     assert _comment(result.stdout, "data") == "# data: data/long_docs"
 
 
-@pytest.mark.parametrize("settings, expected", [
-    ({}, dict(mtraining_budget="top-p", mtraining_top_p=0.9, mtraining_sparsity=None)),
-    ({"TOP_P": "0.95"}, dict(mtraining_budget="top-p", mtraining_top_p=0.95)),
-    ({"BUDGET": "static"}, dict(mtraining_budget="static", mtraining_sparsity=0.95, mtraining_top_p=None)),
-    ({"BUDGET": "static", "SPARSITY": "0.9"}, dict(mtraining_budget="static", mtraining_sparsity=0.9)),
-    ({"BUDGET": "static", "VERTICAL_SIZE": "1024", "SLASH_SIZE": "8192"},
-     dict(mtraining_budget="static", mtraining_vertical_size=1024, mtraining_slash_size=8192,
-          mtraining_sparsity=None)),
-], ids=["top-p-default", "top-p", "static-default", "static-sparsity", "static-sizes"])
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({}, dict(mtraining_budget="top-p", mtraining_top_p=0.9, mtraining_sparsity=None)),
+        ({"TOP_P": "0.95"}, dict(mtraining_budget="top-p", mtraining_top_p=0.95)),
+        ({"BUDGET": "static"}, dict(mtraining_budget="static", mtraining_sparsity=0.95, mtraining_top_p=None)),
+        ({"BUDGET": "static", "SPARSITY": "0.9"}, dict(mtraining_budget="static", mtraining_sparsity=0.9)),
+        (
+            {"BUDGET": "static", "VERTICAL_SIZE": "1024", "SLASH_SIZE": "8192"},
+            dict(
+                mtraining_budget="static",
+                mtraining_vertical_size=1024,
+                mtraining_slash_size=8192,
+                mtraining_sparsity=None,
+            ),
+        ),
+    ],
+    ids=["top-p-default", "top-p", "static-default", "static-sparsity", "static-sizes"],
+)
 def test_budget_settings(parser, settings, expected):
     args = _parsed(parser, _launch_command(_dry_run(TRAIN, settings).stdout)[1])
     assert {name: getattr(args, name) for name in expected} == expected
 
 
-@pytest.mark.parametrize("settings, tp, pp, cp, dp, ring, inner_ring", [
-    ({"TP": "2"}, 2, 1, 4, 1, "flat", None),
-    ({"TP": "2", "PP": "2"}, 2, 2, 2, 1, "flat", None),
-    ({"CP": "4"}, 1, 1, 4, 2, "flat", None),
-    ({"NNODES": "2"}, 1, 1, 16, 1, "hierarchical", 8),
-    ({"NNODES": "2", "TP": "2"}, 2, 1, 8, 1, "hierarchical", 4),
-    ({"NNODES": "2", "CP": "8"}, 1, 1, 8, 2, "flat", None),
-    ({"NNODES": "4", "PP": "2"}, 1, 2, 16, 1, "hierarchical", 8),
-], ids=["tp2", "tp2-pp2", "cp4-dp2", "2-nodes", "2-nodes-tp2", "2-nodes-dp2", "4-nodes-pp2"])
+@pytest.mark.parametrize(
+    "settings, tp, pp, cp, dp, ring, inner_ring",
+    [
+        ({"TP": "2"}, 2, 1, 4, 1, "flat", None),
+        ({"TP": "2", "PP": "2"}, 2, 2, 2, 1, "flat", None),
+        ({"CP": "4"}, 1, 1, 4, 2, "flat", None),
+        ({"NNODES": "2"}, 1, 1, 16, 1, "hierarchical", 8),
+        ({"NNODES": "2", "TP": "2"}, 2, 1, 8, 1, "hierarchical", 4),
+        ({"NNODES": "2", "CP": "8"}, 1, 1, 8, 2, "flat", None),
+        ({"NNODES": "4", "PP": "2"}, 1, 2, 16, 1, "hierarchical", 8),
+    ],
+    ids=["tp2", "tp2-pp2", "cp4-dp2", "2-nodes", "2-nodes-tp2", "2-nodes-dp2", "4-nodes-pp2"],
+)
 def test_parallel_settings(parser, settings, tp, pp, cp, dp, ring, inner_ring):
     result = _dry_run(TRAIN, settings)
     torchrun, flags = _launch_command(result.stdout)
     args = _parsed(parser, flags)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size) == (
-        tp, pp, cp)
+        tp,
+        pp,
+        cp,
+    )
     assert args.sequence_parallel == (tp > 1)
     assert (args.mtraining_ring, args.mtraining_inner_ring_size) == (ring, inner_ring)
     gpus = int(torchrun.nproc_per_node) * int(torchrun.nnodes)
@@ -278,11 +397,17 @@ def test_model_and_tokenizer_settings(parser, tmp_path):
     assert _comment(result.stdout, "model flags") == f"# model flags: {checkpoint / MODEL_ARGS_FILE}"
 
 
-@pytest.mark.parametrize("extra, expected", [
-    ("--mtraining-dense --mtraining-layout zigzag --mtraining-dense-impl sdpa_cudnn",
-     dict(mtraining_dense=True, mtraining_layout="zigzag", mtraining_dense_impl="sdpa_cudnn")),
-    ("--mtraining-keep-attention-output", dict(mtraining_keep_attention_output=True, recompute_granularity="full")),
-], ids=["dense-baseline", "keep-attention-output"])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            "--mtraining-dense --mtraining-layout zigzag --mtraining-dense-impl sdpa_cudnn",
+            dict(mtraining_dense=True, mtraining_layout="zigzag", mtraining_dense_impl="sdpa_cudnn"),
+        ),
+        ("--mtraining-keep-attention-output", dict(mtraining_keep_attention_output=True, recompute_granularity="full")),
+    ],
+    ids=["dense-baseline", "keep-attention-output"],
+)
 def test_documented_extra_args_are_accepted(parser, extra, expected):
     """docs/user_journey.md's EXTRA_ARGS examples: the dense baseline and the kept attention output."""
     assert extra in (REPO / "docs" / "user_journey.md").read_text().replace("\n", " ")
@@ -303,8 +428,12 @@ def test_multinode_template_prints_the_srun_line(parser):
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda script: Path(script).name)
 def test_template_dry_run_starts_nothing(fake_bin, tmp_path, template, how):
     """Inside a SLURM allocation, with fake srun/scontrol/torchrun/python first on PATH: none of them is called."""
-    environment = {"CHECKPOINT": str(_checkpoint(tmp_path / "ckpt", "3B")), "SLURM_JOB_NODELIST": "node[01-02]",
-                   "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(REPO)}
+    environment = {
+        "CHECKPOINT": str(_checkpoint(tmp_path / "ckpt", "3B")),
+        "SLURM_JOB_NODELIST": "node[01-02]",
+        "SLURM_NNODES": "2",
+        "SLURM_SUBMIT_DIR": str(REPO),
+    }
     arguments = ("--dry-run",) if how == "--dry-run" else ()
     if how == "DRY_RUN=1":
         environment["DRY_RUN"] = "1"
@@ -317,8 +446,13 @@ def test_template_dry_run_starts_nothing(fake_bin, tmp_path, template, how):
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda script: Path(script).name)
 def test_template_real_run_calls_srun_once(fake_bin, tmp_path, template):
     """The recording fakes work: a real submission reaches srun (and, across nodes, scontrol for the first node)."""
-    environment = {"CHECKPOINT": str(_checkpoint(tmp_path / "ckpt", "3B")), "MOCK_DATA": "1",
-                   "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(REPO)}
+    environment = {
+        "CHECKPOINT": str(_checkpoint(tmp_path / "ckpt", "3B")),
+        "MOCK_DATA": "1",
+        "SLURM_JOB_NODELIST": "node[01-02]",
+        "SLURM_NNODES": "2",
+        "SLURM_SUBMIT_DIR": str(REPO),
+    }
     result = _run(template, environment, path=fake_bin)
     assert result.returncode == 0, result.stderr
     calls = [call[0] for call in _calls(fake_bin)]
@@ -326,8 +460,11 @@ def test_template_real_run_calls_srun_once(fake_bin, tmp_path, template):
 
 
 def test_real_run_executes_the_printed_command(fake_bin, tmp_path):
-    environment = {"CHECKPOINT": str(_checkpoint(tmp_path / "ckpt", "3B")), "MOCK_DATA": "1",
-                   "SAVE_DIR": str(tmp_path / "save")}
+    environment = {
+        "CHECKPOINT": str(_checkpoint(tmp_path / "ckpt", "3B")),
+        "MOCK_DATA": "1",
+        "SAVE_DIR": str(tmp_path / "save"),
+    }
     printed = _command_words(_dry_run(TRAIN, environment).stdout)
     result = _run(TRAIN, environment, path=fake_bin)
     assert result.returncode == 0, result.stderr
@@ -337,44 +474,50 @@ def test_real_run_executes_the_printed_command(fake_bin, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ bad settings
-@pytest.mark.parametrize("script, settings, message", [
-    (TRAIN, {"TP": "two"}, "TP=two must be an integer"),
-    (TRAIN, {"SEQ_LEN": "512k"}, "SEQ_LEN=512k must be an integer"),
-    (TRAIN, {"GPUS_PER_NODE": "08"}, "GPUS_PER_NODE=08 must be an integer"),
-    (TRAIN, {"EVAL_INTERVAL": "0"}, "EVAL_INTERVAL=0 must be an integer >= 1"),
-    (TRAIN, {"EVAL_ITERS": "-1"}, "EVAL_ITERS=-1 must be an integer >= 0"),
-    (TRAIN, {"LR": "fast"}, "LR=fast must be a number"),
-    (TRAIN, {"TP": "3"}, "TP=3 must divide GPUS_PER_NODE=8"),
-    (TRAIN, {"PP": "3"}, "TP=1 x PP=3 must divide the 8 GPUs"),
-    (TRAIN, {"CP": "3"}, "CP=3 must divide GPUs / (TP x PP)"),
-    (TRAIN, {"CP": "0"}, "CP=0 must be an integer >= 1"),
-    (TRAIN, {"CP": "4", "GLOBAL_BATCH_SIZE": "3"}, "GLOBAL_BATCH_SIZE=3 must be a multiple of DP=2"),
-    (TRAIN, {"NNODES": "3", "CP": "12"}, "CP=12 = 12 GPUs per CP group"),
-    (TRAIN, {"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 must be below NNODES=2"),
-    (TRAIN, {"BUDGET": "dense"}, "BUDGET=dense is not a budget"),
-    (TRAIN, {"BUDGET": "static", "SPARSITY": "0.9", "VERTICAL_SIZE": "1024", "SLASH_SIZE": "8192"},
-     "SPARSITY=0.9 and VERTICAL_SIZE/SLASH_SIZE both set"),
-    (TRAIN, {"BUDGET": "static", "VERTICAL_SIZE": "1024"}, "needs both VERTICAL_SIZE and SLASH_SIZE"),
-    (TRAIN, {"BUDGET": "static", "SPARSITY": "1"}, "SPARSITY=1 must be in [0, 1)"),
-    (TRAIN, {"BUDGET": "static", "TOP_P": "0.9"}, "TOP_P=0.9 is a top-p setting"),
-    (TRAIN, {"SPARSITY": "0.9"}, "SPARSITY=0.9 is a static-budget setting; add BUDGET=static"),
-    (TRAIN, {"TOP_P": "0"}, "TOP_P=0 must be in (0, 1]"),
-    (TRAIN, {"MODEL": "qwen2.5-70b"}, "MODEL=qwen2.5-70b is not a model preset"),
-    (TRAIN, {"SPLIT": "98,2"}, "SPLIT=98,2 must be three integer percentages"),
-    (TRAIN, {"SPLIT": "90,5,4"}, "SPLIT=90,5,4 must add up to 100"),
-    (TRAIN, {"SPLIT": "0,50,50"}, "SPLIT=0,50,50 leaves no training data"),
-    (TRAIN, {"SPLIT": "100,0,0"}, "SPLIT=100,0,0 has no validation share but EVAL_ITERS=1"),
-    (TRAIN, {"MOCK_DATA": "yes"}, "MOCK_DATA=yes must be 0 or 1"),
-    (TRAIN, {"DRY_RUN": "yes"}, "DRY_RUN=yes must be 0 or 1"),
-    (TRAIN, {"CHECK": "1"}, "--dry-run (DRY_RUN=1) and --check (CHECK=1) together"),
-    (TRAIN, {"CHECKPOINT": "/nonexistent"}, "CHECKPOINT=/nonexistent has no megatron_model_args.sh"),
-    (DEMO, {"NGPUS": "2", "GPUS_PER_NODE": "4"}, "NGPUS=2 and GPUS_PER_NODE=4 disagree"),
-    (DEMO, {"BUDGET": "topp"}, "BUDGET=topp is not a budget"),
-    (ONE_NODE, {"TP": "3"}, "TP=3 must divide GPUS_PER_NODE=8"),
-    (ONE_NODE, {"CHECK": "1"}, "--dry-run (DRY_RUN=1) and --check (CHECK=1) together"),
-    (MULTI_NODE, {"CP": "12"}, "CP=12 must divide GPUs / (TP x PP)"),
-    (MULTI_NODE, {"DRY_RUN": "yes"}, "DRY_RUN=yes must be 0 or 1"),
-])
+@pytest.mark.parametrize(
+    "script, settings, message",
+    [
+        (TRAIN, {"TP": "two"}, "TP=two must be an integer"),
+        (TRAIN, {"SEQ_LEN": "512k"}, "SEQ_LEN=512k must be an integer"),
+        (TRAIN, {"GPUS_PER_NODE": "08"}, "GPUS_PER_NODE=08 must be an integer"),
+        (TRAIN, {"EVAL_INTERVAL": "0"}, "EVAL_INTERVAL=0 must be an integer >= 1"),
+        (TRAIN, {"EVAL_ITERS": "-1"}, "EVAL_ITERS=-1 must be an integer >= 0"),
+        (TRAIN, {"LR": "fast"}, "LR=fast must be a number"),
+        (TRAIN, {"TP": "3"}, "TP=3 must divide GPUS_PER_NODE=8"),
+        (TRAIN, {"PP": "3"}, "TP=1 x PP=3 must divide the 8 GPUs"),
+        (TRAIN, {"CP": "3"}, "CP=3 must divide GPUs / (TP x PP)"),
+        (TRAIN, {"CP": "0"}, "CP=0 must be an integer >= 1"),
+        (TRAIN, {"CP": "4", "GLOBAL_BATCH_SIZE": "3"}, "GLOBAL_BATCH_SIZE=3 must be a multiple of DP=2"),
+        (TRAIN, {"NNODES": "3", "CP": "12"}, "CP=12 = 12 GPUs per CP group"),
+        (TRAIN, {"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 must be below NNODES=2"),
+        (TRAIN, {"BUDGET": "dense"}, "BUDGET=dense is not a budget"),
+        (
+            TRAIN,
+            {"BUDGET": "static", "SPARSITY": "0.9", "VERTICAL_SIZE": "1024", "SLASH_SIZE": "8192"},
+            "SPARSITY=0.9 and VERTICAL_SIZE/SLASH_SIZE both set",
+        ),
+        (TRAIN, {"BUDGET": "static", "VERTICAL_SIZE": "1024"}, "needs both VERTICAL_SIZE and SLASH_SIZE"),
+        (TRAIN, {"BUDGET": "static", "SPARSITY": "1"}, "SPARSITY=1 must be in [0, 1)"),
+        (TRAIN, {"BUDGET": "static", "TOP_P": "0.9"}, "TOP_P=0.9 is a top-p setting"),
+        (TRAIN, {"SPARSITY": "0.9"}, "SPARSITY=0.9 is a static-budget setting; add BUDGET=static"),
+        (TRAIN, {"TOP_P": "0"}, "TOP_P=0 must be in (0, 1]"),
+        (TRAIN, {"MODEL": "qwen2.5-70b"}, "MODEL=qwen2.5-70b is not a model preset"),
+        (TRAIN, {"SPLIT": "98,2"}, "SPLIT=98,2 must be three integer percentages"),
+        (TRAIN, {"SPLIT": "90,5,4"}, "SPLIT=90,5,4 must add up to 100"),
+        (TRAIN, {"SPLIT": "0,50,50"}, "SPLIT=0,50,50 leaves no training data"),
+        (TRAIN, {"SPLIT": "100,0,0"}, "SPLIT=100,0,0 has no validation share but EVAL_ITERS=1"),
+        (TRAIN, {"MOCK_DATA": "yes"}, "MOCK_DATA=yes must be 0 or 1"),
+        (TRAIN, {"DRY_RUN": "yes"}, "DRY_RUN=yes must be 0 or 1"),
+        (TRAIN, {"CHECK": "1"}, "--dry-run (DRY_RUN=1) and --check (CHECK=1) together"),
+        (TRAIN, {"CHECKPOINT": "/nonexistent"}, "CHECKPOINT=/nonexistent has no megatron_model_args.sh"),
+        (DEMO, {"NGPUS": "2", "GPUS_PER_NODE": "4"}, "NGPUS=2 and GPUS_PER_NODE=4 disagree"),
+        (DEMO, {"BUDGET": "topp"}, "BUDGET=topp is not a budget"),
+        (ONE_NODE, {"TP": "3"}, "TP=3 must divide GPUS_PER_NODE=8"),
+        (ONE_NODE, {"CHECK": "1"}, "--dry-run (DRY_RUN=1) and --check (CHECK=1) together"),
+        (MULTI_NODE, {"CP": "12"}, "CP=12 must divide GPUs / (TP x PP)"),
+        (MULTI_NODE, {"DRY_RUN": "yes"}, "DRY_RUN=yes must be 0 or 1"),
+    ],
+)
 def test_bad_setting_stops_before_anything_runs(fake_bin, script, settings, message):
     result = _run(script, settings, "--dry-run", path=fake_bin)
     assert (result.returncode, result.stdout) == (2, ""), result.stderr
@@ -394,14 +537,17 @@ def test_unknown_argument_prints_the_usage(script):
     assert result.returncode == 2 and "usage" in result.stderr and result.stdout == ""
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"MOCK_DATA": "1"}, "set CHECKPOINT"),
-    ({"CHECKPOINT": "{checkpoint}"}, "set DATA_PREFIX"),
-], ids=["no-checkpoint", "no-data"])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"MOCK_DATA": "1"}, "set CHECKPOINT"),
+        ({"CHECKPOINT": "{checkpoint}"}, "set DATA_PREFIX"),
+    ],
+    ids=["no-checkpoint", "no-data"],
+)
 def test_real_run_needs_checkpoint_and_data(fake_bin, tmp_path, settings, message):
     checkpoint = str(_checkpoint(tmp_path / "ckpt", "3B"))
-    result = _run(TRAIN, {name: value.format(checkpoint=checkpoint) for name, value in settings.items()},
-                  path=fake_bin)
+    result = _run(TRAIN, {name: value.format(checkpoint=checkpoint) for name, value in settings.items()}, path=fake_bin)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert _calls(fake_bin) == []
 
@@ -439,15 +585,20 @@ def test_check_mode_accepts_every_scripts_command(tmp_path, script):
     assert f"the command is valid for WORLD_SIZE={gpus} ranks" in result.stdout
     tp, pp, cp, dp = re.search(r"TP (\d+) x PP (\d+) x CP (\d+) x DP (\d+)", _comment(result.stdout, "layout")).groups()
     assert f"ranks        {gpus} = TP {tp} × PP {pp} × CP {cp} × DP {dp}" in result.stdout, (
-        "the launcher resolves the layout the script states")
+        "the launcher resolves the layout the script states"
+    )
     assert f"pretrained {checkpoint};" in result.stdout
     assert f"tokenizer    HuggingFaceTokenizer /models/Qwen2.5-{size}" in result.stdout
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"SEQ_LEN": "100000"}, "--seq-length=100000 is not divisible"),
-    ({"PP": "8"}, "Number of layers should be divisible by the pipeline-model-parallel size"),
-], ids=["mtraining-seq-length", "megatron-pipeline"])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"SEQ_LEN": "100000"}, "--seq-length=100000 is not divisible"),
+        ({"PP": "8"}, "Number of layers should be divisible by the pipeline-model-parallel size"),
+    ],
+    ids=["mtraining-seq-length", "megatron-pipeline"],
+)
 def test_check_mode_rejects_a_command_the_launcher_cannot_run(settings, message):
     """Settings the script accepts but MTraining (SEQ_LEN: CP x stripe granularity) or Megatron (36 layers over PP 8)
     does not: the check exits non-zero with the launcher's message."""

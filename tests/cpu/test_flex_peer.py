@@ -36,10 +36,12 @@ def kernel_mask(block_mask, batch: int, heads: int, seq_len: int) -> torch.Tenso
     partial = listed_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, num_blocks)
     assert not (full & partial).any()
     # the backward walks the same blocks by key block
-    assert torch.equal(listed_blocks(block_mask.full_q_num_blocks, block_mask.full_q_indices, num_blocks),
-                       full.transpose(-1, -2))
-    assert torch.equal(listed_blocks(block_mask.q_num_blocks, block_mask.q_indices, num_blocks),
-                       partial.transpose(-1, -2))
+    assert torch.equal(
+        listed_blocks(block_mask.full_q_num_blocks, block_mask.full_q_indices, num_blocks), full.transpose(-1, -2)
+    )
+    assert torch.equal(
+        listed_blocks(block_mask.q_num_blocks, block_mask.q_indices, num_blocks), partial.transpose(-1, -2)
+    )
 
     def tokens(blocks):
         return blocks.repeat_interleave(BLOCK_SIZE, -1).repeat_interleave(BLOCK_SIZE, -2)
@@ -88,9 +90,10 @@ def test_flex_output_and_gradients_equal_the_reference(seed, pattern):
     else:
         v_idx, s_idx, _ = block_only_index(batch, heads, seq_len, generator)
         block_mask = flex_peer.block_only_block_mask(s_idx, seq_len)
-    q, k, v, dout = (torch.randn(batch, seq_len, h, dim, generator=generator)
-                     for h in (heads, kv_heads, kv_heads, heads))
-    scale = 0.9 * dim ** -0.5
+    q, k, v, dout = (
+        torch.randn(batch, seq_len, h, dim, generator=generator) for h in (heads, kv_heads, kv_heads, heads)
+    )
+    scale = 0.9 * dim**-0.5
     out, dq, dk, dv = flex_peer.flex_fwd_bwd(q, k, v, dout, block_mask, scale)
 
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -100,8 +103,9 @@ def test_flex_output_and_gradients_equal_the_reference(seed, pattern):
         assert got.shape == want.shape, name
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     # the public eager function (forward only on CPU) agrees with the operator flex_forward calls
-    public = flex_attention(*(flex_peer.heads_first(x) for x in (q, k, v)), block_mask=block_mask, scale=scale,
-                            enable_gqa=True)
+    public = flex_attention(
+        *(flex_peer.heads_first(x) for x in (q, k, v)), block_mask=block_mask, scale=scale, enable_gqa=True
+    )
     torch.testing.assert_close(public.transpose(1, 2), out, rtol=1e-5, atol=1e-6)
 
 
@@ -117,14 +121,15 @@ def test_block_only_pattern_has_the_target_density(seed):
     used.scatter_(-1, torch.where(s_idx < seq_len, s_idx.long() // BLOCK_SIZE, num_blocks), True)
     used = used[..., :num_blocks] | (distance == 0)
     smallest_unused = torch.where(used, num_blocks, num_blocks - distance).amin(-1)
-    assert bool(((target - area) < BLOCK_SIZE ** 2 * (1 + smallest_unused)).all())
+    assert bool(((target - area) < BLOCK_SIZE**2 * (1 + smallest_unused)).all())
     total = seq_len * (seq_len + 1) / 2
     torch.testing.assert_close(area / total, target / total, rtol=1e-2, atol=0)
 
 
 def test_block_only_pattern_never_goes_below_the_diagonal_and_distance_one():
     seq_len = 1024
-    v_idx, s_idx = flex_peer.block_only_pattern(torch.zeros(1, 2, dtype=torch.long), seq_len,
-                                                torch.Generator().manual_seed(0))
+    v_idx, s_idx = flex_peer.block_only_pattern(
+        torch.zeros(1, 2, dtype=torch.long), seq_len, torch.Generator().manual_seed(0)
+    )
     assert s_idx.tolist() == [[[BLOCK_SIZE], [BLOCK_SIZE]]]
     assert v_idx.tolist() == [[[seq_len], [seq_len]]]

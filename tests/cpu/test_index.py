@@ -13,13 +13,15 @@ from mtraining_kernels.vertical_slash import full_index
 FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
 
 
-def random_index(generator: torch.Generator, batch: int, heads: int, seq_len: int,
-                 v_width: int, s_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_index(
+    generator: torch.Generator, batch: int, heads: int, seq_len: int, v_width: int, s_width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A random valid index; per row a random number of entries (possibly none or the whole width).
 
     Slash candidates mix uniform offsets, exact multiples of 128 (t = 0, one block only) and small
     offsets (the window region), so every branch of the band rule occurs.
     """
+
     def draw(width: int, candidates) -> torch.Tensor:
         out = torch.full((batch, heads, width), seq_len, dtype=torch.int32)
         for b in range(batch):
@@ -35,11 +37,13 @@ def random_index(generator: torch.Generator, batch: int, heads: int, seq_len: in
 
     def slash_candidates():
         num_blocks = seq_len // BLOCK_SIZE
-        return torch.cat([
-            torch.randint(0, seq_len, (s_width + 1,), generator=generator),
-            torch.randint(0, num_blocks, (s_width // 2 + 1,), generator=generator) * BLOCK_SIZE,
-            torch.randint(0, min(seq_len, 300), (s_width // 2 + 1,), generator=generator),
-        ])
+        return torch.cat(
+            [
+                torch.randint(0, seq_len, (s_width + 1,), generator=generator),
+                torch.randint(0, num_blocks, (s_width // 2 + 1,), generator=generator) * BLOCK_SIZE,
+                torch.randint(0, min(seq_len, 300), (s_width // 2 + 1,), generator=generator),
+            ]
+        )
 
     return draw(v_width, vertical_candidates), draw(s_width, slash_candidates)
 
@@ -123,7 +127,8 @@ def test_vectorised_conversion_equals_loops(case):
         slow = convert_index_slow(v_idx, s_idx, layout, rank, seq_len)
         for field in FIELDS:
             assert torch.equal(getattr(fast, field), getattr(slow, field)), (
-                f"{field} differs: seed={seed} layout={layout} N={seq_len} rank={rank}")
+                f"{field} differs: seed={seed} layout={layout} N={seq_len} rank={rank}"
+            )
         check_structure(fast, batch, heads)
         assert (fast.seq_len, fast.world_size, fast.rank, fast.layout) == (seq_len, layout.world_size, rank, layout)
 
@@ -140,7 +145,8 @@ def test_lists_reproduce_reference_mask_rows(case):
         assert int(painted.max()) <= 1, f"blocks/bars overlap: seed={seed} layout={layout} N={seq_len} rank={rank}"
         expected = reference[:, :, layout.global_positions(seq_len, rank), :]
         assert torch.equal(painted.bool(), expected), (
-            f"mask rows differ: seed={seed} layout={layout} N={seq_len} rank={rank}")
+            f"mask rows differ: seed={seed} layout={layout} N={seq_len} rank={rank}"
+        )
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag", "striped"])
@@ -152,8 +158,9 @@ def test_full_pattern_lists_every_causal_block_and_no_bars(kind):
         index = convert_index(v_idx, s_idx, layout, rank, seq_len)
         assert index.bar_col.numel() == 0, f"verticals inside active blocks became bars (rank {rank})"
         query_blocks = layout.global_blocks(seq_len, rank)
-        expected = sum(int((layout.global_blocks(seq_len, w)[None, :] <= query_blocks[:, None]).sum())
-                       for w in range(3))
+        expected = sum(
+            int((layout.global_blocks(seq_len, w)[None, :] <= query_blocks[:, None]).sum()) for w in range(3)
+        )
         blocks, bars = count_work(index)
         assert int(blocks[:, 0, 0].sum()) == expected and int(bars.sum()) == 0
 
@@ -168,7 +175,7 @@ def test_empty_index_keeps_exactly_the_diagonal_blocks(kind):
         blocks, bars = count_work(index)
         assert bool(blocks[rank].eq(nb).all() & blocks[1 - rank].eq(0).all() & bars.eq(0).all())
         first = index.blk_ptr[rank, 0, 0, 0]
-        assert index.blk_col[first:first + 2 * nb].tolist() == list(range(2 * nb))
+        assert index.blk_col[first : first + 2 * nb].tolist() == list(range(2 * nb))
         assert index.source_for_step(0) == rank and index.source_for_step(1) == 1 - rank
 
 
@@ -180,14 +187,14 @@ def test_vertical_in_own_block_or_in_active_block_is_not_a_bar():
     s_idx = torch.tensor([[[0, seq_len]]], dtype=torch.int32)
     index = convert_index(v_idx, s_idx, layout, 0, seq_len)
     ptr = index.bar_ptr[0, 0, 0].tolist()
-    rows = [index.bar_col[ptr[i]:ptr[i + 1]].tolist() for i in range(4)]
+    rows = [index.bar_col[ptr[i] : ptr[i + 1]].tolist() for i in range(4)]
     # query block 0: 5 is in its own (diagonal) block, 130 and 300 are non-causal
     assert rows == [[], [5], [5, 130], [5, 130, 300]], rows
     # slash 1 switches on distances 0 and 1: the vertical's block one behind is active, no bar there
     s_idx = torch.tensor([[[0, 1]]], dtype=torch.int32)
     index = convert_index(v_idx, s_idx, layout, 0, seq_len)
     ptr = index.bar_ptr[0, 0, 0].tolist()
-    rows = [index.bar_col[ptr[i]:ptr[i + 1]].tolist() for i in range(4)]
+    rows = [index.bar_col[ptr[i] : ptr[i + 1]].tolist() for i in range(4)]
     assert rows == [[], [], [5], [5, 130]], rows
 
 
@@ -211,9 +218,13 @@ def test_vertical_in_own_block_or_in_active_block_is_not_a_bar():
 )
 @pytest.mark.parametrize("convert", [convert_index, convert_index_slow])
 def test_bad_inputs_raise_value_error(convert, change, message):
-    args = dict(v_idx=torch.tensor([[[0, 7, 1024], [3, 1024, 1024]]], dtype=torch.int32),
-                s_idx=torch.tensor([[[0, 1, 1024], [0, 200, 1024]]], dtype=torch.int32),
-                layout=Layout("zigzag", 2), rank=1, seq_len=1024)
+    args = dict(
+        v_idx=torch.tensor([[[0, 7, 1024], [3, 1024, 1024]]], dtype=torch.int32),
+        s_idx=torch.tensor([[[0, 1, 1024], [0, 200, 1024]]], dtype=torch.int32),
+        layout=Layout("zigzag", 2),
+        rank=1,
+        seq_len=1024,
+    )
     args.update(change)
     with pytest.raises(ValueError, match=message):
         convert(args["v_idx"], args["s_idx"], args["layout"], args["rank"], args["seq_len"])

@@ -20,16 +20,20 @@ from megatron_mtraining import pretrain
 from megatron_mtraining.launch_check import check_launch_flags, run_check
 
 REPO = Path(__file__).resolve().parents[2]
-QWEN25_3B = ("--num-layers 36 --hidden-size 2048 --ffn-hidden-size 11008 --num-attention-heads 16 "
-             "--group-query-attention --num-query-groups 2 --kv-channels 128 --normalization RMSNorm --norm-epsilon "
-             "1e-06 --swiglu --disable-bias-linear --add-qkv-bias --rotary-percent 1.0 --rotary-base 1000000 "
-             "--position-embedding-type rope --make-vocab-size-divisible-by 1 --padded-vocab-size 151936 "
-             "--tokenizer-type HuggingFaceTokenizer --tokenizer-model Qwen/Qwen2.5-3B")
-RUN_512K = ("--seq-length 524288 --max-position-embeddings 524288 --micro-batch-size 1 --global-batch-size 8 "
-            "--train-iters 1000 --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --lr-warmup-iters 20 --bf16 "
-            "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
-            "--recompute-num-layers 1 --eval-iters 10 --eval-interval 100 --cp-comm-type p2p --mtraining-budget static "
-            "--mtraining-sparsity 0.95 --mtraining-loss-chunk-size 8192")
+QWEN25_3B = (
+    "--num-layers 36 --hidden-size 2048 --ffn-hidden-size 11008 --num-attention-heads 16 "
+    "--group-query-attention --num-query-groups 2 --kv-channels 128 --normalization RMSNorm --norm-epsilon "
+    "1e-06 --swiglu --disable-bias-linear --add-qkv-bias --rotary-percent 1.0 --rotary-base 1000000 "
+    "--position-embedding-type rope --make-vocab-size-divisible-by 1 --padded-vocab-size 151936 "
+    "--tokenizer-type HuggingFaceTokenizer --tokenizer-model Qwen/Qwen2.5-3B"
+)
+RUN_512K = (
+    "--seq-length 524288 --max-position-embeddings 524288 --micro-batch-size 1 --global-batch-size 8 "
+    "--train-iters 1000 --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --lr-warmup-iters 20 --bf16 "
+    "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+    "--recompute-num-layers 1 --eval-iters 10 --eval-interval 100 --cp-comm-type p2p --mtraining-budget static "
+    "--mtraining-sparsity 0.95 --mtraining-loss-chunk-size 8192"
+)
 
 
 def _command_line(monkeypatch, flags: str, world_size: int):
@@ -43,8 +47,10 @@ def _command_line(monkeypatch, flags: str, world_size: int):
 
 def _check(monkeypatch, flags: str, world_size: int = 16) -> list[str]:
     lines = []
-    assert run_check(_command_line(monkeypatch, flags, world_size), pretrain.mtraining_model_config,
-                     report=lines.append) == 0
+    assert (
+        run_check(_command_line(monkeypatch, flags, world_size), pretrain.mtraining_model_config, report=lines.append)
+        == 0
+    )
     return lines
 
 
@@ -53,8 +59,12 @@ def _line(lines: list[str], key: str) -> str:
 
 
 def test_check_resolves_a_512k_two_node_command(monkeypatch, tmp_path):
-    lines = _check(monkeypatch, f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data --mtraining-ring "
-                                f"hierarchical --mtraining-inner-ring-size 4", world_size=16)
+    lines = _check(
+        monkeypatch,
+        f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data --mtraining-ring "
+        f"hierarchical --mtraining-inner-ring-size 4",
+        world_size=16,
+    )
     assert "valid for WORLD_SIZE=16 ranks" in lines[0]
     assert _line(lines, "ranks") == "ranks        16 = TP 1 × PP 1 × CP 8 × DP 2"
     assert "4 micro-batches per step" in _line(lines, "batch")
@@ -66,23 +76,34 @@ def test_check_resolves_a_512k_two_node_command(monkeypatch, tmp_path):
 
 
 def test_check_derives_dp_with_tp_and_pp(monkeypatch):
-    lines = _check(monkeypatch, f"{QWEN25_3B} {RUN_512K} --tensor-model-parallel-size 2 --sequence-parallel "
-                                "--pipeline-model-parallel-size 2 --context-parallel-size 2 --mock-data", world_size=16)
+    lines = _check(
+        monkeypatch,
+        f"{QWEN25_3B} {RUN_512K} --tensor-model-parallel-size 2 --sequence-parallel "
+        "--pipeline-model-parallel-size 2 --context-parallel-size 2 --mock-data",
+        world_size=16,
+    )
     assert _line(lines, "ranks") == "ranks        16 = TP 2 × PP 2 × CP 2 × DP 2"
 
 
 def test_check_reports_files_missing_here_without_failing(monkeypatch, tmp_path):
     prefix = tmp_path / "long_docs"
-    lines = _check(monkeypatch, f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --data-path {prefix} --split "
-                                f"98,2,0 --pretrained-checkpoint {tmp_path / 'ckpt'}", world_size=8)
+    lines = _check(
+        monkeypatch,
+        f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --data-path {prefix} --split "
+        f"98,2,0 --pretrained-checkpoint {tmp_path / 'ckpt'}",
+        world_size=8,
+    )
     missing = [line for line in lines if "not found on this machine" in line]
     assert len(missing) == 2 and "--pretrained-checkpoint" in missing[0] and f"{prefix}.bin" in missing[1]
 
 
 def test_a_real_launch_refuses_missing_files(monkeypatch, tmp_path):
     prefix = tmp_path / "long_docs"
-    command_line = _command_line(monkeypatch, f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --data-path "
-                                              f"{prefix} --split 98,2,0", world_size=8)
+    command_line = _command_line(
+        monkeypatch,
+        f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --data-path {prefix} --split 98,2,0",
+        world_size=8,
+    )
     with pytest.raises(SystemExit, match=r"not found: --data-path .*long_docs \(no .*long_docs.bin"):
         pretrain._validated_or_exit(pretrain._check_command_line, command_line)
     for suffix in (".bin", ".idx"):
@@ -90,15 +111,25 @@ def test_a_real_launch_refuses_missing_files(monkeypatch, tmp_path):
     pretrain._validated_or_exit(pretrain._check_command_line, command_line)
 
 
-@pytest.mark.parametrize("valid, broken, message", [
-    ("--eval-interval 100", "", r"--eval-interval is not set.*add --eval-interval N"),
-    ("--split 98,2,0", "--split 100,0,0", r"--eval-iters 10 evaluates on the validation split, but --split 100,0,0"),
-    ("--kv-channels 128", "--kv-channels 96", r"head dim 96 .* --mtraining-backend triton, which supports 64, 128"),
-    ("--kv-channels 128", "--kv-channels 192 --mtraining-dense --mtraining-dense-impl sdpa_cudnn --mtraining-layout "
-                          "zigzag", r"head dim 192 is not run by --mtraining-dense-impl sdpa_cudnn \(multiples of 8 "
-                                    r"up to 128\); use --mtraining-dense-impl mtraining"),
-    ("--train-iters 1000", "--train-iters 20", r"--lr-warmup-iters 20 must be smaller than the decay length 20"),
-])
+@pytest.mark.parametrize(
+    "valid, broken, message",
+    [
+        ("--eval-interval 100", "", r"--eval-interval is not set.*add --eval-interval N"),
+        (
+            "--split 98,2,0",
+            "--split 100,0,0",
+            r"--eval-iters 10 evaluates on the validation split, but --split 100,0,0",
+        ),
+        ("--kv-channels 128", "--kv-channels 96", r"head dim 96 .* --mtraining-backend triton, which supports 64, 128"),
+        (
+            "--kv-channels 128",
+            "--kv-channels 192 --mtraining-dense --mtraining-dense-impl sdpa_cudnn --mtraining-layout zigzag",
+            r"head dim 192 is not run by --mtraining-dense-impl sdpa_cudnn \(multiples of 8 "
+            r"up to 128\); use --mtraining-dense-impl mtraining",
+        ),
+        ("--train-iters 1000", "--train-iters 20", r"--lr-warmup-iters 20 must be smaller than the decay length 20"),
+    ],
+)
 def test_megatron_pitfalls_fail_before_work(monkeypatch, tmp_path, valid, broken, message):
     """Each case breaks one setting of an otherwise valid real-data command."""
     prefix = tmp_path / "docs"
@@ -125,16 +156,25 @@ def test_without_transformer_engine_the_local_implementation_is_chosen_and_te_is
     command_line = _command_line(monkeypatch, f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data", 8)
     chosen = {name: getattr(command_line, name) for name in pretrain.LOCAL_IMPLEMENTATION_DEFAULTS}
     assert chosen == pretrain.LOCAL_IMPLEMENTATION_DEFAULTS
-    explicit = _command_line(monkeypatch, f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data "
-                                          "--transformer-impl transformer_engine", 8)
+    explicit = _command_line(
+        monkeypatch,
+        f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data --transformer-impl transformer_engine",
+        8,
+    )
     with pytest.raises(ValueError, match="--transformer-impl transformer_engine but Transformer Engine does not"):
         pretrain.check_transformer_impl(explicit)
 
 
 def _launcher(*flags: str, world_size: int = 1) -> subprocess.CompletedProcess:
     env = dict(os.environ, WORLD_SIZE=str(world_size), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "megatron_mtraining.pretrain", *flags], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_mtraining.pretrain", *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
 
 
 def test_help_prints_the_mtraining_group():
@@ -145,13 +185,17 @@ def test_help_prints_the_mtraining_group():
 
 def test_check_mode_on_the_command_line(tmp_path):
     """The real entry point: a valid command exits 0 with the configuration, a bad one exits 1 naming the flag."""
-    good = _launcher("--mtraining-check", *f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data".split(),
-                     world_size=8)
+    good = _launcher(
+        "--mtraining-check", *f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data".split(), world_size=8
+    )
     assert good.returncode == 0, good.stderr[-3000:]
     assert "ranks        8 = TP 1 × PP 1 × CP 8 × DP 1" in good.stdout
     assert "UserWarning" not in good.stderr, "library warnings about TE/Apex absence must be silenced"
-    bad = _launcher("--mtraining-check", *f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data "
-                                         "--mtraining-top-p 0.9".split(), world_size=8)
+    bad = _launcher(
+        "--mtraining-check",
+        *f"{QWEN25_3B} {RUN_512K} --context-parallel-size 8 --mock-data --mtraining-top-p 0.9".split(),
+        world_size=8,
+    )
     assert bad.returncode == 1
     assert "megatron_mtraining.pretrain: error: --mtraining-budget=static does not take" in bad.stderr
 
@@ -196,18 +240,24 @@ def _validated(monkeypatch, flags: str):
 def test_a_resumed_run_with_another_schedule_fails_before_the_model_is_built(monkeypatch, tmp_path):
     from megatron_mtraining.launch_check import check_resumed_schedule
 
-    flags = (f"{QWEN25_3B} {RUN_512K} --context-parallel-size 1 --seq-length 4096 --max-position-embeddings 4096 "
-             f"--mock-data --load {tmp_path / 'run'}")
+    flags = (
+        f"{QWEN25_3B} {RUN_512K} --context-parallel-size 1 --seq-length 4096 --max-position-embeddings 4096 "
+        f"--mock-data --load {tmp_path / 'run'}"
+    )
     _saved_schedule(tmp_path / "run", 400, flags, monkeypatch)
     same = _validated(monkeypatch, flags)
     _set_global_args(monkeypatch, same)
-    check_resumed_schedule(same)                      # the saved run's own schedule resumes
+    check_resumed_schedule(same)  # the saved run's own schedule resumes
     longer = _validated(monkeypatch, flags.replace("--train-iters 1000", "--train-iters 2000"))
     _set_global_args(monkeypatch, longer)
-    with pytest.raises(ValueError, match=r"resuming .*iter_0000400: .*total number of iterations do not match; add "
-                                         r"--override-opt_param-scheduler"):
+    with pytest.raises(
+        ValueError,
+        match=r"resuming .*iter_0000400: .*total number of iterations do not match; add "
+        r"--override-opt_param-scheduler",
+    ):
         check_resumed_schedule(longer)
-    overridden = _validated(monkeypatch, flags.replace("--train-iters 1000", "--train-iters 2000")
-                            + " --override-opt_param-scheduler")
+    overridden = _validated(
+        monkeypatch, flags.replace("--train-iters 1000", "--train-iters 2000") + " --override-opt_param-scheduler"
+    )
     _set_global_args(monkeypatch, overridden)
     check_resumed_schedule(overridden)

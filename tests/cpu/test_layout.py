@@ -48,8 +48,7 @@ def test_formulas_match_design_table_examples():
     assert global_positions("zigzag", 16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert global_positions("contiguous", 8, 2, 1).tolist() == [4, 5, 6, 7]
     # striped g = 16, W = 2, N = 64: rank 1 holds runs 1 and 3.
-    assert global_positions("striped", 64, 2, 1, granularity=16).tolist() == (
-        list(range(16, 32)) + list(range(48, 64)))
+    assert global_positions("striped", 64, 2, 1, granularity=16).tolist() == (list(range(16, 32)) + list(range(48, 64)))
 
 
 def test_functional_forms(seed):
@@ -65,23 +64,29 @@ def test_global_blocks_striped_and_zigzag():
         Layout("striped", 2, 64).global_blocks(1024, 0)
 
 
-@pytest.mark.parametrize("kind, world, gran, n, message", [
-    ("striped", 4, 128, 1000, "seq_len=1000 is not divisible by 512"),
-    ("zigzag", 3, 128, 100, "seq_len=100 is not divisible by 6"),
-    ("contiguous", 3, 128, 10, "seq_len=10 is not divisible by 3"),
-])
+@pytest.mark.parametrize(
+    "kind, world, gran, n, message",
+    [
+        ("striped", 4, 128, 1000, "seq_len=1000 is not divisible by 512"),
+        ("zigzag", 3, 128, 100, "seq_len=100 is not divisible by 6"),
+        ("contiguous", 3, 128, 10, "seq_len=10 is not divisible by 3"),
+    ],
+)
 def test_bad_lengths_name_the_value_and_the_fix(kind, world, gran, n, message):
     with pytest.raises(ValueError, match=message) as err:
         Layout(kind, world, gran).validate(n)
     assert "use " in str(err.value)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(kind="diagonal", world_size=2), "layout kind 'diagonal' is unknown"),
-    (dict(kind="striped", world_size=0), "world_size=0 must be an integer >= 1"),
-    (dict(kind="striped", world_size=2, granularity=8), "granularity=8 must be a power of two >= 16"),
-    (dict(kind="striped", world_size=2, granularity=96), "granularity=96 must be a power of two"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kind="diagonal", world_size=2), "layout kind 'diagonal' is unknown"),
+        (dict(kind="striped", world_size=0), "world_size=0 must be an integer >= 1"),
+        (dict(kind="striped", world_size=2, granularity=8), "granularity=8 must be a power of two >= 16"),
+        (dict(kind="striped", world_size=2, granularity=96), "granularity=96 must be a power of two"),
+    ],
+)
 def test_bad_layouts(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Layout(**kwargs)

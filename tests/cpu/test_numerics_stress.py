@@ -26,7 +26,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # must precede the kernels' @triton.jit
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit
 TRITON_CASES_RUN = os.environ.get("TRITON_INTERPRET") == "1"
 
 from mtraining_kernels.budget import StaticBudget, TopPBudget  # noqa: E402
@@ -36,13 +36,18 @@ from mtraining_kernels.index import convert_index  # noqa: E402
 from mtraining_kernels.interface import sparse_attention  # noqa: E402
 from mtraining_kernels.layout import Layout  # noqa: E402
 from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask  # noqa: E402
-from triton_cases import (assert_close_fa, make_index, poisoned_attention, reference_attention,  # noqa: E402
-                          ring_attention)
+from triton_cases import (
+    assert_close_fa,
+    make_index,
+    poisoned_attention,
+    reference_attention,  # noqa: E402
+    ring_attention,
+)
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 SEQ_LEN, HEADS, KV_HEADS, DIM = 512, 2, 1, 64
-SCALE = DIM ** -0.5
-FP16_NEAR_OVERFLOW = 0.9 * torch.finfo(torch.float16).max     # largest |q·kᵀ| of the fp16 cases
+SCALE = DIM**-0.5
+FP16_NEAR_OVERFLOW = 0.9 * torch.finfo(torch.float16).max  # largest |q·kᵀ| of the fp16 cases
 
 
 def _backend(name: str):
@@ -60,8 +65,13 @@ def _backend(name: str):
 # (backend, input dtype, largest |logit|): bf16 at ±1e4; fp16 with q·kᵀ near the fp16 maximum
 STRESS = [
     pytest.param("torch_blocksparse", torch.bfloat16, 1e4, id="torch-bf16-1e4"),
-    pytest.param("triton", torch.float16, FP16_NEAR_OVERFLOW * SCALE, id="triton-fp16-near-overflow",
-                 marks=pytest.mark.skipif(not TRITON_CASES_RUN, reason="Triton interpreter cases run without CUDA")),
+    pytest.param(
+        "triton",
+        torch.float16,
+        FP16_NEAR_OVERFLOW * SCALE,
+        id="triton-fp16-near-overflow",
+        marks=pytest.mark.skipif(not TRITON_CASES_RUN, reason="Triton interpreter cases run without CUDA"),
+    ),
 ]
 
 
@@ -85,9 +95,9 @@ def _extreme_qkv_dout(largest_logit: float, dtype: torch.dtype, gen: torch.Gener
 
 
 BUDGETS = {
-    "forced-only": StaticBudget(30, 100),           # the 30 sinks and offsets 0 … 99, nothing else
+    "forced-only": StaticBudget(30, 100),  # the 30 sinks and offsets 0 … 99, nothing else
     "top-p": TopPBudget(0.9, cap=256),
-    "full": StaticBudget(SEQ_LEN, SEQ_LEN),          # every column and offset: the causal triangle
+    "full": StaticBudget(SEQ_LEN, SEQ_LEN),  # every column and offset: the causal triangle
 }
 
 
@@ -135,7 +145,7 @@ def _flash_style_gradients(q, k, v, dout, out, v_idx, s_idx) -> tuple[torch.Tens
     """
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     exact_out, lse = reference_sparse_attention(*leaves, vertical_slash_mask(v_idx, s_idx, SEQ_LEN))
-    shift = (dout.double() * (out.double() - exact_out.detach())).sum(-1).transpose(1, 2)    # [b, Hq, N]
+    shift = (dout.double() * (out.double() - exact_out.detach())).sum(-1).transpose(1, 2)  # [b, Hq, N]
     objective = (exact_out * dout.double()).sum() - (shift * lse).sum()
     return torch.autograd.grad(objective, leaves[:2])
 
@@ -151,8 +161,12 @@ def test_production_path_at_extreme_logits(seed):
     q, k, v, dout = _extreme_qkv_dout(1e4, torch.bfloat16, gen)
     v_idx, s_idx = make_index(1, HEADS, SEQ_LEN, "mixed", gen)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = sparse_attention(*leaves, convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, SEQ_LEN),
-                                backend="torch_blocksparse", return_lse=True)
+    out, lse = sparse_attention(
+        *leaves,
+        convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, SEQ_LEN),
+        backend="torch_blocksparse",
+        return_lse=True,
+    )
     out.backward(dout)
     ours = (out.detach(), lse, *(leaf.grad for leaf in leaves))
     ref = list(reference_attention(q, k, v, dout, v_idx, s_idx, torch.float64))
@@ -176,7 +190,7 @@ def test_all_equal_logits_give_uniform_attention(seed, backend_name, dtype, larg
     is 0 exactly, into dq; see docs/testing.md.)
     """
     gen = torch.Generator().manual_seed(seed)
-    q_first, k_first = sign * (3200.0 if dtype == torch.bfloat16 else 2304.0), 25.0   # exact in bf16/fp16
+    q_first, k_first = sign * (3200.0 if dtype == torch.bfloat16 else 2304.0), 25.0  # exact in bf16/fp16
     logit = q_first * k_first * SCALE
     assert abs(logit) <= largest_logit
     q = torch.zeros(1, SEQ_LEN, HEADS, DIM)
@@ -195,13 +209,14 @@ def test_all_equal_logits_give_uniform_attention(seed, backend_name, dtype, larg
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert_close_fa(name, a, r, lo, dtype, context)
 
-    mask = vertical_slash_mask(v_idx, s_idx, SEQ_LEN)                                   # [1, Hq, N, N]
+    mask = vertical_slash_mask(v_idx, s_idx, SEQ_LEN)  # [1, Hq, N, N]
     visible = mask.sum(-1).double()
     expected_lse = logit + torch.log(visible)
     lse_error = (ours[1].double() - expected_lse).abs().max().item()
     assert lse_error <= 4 * torch.finfo(torch.float32).eps * max(abs(logit), 1.0) + 1e-5, (
-        f"lse differs from logit + log(#visible) by {lse_error:.3e} ({context})")
-    mean_v = (mask.double() @ v.double()[0, :, 0]) / visible[..., None]                 # [1, Hq, N, d]
+        f"lse differs from logit + log(#visible) by {lse_error:.3e} ({context})"
+    )
+    mean_v = (mask.double() @ v.double()[0, :, 0]) / visible[..., None]  # [1, Hq, N, d]
     out_error = (ours[0].double() - mean_v.transpose(1, 2)).abs().max().item()
     assert out_error <= 1e-3, f"out differs from the mean of the visible values by {out_error:.3e} ({context})"
 
@@ -225,17 +240,27 @@ def test_steps_without_work_leave_state_untouched(seed, backend_name, dtype, lar
     gen = torch.Generator().manual_seed(seed)
     layout, local_len = Layout("contiguous", 2), SEQ_LEN // 2
     q, k, v, dout = _extreme_qkv_dout(largest_logit, dtype, gen)
-    q, dout = (t[:, local_len:].contiguous() for t in (q, dout))                       # rank 1's queries
-    k, v = (t[:, :local_len].contiguous() for t in (k, v))                             # source 0's keys
-    partial = convert_index(torch.tensor([[[10], [SEQ_LEN]]], dtype=torch.int32),
-                            torch.tensor([[[300], [SEQ_LEN]]], dtype=torch.int32), layout, 1, SEQ_LEN)
-    nothing = convert_index(torch.full((1, HEADS, 1), SEQ_LEN, dtype=torch.int32),
-                            torch.zeros(1, HEADS, 1, dtype=torch.int32), layout, 1, SEQ_LEN)
+    q, dout = (t[:, local_len:].contiguous() for t in (q, dout))  # rank 1's queries
+    k, v = (t[:, :local_len].contiguous() for t in (k, v))  # source 0's keys
+    partial = convert_index(
+        torch.tensor([[[10], [SEQ_LEN]]], dtype=torch.int32),
+        torch.tensor([[[300], [SEQ_LEN]]], dtype=torch.int32),
+        layout,
+        1,
+        SEQ_LEN,
+    )
+    nothing = convert_index(
+        torch.full((1, HEADS, 1), SEQ_LEN, dtype=torch.int32),
+        torch.zeros(1, HEADS, 1, dtype=torch.int32),
+        layout,
+        1,
+        SEQ_LEN,
+    )
     assert all(ptr[0].max() == ptr[0].min() for ptr in (nothing.blk_ptr, nothing.bar_ptr)), "step 0 has work"
 
     idle = torch.zeros(1, HEADS, local_len, dtype=torch.bool)
     idle[:, 1] = True
-    empty = torch.rand(idle.shape, generator=gen) < 0.5                                 # "nothing yet" rows
+    empty = torch.rand(idle.shape, generator=gen) < 0.5  # "nothing yet" rows
     out = torch.randn(q.shape, generator=gen)
     lse = torch.randn(idle.shape, generator=gen) * 10
     lse[empty] = float("-inf")
@@ -244,24 +269,51 @@ def test_steps_without_work_leave_state_untouched(seed, backend_name, dtype, lar
 
     for name, index in (("no work at all", nothing), ("head 1 idle", partial)):
         out_before, lse_before = out.clone(), lse.clone()
-        backend.block_bar_forward(q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col,
-                                  out, lse, causal_diag=False, softmax_scale=SCALE)
+        backend.block_bar_forward(
+            q,
+            k,
+            v,
+            index.blk_ptr[0],
+            index.blk_col,
+            index.bar_ptr[0],
+            index.bar_col,
+            out,
+            lse,
+            causal_diag=False,
+            softmax_scale=SCALE,
+        )
         untouched = torch.ones_like(idle) if index is nothing else idle
         assert torch.equal(_bits(lse[untouched]), _bits(lse_before[untouched])), f"{name}: lse changed ({context})"
         assert torch.equal(_bits(out[untouched.transpose(1, 2)]), _bits(out_before[untouched.transpose(1, 2)])), (
-            f"{name}: out changed ({context})")
+            f"{name}: out changed ({context})"
+        )
     active = ~idle
     assert torch.isfinite(lse[active]).all() and torch.isfinite(out[active.transpose(1, 2)]).all(), (
-        f"head 0 rows are not finite after their step ({context})")
+        f"head 0 rows are not finite after their step ({context})"
+    )
 
-    lse_final = torch.where(torch.isfinite(lse), lse, 0.0)       # a finished row always has a finite lse
+    lse_final = torch.where(torch.isfinite(lse), lse, 0.0)  # a finished row always has a finite lse
     delta = torch.randn(lse.shape, generator=gen)
     dq, dk, dv = (torch.randn(shape, generator=gen) for shape in (q.shape, k.shape, v.shape))
     for name, index in (("no work at all", nothing), ("head 1 idle", partial)):
         before = [t.clone() for t in (dq, dk, dv)]
-        backend.block_bar_backward(q, k, v, dout, lse_final, delta, index.blk_ptr[0], index.blk_col,
-                                   index.bar_ptr[0], index.bar_col, dq, dk, dv, causal_diag=False,
-                                   softmax_scale=SCALE)
+        backend.block_bar_backward(
+            q,
+            k,
+            v,
+            dout,
+            lse_final,
+            delta,
+            index.blk_ptr[0],
+            index.blk_col,
+            index.bar_ptr[0],
+            index.bar_col,
+            dq,
+            dk,
+            dv,
+            causal_diag=False,
+            softmax_scale=SCALE,
+        )
         if index is nothing:
             for grad_name, now, then in zip(("dq", "dk", "dv"), (dq, dk, dv), before):
                 assert torch.equal(_bits(now), _bits(then)), f"{name}: {grad_name} changed ({context})"
@@ -288,15 +340,18 @@ def test_estimator_turns_nan_inputs_into_a_valid_index(seed, budget, where):
     else:
         k[0, column, 0, 0] = float("nan")
     index = estimate_vertical_slash(q, k, budget)
-    convert_index(index.v_idx, index.s_idx, Layout("striped", 1), 0, SEQ_LEN)   # raises on an invalid index
+    convert_index(index.v_idx, index.s_idx, Layout("striped", 1), 0, SEQ_LEN)  # raises on an invalid index
     for name, idx, forced in (("v_idx", index.v_idx, 30), ("s_idx", index.s_idx, 100)):
         assert (idx[..., :forced] == torch.arange(forced, dtype=torch.int32)).all(), (
-            f"{name} lost its forced entries with NaN in the {where} (seed={seed})")
+            f"{name} lost its forced entries with NaN in the {where} (seed={seed})"
+        )
 
 
 POISONS = ["q nan", "k nan", "k inf", "v nan"]
-BACKENDS = [pytest.param("torch_blocksparse", torch.float32, id="torch-fp32"),
-            pytest.param("triton", torch.float16, id="triton-fp16", marks=STRESS[1].marks)]
+BACKENDS = [
+    pytest.param("torch_blocksparse", torch.float32, id="torch-fp32"),
+    pytest.param("triton", torch.float16, id="triton-fp16", marks=STRESS[1].marks),
+]
 
 
 @pytest.mark.parametrize("backend_name, dtype", BACKENDS)
@@ -328,15 +383,21 @@ def test_megatron_loss_check_stops_on_nan(monkeypatch):
     from megatron_cpu import megatron_on_cpu
 
     losses = torch.ones(2, 8)
-    losses[1, 3] = float("nan")                      # one token's loss, e.g. from a NaN attention output
+    losses[1, 3] = float("nan")  # one token's loss, e.g. from a NaN attention output
     loss_mask = torch.ones(2, 8)
     monkeypatch.setattr(pretrain, "get_rerun_state_machine", lambda: RerunStateMachine())
     with megatron_on_cpu():
-        monkeypatch.setattr(pretrain, "get_args", lambda: SimpleNamespace(check_for_nan_in_loss_and_grad=True,
-                                                                          check_for_spiky_loss=False))
+        monkeypatch.setattr(
+            pretrain,
+            "get_args",
+            lambda: SimpleNamespace(check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False),
+        )
         with pytest.raises(RuntimeError, match="found NaN in local forward loss calculation"):
             pretrain.loss_func(loss_mask, losses)
-        monkeypatch.setattr(pretrain, "get_args", lambda: SimpleNamespace(check_for_nan_in_loss_and_grad=False,
-                                                                          check_for_spiky_loss=False))
+        monkeypatch.setattr(
+            pretrain,
+            "get_args",
+            lambda: SimpleNamespace(check_for_nan_in_loss_and_grad=False, check_for_spiky_loss=False),
+        )
         loss, _, _ = pretrain.loss_func(loss_mask, losses)
     assert torch.isnan(loss), "with the check off the NaN loss is passed on"

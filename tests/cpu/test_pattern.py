@@ -8,10 +8,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
-from mtraining_kernels.estimation import (FIXED_POINT_ONE, INCOMPLETE_SCORE, estimate_vertical_slash, estimation_logits,
-                                          exp_fixed_point, index_list, list_width, probability_fixed_point,
-                                          rank_candidates, slash_partial_sums, static_logit_fixed_point, top_p_counts,
-                                          vertical_scores)
+from mtraining_kernels.estimation import (
+    FIXED_POINT_ONE,
+    INCOMPLETE_SCORE,
+    estimate_vertical_slash,
+    estimation_logits,
+    exp_fixed_point,
+    index_list,
+    list_width,
+    probability_fixed_point,
+    rank_candidates,
+    slash_partial_sums,
+    static_logit_fixed_point,
+    top_p_counts,
+    vertical_scores,
+)
 from mtraining_kernels.layout import LAYOUT_KINDS, Layout
 
 SINKS, WINDOW, LAST_Q = 30, 100, 64
@@ -25,12 +36,13 @@ def valid_entries(lists: torch.Tensor, counts: torch.Tensor) -> list[list[list[i
 def reference_masses(q: torch.Tensor, k: torch.Tensor, scale: float, last_q: int):
     """fp64 top-P masses of sample 0, head 0: (vertical [N], slash [N])."""
     seq_len = q.shape[1]
-    logits = q[0, seq_len - last_q:, 0].double() @ k[0, :, 0].double().T * scale
+    logits = q[0, seq_len - last_q :, 0].double() @ k[0, :, 0].double().T * scale
     rows, cols = torch.arange(seq_len - last_q, seq_len)[:, None], torch.arange(seq_len)[None, :]
     prob = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), dim=-1) / last_q
     offsets = (rows - cols).clamp(min=0).expand_as(prob)
-    slash = torch.zeros(seq_len, dtype=torch.float64).scatter_add_(0, offsets.reshape(-1),
-                                                                    prob.masked_fill(cols > rows, 0).reshape(-1))
+    slash = torch.zeros(seq_len, dtype=torch.float64).scatter_add_(
+        0, offsets.reshape(-1), prob.masked_fill(cols > rows, 0).reshape(-1)
+    )
     return prob.sum(dim=0), slash
 
 
@@ -44,11 +56,11 @@ def planted_qk(seq_len: int, q_heads: int, plants: dict, strength: float, genera
     """
     kv_heads, dim = len(plants), LAST_Q
     q = 0.02 * torch.randn(1, seq_len, q_heads, dim, generator=generator)
-    q[:, seq_len - dim:] = torch.eye(dim)[None, :, None, :]
+    q[:, seq_len - dim :] = torch.eye(dim)[None, :, None, :]
     k = 0.02 * torch.randn(1, seq_len, kv_heads, dim, generator=generator)
     rows = torch.arange(dim)
     for kv, (verticals, slashes) in plants.items():
-        head_keys = k[:, :, kv]                                            # view [1, N, d]
+        head_keys = k[:, :, kv]  # view [1, N, d]
         for v in verticals:
             head_keys[:, v] += strength
         for s in slashes:
@@ -62,13 +74,15 @@ def draw_lines(rng: random.Random, low: int, high: int, count: int) -> list[int]
 
 def test_planted_lines_are_found_exactly_static(seed):
     rng, seq_len = random.Random(seed), 512
-    plants = {kv: (draw_lines(rng, SINKS, seq_len - LAST_Q, 3), draw_lines(rng, WINDOW, seq_len - LAST_Q, 3))
-              for kv in range(2)}
+    plants = {
+        kv: (draw_lines(rng, SINKS, seq_len - LAST_Q, 3), draw_lines(rng, WINDOW, seq_len - LAST_Q, 3))
+        for kv in range(2)
+    }
     q, k = planted_qk(seq_len, 4, plants, 8.0, torch.Generator().manual_seed(seed))
     index = estimate_vertical_slash(q, k, StaticBudget(SINKS + 3, WINDOW + 3), softmax_scale=1.0)
     assert index.v_idx.shape == (1, 4, 64) and index.s_idx.shape == (1, 4, 128)
     for head in range(4):
-        verticals, slashes = plants[head // 2]                           # GQA: heads 0, 1 read KV head 0
+        verticals, slashes = plants[head // 2]  # GQA: heads 0, 1 read KV head 0
         assert index.v_idx[0, head, :33].tolist() == list(range(SINKS)) + verticals, f"seed={seed} head={head}"
         assert index.s_idx[0, head, :103].tolist() == list(range(WINDOW)) + slashes, f"seed={seed} head={head}"
     assert (index.v_idx[..., 33:] == seq_len).all() and (index.s_idx[..., 103:] == seq_len).all()
@@ -82,7 +96,7 @@ def test_planted_lines_are_found_exactly_top_p(seed):
     slashes = draw_lines(rng, WINDOW, seq_len - LAST_Q, 3)
     q, k = planted_qk(seq_len, 4, {0: (verticals, []), 1: ([], slashes)}, 14.0, torch.Generator().manual_seed(seed))
     index = estimate_vertical_slash(q, k, TopPBudget(0.9), softmax_scale=1.0)
-    assert index.v_idx.shape[-1] == index.s_idx.shape[-1] == seq_len      # cap 4096 > N: width N
+    assert index.v_idx.shape[-1] == index.s_idx.shape[-1] == seq_len  # cap 4096 > N: width N
     for head in (0, 1):
         assert valid_entries(index.v_idx, index.v_cnt)[0][head] == list(range(SINKS)) + verticals, f"seed={seed}"
     for head in (2, 3):
@@ -92,15 +106,16 @@ def test_planted_lines_are_found_exactly_top_p(seed):
 def test_forced_entries_are_kept_even_when_they_score_worst(seed):
     generator = torch.Generator().manual_seed(seed)
     seq_len = 384
-    q = torch.rand(1, seq_len, 2, 32, generator=generator) + 0.5         # positive rows
+    q = torch.rand(1, seq_len, 2, 32, generator=generator) + 0.5  # positive rows
     k = torch.rand(1, seq_len, 1, 32, generator=generator) + 0.5
-    k[:, :SINKS] = -k[:, :SINKS]                                         # sink columns score lowest
+    k[:, :SINKS] = -k[:, :SINKS]  # sink columns score lowest
     rows = torch.arange(seq_len - LAST_Q, seq_len)
     k[:, (rows[:, None] - torch.arange(WINDOW)[None, :]).reshape(-1)] *= -1  # and so do offsets 0 … 99
     for budget in (StaticBudget(SINKS + 5, WINDOW + 5), TopPBudget(0.5, 128)):
         index = estimate_vertical_slash(q, k, budget)
-        for v_list, s_list in zip(valid_entries(index.v_idx, index.v_cnt)[0],
-                                  valid_entries(index.s_idx, index.s_cnt)[0]):
+        for v_list, s_list in zip(
+            valid_entries(index.v_idx, index.v_cnt)[0], valid_entries(index.s_idx, index.s_cnt)[0]
+        ):
             assert set(range(SINKS)) <= set(v_list) and set(range(WINDOW)) <= set(s_list), f"seed={seed} {budget}"
             assert len(v_list) > SINKS and len(s_list) > WINDOW, f"seed={seed} {budget}"
 
@@ -119,8 +134,8 @@ def test_top_p_selects_the_minimal_set_of_fp64_brute_force(kind, seed):
     # boundaries with a clear gap to the next candidate and a mass well above fp32 logit error
     clear = ((ranked[:-1] > 1e-4) & (ranked[:-1] - ranked[1:] > 1e-5)).nonzero().flatten()
     assert len(clear) > 3, f"seed={seed}: no clear boundary"
-    chosen = int(clear[random.Random(seed).randrange(len(clear))]) + 1      # take this many candidates
-    p = float(cumulative[chosen - 1] - ranked[chosen - 1] / 2)               # reached only by the last one
+    chosen = int(clear[random.Random(seed).randrange(len(clear))]) + 1  # take this many candidates
+    p = float(cumulative[chosen - 1] - ranked[chosen - 1] / 2)  # reached only by the last one
     expected = sorted(list(range(forced)) + (order[:chosen] + forced).tolist())
 
     index = estimate_vertical_slash(q, k, TopPBudget(p, cap=seq_len), softmax_scale=1.0)
@@ -153,18 +168,18 @@ def test_exact_ties_are_broken_by_lower_index(seed):
     """Identical keys make every complete column and every full-length offset tie exactly."""
     generator = torch.Generator().manual_seed(seed)
     seq_len = 384
-    q = torch.rand(1, seq_len, 2, 16, generator=generator) + 0.1           # positive logits: short diagonals
+    q = torch.rand(1, seq_len, 2, 16, generator=generator) + 0.1  # positive logits: short diagonals
     k = (torch.rand(1, 1, 1, 16, generator=generator) + 0.1).expand(1, seq_len, 1, 16)  # score less
     index = estimate_vertical_slash(q, k, StaticBudget(200, 250))
     assert (index.v_idx[..., :200] == torch.arange(200)).all(), f"seed={seed}"
     assert (index.s_idx[..., :250] == torch.arange(250)).all(), f"seed={seed}"
     p = 0.3 + 0.4 * random.Random(seed).random()
     index = estimate_vertical_slash(q, k, TopPBudget(p))
-    vertical, slash = reference_masses(q, k, 16 ** -0.5, LAST_Q)
+    vertical, slash = reference_masses(q, k, 16**-0.5, LAST_Q)
     for lists, counts, masses in ((index.v_idx, index.v_cnt, vertical), (index.s_idx, index.s_cnt, slash)):
         count = int(counts[0, 0])
         assert (lists[0, :, :count] == torch.arange(count)).all(), f"seed={seed} p={p}"
-        assert masses[:count].sum() >= p - 1e-9 > masses[:count - 1].sum() - 2e-9, f"seed={seed} p={p}"
+        assert masses[:count].sum() >= p - 1e-9 > masses[: count - 1].sum() - 2e-9, f"seed={seed} p={p}"
 
 
 # ------------------------------------------------------------------------------------- scores vs fp64
@@ -174,8 +189,8 @@ def test_scores_match_the_fp64_definitions(seed):
     q = torch.randn(2, seq_len, 3, 32, generator=generator)
     k = torch.randn(2, seq_len, 1, 32, generator=generator)
     q_pos, k_pos = torch.arange(seq_len - last_q, seq_len), torch.arange(seq_len)
-    logits = estimation_logits(q[:, seq_len - last_q:], q_pos, k, k_pos, scale)
-    exact = torch.einsum("blhd,bnd->bhln", q[:, seq_len - last_q:].double(), k[:, :, 0].double()) * scale
+    logits = estimation_logits(q[:, seq_len - last_q :], q_pos, k, k_pos, scale)
+    exact = torch.einsum("blhd,bnd->bhln", q[:, seq_len - last_q :].double(), k[:, :, 0].double()) * scale
     future = k_pos[None, :] > q_pos[:, None]
     exact = exact.masked_fill(future, float("-inf"))
     assert torch.equal(torch.isneginf(logits), torch.isneginf(exact))
@@ -185,9 +200,13 @@ def test_scores_match_the_fp64_definitions(seed):
     static = static_logit_fixed_point(logits)
     v_static = vertical_scores(static, torch.isneginf(logits).any(dim=-2))
     zeroed = exact.masked_fill(~finite, 0)
-    assert (v_static[..., seq_len - last_q + 1:] == INCOMPLETE_SCORE).all()
-    assert torch.allclose(v_static[..., :seq_len - last_q + 1].double() / FIXED_POINT_ONE,
-                          zeroed.sum(-2)[..., :seq_len - last_q + 1], rtol=0, atol=1e-4), f"seed={seed}"
+    assert (v_static[..., seq_len - last_q + 1 :] == INCOMPLETE_SCORE).all()
+    assert torch.allclose(
+        v_static[..., : seq_len - last_q + 1].double() / FIXED_POINT_ONE,
+        zeroed.sum(-2)[..., : seq_len - last_q + 1],
+        rtol=0,
+        atol=1e-4,
+    ), f"seed={seed}"
     s_static = slash_partial_sums(static, q_pos, k_pos, seq_len).double() / FIXED_POINT_ONE
     offsets = (q_pos[:, None] - k_pos[None, :]).clamp(min=0).expand(2, 3, -1, -1).reshape(2, 3, -1)
     s_exact = torch.zeros(2, 3, seq_len, dtype=torch.float64).scatter_add_(-1, offsets, zeroed.reshape(2, 3, -1))
@@ -218,12 +237,14 @@ def test_exp_fixed_point_matches_fp64_exp(seed):
 def test_rank_candidates_orders_ties_by_index_and_merges_exactly(seed):
     generator = torch.Generator().manual_seed(seed)
     rows, count, limit, forced = 3, 500, 96, 10
-    scores = torch.randint(-4, 5, (rows, count), generator=generator) * (1 << 40)   # many exact ties
+    scores = torch.randint(-4, 5, (rows, count), generator=generator) * (1 << 40)  # many exact ties
     indices = torch.stack([torch.randperm(2 * count, generator=generator)[:count] for _ in range(rows)])
     ranked_scores, ranked_indices = rank_candidates(scores, indices, forced, limit)
     for row in range(rows):
-        pairs = sorted(zip(scores[row].tolist(), indices[row].tolist()),
-                       key=lambda pair: (pair[1] >= forced, -pair[0] * (pair[1] >= forced), pair[1]))[:limit]
+        pairs = sorted(
+            zip(scores[row].tolist(), indices[row].tolist()),
+            key=lambda pair: (pair[1] >= forced, -pair[0] * (pair[1] >= forced), pair[1]),
+        )[:limit]
         assert ranked_indices[row].tolist() == [i for _, i in pairs], f"seed={seed} row={row}"
         assert ranked_scores[row].tolist() == [s for s, _ in pairs], f"seed={seed} row={row}"
     # ranking the union of per-part top lists (as ranks would) gives the global top list
@@ -234,13 +255,13 @@ def test_rank_candidates_orders_ties_by_index_and_merges_exactly(seed):
 
 
 def test_top_p_counts_and_index_list_edges():
-    masses = torch.tensor([[40, 30, 20, 5, 5, 0]])            # forced first (2 entries), total 100
+    masses = torch.tensor([[40, 30, 20, 5, 5, 0]])  # forced first (2 entries), total 100
     total = torch.tensor([100])
-    assert top_p_counts(masses, 2, total, 0.5, 6).tolist() == [2]      # forced mass 70 already reaches 50
+    assert top_p_counts(masses, 2, total, 0.5, 6).tolist() == [2]  # forced mass 70 already reaches 50
     assert top_p_counts(masses, 2, total, 0.9, 6).tolist() == [3]
-    assert top_p_counts(masses, 2, total, 0.91, 6).tolist() == [4]     # ceil(91) needs the fourth
-    assert top_p_counts(masses, 2, total, 1.0, 6).tolist() == [5]      # zero-mass entries are never needed
-    assert top_p_counts(masses, 2, total, 1.0, 4).tolist() == [4]      # capped
+    assert top_p_counts(masses, 2, total, 0.91, 6).tolist() == [4]  # ceil(91) needs the fourth
+    assert top_p_counts(masses, 2, total, 1.0, 6).tolist() == [5]  # zero-mass entries are never needed
+    assert top_p_counts(masses, 2, total, 1.0, 4).tolist() == [4]  # capped
     lists, counts = index_list(torch.tensor([[7, 3, 9, 1]]), torch.tensor([3]), 4, 10)
     assert lists.tolist() == [[3, 7, 9, 10]] and counts.tolist() == [3] and lists.dtype == torch.int32
     with pytest.raises(ValueError, match="4 ranked candidates cannot fill a list of width 64"):
@@ -256,9 +277,9 @@ def test_estimation_is_bitwise_invariant_to_batch_threads_and_strides(budget, se
     k = torch.randn(3, 384, 2, 32, generator=generator).bfloat16()
     batched = estimate_vertical_slash(q, k, budget)
     for sample in range(3):
-        alone = estimate_vertical_slash(q[sample:sample + 1], k[sample:sample + 1], budget)
+        alone = estimate_vertical_slash(q[sample : sample + 1], k[sample : sample + 1], budget)
         for got, want in zip(alone, batched):
-            assert torch.equal(got, want[sample:sample + 1]), f"seed={seed} sample={sample}"
+            assert torch.equal(got, want[sample : sample + 1]), f"seed={seed} sample={sample}"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -279,7 +300,7 @@ def test_pieces_over_key_shards_rebuild_the_index_bitwise(kind, mode, seed):
     k = torch.randn(batch, seq_len, 2, 32, generator=generator).bfloat16()
     budget = StaticBudget(100, 160) if mode == "static" else TopPBudget(0.8, 256)
     q_pos = torch.arange(seq_len - LAST_Q, seq_len)
-    q_last, scale = q[:, seq_len - LAST_Q:], 32 ** -0.5
+    q_last, scale = q[:, seq_len - LAST_Q :], 32**-0.5
     shards = [layout.global_positions(seq_len, rank) for rank in range(world)]
     logits = [estimation_logits(q_last, q_pos, k[:, pos], pos, scale) for pos in shards]
     full = estimation_logits(q_last, q_pos, k, torch.arange(seq_len), scale)
@@ -289,23 +310,30 @@ def test_pieces_over_key_shards_rebuild_the_index_bitwise(kind, mode, seed):
         values = [static_logit_fixed_point(part) for part in logits]
         v_parts = [vertical_scores(v, torch.isneginf(part).any(-2)) for v, part in zip(values, logits)]
     else:
-        row_max = torch.stack([part.amax(-1) for part in logits]).amax(0)            # all-reduce(MAX)
+        row_max = torch.stack([part.amax(-1) for part in logits]).amax(0)  # all-reduce(MAX)
         exp_values = [exp_fixed_point(part, row_max) for part in logits]
-        row_sums = torch.stack([e.sum(-1) for e in exp_values]).sum(0)              # all-reduce(SUM)
+        row_sums = torch.stack([e.sum(-1) for e in exp_values]).sum(0)  # all-reduce(SUM)
         values = [probability_fixed_point(e, row_sums, LAST_Q) for e in exp_values]
         v_parts = [vertical_scores(v) for v in values]
     s_scores = sum(slash_partial_sums(v, q_pos, pos, seq_len) for v, pos in zip(values, shards))
-    offset_owner = torch.randint(0, world, (seq_len,), generator=generator)        # any split of offsets
-    candidates = {"v": [(scores, pos.expand_as(scores)) for scores, pos in zip(v_parts, shards)],
-                  "s": [(s_scores[..., offset_owner == r], torch.arange(seq_len)[offset_owner == r]
-                         .expand(batch, q_heads, -1)) for r in range(world)]}
+    offset_owner = torch.randint(0, world, (seq_len,), generator=generator)  # any split of offsets
+    candidates = {
+        "v": [(scores, pos.expand_as(scores)) for scores, pos in zip(v_parts, shards)],
+        "s": [
+            (s_scores[..., offset_owner == r], torch.arange(seq_len)[offset_owner == r].expand(batch, q_heads, -1))
+            for r in range(world)
+        ],
+    }
     index = estimate_vertical_slash(q, k, budget)
-    for name, forced, lists, counts in (("v", SINKS, index.v_idx, index.v_cnt),
-                                        ("s", WINDOW, index.s_idx, index.s_cnt)):
+    for name, forced, lists, counts in (
+        ("v", SINKS, index.v_idx, index.v_cnt),
+        ("s", WINDOW, index.s_idx, index.s_cnt),
+    ):
         width = lists.shape[-1]
         local = [rank_candidates(scores, idx, forced, width) for scores, idx in candidates[name]]
-        ranked_scores, ranked_indices = rank_candidates(torch.cat([s for s, _ in local], -1),
-                                                        torch.cat([i for _, i in local], -1), forced, width)
+        ranked_scores, ranked_indices = rank_candidates(
+            torch.cat([s for s, _ in local], -1), torch.cat([i for _, i in local], -1), forced, width
+        )
         if mode == "static":
             want_counts = torch.full((batch, q_heads), budget.v_size if name == "v" else budget.s_size)
         else:
@@ -329,10 +357,19 @@ def estimation_cases(draw):
         budget = StaticHeadBudgets(torch.tensor(v_size), torch.tensor(s_size))
     else:
         budget = TopPBudget(draw(st.floats(0.01, 1.0)), draw(st.integers(max(sinks, window, 1), 300)))
-    return dict(batch=draw(st.integers(1, 2)), seq_len=seq_len, q_heads=q_heads, kv_heads=kv_heads,
-                dim=draw(st.sampled_from([8, 16])), last_q=draw(st.integers(1, min(LAST_Q, seq_len))),
-                sinks=sinks, window=window, budget=budget, spread=draw(st.sampled_from([0.1, 1.0, 5.0])),
-                seed=draw(st.integers(0, 2 ** 31)))
+    return dict(
+        batch=draw(st.integers(1, 2)),
+        seq_len=seq_len,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        dim=draw(st.sampled_from([8, 16])),
+        last_q=draw(st.integers(1, min(LAST_Q, seq_len))),
+        sinks=sinks,
+        window=window,
+        budget=budget,
+        spread=draw(st.sampled_from([0.1, 1.0, 5.0])),
+        seed=draw(st.integers(0, 2**31)),
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -342,8 +379,9 @@ def test_index_invariants(case):
     b, n, budget = case["batch"], case["seq_len"], case["budget"]
     q = case["spread"] * torch.randn(b, n, case["q_heads"], case["dim"], generator=generator)
     k = torch.randn(b, n, case["kv_heads"], case["dim"], generator=generator)
-    index = estimate_vertical_slash(q, k, budget, last_q=case["last_q"], sink_tokens=case["sinks"],
-                                    local_window=case["window"])
+    index = estimate_vertical_slash(
+        q, k, budget, last_q=case["last_q"], sink_tokens=case["sinks"], local_window=case["window"]
+    )
     if isinstance(budget, TopPBudget):
         widths = (list_width(budget.cap, n),) * 2
         assert ((index.v_cnt <= min(budget.cap, n)) & (index.s_cnt <= min(budget.cap, n))).all(), case
@@ -351,17 +389,19 @@ def test_index_invariants(case):
         widths = (list_width(int(budget.v_size.max()), n), list_width(int(budget.s_size.max()), n))
         assert torch.equal(index.v_cnt, budget.v_size.int().expand(b, -1)), case
         assert torch.equal(index.s_cnt, budget.s_size.int().expand(b, -1)), case
-    for lists, counts, width, forced in ((index.v_idx, index.v_cnt, widths[0], case["sinks"]),
-                                         (index.s_idx, index.s_cnt, widths[1], case["window"])):
+    for lists, counts, width, forced in (
+        (index.v_idx, index.v_cnt, widths[0], case["sinks"]),
+        (index.s_idx, index.s_cnt, widths[1], case["window"]),
+    ):
         assert lists.shape == (b, case["q_heads"], width) and lists.dtype == counts.dtype == torch.int32, case
         assert width == n or width % 64 == 0, case
         assert ((counts >= max(forced, 1)) & (counts <= width)).all(), case
         slots = torch.arange(width)
         valid = slots < counts[..., None]
-        assert (lists[~valid] == n).all(), case                                   # sentinel N after the count
+        assert (lists[~valid] == n).all(), case  # sentinel N after the count
         assert ((lists[valid] >= 0) & (lists[valid] < n)).all(), case
-        assert (lists[..., 1:] > lists[..., :-1])[valid[..., 1:]].all(), case     # strictly ascending
-        assert (lists[..., :forced] == torch.arange(forced, dtype=torch.int32)).all(), case   # forced present
+        assert (lists[..., 1:] > lists[..., :-1])[valid[..., 1:]].all(), case  # strictly ascending
+        assert (lists[..., :forced] == torch.arange(forced, dtype=torch.int32)).all(), case  # forced present
 
 
 # --------------------------------------------------------------------------------------- bad input
@@ -369,29 +409,46 @@ def _qk(n=256, hq=4, hkv=2, d=16):
     return torch.randn(1, n, hq, d), torch.randn(1, n, hkv, d)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda q, k: estimate_vertical_slash(q[0], k, StaticBudget(64, 128)), "q must be a floating-point tensor"),
-    (lambda q, k: estimate_vertical_slash(q.long(), k, StaticBudget(64, 128)), "q must be a floating-point"),
-    (lambda q, k: estimate_vertical_slash(q, k[:, :128], StaticBudget(64, 128)), "must agree on \\[b, N"),
-    (lambda q, k: estimate_vertical_slash(q[:, :, :3], k, StaticBudget(64, 128)),
-     "Hq=3 are not divisible by KV heads Hkv=2"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 128), last_q=0), "last_q=0"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 128), last_q=65), "last_q=65 .*64-row tile"),
-    (lambda q, k: estimate_vertical_slash(q[:, :48], k[:, :48], StaticBudget(40, 40), last_q=64,
-                                          sink_tokens=4, local_window=4), "last_q=64 .*N=48"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 300), sink_tokens=257), "sink_tokens=257"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 300), local_window=300), "local_window=300"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 128), softmax_scale=-1.0), "softmax_scale=-1.0"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(300, 128)), "v_size=300 is larger than the sequence"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(20, 128)), "v_size=20 is smaller than the 30"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 99)), "s_size=99 is smaller than the 100"),
-    (lambda q, k: estimate_vertical_slash(q, k, TopPBudget(0.9, 64)), "cap=64 is smaller"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticHeadBudgets(torch.tensor([64] * 3), torch.tensor([128] * 3))),
-     "budget has 3 heads but q has Hq=4"),
-    (lambda q, k: estimate_vertical_slash(q, k, StaticHeadBudgets(torch.tensor([64, 64, 64, 10]),
-                                                                  torch.tensor([128] * 4))), "head 3: v_size=10"),
-    (lambda q, k: estimate_vertical_slash(q, k, (64, 128)), "budget=\\(64, 128\\) must be a StaticBudget"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda q, k: estimate_vertical_slash(q[0], k, StaticBudget(64, 128)), "q must be a floating-point tensor"),
+        (lambda q, k: estimate_vertical_slash(q.long(), k, StaticBudget(64, 128)), "q must be a floating-point"),
+        (lambda q, k: estimate_vertical_slash(q, k[:, :128], StaticBudget(64, 128)), "must agree on \\[b, N"),
+        (
+            lambda q, k: estimate_vertical_slash(q[:, :, :3], k, StaticBudget(64, 128)),
+            "Hq=3 are not divisible by KV heads Hkv=2",
+        ),
+        (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 128), last_q=0), "last_q=0"),
+        (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 128), last_q=65), "last_q=65 .*64-row tile"),
+        (
+            lambda q, k: estimate_vertical_slash(
+                q[:, :48], k[:, :48], StaticBudget(40, 40), last_q=64, sink_tokens=4, local_window=4
+            ),
+            "last_q=64 .*N=48",
+        ),
+        (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 300), sink_tokens=257), "sink_tokens=257"),
+        (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 300), local_window=300), "local_window=300"),
+        (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 128), softmax_scale=-1.0), "softmax_scale=-1.0"),
+        (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(300, 128)), "v_size=300 is larger than the sequence"),
+        (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(20, 128)), "v_size=20 is smaller than the 30"),
+        (lambda q, k: estimate_vertical_slash(q, k, StaticBudget(64, 99)), "s_size=99 is smaller than the 100"),
+        (lambda q, k: estimate_vertical_slash(q, k, TopPBudget(0.9, 64)), "cap=64 is smaller"),
+        (
+            lambda q, k: estimate_vertical_slash(
+                q, k, StaticHeadBudgets(torch.tensor([64] * 3), torch.tensor([128] * 3))
+            ),
+            "budget has 3 heads but q has Hq=4",
+        ),
+        (
+            lambda q, k: estimate_vertical_slash(
+                q, k, StaticHeadBudgets(torch.tensor([64, 64, 64, 10]), torch.tensor([128] * 4))
+            ),
+            "head 3: v_size=10",
+        ),
+        (lambda q, k: estimate_vertical_slash(q, k, (64, 128)), "budget=\\(64, 128\\) must be a StaticBudget"),
+    ],
+)
 def test_bad_input_raises_naming_the_value(call, match):
     q, k = _qk()
     with pytest.raises(ValueError, match=match):

@@ -83,8 +83,18 @@ def _sentencepiece_model(directory: Path) -> Path:
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(_lines() * 3), model_writer=model, vocab_size=160, model_type="bpe",
-        character_coverage=1.0, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, hard_vocab_limit=False, minloglevel=2)
+        sentence_iterator=iter(_lines() * 3),
+        model_writer=model,
+        vocab_size=160,
+        model_type="bpe",
+        character_coverage=1.0,
+        unk_id=0,
+        eos_id=1,
+        bos_id=-1,
+        pad_id=-1,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     path = directory / "tiny.model"
     path.write_bytes(model.getvalue())
     return path
@@ -98,8 +108,10 @@ def _huggingface_folder(directory: Path, tokenizer_class: str, eos_token: str | 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(_lines(), trainers.BpeTrainer(
-        vocab_size=400, special_tokens=[EOD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.train_from_iterator(
+        _lines(),
+        trainers.BpeTrainer(vocab_size=400, special_tokens=[EOD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     folder = directory / tokenizer_class
     getattr(transformers, tokenizer_class)(tokenizer_object=tokenizer, eos_token=eos_token).save_pretrained(folder)
     return folder
@@ -108,9 +120,11 @@ def _huggingface_folder(directory: Path, tokenizer_class: str, eos_token: str | 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("tokenizers")
-    return {"sentencepiece": _sentencepiece_model(directory),
-            "PreTrainedTokenizerFast": _huggingface_folder(directory, "PreTrainedTokenizerFast"),
-            "Qwen2Tokenizer": _huggingface_folder(directory, "Qwen2Tokenizer")}
+    return {
+        "sentencepiece": _sentencepiece_model(directory),
+        "PreTrainedTokenizerFast": _huggingface_folder(directory, "PreTrainedTokenizerFast"),
+        "Qwen2Tokenizer": _huggingface_folder(directory, "Qwen2Tokenizer"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +144,7 @@ def _launcher_tokenizer(parser: argparse.ArgumentParser, flags: list[str]):
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     args = parser.parse_args(flags)
-    args.rank = 0       # set by Megatron's validate_args; read when build_tokenizer pads the vocabulary
+    args.rank = 0  # set by Megatron's validate_args; read when build_tokenizer pads the vocabulary
     return build_tokenizer(args)
 
 
@@ -141,8 +155,10 @@ def _launcher_ids(tokenizer, documents: list[str]) -> list[numpy.ndarray]:
 def _write_inputs(directory: Path, documents: list[str]) -> list[Path]:
     """The documents as a JSONL file (with a blank line and an empty record) followed by one plain-text file."""
     jsonl = directory / "docs.jsonl"
-    records = [json.dumps({"text": text, "id": index}, ensure_ascii=index % 2 == 0)
-               for index, text in enumerate(documents[:-1])]
+    records = [
+        json.dumps({"text": text, "id": index}, ensure_ascii=index % 2 == 0)
+        for index, text in enumerate(documents[:-1])
+    ]
     records.insert(1, "")
     records.insert(3, json.dumps({"text": ""}))
     jsonl.write_text("\n".join(records) + "\n\n", encoding="utf-8")
@@ -167,8 +183,12 @@ TOKENIZER_CASES = {
     "huggingface-qwen2-shorthand": ("Qwen2Tokenizer", HF, [], True),
     "huggingface-qwen2-special-token": ("Qwen2Tokenizer", HF, ["--tokenizer-special-tokens", "<mask>"], False),
     "sentencepiece-shorthand": ("sentencepiece", SP, [], True),
-    "sentencepiece-llama2-whitespace": ("sentencepiece", "Llama2Tokenizer",
-                                        ["--no-tokenizer-sentencepiece-ignore-extra-whitespaces"], False),
+    "sentencepiece-llama2-whitespace": (
+        "sentencepiece",
+        "Llama2Tokenizer",
+        ["--no-tokenizer-sentencepiece-ignore-extra-whitespaces"],
+        False,
+    ),
 }
 
 
@@ -179,13 +199,22 @@ def test_documents_are_the_launcher_tokenizers_ids(case, tokenizers, launcher_pa
     type_and_model = ["--tokenizer-type", tokenizer_type, "--tokenizer-model", model]
     launcher = _launcher_tokenizer(launcher_parser, type_and_model + options)
     expected = _launcher_ids(launcher, VARIED_DOCUMENTS)
-    if options:     # else the options would go untested: both sides would agree without them
+    if options:  # else the options would go untested: both sides would agree without them
         without_options = _launcher_ids(_launcher_tokenizer(launcher_parser, type_and_model), VARIED_DOCUMENTS)
         assert any(not numpy.array_equal(ids, other) for ids, other in zip(expected, without_options))
 
     flags = ["--tokenizer", model] if shorthand else type_and_model + options
-    preprocess_data.main(["--input", *map(str, _write_inputs(tmp_path, VARIED_DOCUMENTS)), *flags,
-                          "--output-prefix", str(tmp_path / "docs"), "--workers", "1"])
+    preprocess_data.main(
+        [
+            "--input",
+            *map(str, _write_inputs(tmp_path, VARIED_DOCUMENTS)),
+            *flags,
+            "--output-prefix",
+            str(tmp_path / "docs"),
+            "--workers",
+            "1",
+        ]
+    )
 
     documents = _read_back(tmp_path / "docs")
     assert len(documents) == len(expected)
@@ -203,10 +232,15 @@ def test_documents_read_back_exactly_through_gpt_dataset(tokenizers, launcher_pa
     tokenizer = _launcher_tokenizer(launcher_parser, ["--tokenizer-type", HF, "--tokenizer-model", model])
     documents = _random_documents(random.Random(seed), 24)
     expected = _launcher_ids(tokenizer, documents)
-    monkeypatch.setattr(preprocess_data, "BLOCK_BYTES", 300)       # several blocks in flight
+    monkeypatch.setattr(preprocess_data, "BLOCK_BYTES", 300)  # several blocks in flight
     target = int(numpy.median([len(ids) - 1 for ids in expected]))
-    summary = preprocess(_write_inputs(tmp_path, documents), TokenizerSource(HF, Path(model)),
-                         tmp_path / "out" / "docs", workers=2, target_length=target)
+    summary = preprocess(
+        _write_inputs(tmp_path, documents),
+        TokenizerSource(HF, Path(model)),
+        tmp_path / "out" / "docs",
+        workers=2,
+        target_length=target,
+    )
 
     assert (summary.documents, summary.skipped_empty) == (len(documents), 1), f"seed={seed}"
     assert summary.tokens == sum(map(len, expected)), f"seed={seed}"
@@ -217,19 +251,29 @@ def test_documents_read_back_exactly_through_gpt_dataset(tokenizers, launcher_pa
         assert numpy.array_equal(ids, launcher_ids), f"document {position} differs (seed={seed})"
 
     stream = numpy.concatenate(expected)
-    config = GPTDatasetConfig(random_seed=seed, sequence_length=SEQ_LEN, blend=([str(tmp_path / "out" / "docs")], None),
-                              split="100,0,0", tokenizer=tokenizer, reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
-    dataset, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [(len(stream) - 1) // SEQ_LEN, None, None],
-                                                  lambda: True, config).build()
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=SEQ_LEN,
+        blend=([str(tmp_path / "out" / "docs")], None),
+        split="100,0,0",
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=str(tmp_path / "cache"),
+    )
+    dataset, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [(len(stream) - 1) // SEQ_LEN, None, None], lambda: True, config
+    ).build()
     in_dataset_order = numpy.concatenate([expected[d] for d in dataset.document_index])
     assert len(dataset) == (len(stream) - 1) // SEQ_LEN, f"one epoch expected (seed={seed})"
     for sample_index in range(len(dataset)):
         sample = dataset[sample_index]
         text = torch.cat([sample["tokens"], sample["labels"][-1:]]).numpy()
         window = int(dataset.shuffle_index[sample_index])
-        assert numpy.array_equal(text, in_dataset_order[window * SEQ_LEN:(window + 1) * SEQ_LEN + 1]), (
-            f"GPTDataset sample {sample_index} (window {window}) differs (seed={seed})")
+        assert numpy.array_equal(text, in_dataset_order[window * SEQ_LEN : (window + 1) * SEQ_LEN + 1]), (
+            f"GPTDataset sample {sample_index} (window {window}) differs (seed={seed})"
+        )
 
 
 def test_token_dtype_follows_gpt_dataset():
@@ -239,8 +283,10 @@ def test_token_dtype_follows_gpt_dataset():
 
 def test_eod_token_is_the_tokenizers_and_checked(tokenizers, tmp_path):
     folder = tokenizers["PreTrainedTokenizerFast"]
-    assert DocumentTokenizer(TokenizerSource(HF, folder, eod_token=EOD)).eod_id == DocumentTokenizer(
-        TokenizerSource(HF, folder)).eod_id
+    assert (
+        DocumentTokenizer(TokenizerSource(HF, folder, eod_token=EOD)).eod_id
+        == DocumentTokenizer(TokenizerSource(HF, folder)).eod_id
+    )
     with pytest.raises(ValueError, match=r"--eod-token '<eos>' is not the end-of-document token .*'<\|endoftext\|>'"):
         DocumentTokenizer(TokenizerSource(HF, folder, eod_token="<eos>"))
     without_eos = _huggingface_folder(tmp_path, "PreTrainedTokenizerFast", eos_token=None)
@@ -258,21 +304,35 @@ def _bad_tokenizer_flags(tokenizers: dict[str, Path], directory: Path) -> dict[s
     missing = str(directory / "Qwen2.5-3B")
     return {
         "missing path": (["--tokenizer", missing], rf"--tokenizer {missing} does not exist; .*huggingface-cli"),
-        "missing model": (["--tokenizer-type", SP, "--tokenizer-model", f"{missing}.model"],
-                          rf"--tokenizer-model {missing}\.model does not exist"),
-        "no tokenizer files": (["--tokenizer-type", HF, "--tokenizer-model", str(empty)],
-                               rf"--tokenizer-model {empty} holds no tokenizer files \(none of tokenizer.json"),
-        "unknown type": (["--tokenizer-type", "WordPiece", "--tokenizer-model", folder],
-                         "--tokenizer-type WordPiece is not one preprocess_data builds; .* HuggingFaceTokenizer"),
-        "type without text": (["--tokenizer-type", "NullTokenizer", "--tokenizer-model", folder],
-                              "--tokenizer-type NullTokenizer is not one"),
-        "tokenizer.json file": (["--tokenizer", f"{folder}/tokenizer.json"],
-                                rf"--tokenizer {folder}/tokenizer\.json is a file; .* give the one that holds it"),
-        "folder as sentencepiece": (["--tokenizer-type", SP, "--tokenizer-model", folder],
-                                    rf"--tokenizer-model {folder} is a directory; .* \.model file"),
-        "sentencepiece as folder": (["--tokenizer-type", HF, "--tokenizer-model", model],
-                                    rf"--tokenizer-model {model} is a file; .* SentencePiece \.model with "
-                                    rf"--tokenizer-type {SP}"),
+        "missing model": (
+            ["--tokenizer-type", SP, "--tokenizer-model", f"{missing}.model"],
+            rf"--tokenizer-model {missing}\.model does not exist",
+        ),
+        "no tokenizer files": (
+            ["--tokenizer-type", HF, "--tokenizer-model", str(empty)],
+            rf"--tokenizer-model {empty} holds no tokenizer files \(none of tokenizer.json",
+        ),
+        "unknown type": (
+            ["--tokenizer-type", "WordPiece", "--tokenizer-model", folder],
+            "--tokenizer-type WordPiece is not one preprocess_data builds; .* HuggingFaceTokenizer",
+        ),
+        "type without text": (
+            ["--tokenizer-type", "NullTokenizer", "--tokenizer-model", folder],
+            "--tokenizer-type NullTokenizer is not one",
+        ),
+        "tokenizer.json file": (
+            ["--tokenizer", f"{folder}/tokenizer.json"],
+            rf"--tokenizer {folder}/tokenizer\.json is a file; .* give the one that holds it",
+        ),
+        "folder as sentencepiece": (
+            ["--tokenizer-type", SP, "--tokenizer-model", folder],
+            rf"--tokenizer-model {folder} is a directory; .* \.model file",
+        ),
+        "sentencepiece as folder": (
+            ["--tokenizer-type", HF, "--tokenizer-model", model],
+            rf"--tokenizer-model {model} is a file; .* SentencePiece \.model with "
+            rf"--tokenizer-type {SP}",
+        ),
         "corrupt model": (["--tokenizer", str(corrupt)], rf"Megatron's {SP} cannot load {corrupt}"),
         "both forms": (["--tokenizer", folder, "--tokenizer-type", HF], "--tokenizer is short for .* give either"),
         "model without type": (["--tokenizer-model", folder], "give the launcher's --tokenizer-type and"),
@@ -280,10 +340,23 @@ def _bad_tokenizer_flags(tokenizers: dict[str, Path], directory: Path) -> dict[s
     }
 
 
-@pytest.mark.parametrize("case", ["missing path", "missing model", "no tokenizer files", "unknown type",
-                                  "type without text", "tokenizer.json file", "folder as sentencepiece",
-                                  "sentencepiece as folder", "corrupt model", "both forms", "model without type",
-                                  "no tokenizer"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing path",
+        "missing model",
+        "no tokenizer files",
+        "unknown type",
+        "type without text",
+        "tokenizer.json file",
+        "folder as sentencepiece",
+        "sentencepiece as folder",
+        "corrupt model",
+        "both forms",
+        "model without type",
+        "no tokenizer",
+    ],
+)
 def test_bad_tokenizer_is_refused_before_reading(case, tokenizers, tmp_path, monkeypatch):
     flags, message = _bad_tokenizer_flags(tokenizers, tmp_path)[case]
     (tmp_path / "a.txt").write_text("Each rank holds one stripe of the sequence.")
@@ -295,8 +368,9 @@ def test_bad_tokenizer_is_refused_before_reading(case, tokenizers, tmp_path, mon
 
     monkeypatch.setattr(preprocess_data, "read_documents", fail_reading)
     with pytest.raises(SystemExit, match=f"preprocess_data: error: {message}"):
-        preprocess_data.main(["--input", str(tmp_path / "a.txt"), *flags, "--output-prefix", str(output / "a"),
-                              "--workers", "1"])
+        preprocess_data.main(
+            ["--input", str(tmp_path / "a.txt"), *flags, "--output-prefix", str(output / "a"), "--workers", "1"]
+        )
     assert os.listdir(output) == []
 
 
@@ -305,15 +379,18 @@ def test_unknown_tokenizer_option_is_refused(tokenizers):
         DocumentTokenizer(TokenizerSource(HF, tokenizers["Qwen2Tokenizer"], options={"special_token": ["<mask>"]}))
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("empty.jsonl", b"", r"empty.jsonl is empty"),
-    ("latin1.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"latin1.jsonl:2: not valid UTF-8"),
-    ("latin1.txt", b"line one\nline two caf\xe9\n", r"latin1.txt:2: not valid UTF-8"),
-    ("broken.jsonl", b'{"text": "fine"}\n{"text": \n', r"broken.jsonl:2: not a JSON object"),
-    ("nokey.jsonl", b'{"text": "fine"}\n{"body": "x"}\n', r"nokey.jsonl:2: no key 'text'"),
-    ("number.jsonl", b'{"text": 7}\n', r"number.jsonl:1: 'text' is a int"),
-    ("allempty.jsonl", b'{"text": ""}\n', r"no non-empty documents"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.jsonl", b"", r"empty.jsonl is empty"),
+        ("latin1.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"latin1.jsonl:2: not valid UTF-8"),
+        ("latin1.txt", b"line one\nline two caf\xe9\n", r"latin1.txt:2: not valid UTF-8"),
+        ("broken.jsonl", b'{"text": "fine"}\n{"text": \n', r"broken.jsonl:2: not a JSON object"),
+        ("nokey.jsonl", b'{"text": "fine"}\n{"body": "x"}\n', r"nokey.jsonl:2: no key 'text'"),
+        ("number.jsonl", b'{"text": 7}\n', r"number.jsonl:1: 'text' is a int"),
+        ("allempty.jsonl", b'{"text": ""}\n', r"no non-empty documents"),
+    ],
+)
 def test_bad_input_is_refused_and_leaves_nothing_behind(tokenizers, tmp_path, name, content, message):
     bad = tmp_path / name
     bad.write_bytes(content)
@@ -336,7 +413,9 @@ def test_existing_output_needs_overwrite(tokenizers, tmp_path):
     preprocess([documents], source, tmp_path / "docs", workers=1, overwrite=True)
     assert (tmp_path / "docs.bin").read_bytes() != before
     assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith((".docs", "docs."))) == [
-        "docs.bin", "docs.idx"]
+        "docs.bin",
+        "docs.idx",
+    ]
 
 
 def test_command_line_prints_the_summary_and_no_missing_library_warnings(tokenizers, tmp_path):
@@ -344,17 +423,39 @@ def test_command_line_prints_the_summary_and_no_missing_library_warnings(tokeniz
     (tmp_path / "b.txt").write_text("The ring passes keys and values.")
 
     def run(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input",
-                               str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--output-prefix",
-                               str(tmp_path / "a"), *flags], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "tools" / "preprocess_data.py"),
+                "--input",
+                str(tmp_path / "a.txt"),
+                str(tmp_path / "b.txt"),
+                "--output-prefix",
+                str(tmp_path / "a"),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
-    done = run("--tokenizer-type", HF, "--tokenizer-model", str(tokenizers["Qwen2Tokenizer"]), "--workers", "2",
-               "--target-length", "4")
+    done = run(
+        "--tokenizer-type",
+        HF,
+        "--tokenizer-model",
+        str(tokenizers["Qwen2Tokenizer"]),
+        "--workers",
+        "2",
+        "--target-length",
+        "4",
+    )
     assert done.returncode == 0, done.stderr
     assert "documents: 2 (skipped 0 empty)" in done.stdout and "documents with >= 4 tokens" in done.stdout
-    noise = [line for line in done.stderr.splitlines()
-             if any(word in line for word in ("Transformer Engine", "transformer-engine", "Apex", "absl", "CUDA",
-                                              "Warning"))]
+    noise = [
+        line
+        for line in done.stderr.splitlines()
+        if any(word in line for word in ("Transformer Engine", "transformer-engine", "Apex", "absl", "CUDA", "Warning"))
+    ]
     assert noise == [], "library warnings in the output"
     refused = run("--tokenizer", str(tokenizers["Qwen2Tokenizer"]))
     assert refused.returncode != 0 and "preprocess_data: error:" in refused.stderr and "already exist" in refused.stderr

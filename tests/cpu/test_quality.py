@@ -38,15 +38,24 @@ from mtraining_kernels.vertical_slash import full_index  # noqa: E402
 def _pairs_in(tokens: np.ndarray, task: RetrievalTask, haystack: int) -> dict[tuple, tuple]:
     """{key: value} of the needles in a haystack, read back from the tokens."""
     pairs = {}
-    for start in np.flatnonzero(tokens[1:1 + haystack] == KV) + 1:
-        key = tuple(tokens[start + 1:start + 1 + task.key_len])
-        pairs[key] = tuple(tokens[start + 1 + task.key_len:start + task.pair_len])
+    for start in np.flatnonzero(tokens[1 : 1 + haystack] == KV) + 1:
+        key = tuple(tokens[start + 1 : start + 1 + task.key_len])
+        pairs[key] = tuple(tokens[start + 1 + task.key_len : start + task.pair_len])
     return pairs
 
 
-TASKS = {"key-specific walks": RetrievalTask(),
-         "shared phrases": RetrievalTask(vocab_size=512, key_alphabet=64, key_len=2, value_choices=100,
-                                         key_specific_values=False, filler="phrases", num_queries=3)}
+TASKS = {
+    "key-specific walks": RetrievalTask(),
+    "shared phrases": RetrievalTask(
+        vocab_size=512,
+        key_alphabet=64,
+        key_len=2,
+        value_choices=100,
+        key_specific_values=False,
+        filler="phrases",
+        num_queries=3,
+    ),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(TASKS))
@@ -58,42 +67,42 @@ def test_needle_at_requested_depth_and_answers_correct(kind, seq_len, depth, see
     tokens, haystack = sequence["tokens"], task.haystack_len(seq_len)
     assert tokens.shape == (seq_len,) and tokens[0] == BOS
     starts = np.sort(sequence["needle_starts"])
-    assert len(starts) == task.num_pairs and np.all(np.diff(starts) >= task.pair_len)      # no overlap
+    assert len(starts) == task.num_pairs and np.all(np.diff(starts) >= task.pair_len)  # no overlap
     assert starts[0] >= 1 and starts[-1] + task.pair_len <= 1 + haystack
     target_start = 1 + round(depth * (haystack - task.pair_len))
     assert sequence["needle_starts"][0] == target_start and tokens[target_start] == KV
     pairs = _pairs_in(tokens, task, haystack)
-    assert len(pairs) == task.num_pairs                                                       # distinct keys
+    assert len(pairs) == task.num_pairs  # distinct keys
     for key, value in pairs.items():
         assert all(task.key_base <= t < task.value_base for t in key)
         assert all(task.value_base <= t < task.filler_base for t in value)
-        if task.key_specific_values:        # slot i of key k uses the tokens reserved for (k, i)
+        if task.key_specific_values:  # slot i of key k uses the tokens reserved for (k, i)
             slots = (np.array(value) - task.value_base) // task.value_choices
             assert list(slots) == [(key[0] - task.key_base) * task.value_len + i for i in range(task.value_len)]
     # everything else in the haystack is filler
     filler = np.ones(seq_len, dtype=bool)
     filler[0] = False
     for start in sequence["needle_starts"]:
-        filler[start:start + task.pair_len] = False
-    filler[1 + haystack:] = False
+        filler[start : start + task.pair_len] = False
+    filler[1 + haystack :] = False
     assert np.all(tokens[filler] >= task.filler_base)
     # each query: Q, a needle's key, its value; the last query asks the depth-controlled needle and ends the sequence
     asked = []
     for span in sequence["answer_spans"]:
         query = span - task.key_len
         assert tokens[query] == QUERY
-        key = tuple(tokens[query + 1:span + 1])
-        assert tuple(tokens[span + 1:span + 1 + task.value_len]) == pairs[key]
+        key = tuple(tokens[query + 1 : span + 1])
+        assert tuple(tokens[span + 1 : span + 1 + task.value_len]) == pairs[key]
         asked.append(key)
     assert len(set(asked)) == task.num_queries and sequence["target"] == task.num_queries - 1
-    assert asked[-1] == tuple(tokens[target_start + 1:target_start + 1 + task.key_len])
+    assert asked[-1] == tuple(tokens[target_start + 1 : target_start + 1 + task.key_len])
     assert sequence["answer_spans"][-1] + task.value_len == seq_len - 1
 
 
 def test_fillers_follow_their_rules(seed):
     rng = np.random.default_rng(seed)
     walks = RetrievalTask()._filler(rng, 1000) - RetrievalTask().filler_base
-    steps = (walks[2:] - walks[:-2]) % RetrievalTask().filler_alphabet        # t[i+2] = t[i] + δ, δ in 1 … 4
+    steps = (walks[2:] - walks[:-2]) % RetrievalTask().filler_alphabet  # t[i+2] = t[i] + δ, δ in 1 … 4
     assert set(np.unique(steps)) == {1, 2, 3, 4}
     task = RetrievalTask(filler="phrases", phrases=5, phrase_len=7)
     text = task._filler(rng, 700).reshape(100, 7)
@@ -176,17 +185,62 @@ def test_recall_matches_fp64_dense_computation(seed):
     logits = torch.einsum("bihd,bjhd->bhij", q.double(), k_full) * 0.3
     logits = logits.masked_fill(~torch.ones(seq_len, seq_len, dtype=torch.bool).tril(), float("-inf"))
     expected = (torch.softmax(logits, -1) * mask).sum(-1).mean(-1)
-    torch.testing.assert_close(covered_mass(q, k, v_idx, s_idx, softmax_scale=0.3, row_chunk=100), expected,
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        covered_mass(q, k, v_idx, s_idx, softmax_scale=0.3, row_chunk=100), expected, rtol=0, atol=1e-5
+    )
 
 
 # ------------------------------------------------------------------------------------------ training smoke
-SMOKE = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--ffn", "128",
-         "--vocab", "128", "--key-alphabet", "8", "--value-choices", "4", "--pairs", "4", "--queries", "2",
-         "--phases", "256x8x6x2,512x4x6", "--lr", "3e-3", "--warmup", "2",
-         "--log-interval", "4", "--eval-samples", "2", "--eval-depths", "0,1", "--eval-lengths", "512",
-         "--recall-lengths", "512", "--sink-tokens", "16", "--local-window", "64", "--cap", "64", "--seed", "7",
-         "--device", "cpu"]
+SMOKE = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--ffn",
+    "128",
+    "--vocab",
+    "128",
+    "--key-alphabet",
+    "8",
+    "--value-choices",
+    "4",
+    "--pairs",
+    "4",
+    "--queries",
+    "2",
+    "--phases",
+    "256x8x6x2,512x4x6",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "2",
+    "--log-interval",
+    "4",
+    "--eval-samples",
+    "2",
+    "--eval-depths",
+    "0,1",
+    "--eval-lengths",
+    "512",
+    "--recall-lengths",
+    "512",
+    "--sink-tokens",
+    "16",
+    "--local-window",
+    "64",
+    "--cap",
+    "64",
+    "--seed",
+    "7",
+    "--device",
+    "cpu",
+]
 
 
 @contextmanager
@@ -212,8 +266,10 @@ def smoke_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("quality")
     runs = {}
     with one_process_megatron():
-        for name, attention in (("dense", ["--attention", "dense"]),
-                                ("sparse", ["--attention", "mtraining", "--top-p", "0.9"])):
+        for name, attention in (
+            ("dense", ["--attention", "dense"]),
+            ("sparse", ["--attention", "mtraining", "--top-p", "0.9"]),
+        ):
             train.main(["--run", name, "--out", str(out), *attention, *SMOKE])
             runs[name] = json.loads((out / f"{name}.json").read_text())
     return runs
@@ -242,9 +298,9 @@ def test_training_smoke_writes_results_and_learns(smoke_runs, name):
     density = {record["step"]: (record["seq_len"], record["density"]) for record in run["train"] if "density" in record}
     assert sorted(density) == [4, 8, 12] and all(len(d) == 2 for _, d in density.values())
     for seq_len, layers in density.values():
-        if name == "dense" or seq_len == 256:      # 2 blocks of 128: every index covers the whole triangle
+        if name == "dense" or seq_len == 256:  # 2 blocks of 128: every index covers the whole triangle
             assert layers == pytest.approx([1.0, 1.0])
-        else:                                      # cap 64 = the forced window: block distances 0, 1 + 64 columns
+        else:  # cap 64 = the forced window: block distances 0, 1 + 64 columns
             assert all(0.0 < d < 1.0 for d in layers)
 
 
@@ -270,7 +326,7 @@ def test_report_writes_figures_and_summary(smoke_runs, tmp_path):
     assert "recall >= 0.9 in every layer" in text
     assert "Paired on the same sequences" in text and "| sparse | " in text.split("Paired on the same sequences")[1]
     learned = max(np.mean(row) for row in smoke_runs["dense"]["eval"]["accuracy"]) >= report.LEARNED_ACCURACY
-    assert ("WARNING: dense reaches at most" in text) != learned       # 12 steps hardly learn the task
+    assert ("WARNING: dense reaches at most" in text) != learned  # 12 steps hardly learn the task
     # a run killed before its evaluation still reports (its cells n/a)
     unfinished = dict(smoke_runs["sparse"], run="killed", status="training")
     for key in ("eval", "recall"):
@@ -284,8 +340,21 @@ def test_time_budget_stops_training_and_still_evaluates(tmp_path):
     import train
 
     with one_process_megatron():
-        run = train.main(["--run", "short", "--out", str(tmp_path), "--attention", "dense", "--time-budget-s", "1",
-                          "--eval-reserve-s", "0.9", *SMOKE])
+        run = train.main(
+            [
+                "--run",
+                "short",
+                "--out",
+                str(tmp_path),
+                "--attention",
+                "dense",
+                "--time-budget-s",
+                "1",
+                "--eval-reserve-s",
+                "0.9",
+                *SMOKE,
+            ]
+        )
     saved = json.loads((tmp_path / "short.json").read_text())
     assert saved == json.loads(json.dumps(run))
     assert run["stopped_early"] and run["steps_done"] < run["steps_planned"] and run["status"] == "done"
@@ -299,9 +368,9 @@ def test_schedule_and_phase_parsing():
 
     args = argparse.Namespace(lr=1.0, warmup=10, decay_fraction=0.25, min_lr_ratio=0.1)
     rates = [train.learning_rate(step, 100, args) for step in range(100)]
-    assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)          # linear warm-up
-    assert all(rate == pytest.approx(1.0) for rate in rates[10:76])                     # stable
-    assert all(a > b for a, b in zip(rates[75:], rates[76:])) and rates[-1] < 0.11      # cosine decay
+    assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)  # linear warm-up
+    assert all(rate == pytest.approx(1.0) for rate in rates[10:76])  # stable
+    assert all(a > b for a, b in zip(rates[75:], rates[76:])) and rates[-1] < 0.11  # cosine decay
     assert train.learning_rate(100, 100, args) == pytest.approx(0.1)
     assert train.parse_phases("256x32x10x8,2048x8x5") == [(256, 32, 10, 8), (2048, 8, 5, None)]
     for bad in ("256x32", "300x1x1", "256x0x1", "256x1x1x0", "axbxc"):
@@ -316,12 +385,37 @@ def test_branch_from_checkpoint_continues_the_uninterrupted_run(smoke_runs, tmp_
 
     branches = tmp_path / "runs"
     with one_process_megatron():
-        shared = train.main(["--run", "shared", "--out", str(tmp_path), "--attention", "dense",
-                             "--stop-after-phase", "1", *SMOKE])
-        dense = train.main(["--run", "dense", "--out", str(branches), "--attention", "dense",
-                            "--resume", str(tmp_path / "shared.pt"), *SMOKE])
-        sparse = train.main(["--run", "sparse", "--out", str(branches), "--attention", "mtraining", "--top-p", "0.9",
-                             "--resume", str(tmp_path / "shared.pt"), *SMOKE])
+        shared = train.main(
+            ["--run", "shared", "--out", str(tmp_path), "--attention", "dense", "--stop-after-phase", "1", *SMOKE]
+        )
+        dense = train.main(
+            [
+                "--run",
+                "dense",
+                "--out",
+                str(branches),
+                "--attention",
+                "dense",
+                "--resume",
+                str(tmp_path / "shared.pt"),
+                *SMOKE,
+            ]
+        )
+        sparse = train.main(
+            [
+                "--run",
+                "sparse",
+                "--out",
+                str(branches),
+                "--attention",
+                "mtraining",
+                "--top-p",
+                "0.9",
+                "--resume",
+                str(tmp_path / "shared.pt"),
+                *SMOKE,
+            ]
+        )
     assert shared["status"] == "checkpointed" and shared["steps_done"] == shared["steps_planned"] == 6
     assert "eval" not in shared and (tmp_path / "shared.pt").is_file()
     whole = smoke_runs["dense"]
@@ -339,14 +433,32 @@ def test_branching_rejects_mismatched_or_missing_checkpoints(tmp_path):
     import train
 
     with one_process_megatron():
-        train.main(["--run", "shared", "--out", str(tmp_path), "--attention", "dense", "--stop-after-phase", "1",
-                    *SMOKE])
+        train.main(
+            ["--run", "shared", "--out", str(tmp_path), "--attention", "dense", "--stop-after-phase", "1", *SMOKE]
+        )
         with pytest.raises(ValueError, match=r"'lr': \(0\.003, 0\.002\)"):
-            train.main(["--run", "other", "--out", str(tmp_path), "--attention", "dense",
-                        "--resume", str(tmp_path / "shared.pt"), *SMOKE, "--lr", "2e-3"])
+            train.main(
+                [
+                    "--run",
+                    "other",
+                    "--out",
+                    str(tmp_path),
+                    "--attention",
+                    "dense",
+                    "--resume",
+                    str(tmp_path / "shared.pt"),
+                    *SMOKE,
+                    "--lr",
+                    "2e-3",
+                ]
+            )
     assert not (tmp_path / "other.json").exists()
-    for flags in (["--stop-after-phase", "2"], ["--stop-after-phase", "0"], ["--resume", str(tmp_path / "none.pt")],
-                  ["--stop-after-phase", "1", "--resume", str(tmp_path / "shared.pt")]):
+    for flags in (
+        ["--stop-after-phase", "2"],
+        ["--stop-after-phase", "0"],
+        ["--resume", str(tmp_path / "none.pt")],
+        ["--stop-after-phase", "1", "--resume", str(tmp_path / "shared.pt")],
+    ):
         with pytest.raises(SystemExit):
             train.main(["--run", "x", "--out", str(tmp_path), "--attention", "dense", *SMOKE, *flags])
 
@@ -363,15 +475,15 @@ def test_evaluation_keeps_every_sequence_and_report_pairs_them(smoke_runs):
         assert [sum(c) / evaluation["samples"] for c in by_depth] == row
         assert all(len(c) == evaluation["samples"] and set(c) <= {0, 1} for c in by_depth)
 
-    def run_with(correct):                      # 2 depths x 4 samples at one length
+    def run_with(correct):  # 2 depths x 4 samples at one length
         return {"run": "x", "eval": {"lengths": [512], "depths": [0.0, 1.0], "samples": 4, "correct": [correct]}}
 
     base = run_with([[1, 1, 0, 0], [1, 0, 1, 0]])
-    other = run_with([[1, 0, 0, 1], [1, 0, 1, 1]])          # differences: 0 −1 0 +1 | 0 0 0 +1
+    other = run_with([[1, 0, 0, 1], [1, 0, 1, 1]])  # differences: 0 −1 0 +1 | 0 0 0 +1
     (got,) = report.paired_accuracy(other, base).values()
     diff = np.array([0, -1, 0, 1, 0, 0, 0, 1], dtype=float)
     assert got["delta"] == pytest.approx(100 * diff.mean())
     assert got["half_width"] == pytest.approx(100 * 1.96 * diff.std(ddof=1) / np.sqrt(8))
     assert (got["only_baseline"], got["only_run"], got["n"]) == (1, 2, 8)
     other_depths = {"run": "y", "eval": {"lengths": [512], "depths": [0.0], "samples": 4, "correct": [[[1, 1, 1, 1]]]}}
-    assert report.paired_accuracy(other_depths, base) == {}          # not the same sequences: no pairing
+    assert report.paired_accuracy(other_depths, base) == {}  # not the same sequences: no pairing

@@ -17,10 +17,18 @@ def _random_sorted_list(high: int, max_count: int, width: int, sentinel: int) ->
 
 
 def _random_index(batch, heads, seq_len, max_verticals, max_slashes):
-    v_idx = torch.stack([torch.stack([_random_sorted_list(seq_len, max_verticals, max_verticals + 2, seq_len)
-                                      for _ in range(heads)]) for _ in range(batch)])
-    s_idx = torch.stack([torch.stack([_random_sorted_list(seq_len, max_slashes, max_slashes + 2, seq_len)
-                                      for _ in range(heads)]) for _ in range(batch)])
+    v_idx = torch.stack(
+        [
+            torch.stack([_random_sorted_list(seq_len, max_verticals, max_verticals + 2, seq_len) for _ in range(heads)])
+            for _ in range(batch)
+        ]
+    )
+    s_idx = torch.stack(
+        [
+            torch.stack([_random_sorted_list(seq_len, max_slashes, max_slashes + 2, seq_len) for _ in range(heads)])
+            for _ in range(batch)
+        ]
+    )
     return v_idx, s_idx
 
 
@@ -47,7 +55,8 @@ def test_mask_matches_brute_force_definition(seed, block, num_blocks, heads):
             expected = _brute_force_mask(verticals, slashes, seq_len, block)
             assert torch.equal(mask[b, h], expected), (
                 f"seed={seed} b={b} h={h} verticals={verticals} slashes={slashes}: "
-                f"{int((mask[b, h] != expected).sum())} pairs differ")
+                f"{int((mask[b, h] != expected).sum())} pairs differ"
+            )
 
 
 @pytest.mark.parametrize("block, num_blocks", [(8, 6), (16, 5), (128, 3)])
@@ -73,8 +82,12 @@ def test_slash_band_touches_one_or_two_block_distances():
     # s = a·B + t switches on distance a, and a + 1 when t > 0 (B = 128, 4 blocks, sentinel 512)
     s_idx = torch.tensor([[[128, 512], [130, 512], [127, 512], [512, 512]]], dtype=torch.int32)
     hits = slash_block_hits(s_idx, 4).tolist()[0]
-    assert hits == [[True, True, False, False], [True, True, True, False],
-                    [True, True, False, False], [True, False, False, False]]
+    assert hits == [
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, True, False, False],
+        [True, False, False, False],
+    ]
 
 
 def test_full_pattern_equals_dense_causal_sdpa(seed):
@@ -90,7 +103,7 @@ def test_full_pattern_equals_dense_causal_sdpa(seed):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     dense = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).transpose(1, 2)
     dense_grads = torch.autograd.grad(dense, (q, k, v), dout)
-    scores = (qt @ kt.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)) * dim ** -0.5
+    scores = (qt @ kt.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)) * dim**-0.5
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
     dense_lse = scores.masked_fill(~causal, float("-inf")).logsumexp(-1)
 
@@ -116,7 +129,7 @@ def test_empty_rows_have_zero_output_and_finite_gradients(seed):
     out, lse = reference_sparse_attention(q, k, v, mask)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
 
-    out_bh = out.transpose(1, 2)                                             # [b, H, N, d]
+    out_bh = out.transpose(1, 2)  # [b, H, N, d]
     assert torch.equal(out_bh[empty], torch.zeros_like(out_bh[empty])), f"seed={seed}"
     assert torch.equal(lse[empty], torch.full_like(lse[empty], float("-inf"))), f"seed={seed}"
     assert torch.equal(dq.transpose(1, 2)[empty], torch.zeros_like(out_bh[empty])), f"seed={seed}"
@@ -124,11 +137,12 @@ def test_empty_rows_have_zero_output_and_finite_gradients(seed):
         assert torch.isfinite(grad).all(), f"seed={seed}: {name} has non-finite entries"
 
     # non-empty rows against an independent masked softmax
-    scores = (q.detach().transpose(1, 2) @ k.detach().transpose(1, 2).transpose(-1, -2)) * dim ** -0.5
+    scores = (q.detach().transpose(1, 2) @ k.detach().transpose(1, 2).transpose(-1, -2)) * dim**-0.5
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     expected = probs @ v.detach().transpose(1, 2)
-    torch.testing.assert_close(out_bh.detach()[~empty], expected[~empty], rtol=1e-10, atol=1e-12,
-                               msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        out_bh.detach()[~empty], expected[~empty], rtol=1e-10, atol=1e-12, msg=lambda m: f"seed={seed}: {m}"
+    )
 
 
 @pytest.mark.parametrize("split", ["halves", "random"])
@@ -139,7 +153,7 @@ def test_merge_of_disjoint_key_sets_equals_attention_over_union(seed, split):
     v = torch.randn(batch, seq_len, heads, dim, dtype=torch.float64)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
     union = (torch.rand(batch, heads, seq_len, seq_len) < 0.5) & causal
-    union[..., : seq_len // 4, :] = False                                    # some rows see nothing at all
+    union[..., : seq_len // 4, :] = False  # some rows see nothing at all
     if split == "halves":
         first = (torch.arange(seq_len) < seq_len // 2).expand(seq_len, seq_len)
     else:
@@ -151,10 +165,12 @@ def test_merge_of_disjoint_key_sets_equals_attention_over_union(seed, split):
 
     for a, b in (((out0, lse0), (out1, lse1)), ((out1, lse1), (out0, lse0))):
         merged_out, merged_lse = merge_attention(*a, *b)
-        torch.testing.assert_close(merged_out, expected_out, rtol=1e-10, atol=1e-12,
-                                   msg=lambda m: f"seed={seed} out: {m}")
-        torch.testing.assert_close(merged_lse, expected_lse, rtol=1e-10, atol=1e-12,
-                                   msg=lambda m: f"seed={seed} lse: {m}")
+        torch.testing.assert_close(
+            merged_out, expected_out, rtol=1e-10, atol=1e-12, msg=lambda m: f"seed={seed} out: {m}"
+        )
+        torch.testing.assert_close(
+            merged_lse, expected_lse, rtol=1e-10, atol=1e-12, msg=lambda m: f"seed={seed} lse: {m}"
+        )
 
     # rows empty on both sides keep (out0, −inf) bit for bit
     poison = torch.full_like(out0, 7.0)

@@ -24,13 +24,23 @@ def _inputs(seed):
     return q, k, v, dout, convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, SEQ_LEN)
 
 
-CALLS = {   # name: (index → attention(q, k, v, replay_output) → (out, lse), module, forward launcher)
-    "sparse": (lambda index: lambda q, k, v, replay: sparse_attention(q, k, v, index, backend="torch_blocksparse",
-                                                                      return_lse=True, replay_output=replay),
-               torch_backend, "block_bar_forward"),
-    "dense": (lambda index: lambda q, k, v, replay: dense_attention(q, k, v, impl="flash", return_lse=True,
-                                                                    replay_output=replay),
-              sdpa_backend, "attention_forward"),
+CALLS = {  # name: (index → attention(q, k, v, replay_output) → (out, lse), module, forward launcher)
+    "sparse": (
+        lambda index: (
+            lambda q, k, v, replay: sparse_attention(
+                q, k, v, index, backend="torch_blocksparse", return_lse=True, replay_output=replay
+            )
+        ),
+        torch_backend,
+        "block_bar_forward",
+    ),
+    "dense": (
+        lambda index: (
+            lambda q, k, v, replay: dense_attention(q, k, v, impl="flash", return_lse=True, replay_output=replay)
+        ),
+        sdpa_backend,
+        "attention_forward",
+    ),
 }
 
 
@@ -39,18 +49,22 @@ def test_replay_gives_the_same_output_and_gradients_without_a_forward(seed, call
     q, k, v, dout, index = _inputs(seed)
     build, module, launcher = CALLS[call]
     attention = build(index)
-    assert replay_matches(attention, (q, k, v), dout, module, launcher), \
+    assert replay_matches(attention, (q, k, v), dout, module, launcher), (
         f"seed={seed} {call}: the replayed call differs"
+    )
 
 
 @pytest.mark.parametrize("call", list(CALLS))
-@pytest.mark.parametrize("bad, message", [
-    (lambda q: q[0], "replay_output must be the \\(out, lse\\) pair"),
-    (lambda q: (q[..., :16].contiguous(), torch.zeros(1, HEADS, SEQ_LEN)), "replay_output out \\(1, 512, 4, 16\\)"),
-    (lambda q: (q.double(), torch.zeros(1, HEADS, SEQ_LEN)), "torch.float64 on cpu must match q"),
-    (lambda q: (q.clone(), torch.zeros(1, SEQ_LEN, HEADS)), "replay_output lse \\(1, 512, 4\\)"),
-    (lambda q: (q.clone(), torch.zeros(1, HEADS, SEQ_LEN, dtype=torch.int32)), "must be a float"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda q: q[0], "replay_output must be the \\(out, lse\\) pair"),
+        (lambda q: (q[..., :16].contiguous(), torch.zeros(1, HEADS, SEQ_LEN)), "replay_output out \\(1, 512, 4, 16\\)"),
+        (lambda q: (q.double(), torch.zeros(1, HEADS, SEQ_LEN)), "torch.float64 on cpu must match q"),
+        (lambda q: (q.clone(), torch.zeros(1, SEQ_LEN, HEADS)), "replay_output lse \\(1, 512, 4\\)"),
+        (lambda q: (q.clone(), torch.zeros(1, HEADS, SEQ_LEN, dtype=torch.int32)), "must be a float"),
+    ],
+)
 def test_bad_replay_output_is_refused(call, bad, message):
     q, k, v, _, index = _inputs(0)
     with pytest.raises(ValueError, match=message):

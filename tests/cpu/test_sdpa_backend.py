@@ -47,10 +47,10 @@ def _steps(q, k, v, dout, causal, scale):
 
 
 SHAPES = [  # (b, Nq, Nk, Hq, Hkv, d, causal)
-    (2, 96, 96, 4, 4, 32, True),      # causal, MHA
-    (1, 160, 160, 8, 2, 64, True),    # causal, GQA 4:1
-    (2, 48, 96, 4, 4, 16, False),     # full rectangle (a ring step's second-chunk queries), MHA
-    (1, 96, 48, 8, 2, 64, False),     # full rectangle (all queries against one chunk), GQA 4:1
+    (2, 96, 96, 4, 4, 32, True),  # causal, MHA
+    (1, 160, 160, 8, 2, 64, True),  # causal, GQA 4:1
+    (2, 48, 96, 4, 4, 16, False),  # full rectangle (a ring step's second-chunk queries), MHA
+    (1, 96, 48, 8, 2, 64, False),  # full rectangle (all queries against one chunk), GQA 4:1
 ]
 IDS = [f"{'causal' if s[-1] else 'full'}-{s[1]}x{s[2]}-gqa{s[3] // s[4]}-d{s[5]}" for s in SHAPES]
 
@@ -58,7 +58,7 @@ IDS = [f"{'causal' if s[-1] else 'full'}-{s[1]}x{s[2]}-gqa{s[3] // s[4]}-d{s[5]}
 @pytest.mark.parametrize("b, nq, nk, hq, hkv, d, causal", SHAPES, ids=IDS)
 def test_fp64_steps_match_the_fp64_reference(seed, b, nq, nk, hq, hkv, d, causal):
     q, k, v, dout = _inputs(seed, b, nq, nk, hq, hkv, d, torch.float64)
-    scale = 0.7 * d ** -0.5
+    scale = 0.7 * d**-0.5
     ours = _steps(q, k, v, dout, causal, scale)
     ref = _reference(q, k, v, dout, _mask(nq, nk, causal), torch.float64, scale)
     assert ours[1].dtype == torch.float64 and ours[1].shape == (b, hq, nq) and ours[1].is_contiguous()
@@ -70,7 +70,7 @@ def test_fp64_steps_match_the_fp64_reference(seed, b, nq, nk, hq, hkv, d, causal
 @pytest.mark.parametrize("b, nq, nk, hq, hkv, d, causal", SHAPES, ids=IDS)
 def test_bf16_steps_pass_the_fa_rule(seed, b, nq, nk, hq, hkv, d, causal):
     q, k, v, dout = _inputs(seed, b, nq, nk, hq, hkv, d, torch.bfloat16)
-    scale = d ** -0.5
+    scale = d**-0.5
     ours = _steps(q, k, v, dout, causal, scale)
     assert ours[1].dtype == torch.float32, "lse must be fp32 for low-precision inputs"
     assert all(x.dtype == torch.bfloat16 for i, x in enumerate(ours) if i != 1)
@@ -86,20 +86,25 @@ def test_backward_step_with_the_final_out_and_lse_gives_the_partial_gradients(se
     backward step run with the merged out/lse; the gradient sums equal the whole attention's."""
     b, n, hq, hkv, d = 1, 64, 8, 2, 16
     q, k_all, v_all, dout = _inputs(seed, b, n, 2 * n, hq, hkv, d, torch.float64)
-    scale = d ** -0.5
+    scale = d**-0.5
     # queries are the second half of a causal 2n sequence: keys [0, n) full, keys [n, 2n) causal
     past, present = slice(0, n), slice(n, 2 * n)
-    out_p, lse_p = sdpa_backend.attention_forward(q, k_all[:, past], v_all[:, past], causal=False,
-                                                  softmax_scale=scale, impl="flash")
-    out_c, lse_c = sdpa_backend.attention_forward(q, k_all[:, present], v_all[:, present], causal=True,
-                                                  softmax_scale=scale, impl="flash")
+    out_p, lse_p = sdpa_backend.attention_forward(
+        q, k_all[:, past], v_all[:, past], causal=False, softmax_scale=scale, impl="flash"
+    )
+    out_c, lse_c = sdpa_backend.attention_forward(
+        q, k_all[:, present], v_all[:, present], causal=True, softmax_scale=scale, impl="flash"
+    )
     lse = torch.logaddexp(lse_p, lse_c)
-    out = (out_p * (lse_p - lse).exp().transpose(1, 2)[..., None]
-           + out_c * (lse_c - lse).exp().transpose(1, 2)[..., None])
-    dq_p, dk_p, dv_p = sdpa_backend.attention_backward(dout, q, k_all[:, past], v_all[:, past], out, lse,
-                                                       causal=False, softmax_scale=scale, impl="flash")
-    dq_c, dk_c, dv_c = sdpa_backend.attention_backward(dout, q, k_all[:, present], v_all[:, present], out, lse,
-                                                       causal=True, softmax_scale=scale, impl="flash")
+    out = (
+        out_p * (lse_p - lse).exp().transpose(1, 2)[..., None] + out_c * (lse_c - lse).exp().transpose(1, 2)[..., None]
+    )
+    dq_p, dk_p, dv_p = sdpa_backend.attention_backward(
+        dout, q, k_all[:, past], v_all[:, past], out, lse, causal=False, softmax_scale=scale, impl="flash"
+    )
+    dq_c, dk_c, dv_c = sdpa_backend.attention_backward(
+        dout, q, k_all[:, present], v_all[:, present], out, lse, causal=True, softmax_scale=scale, impl="flash"
+    )
     mask = torch.cat([torch.ones(n, n, dtype=torch.bool), _mask(n, n, True)], dim=1)
     ref = _reference(q, k_all, v_all, dout, mask, torch.float64, scale)
     ours = (out, lse, dq_p + dq_c, torch.cat([dk_p, dk_c], 1), torch.cat([dv_p, dv_c], 1))
@@ -114,7 +119,7 @@ def test_dense_attention_autograd_matches_the_reference(seed, hkv):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = dense_attention(*leaves, impl="flash", return_lse=True)
     out.backward(dout)
-    ref = _reference(q, k, v, dout, _mask(n, n, True), torch.float64, d ** -0.5)
+    ref = _reference(q, k, v, dout, _mask(n, n, True), torch.float64, d**-0.5)
     ours = (out.detach(), lse, *(x.grad for x in leaves))
     assert not lse.requires_grad
     for name, a, r in zip(NAMES, ours, ref):
@@ -123,30 +128,40 @@ def test_dense_attention_autograd_matches_the_reference(seed, hkv):
 
 # ------------------------------------------------------------------------------------------ refusals
 def _qkv(dtype=torch.float32, heads=4, kv_heads=2, nq=32, nk=32, d=16):
-    return (torch.zeros(1, nq, heads, d, dtype=dtype), torch.zeros(1, nk, kv_heads, d, dtype=dtype),
-            torch.zeros(1, nk, kv_heads, d, dtype=dtype))
+    return (
+        torch.zeros(1, nq, heads, d, dtype=dtype),
+        torch.zeros(1, nk, kv_heads, d, dtype=dtype),
+        torch.zeros(1, nk, kv_heads, d, dtype=dtype),
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(impl="math"), r"impl='math' is unknown; use one of \('cudnn', 'flash'\)"),
-    (dict(impl="cudnn"), r"impl='cudnn' needs CUDA tensors, got CPU tensors; .*use impl='flash'"),
-    (dict(qkv=_qkv(dtype=torch.int32)), r"q has dtype torch\.int32; on CPU use one of \(torch\.float32"),
-    (dict(qkv=_qkv(heads=3)), r"query heads 3 are not divisible by KV heads 2; use Hq a multiple of Hkv"),
-    (dict(qkv=_qkv(nq=16)), r"causal=True needs as many queries as keys, got Nq=16, Nk=32"),
-    (dict(qkv=(*_qkv()[:2], torch.zeros(1, 32, 2, 16, dtype=torch.float64))),
-     r"q, k, v must share dtype and device, got torch\.float32/torch\.float32/torch\.float64"),
-    (dict(scale=0.0), r"softmax_scale=0\.0 must be a finite positive number"),
-    (dict(qkv=tuple(t.to("meta") for t in _qkv())), r"tensors on device meta are unsupported; use CUDA tensors"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(impl="math"), r"impl='math' is unknown; use one of \('cudnn', 'flash'\)"),
+        (dict(impl="cudnn"), r"impl='cudnn' needs CUDA tensors, got CPU tensors; .*use impl='flash'"),
+        (dict(qkv=_qkv(dtype=torch.int32)), r"q has dtype torch\.int32; on CPU use one of \(torch\.float32"),
+        (dict(qkv=_qkv(heads=3)), r"query heads 3 are not divisible by KV heads 2; use Hq a multiple of Hkv"),
+        (dict(qkv=_qkv(nq=16)), r"causal=True needs as many queries as keys, got Nq=16, Nk=32"),
+        (
+            dict(qkv=(*_qkv()[:2], torch.zeros(1, 32, 2, 16, dtype=torch.float64))),
+            r"q, k, v must share dtype and device, got torch\.float32/torch\.float32/torch\.float64",
+        ),
+        (dict(scale=0.0), r"softmax_scale=0\.0 must be a finite positive number"),
+        (dict(qkv=tuple(t.to("meta") for t in _qkv())), r"tensors on device meta are unsupported; use CUDA tensors"),
+    ],
+)
 def test_unsupported_inputs_are_refused(change, message):
     q, k, v = change.get("qkv", _qkv())
     with pytest.raises(ValueError, match=message):
-        sdpa_backend.attention_forward(q, k, v, causal=True, softmax_scale=change.get("scale", 0.25),
-                                       impl=change.get("impl", "flash"))
+        sdpa_backend.attention_forward(
+            q, k, v, causal=True, softmax_scale=change.get("scale", 0.25), impl=change.get("impl", "flash")
+        )
 
 
 def test_backward_refuses_an_lse_of_another_shape():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"lse must have shape \(1, 4, 32\) \[b, Hq, Nq\], got \(1, 32, 4\)"):
-        sdpa_backend.attention_backward(q, q, k, v, q, torch.zeros(1, 32, 4), causal=True, softmax_scale=0.25,
-                                        impl="flash")
+        sdpa_backend.attention_backward(
+            q, q, k, v, q, torch.zeros(1, 32, 4), causal=True, softmax_scale=0.25, impl="flash"
+        )

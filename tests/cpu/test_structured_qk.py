@@ -45,8 +45,8 @@ def test_planted_columns_and_band(seed):
     pair = [dim // 2 - 1, dim - 1]
     for head in range(4):
         k_pair = k[0, :, head // 2][:, pair]
-        column = (q[0, -64:, head][:, pair] @ k_pair.T / math.sqrt(dim)).mean(0)      # [N]
-        hubs = (k_pair[SINKS:].norm(dim=-1) >= 8).nonzero().flatten() + SINKS          # noise alone: < 8
+        column = (q[0, -64:, head][:, pair] @ k_pair.T / math.sqrt(dim)).mean(0)  # [N]
+        hubs = (k_pair[SINKS:].norm(dim=-1) >= 8).nonzero().flatten() + SINKS  # noise alone: < 8
         plain = torch.ones(seq_len, dtype=torch.bool)
         plain[:SINKS] = plain[hubs] = False
         assert len(hubs) == seq_len // HUB_EVERY, f"seed={seed}: {len(hubs)} hubs"
@@ -69,7 +69,8 @@ def test_top_p_pattern_is_sparse_on_structured_and_dense_on_random_inputs(seed, 
     random_index = estimate_vertical_slash(q_random, k_random, TopPBudget(p))
     random = mask_density(random_index.v_idx, random_index.s_idx, seq_len)
     assert structured < (0.4 if p == 0.9 else 0.7) and random > 0.8, (
-        f"seed={seed} p={p}: density {structured:.3f} vs random {random:.3f}")
+        f"seed={seed} p={p}: density {structured:.3f} vs random {random:.3f}"
+    )
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 128), (4, 2, 127), (4, 2, 64)])

@@ -31,7 +31,7 @@ def make_index(batch, heads, seq_len, pattern, verticals=24, slashes=12):
     for _ in range(batch * heads):
         v = torch.randperm(seq_len)[: int(torch.randint(0, verticals + 1, ()))]
         s = torch.randperm(seq_len)[: int(torch.randint(0, slashes + 1, ()))]
-        if pattern == "mixed":                       # with the forced sinks and local window of §2.1
+        if pattern == "mixed":  # with the forced sinks and local window of §2.1
             v, s = torch.cat([torch.arange(30), v]), torch.cat([torch.arange(100), s])
         if pattern in ("slashes", "diagonal"):
             v = v[:0]
@@ -59,14 +59,40 @@ def reference_with_grads(q, k, v, mask, dout, compute_dtype=None):
 
 
 def run_step_forward(q, k, v, index, source, out, lse, causal_diag):
-    block_bar_forward(q, k, v, index.blk_ptr[source], index.blk_col, index.bar_ptr[source], index.bar_col,
-                      out, lse, causal_diag=causal_diag, softmax_scale=q.shape[-1] ** -0.5)
+    block_bar_forward(
+        q,
+        k,
+        v,
+        index.blk_ptr[source],
+        index.blk_col,
+        index.bar_ptr[source],
+        index.bar_col,
+        out,
+        lse,
+        causal_diag=causal_diag,
+        softmax_scale=q.shape[-1] ** -0.5,
+    )
 
 
 def run_step_backward(q, k, v, dout, lse, delta, index, source, dq, dk, dv, causal_diag, deterministic=False):
-    block_bar_backward(q, k, v, dout, lse, delta, index.blk_ptr[source], index.blk_col, index.bar_ptr[source],
-                       index.bar_col, dq, dk, dv, causal_diag=causal_diag,
-                       softmax_scale=q.shape[-1] ** -0.5, deterministic=deterministic)
+    block_bar_backward(
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        index.blk_ptr[source],
+        index.blk_col,
+        index.bar_ptr[source],
+        index.bar_col,
+        dq,
+        dk,
+        dv,
+        causal_diag=causal_diag,
+        softmax_scale=q.shape[-1] ** -0.5,
+        deterministic=deterministic,
+    )
 
 
 def single_device(q, k, v, dout, index):
@@ -105,14 +131,14 @@ def assert_all_finite(seed, **tensors):
 # ---------------------------------------------------------------------------------------- launchers
 SHAPES = [
     # batch, query blocks, Hq, Hkv, d, pattern
-    (1, 3, 4, 4, 64, "mixed"),         # MHA
-    (2, 4, 8, 2, 32, "mixed"),         # GQA 4:1
-    (1, 3, 8, 1, 128, "mixed"),        # GQA 8:1, d = 128
-    (1, 2, 5, 5, 24, "verticals"),     # odd head count, verticals only
-    (2, 2, 5, 1, 17, "slashes"),       # odd heads 5:1, odd d, slashes only
-    (1, 11, 2, 1, 16, "mixed"),        # 11 blocks
+    (1, 3, 4, 4, 64, "mixed"),  # MHA
+    (2, 4, 8, 2, 32, "mixed"),  # GQA 4:1
+    (1, 3, 8, 1, 128, "mixed"),  # GQA 8:1, d = 128
+    (1, 2, 5, 5, 24, "verticals"),  # odd head count, verticals only
+    (2, 2, 5, 1, 17, "slashes"),  # odd heads 5:1, odd d, slashes only
+    (1, 11, 2, 1, 16, "mixed"),  # 11 blocks
     (1, 4, 3, 3, 64, "full"),
-    (2, 3, 2, 2, 64, "diagonal"),      # empty index: diagonal blocks only
+    (2, 3, 2, 2, 64, "diagonal"),  # empty index: diagonal blocks only
 ]
 
 
@@ -139,8 +165,9 @@ def test_launchers_match_reference(seed, dtype, batch, blocks, heads, kv_heads, 
             assert_fa_rule(name, x, ref, low, 2.0**-20, seed)
 
 
-@pytest.mark.parametrize("kind, world", [("contiguous", 2), ("striped", 2), ("contiguous", 3),
-                                         ("striped", 3), ("zigzag", 2)])
+@pytest.mark.parametrize(
+    "kind, world", [("contiguous", 2), ("striped", 2), ("contiguous", 3), ("striped", 3), ("zigzag", 2)]
+)
 def test_ring_of_steps_matches_reference_on_gathered_sequence(seed, kind, world):
     """Every rank merges W source steps into one (out, lse), then replays them backward; dk/dv of a
     source accumulate over all query ranks — exactly what the ring does."""
@@ -150,8 +177,9 @@ def test_ring_of_steps_matches_reference_on_gathered_sequence(seed, kind, world)
     q, k, v = make_qkv(batch, seq_len, heads, kv_heads, dim, torch.float64)
     dout = torch.randn(batch, seq_len, heads, dim, dtype=torch.float64)
     v_idx, s_idx = make_index(batch, heads, seq_len, "mixed", verticals=40, slashes=20)
-    shards = {name: [layout.shard(x, r) for r in range(world)] for name, x in
-              (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    shards = {
+        name: [layout.shard(x, r) for r in range(world)] for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout))
+    }
     indexes = [convert_index(v_idx, s_idx, layout, r, seq_len) for r in range(world)]
 
     outs, lses = [], []
@@ -160,8 +188,16 @@ def test_ring_of_steps_matches_reference_on_gathered_sequence(seed, kind, world)
         lse = torch.full((batch, heads, seq_len // world), float("-inf"), dtype=torch.float64)
         for step in range(world):
             source = index.source_for_step(step)
-            run_step_forward(shards["q"][rank], shards["k"][source], shards["v"][source], index, source,
-                             out, lse, causal_diag=source == rank)
+            run_step_forward(
+                shards["q"][rank],
+                shards["k"][source],
+                shards["v"][source],
+                index,
+                source,
+                out,
+                lse,
+                causal_diag=source == rank,
+            )
         outs.append(out)
         lses.append(lse)
 
@@ -172,18 +208,35 @@ def test_ring_of_steps_matches_reference_on_gathered_sequence(seed, kind, world)
         delta = (outs[rank] * shards["dout"][rank]).sum(-1).transpose(1, 2).contiguous()
         for step in range(world):
             source = index.source_for_step(step)
-            run_step_backward(shards["q"][rank], shards["k"][source], shards["v"][source], shards["dout"][rank],
-                              lses[rank], delta, index, source, dqs[rank], dks[source], dvs[source],
-                              causal_diag=source == rank)
+            run_step_backward(
+                shards["q"][rank],
+                shards["k"][source],
+                shards["v"][source],
+                shards["dout"][rank],
+                lses[rank],
+                delta,
+                index,
+                source,
+                dqs[rank],
+                dks[source],
+                dvs[source],
+                causal_diag=source == rank,
+            )
 
-    gathered = (layout.unshard(outs), layout.unshard(lses, dim=2), layout.unshard(dqs), layout.unshard(dks),
-                layout.unshard(dvs))
+    gathered = (
+        layout.unshard(outs),
+        layout.unshard(lses, dim=2),
+        layout.unshard(dqs),
+        layout.unshard(dks),
+        layout.unshard(dvs),
+    )
     mask = vertical_slash_mask(v_idx, s_idx, seq_len)
     ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, mask, dout)
     for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), gathered, (ref_out, ref_lse, *ref_grads)):
         assert torch.isfinite(x).all(), f"seed={seed} {kind} W={world}: {name} has non-finite entries"
-        torch.testing.assert_close(x, ref, rtol=1e-9, atol=1e-11,
-                                   msg=lambda m: f"seed={seed} {kind} W={world} {name}: {m}")
+        torch.testing.assert_close(
+            x, ref, rtol=1e-9, atol=1e-11, msg=lambda m: f"seed={seed} {kind} W={world} {name}: {m}"
+        )
 
 
 def test_rows_without_work_are_left_bit_identical(seed):
@@ -192,8 +245,8 @@ def test_rows_without_work_are_left_bit_identical(seed):
     layout, batch, heads, dim = Layout("contiguous", 2), 1, 4, 32
     seq_len = 4 * BLOCK
     v_idx, s_idx = make_index(batch, heads, seq_len, "verticals", verticals=6)
-    v_idx[0, 0] = seq_len                                     # head 0: no verticals → no work at all
-    v_idx[0, 1, 0] = 7                                        # head 1: surely a bar in source 0
+    v_idx[0, 0] = seq_len  # head 0: no verticals → no work at all
+    v_idx[0, 1, 0] = 7  # head 1: surely a bar in source 0
     index = convert_index(v_idx, s_idx, layout, 1, seq_len)
     q = torch.randn(batch, seq_len // 2, heads, dim, dtype=torch.float64)
     k, v = (torch.randn(batch, seq_len // 2, heads, dim, dtype=torch.float64) for _ in range(2))
@@ -218,8 +271,9 @@ def test_rows_without_work_are_left_bit_identical(seed):
     run_step_forward(q, k, v, index0, 1, out, lse, causal_diag=False)
     grads = [torch.randn_like(x) for x in (q, k, v)]
     before = [g.clone() for g in grads]
-    run_step_backward(q, k, v, torch.randn_like(q), prev_lse, torch.randn_like(prev_lse), index0, 1, *grads,
-                      causal_diag=False)
+    run_step_backward(
+        q, k, v, torch.randn_like(q), prev_lse, torch.randn_like(prev_lse), index0, 1, *grads, causal_diag=False
+    )
     assert torch.equal(out, prev_out) and torch.equal(lse, prev_lse), f"seed={seed}"
     assert all(torch.equal(g, b) for g, b in zip(grads, before)), f"seed={seed}"
 
@@ -230,7 +284,7 @@ def test_chunked_rows_match_one_chunk(seed, monkeypatch):
     dout = torch.randn_like(q)
     index = convert_index(*make_index(batch, heads, seq_len, "mixed"), SINGLE, 0, seq_len)
     whole = single_device(q, k, v, dout, index)
-    monkeypatch.setattr(torch_backend, "SCORE_ELEMENTS_PER_CHUNK", BLOCK * 64)   # one query block per chunk
+    monkeypatch.setattr(torch_backend, "SCORE_ELEMENTS_PER_CHUNK", BLOCK * 64)  # one query block per chunk
     chunked = single_device(q, k, v, dout, index)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), chunked, whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13, msg=lambda m: f"seed={seed} {name}: {m}")
@@ -253,26 +307,40 @@ def _valid_step_args():
     index = convert_index(*make_index(1, heads, seq_len, "mixed"), SINGLE, 0, seq_len)
     out = torch.zeros(q.shape)
     lse = torch.full((1, heads, seq_len), float("-inf"))
-    return dict(q=q, k=k, v=v, blk_ptr=index.blk_ptr[0], blk_col=index.blk_col, bar_ptr=index.bar_ptr[0],
-                bar_col=index.bar_col, out=out, lse=lse)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        blk_ptr=index.blk_ptr[0],
+        blk_col=index.blk_col,
+        bar_ptr=index.bar_ptr[0],
+        bar_col=index.bar_col,
+        out=out,
+        lse=lse,
+    )
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda a: a.update(q=a["q"].half()), "dtypes differ"),
-    (lambda a: a.update(q=a["q"].int(), k=a["k"].int(), v=a["v"].int()), "q has dtype"),
-    (lambda a: a.update(k=a["k"][:, :, :1].repeat(1, 1, 3, 1), v=a["v"][:, :, :1].repeat(1, 1, 3, 1)),
-     "multiple of KV heads"),
-    (lambda a: a.update(q=a["q"][:, :200], out=a["out"][:, :200]), "multiple of the block size"),
-    (lambda a: a.update(k=a["k"][:, :BLOCK], v=a["v"][:, :BLOCK]), "must equal q length"),
-    (lambda a: a.update(blk_ptr=a["blk_ptr"].long()), "blk_ptr must be an int32"),
-    (lambda a: a.update(bar_ptr=a["bar_ptr"][:, :, :2]), "bar_ptr must have shape"),
-    (lambda a: a.update(blk_col=a["blk_col"] + 4), "blk_col holds sub-tile indices"),
-    (lambda a: a.update(blk_col=a["blk_col"].view(-1, 2).flip(1).reshape(-1)), "sub-tile pair 2j, 2j\\+1"),
-    (lambda a: a.update(blk_ptr=a["blk_ptr"].flip(-1).contiguous()), "non-decreasing"),
-    (lambda a: a.update(out=a["out"].double()), "out has dtype"),
-    (lambda a: a.update(out=a["out"].transpose(1, 2).contiguous().transpose(1, 2)), "out must be contiguous"),
-    (lambda a: a.update(lse=a["lse"][:, :1]), "lse must have shape"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(q=a["q"].half()), "dtypes differ"),
+        (lambda a: a.update(q=a["q"].int(), k=a["k"].int(), v=a["v"].int()), "q has dtype"),
+        (
+            lambda a: a.update(k=a["k"][:, :, :1].repeat(1, 1, 3, 1), v=a["v"][:, :, :1].repeat(1, 1, 3, 1)),
+            "multiple of KV heads",
+        ),
+        (lambda a: a.update(q=a["q"][:, :200], out=a["out"][:, :200]), "multiple of the block size"),
+        (lambda a: a.update(k=a["k"][:, :BLOCK], v=a["v"][:, :BLOCK]), "must equal q length"),
+        (lambda a: a.update(blk_ptr=a["blk_ptr"].long()), "blk_ptr must be an int32"),
+        (lambda a: a.update(bar_ptr=a["bar_ptr"][:, :, :2]), "bar_ptr must have shape"),
+        (lambda a: a.update(blk_col=a["blk_col"] + 4), "blk_col holds sub-tile indices"),
+        (lambda a: a.update(blk_col=a["blk_col"].view(-1, 2).flip(1).reshape(-1)), "sub-tile pair 2j, 2j\\+1"),
+        (lambda a: a.update(blk_ptr=a["blk_ptr"].flip(-1).contiguous()), "non-decreasing"),
+        (lambda a: a.update(out=a["out"].double()), "out has dtype"),
+        (lambda a: a.update(out=a["out"].transpose(1, 2).contiguous().transpose(1, 2)), "out must be contiguous"),
+        (lambda a: a.update(lse=a["lse"][:, :1]), "lse must have shape"),
+    ],
+)
 def test_forward_rejects_bad_inputs(change, message):
     args = _valid_step_args()
     change(args)
@@ -289,14 +357,36 @@ def test_forward_rejects_bad_scale_and_backward_rejects_bad_buffers():
     q, k, v, lse = args["q"], args["k"], args["v"], args["lse"]
     lists = (args["blk_ptr"], args["blk_col"], args["bar_ptr"], args["bar_col"])
     grads = dict(dq=torch.zeros(q.shape), dk=torch.zeros(k.shape), dv=torch.zeros(v.shape))
-    for name, bad, message in (("dk", torch.zeros(k.shape, dtype=torch.bfloat16), "dk has dtype"),
-                               ("dq", torch.zeros(2, *q.shape[1:]), "dq must have shape")):
+    for name, bad, message in (
+        ("dk", torch.zeros(k.shape, dtype=torch.bfloat16), "dk has dtype"),
+        ("dq", torch.zeros(2, *q.shape[1:]), "dq must have shape"),
+    ):
         with pytest.raises(ValueError, match=message):
-            block_bar_backward(q, k, v, torch.zeros_like(q), lse, torch.zeros_like(lse), *lists,
-                               **{**grads, name: bad}, causal_diag=True, softmax_scale=0.3)
+            block_bar_backward(
+                q,
+                k,
+                v,
+                torch.zeros_like(q),
+                lse,
+                torch.zeros_like(lse),
+                *lists,
+                **{**grads, name: bad},
+                causal_diag=True,
+                softmax_scale=0.3,
+            )
     with pytest.raises(ValueError, match="dout"):
-        block_bar_backward(q, k, v, torch.zeros(q.shape, dtype=torch.float16), lse, torch.zeros_like(lse), *lists,
-                           **grads, causal_diag=True, softmax_scale=0.3)
+        block_bar_backward(
+            q,
+            k,
+            v,
+            torch.zeros(q.shape, dtype=torch.float16),
+            lse,
+            torch.zeros_like(lse),
+            *lists,
+            **grads,
+            causal_diag=True,
+            softmax_scale=0.3,
+        )
 
 
 # ---------------------------------------------------------------------------------------- interface
@@ -320,8 +410,9 @@ def test_full_pattern_equals_dense_causal_sdpa(seed, heads, kv_heads):
     out = torch_block_sparse_attention(q, k, v, *full_index(batch, heads, seq_len))
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    dense = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True,
-                                           enable_gqa=True).transpose(1, 2)
+    dense = F.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     dense_grads = torch.autograd.grad(dense, (q, k, v), dout)
     for name, x, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (dense, *dense_grads)):
         torch.testing.assert_close(x, ref, rtol=1e-9, atol=1e-11, msg=lambda m: f"seed={seed} {name}: {m}")
@@ -342,8 +433,12 @@ def test_low_precision_meets_fa_rule(seed, dtype, heads, kv_heads, dim):
     ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, mask, dout, torch.float32)
     low_out, low_lse, low_grads = reference_with_grads(q, k, v, mask, dout, dtype)
     eps_rel = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
-    for name, x, ref, low in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
-                                 (ref_out, ref_lse, *ref_grads), (low_out, low_lse, *low_grads)):
+    for name, x, ref, low in zip(
+        ("out", "lse", "dq", "dk", "dv"),
+        (out, lse, *grads),
+        (ref_out, ref_lse, *ref_grads),
+        (low_out, low_lse, *low_grads),
+    ):
         assert_fa_rule(name, x, ref, low, eps_rel, seed)
         assert_rmse(name, x, ref, seed)
 
@@ -353,8 +448,9 @@ def test_interface_backward_is_deterministic(seed):
     q, k, v = (x.requires_grad_() for x in make_qkv(batch, seq_len, heads, kv_heads, dim, torch.bfloat16))
     index = convert_index(*make_index(batch, heads, seq_len, "mixed"), SINGLE, 0, seq_len)
     dout = torch.randn(batch, seq_len, heads, dim, dtype=torch.bfloat16)
-    runs = [torch.autograd.grad(sparse_attention(q, k, v, index, deterministic=True), (q, k, v), dout)
-            for _ in range(2)]
+    runs = [
+        torch.autograd.grad(sparse_attention(q, k, v, index, deterministic=True), (q, k, v), dout) for _ in range(2)
+    ]
     for name, a, b in zip(("dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), f"seed={seed}: {name} differs between repeated backwards"
 

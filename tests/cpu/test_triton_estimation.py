@@ -12,9 +12,10 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # must precede the kernels' @triton.jit
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the Triton interpreter tests run only on machines without CUDA")
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter tests run only on machines without CUDA"
+)
 pytest.importorskip("triton")
 
 from mtraining_kernels import estimation  # noqa: E402
@@ -24,7 +25,7 @@ from mtraining_kernels.layout import Layout  # noqa: E402
 
 _interpreted = type(triton_estimation._logits_kernel).__name__ == "InterpretedFunction"
 if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreted:
-    importlib.reload(triton_estimation)    # imported earlier in this process without the interpreter flag
+    importlib.reload(triton_estimation)  # imported earlier in this process without the interpreter flag
 
 RULES = estimation._fixed_point_rules()
 
@@ -57,20 +58,23 @@ def draw_qk(gen, batch, seq_len, q_heads, kv_heads, dim, dtype):
     return q, k
 
 
-@pytest.mark.parametrize("batch, seq_len, q_heads, kv_heads, dim, rows, dtype, scale", [
-    (1, 320, 4, 2, 64, 64, torch.bfloat16, None),     # GQA 2:1, 5 key tiles
-    (2, 200, 2, 2, 32, 37, torch.float32, 0.1),       # MHA, b = 2, L < 64, a scale that is no fp32 number
-    (1, 192, 2, 1, 128, 64, torch.float16, None),     # d = 128
-    (1, 130, 2, 1, 12, 20, torch.float32, None),      # d not a multiple of the logits loop's unroll
-])
+@pytest.mark.parametrize(
+    "batch, seq_len, q_heads, kv_heads, dim, rows, dtype, scale",
+    [
+        (1, 320, 4, 2, 64, 64, torch.bfloat16, None),  # GQA 2:1, 5 key tiles
+        (2, 200, 2, 2, 32, 37, torch.float32, 0.1),  # MHA, b = 2, L < 64, a scale that is no fp32 number
+        (1, 192, 2, 1, 128, 64, torch.float16, None),  # d = 128
+        (1, 130, 2, 1, 12, 20, torch.float32, None),  # d not a multiple of the logits loop's unroll
+    ],
+)
 @pytest.mark.parametrize("key_order", ["ascending", "shuffled"])
 def test_logits_are_bit_equal(seed, batch, seq_len, q_heads, kv_heads, dim, rows, dtype, scale, key_order):
     gen = torch.Generator().manual_seed(seed)
     q, k = draw_qk(gen, batch, seq_len, q_heads, kv_heads, dim, dtype)
     q_positions = torch.arange(seq_len - rows, seq_len)
     order = torch.arange(seq_len) if key_order == "ascending" else torch.randperm(seq_len, generator=gen)
-    scale = dim ** -0.5 if scale is None else scale
-    args = (q[:, seq_len - rows:], q_positions, k[:, order], order, scale)
+    scale = dim**-0.5 if scale is None else scale
+    args = (q[:, seq_len - rows :], q_positions, k[:, order], order, scale)
     expected = estimation._torch_estimation_logits(*args)
     got = triton_estimation.estimation_logits(*args)
     assert got.shape == (batch, q_heads, rows, seq_len)
@@ -87,7 +91,7 @@ def test_scores_of_all_keys_are_bit_equal(seed, top_p):
     seq_len, rows = 330, 64
     q, k = draw_qk(gen, 2, seq_len, 4, 1, 32, torch.bfloat16)
     q_positions, k_positions = torch.arange(seq_len - rows, seq_len), torch.arange(seq_len)
-    logits = estimation._torch_estimation_logits(q[:, seq_len - rows:], q_positions, k, k_positions, 0.3)
+    logits = estimation._torch_estimation_logits(q[:, seq_len - rows :], q_positions, k, k_positions, 0.3)
     stats = {}
     if top_p:
         row_max = logits.amax(dim=-1)
@@ -101,7 +105,7 @@ def test_scores_of_all_keys_are_bit_equal(seed, top_p):
         assert a.dtype == torch.int64 and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)}"
         assert torch.equal(a, b), f"seed={seed} {name}: {int((a != b).sum())} scores differ"
     if not top_p:
-        assert (got[0][..., seq_len - rows + 1:] == estimation.INCOMPLETE_SCORE).all(), f"seed={seed}"
+        assert (got[0][..., seq_len - rows + 1 :] == estimation.INCOMPLETE_SCORE).all(), f"seed={seed}"
 
 
 @pytest.mark.parametrize("kind", ["striped", "zigzag", "contiguous", "shuffled"])
@@ -111,11 +115,14 @@ def test_scores_of_a_key_split_add_up_exactly(seed, kind, top_p):
     order): V per shard and the sum of the partial S over the shards equal the single-device scores."""
     gen = torch.Generator().manual_seed(seed)
     seq_len, rows = 512, 64
-    shards = (torch.randperm(seq_len, generator=gen).chunk(2) if kind == "shuffled"
-              else [Layout(kind, 2, granularity=64).global_positions(seq_len, rank) for rank in range(2)])
+    shards = (
+        torch.randperm(seq_len, generator=gen).chunk(2)
+        if kind == "shuffled"
+        else [Layout(kind, 2, granularity=64).global_positions(seq_len, rank) for rank in range(2)]
+    )
     q, k = draw_qk(gen, 1, seq_len, 2, 2, 16, torch.float16)
     q_positions, k_positions = torch.arange(seq_len - rows, seq_len), torch.arange(seq_len)
-    logits = estimation._torch_estimation_logits(q[:, seq_len - rows:], q_positions, k, k_positions, 0.25)
+    logits = estimation._torch_estimation_logits(q[:, seq_len - rows :], q_positions, k, k_positions, 0.25)
     stats = {}
     if top_p:
         row_max = logits.amax(dim=-1)
@@ -123,8 +130,9 @@ def test_scores_of_a_key_split_add_up_exactly(seed, kind, top_p):
     expected_v, expected_s = torch_scores(logits, q_positions, k_positions, seq_len, top_p, **stats)
     summed_s = torch.zeros_like(expected_s)
     for rank, positions in enumerate(shards):
-        local_v, local_s = triton_scores(logits[..., positions].contiguous(), q_positions, positions, seq_len,
-                                         top_p, **stats)
+        local_v, local_s = triton_scores(
+            logits[..., positions].contiguous(), q_positions, positions, seq_len, top_p, **stats
+        )
         assert torch.equal(local_v, expected_v[..., positions]), f"seed={seed} {kind} rank {rank}: V differs"
         summed_s += local_s
     assert torch.equal(summed_s, expected_s), f"seed={seed} {kind}: partial S do not add up to S"
@@ -136,14 +144,17 @@ def test_rounding_edge_cases_match(seed, top_p):
     clamp (±2^24, +inf) and masked (−inf) entries outside the causal triangle."""
     gen = torch.Generator().manual_seed(seed)
     seq_len, rows = 160, 64
-    choices = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.0]) * 2.0 ** -32
+    choices = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.0]) * 2.0**-32
     kinds = torch.randint(0, 4, (1, 1, rows, seq_len), generator=gen)
-    logits = torch.where(kinds == 0, choices[torch.randint(0, 6, kinds.shape, generator=gen)],
-                         torch.randn(kinds.shape, generator=gen) * 10.0 ** torch.randint(-12, 3, kinds.shape,
-                                                                                           generator=gen))
+    logits = torch.where(
+        kinds == 0,
+        choices[torch.randint(0, 6, kinds.shape, generator=gen)],
+        torch.randn(kinds.shape, generator=gen) * 10.0 ** torch.randint(-12, 3, kinds.shape, generator=gen),
+    )
     if not top_p:
-        logits[kinds == 3] = torch.tensor([3.0e7, -2.0 ** 24 - 1, float("inf")])[
-            torch.randint(0, 3, ((kinds == 3).sum(),), generator=gen)]
+        logits[kinds == 3] = torch.tensor([3.0e7, -(2.0**24) - 1, float("inf")])[
+            torch.randint(0, 3, ((kinds == 3).sum(),), generator=gen)
+        ]
     q_positions, k_positions = torch.arange(seq_len - rows, seq_len), torch.arange(seq_len)
     logits[..., k_positions[None, :] > q_positions[:, None]] = float("-inf")
     stats = {}
@@ -155,14 +166,18 @@ def test_rounding_edge_cases_match(seed, top_p):
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), f"seed={seed}"
 
 
-@pytest.mark.parametrize("budget", [
-    StaticHeadBudgets(torch.tensor([40, 64, 33, 90]), torch.tensor([110, 128, 101, 200])),
-    TopPBudget(0.9, 128),
-], ids=["static", "top_p"])
+@pytest.mark.parametrize(
+    "budget",
+    [
+        StaticHeadBudgets(torch.tensor([40, 64, 33, 90]), torch.tensor([110, 128, 101, 200])),
+        TopPBudget(0.9, 128),
+    ],
+    ids=["static", "top_p"],
+)
 def test_estimated_index_is_identical(seed, budget, monkeypatch):
     gen = torch.Generator().manual_seed(seed)
     q, k = draw_qk(gen, 1, 384, 4, 1, 32, torch.bfloat16)
-    k[:, 200:203] += 2.0                                                 # some strong columns
+    k[:, 200:203] += 2.0  # some strong columns
     indexes = {}
     for backend in ("torch", "triton"):
         monkeypatch.setattr(estimation, "_estimation_backend", backend)
@@ -173,17 +188,21 @@ def test_estimated_index_is_identical(seed, budget, monkeypatch):
 
 def _logits_inputs():
     q_rows, k = torch.randn(1, 64, 2, 16), torch.randn(1, 128, 1, 16)
-    return dict(q_rows=q_rows, q_positions=torch.arange(64, 128), k=k, k_positions=torch.arange(128),
-                softmax_scale=0.25)
+    return dict(
+        q_rows=q_rows, q_positions=torch.arange(64, 128), k=k, k_positions=torch.arange(128), softmax_scale=0.25
+    )
 
 
-@pytest.mark.parametrize("change, word", [
-    (lambda a: a.update(q_rows=torch.randn(1, 65, 2, 16), q_positions=torch.arange(63, 128)), "L<=64"),
-    (lambda a: a.update(k=torch.randn(1, 128, 1, 8)), "q_rows"),
-    (lambda a: a.update(k=torch.randn(1, 128, 3, 16)), "multiple of Hkv"),
-    (lambda a: a.update(k_positions=torch.arange(127)), "positions"),
-    (lambda a: a.update(keys_per_tile=48), "keys_per_tile"),
-])
+@pytest.mark.parametrize(
+    "change, word",
+    [
+        (lambda a: a.update(q_rows=torch.randn(1, 65, 2, 16), q_positions=torch.arange(63, 128)), "L<=64"),
+        (lambda a: a.update(k=torch.randn(1, 128, 1, 8)), "q_rows"),
+        (lambda a: a.update(k=torch.randn(1, 128, 3, 16)), "multiple of Hkv"),
+        (lambda a: a.update(k_positions=torch.arange(127)), "positions"),
+        (lambda a: a.update(keys_per_tile=48), "keys_per_tile"),
+    ],
+)
 def test_bad_logits_input_raises_value_error_naming_it(change, word):
     args = _logits_inputs()
     change(args)
@@ -191,16 +210,25 @@ def test_bad_logits_input_raises_value_error_naming_it(change, word):
         triton_estimation.estimation_logits(**args)
 
 
-@pytest.mark.parametrize("call, word", [
-    (lambda logits, qp, kp: triton_estimation.static_scores(logits.double(), qp, kp, 128, RULES), "fp32"),
-    (lambda logits, qp, kp: triton_estimation.static_scores(logits.transpose(-1, -2), qp, kp, 128, RULES), "fp32"),
-    (lambda logits, qp, kp: triton_estimation.static_scores(logits[..., ::2], qp, kp[::2], 128, RULES), "unit stride"),
-    (lambda logits, qp, kp: triton_estimation.static_scores(logits, qp, kp[:-1], 128, RULES), "k_positions"),
-    (lambda logits, qp, kp: triton_estimation.exp_row_sums(logits, logits.amax(-1)[..., :-1], RULES), "row_max"),
-    (lambda logits, qp, kp: triton_estimation.top_p_scores(logits, qp, kp, 128, logits.amax(-1),
-                                                            torch.ones(1, 2, 1), RULES),
-     "row_sums"),
-])
+@pytest.mark.parametrize(
+    "call, word",
+    [
+        (lambda logits, qp, kp: triton_estimation.static_scores(logits.double(), qp, kp, 128, RULES), "fp32"),
+        (lambda logits, qp, kp: triton_estimation.static_scores(logits.transpose(-1, -2), qp, kp, 128, RULES), "fp32"),
+        (
+            lambda logits, qp, kp: triton_estimation.static_scores(logits[..., ::2], qp, kp[::2], 128, RULES),
+            "unit stride",
+        ),
+        (lambda logits, qp, kp: triton_estimation.static_scores(logits, qp, kp[:-1], 128, RULES), "k_positions"),
+        (lambda logits, qp, kp: triton_estimation.exp_row_sums(logits, logits.amax(-1)[..., :-1], RULES), "row_max"),
+        (
+            lambda logits, qp, kp: triton_estimation.top_p_scores(
+                logits, qp, kp, 128, logits.amax(-1), torch.ones(1, 2, 1), RULES
+            ),
+            "row_sums",
+        ),
+    ],
+)
 def test_bad_score_input_raises_value_error_naming_it(call, word):
     args = _logits_inputs()
     logits = estimation._torch_estimation_logits(*args.values())

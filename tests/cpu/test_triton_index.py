@@ -8,9 +8,10 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # must precede the kernels' @triton.jit
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the Triton interpreter tests run only on machines without CUDA")
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter tests run only on machines without CUDA"
+)
 pytest.importorskip("triton")
 
 from mtraining_kernels import index, triton_index  # noqa: E402
@@ -18,7 +19,7 @@ from mtraining_kernels.layout import BLOCK_SIZE, Layout  # noqa: E402
 from test_index import FIELDS, random_index  # noqa: E402
 
 if type(triton_index._list_rows_kernel).__name__ != "InterpretedFunction":
-    importlib.reload(triton_index)          # imported earlier without the interpreter flag
+    importlib.reload(triton_index)  # imported earlier without the interpreter flag
 
 
 def convert_with(backend: str, monkeypatch, *args) -> index.BlockBarIndex:
@@ -33,7 +34,7 @@ LAYOUTS = [("contiguous", 1), ("contiguous", 2), ("zigzag", 2), ("zigzag", 3), (
 def test_triton_bar_lists_equal_the_pytorch_ones(seed, monkeypatch, kind, world):
     generator = torch.Generator().manual_seed(seed)
     layout = Layout(kind, world)
-    seq_len = 2 * world * BLOCK_SIZE * 3                       # 6 blocks per rank: zigzag needs 2 chunks each
+    seq_len = 2 * world * BLOCK_SIZE * 3  # 6 blocks per rank: zigzag needs 2 chunks each
     # wide enough that a row's candidates span more than one loop step of the kernel
     v_width = triton_index.CANDIDATES_PER_STEP + 64
     v_idx, s_idx = random_index(generator, 2, 3, seq_len, min(v_width, seq_len // 4), 24)
@@ -42,7 +43,8 @@ def test_triton_bar_lists_equal_the_pytorch_ones(seed, monkeypatch, kind, world)
         got = convert_with("triton", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
         for field in FIELDS:
             assert torch.equal(getattr(got, field), getattr(expected, field)), (
-                f"seed={seed} {kind} W={world} rank={rank}: {field} differs")
+                f"seed={seed} {kind} W={world} rank={rank}: {field} differs"
+            )
         assert got.bar_col.dtype == torch.int32 and got.bar_ptr.dtype == torch.int32
 
 

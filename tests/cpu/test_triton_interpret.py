@@ -14,9 +14,10 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # must precede the kernels' @triton.jit
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the Triton interpreter tests run only on machines without CUDA")
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter tests run only on machines without CUDA"
+)
 pytest.importorskip("triton")
 
 from mtraining_kernels import torch_backend, triton_backend, triton_bwd, triton_fwd  # noqa: E402
@@ -50,13 +51,11 @@ CASES = [
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("kind, world, seq_len, heads, kv_heads, dim, dtype, pattern", CASES)
-def test_ring_steps_match_reference(seed, kind, world, seq_len, heads, kv_heads, dim, dtype, pattern,
-                                    deterministic):
+def test_ring_steps_match_reference(seed, kind, world, seq_len, heads, kv_heads, dim, dtype, pattern, deterministic):
     gen = torch.Generator().manual_seed(seed)
     v_idx, s_idx = make_index(1, heads, seq_len, pattern, gen)
     q, k, v, dout = make_qkv_dout(1, seq_len, heads, kv_heads, dim, dtype, "cpu", gen)
-    ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, Layout(kind, world),
-                          deterministic=deterministic)
+    ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, Layout(kind, world), deterministic=deterministic)
     ref = reference_attention(q, k, v, dout, v_idx, s_idx, torch.float64)
     low = reference_attention(q, k, v, dout, v_idx, s_idx, dtype)
     context = f"seed={seed} {kind} W={world} N={seq_len} Hq={heads} Hkv={kv_heads} d={dim} {dtype} {pattern}"
@@ -95,16 +94,37 @@ def test_rows_without_work_are_untouched_and_empty_state_is_ignored(seed):
     idle_out = idle.transpose(1, 2)
     out = torch.randn(q.shape, generator=gen)
     lse = torch.randn(1, 2, seq_len // 2, generator=gen)
-    empty = (torch.rand(lse.shape, generator=gen) < 0.5) & ~idle                       # "nothing yet" rows
+    empty = (torch.rand(lse.shape, generator=gen) < 0.5) & ~idle  # "nothing yet" rows
     lse[empty] = float("-inf")
     out[empty.transpose(1, 2)] = float("nan")
     out0, lse0 = out.clone(), lse.clone()
-    triton_backend.block_bar_forward(q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col,
-                                     out, lse, causal_diag=False, softmax_scale=0.125)
+    triton_backend.block_bar_forward(
+        q,
+        k,
+        v,
+        index.blk_ptr[0],
+        index.blk_col,
+        index.bar_ptr[0],
+        index.bar_col,
+        out,
+        lse,
+        causal_diag=False,
+        softmax_scale=0.125,
+    )
     expected_out, expected_lse = out0.clone(), lse0.clone()
-    torch_backend.block_bar_forward(q.float(), k.float(), v.float(), index.blk_ptr[0], index.blk_col,
-                                    index.bar_ptr[0], index.bar_col, expected_out, expected_lse,
-                                    causal_diag=False, softmax_scale=0.125)
+    torch_backend.block_bar_forward(
+        q.float(),
+        k.float(),
+        v.float(),
+        index.blk_ptr[0],
+        index.blk_col,
+        index.bar_ptr[0],
+        index.bar_col,
+        expected_out,
+        expected_lse,
+        causal_diag=False,
+        softmax_scale=0.125,
+    )
     assert torch.equal(lse[idle], lse0[idle]), f"seed={seed}: lse of idle rows changed"
     assert torch.equal(out[idle_out], out0[idle_out]), f"seed={seed}: out of idle rows changed"
     assert torch.isfinite(out[~idle_out]).all(), f"seed={seed}: NaN leaked from an empty running state"
@@ -116,9 +136,24 @@ def test_rows_without_work_are_untouched_and_empty_state_is_ignored(seed):
     dq0 = dq.clone()
     delta = torch.randn(lse.shape, generator=gen)
     for deterministic in (False, True):
-        triton_backend.block_bar_backward(q, k, v, dout, lse, delta, index.blk_ptr[0], index.blk_col,
-                                          index.bar_ptr[0], index.bar_col, dq, dk, dv, causal_diag=False,
-                                          softmax_scale=0.125, deterministic=deterministic)
+        triton_backend.block_bar_backward(
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            index.blk_ptr[0],
+            index.blk_col,
+            index.bar_ptr[0],
+            index.bar_col,
+            dq,
+            dk,
+            dv,
+            causal_diag=False,
+            softmax_scale=0.125,
+            deterministic=deterministic,
+        )
         assert torch.equal(dq[idle_out], dq0[idle_out]), f"seed={seed}: dq of idle rows changed"
         assert not torch.equal(dq, dq0), f"seed={seed}: the busy rows got no gradient"
 
@@ -135,17 +170,24 @@ def test_merging_a_step_into_its_own_result_keeps_out_bitwise_at_large_logits(se
     q, k, v, _ = make_qkv_dout(1, seq_len, 2, 1, 64, torch.float16, "cpu", gen)
     out = torch.zeros(q.shape)
     lse = torch.full((1, 2, seq_len), float("-inf"))
-    step = dict(causal_diag=True, softmax_scale=50.0)                        # logits of several hundred
-    triton_backend.block_bar_forward(q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col,
-                                     out, lse, **step)
+    step = dict(causal_diag=True, softmax_scale=50.0)  # logits of several hundred
+    triton_backend.block_bar_forward(
+        q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col, out, lse, **step
+    )
     assert lse.max().item() > 500, f"seed={seed}: the test needs large lse, got {lse.max().item():.0f}"
     once_out, once_lse = out.clone(), lse.clone()
-    triton_backend.block_bar_forward(q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col,
-                                     out, lse, **step)
+    triton_backend.block_bar_forward(
+        q, k, v, index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col, out, lse, **step
+    )
     changed = (out != once_out).sum().item()
     assert changed == 0, f"seed={seed}: {changed} out entries changed by merging a step with itself"
-    torch.testing.assert_close(lse, once_lse + math.log(2.0), rtol=0, atol=2 * torch.finfo(torch.float32).eps
-                               * lse.abs().max().item(), msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        lse,
+        once_lse + math.log(2.0),
+        rtol=0,
+        atol=2 * torch.finfo(torch.float32).eps * lse.abs().max().item(),
+        msg=lambda m: f"seed={seed}: {m}",
+    )
 
 
 def test_deterministic_backward_is_bitwise_repeatable(seed):
@@ -164,25 +206,42 @@ def _valid_call(dtype=torch.float16, dim=64):
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
     q = torch.randn(1, seq_len, 2, dim).to(dtype)
     k = torch.randn(1, seq_len, 1, dim).to(dtype)
-    args = dict(q=q, k=k, v=k.clone(), blk_ptr=index.blk_ptr[0], blk_col=index.blk_col,
-                bar_ptr=index.bar_ptr[0], bar_col=index.bar_col,
-                out=torch.zeros(q.shape), lse=torch.full((1, 2, seq_len), float("-inf")))
+    args = dict(
+        q=q,
+        k=k,
+        v=k.clone(),
+        blk_ptr=index.blk_ptr[0],
+        blk_col=index.blk_col,
+        bar_ptr=index.bar_ptr[0],
+        bar_col=index.bar_col,
+        out=torch.zeros(q.shape),
+        lse=torch.full((1, 2, seq_len), float("-inf")),
+    )
     return args
 
 
-@pytest.mark.parametrize("change, word", [
-    (lambda a: a.update(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()), "dtype"),
-    (lambda a: a.update(q=torch.randn(1, 256, 2, 96).half(), k=torch.randn(1, 256, 1, 96).half(),
-                        v=torch.randn(1, 256, 1, 96).half(), out=torch.zeros(1, 256, 2, 96)), "head dim"),
-    (lambda a: a.update(k=a["k"].bfloat16()), "dtypes differ"),
-    (lambda a: a.update(blk_ptr=a["blk_ptr"].long()), "blk_ptr"),
-    (lambda a: a.update(bar_ptr=a["bar_ptr"][:, :, :-1]), "bar_ptr"),
-    (lambda a: a.update(bar_col=a["bar_col"].view(1, -1)), "bar_col"),
-    (lambda a: a.update(out=torch.zeros(1, 2, 256, 64).transpose(1, 2)), "out must be contiguous"),
-    (lambda a: a.update(lse=a["lse"].double()), "lse"),
-    (lambda a: a.update(k=torch.randn(1, 128, 1, 64).half(), v=torch.randn(1, 128, 1, 64).half()),
-     "length"),
-])
+@pytest.mark.parametrize(
+    "change, word",
+    [
+        (lambda a: a.update(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()), "dtype"),
+        (
+            lambda a: a.update(
+                q=torch.randn(1, 256, 2, 96).half(),
+                k=torch.randn(1, 256, 1, 96).half(),
+                v=torch.randn(1, 256, 1, 96).half(),
+                out=torch.zeros(1, 256, 2, 96),
+            ),
+            "head dim",
+        ),
+        (lambda a: a.update(k=a["k"].bfloat16()), "dtypes differ"),
+        (lambda a: a.update(blk_ptr=a["blk_ptr"].long()), "blk_ptr"),
+        (lambda a: a.update(bar_ptr=a["bar_ptr"][:, :, :-1]), "bar_ptr"),
+        (lambda a: a.update(bar_col=a["bar_col"].view(1, -1)), "bar_col"),
+        (lambda a: a.update(out=torch.zeros(1, 2, 256, 64).transpose(1, 2)), "out must be contiguous"),
+        (lambda a: a.update(lse=a["lse"].double()), "lse"),
+        (lambda a: a.update(k=torch.randn(1, 128, 1, 64).half(), v=torch.randn(1, 128, 1, 64).half()), "length"),
+    ],
+)
 def test_bad_input_raises_value_error_naming_it(change, word):
     args = _valid_call()
     change(args)
@@ -197,6 +256,7 @@ def test_non_contiguous_inputs_are_accepted():
     assert not strided["q"].is_contiguous()
     out, lse = args["out"].clone(), args["lse"].clone()
     triton_backend.block_bar_forward(**args, causal_diag=True, softmax_scale=0.125)
-    triton_backend.block_bar_forward(**{**args, **strided, "out": out, "lse": lse}, causal_diag=True,
-                                     softmax_scale=0.125)
+    triton_backend.block_bar_forward(
+        **{**args, **strided, "out": out, "lse": lse}, causal_diag=True, softmax_scale=0.125
+    )
     assert torch.equal(out, args["out"]) and torch.equal(lse, args["lse"])

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-COLLECTIVE_SECONDS = 4.0      # tight, yet generous for two ranks that start the call together
+COLLECTIVE_SECONDS = 4.0  # tight, yet generous for two ranks that start the call together
 IMPORT_SECONDS = 2.5 * COLLECTIVE_SECONDS
 
 if dist.is_initialized() and dist.get_rank() == 0:

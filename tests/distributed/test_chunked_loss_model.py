@@ -14,7 +14,7 @@ from megatron_cpu import megatron_on_cpu, reset_parallel_state
 
 SEQ_LEN, BATCH, VOCAB, CHUNK = 256, 2, 128, 48
 LOSS_RTOL = 1e-6
-GRAD_RTOL = 1e-5        # max |Δ| / max |ref|: the output-layer weight gradient sums chunks in another order
+GRAD_RTOL = 1e-5  # max |Δ| / max |ref|: the output-layer weight gradient sums chunks in another order
 
 
 def _model(tp: int, tied: bool, seed: int):
@@ -28,16 +28,38 @@ def _model(tp: int, tied: bool, seed: int):
     reset_parallel_state()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=128,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=tp)
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+    )
     torch.manual_seed(seed)
     spec = get_gpt_layer_mtraining_spec(config, mtraining=MTrainingConfig(backend="torch", dense=True))
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ_LEN, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=tied)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ_LEN,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied,
+    )
 
 
 def _loss_and_grads(model, tokens, labels, upstream, output_processor=None):
@@ -62,8 +84,9 @@ def _compare(rank, world_size, seed):
             ref_loss, ref_grads = _loss_and_grads(model, tokens, labels, upstream)
             loss, grads = _loss_and_grads(model, tokens, labels, upstream, ChunkedLossOutputProcessor(CHUNK))
             diffs = {"loss": float(((loss - ref_loss).abs() / ref_loss.abs()).max())}
-            diffs.update({name: float((grads[name] - ref).abs().max() / ref.abs().max())
-                          for name, ref in ref_grads.items()})
+            diffs.update(
+                {name: float((grads[name] - ref).abs().max() / ref.abs().max()) for name, ref in ref_grads.items()}
+            )
             report[f"tp{tp}"] = diffs
     return report
 

@@ -49,17 +49,25 @@ def _dense_ring_rank(rank, world_size, shape, seed, wire):
     layout = Layout("zigzag", world_size)
     q, k, v, dout = _inputs(seed, *shape)
     local = [layout.shard(t, rank).clone().requires_grad_(t is not dout) for t in (q, k, v, dout)]
-    out, lse = dense_ring_attention(local[0], local[1], local[2], layout, RingGroups.flat(dist.group.WORLD),
-                                    impl="flash", grad_wire_dtype=wire, return_lse=True)
+    out, lse = dense_ring_attention(
+        local[0],
+        local[1],
+        local[2],
+        layout,
+        RingGroups.flat(dist.group.WORLD),
+        impl="flash",
+        grad_wire_dtype=wire,
+        return_lse=True,
+    )
     out.backward(local[3])
     return [t.detach() for t in (out, lse, local[0].grad, local[1].grad, local[2].grad)]
 
 
 CASES = [  # (world, (b, N, Hq, Hkv, d))
-    (2, (1, 256, 8, 2, 16)),      # GQA 4:1
-    (2, (2, 128, 2, 2, 32)),      # MHA, batch 2
-    (3, (1, 384, 8, 2, 16)),      # W = 3, GQA 4:1
-    (3, (1, 66, 4, 1, 8)),        # chunks of 11 tokens (no block structure needed)
+    (2, (1, 256, 8, 2, 16)),  # GQA 4:1
+    (2, (2, 128, 2, 2, 32)),  # MHA, batch 2
+    (3, (1, 384, 8, 2, 16)),  # W = 3, GQA 4:1
+    (3, (1, 66, 4, 1, 8)),  # chunks of 11 tokens (no block structure needed)
 ]
 
 
@@ -121,13 +129,14 @@ def test_merge_step_into_a_row_range_equals_reference_merge(seed, lse_offset):
     out, lse = torch.randn(b, n, h, d), torch.randn(b, h, n) * 4 + lse_offset
     step_out, step_lse = torch.randn(b, n // 2, h, d), torch.randn(b, h, n // 2) * 4 + lse_offset
     before_out, before_lse = out.clone(), lse.clone()
-    expected_out, expected_lse = merge_attention(out[:, n // 2:], lse[:, :, n // 2:], step_out, step_lse)
-    merge_step(out[:, n // 2:], lse[:, :, n // 2:], step_out, step_lse)
-    torch.testing.assert_close(out[:, n // 2:], expected_out, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
-    torch.testing.assert_close(lse[:, :, n // 2:], expected_lse, rtol=1e-6, atol=1e-6,
-                               msg=lambda m: f"seed={seed}: {m}")
-    assert torch.equal(out[:, :n // 2], before_out[:, :n // 2]), f"rows outside the view changed (seed={seed})"
-    assert torch.equal(lse[..., :n // 2], before_lse[..., :n // 2]), f"rows outside the view changed (seed={seed})"
+    expected_out, expected_lse = merge_attention(out[:, n // 2 :], lse[:, :, n // 2 :], step_out, step_lse)
+    merge_step(out[:, n // 2 :], lse[:, :, n // 2 :], step_out, step_lse)
+    torch.testing.assert_close(out[:, n // 2 :], expected_out, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}")
+    torch.testing.assert_close(
+        lse[:, :, n // 2 :], expected_lse, rtol=1e-6, atol=1e-6, msg=lambda m: f"seed={seed}: {m}"
+    )
+    assert torch.equal(out[:, : n // 2], before_out[:, : n // 2]), f"rows outside the view changed (seed={seed})"
+    assert torch.equal(lse[..., : n // 2], before_lse[..., : n // 2]), f"rows outside the view changed (seed={seed})"
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -141,8 +150,10 @@ def _replay_rank(rank, world_size, seed):
     local = [layout.shard(t, rank).clone() for t in _inputs(seed, 1, 256, 4, 2, 16)]
 
     def attention(q, k, v, replay_output):
-        return dense_ring.dense_ring_attention(q, k, v, layout, groups, impl="flash", return_lse=True,
-                                               replay_output=replay_output)
+        return dense_ring.dense_ring_attention(
+            q, k, v, layout, groups, impl="flash", return_lse=True, replay_output=replay_output
+        )
+
     return replay_matches(attention, local[:3], local[3], dense_ring, "attention_forward")
 
 
@@ -172,23 +183,32 @@ def _bad_dense_ring_input(rank, world_size, problem):
     if problem == "cudnn_on_cpu":
         impl = "cudnn"
     try:
-        dense_ring_attention(q, k, v, layout, RingGroups.flat(dist.group.WORLD), impl=impl, softmax_scale=scale,
-                             grad_wire_dtype=wire)
+        dense_ring_attention(
+            q, k, v, layout, RingGroups.flat(dist.group.WORLD), impl=impl, softmax_scale=scale, grad_wire_dtype=wire
+        )
     except ValueError as err:
         return str(err)
     return None
 
 
-@pytest.mark.parametrize("problem, message", [
-    ("odd_local_length", r"invalid on rank\(s\) \[1\]|CP rank 1: N_loc=63 is odd.*multiple of 2 x 2"),
-    ("shapes_differ", r"dense ring attention: the ranks of the group disagree on \{'d': \[16, 8\]"),
-    ("striped_layout", r"needs the zigzag layout, got Layout\(kind='striped'.*use Layout\('zigzag', world_size\)"),
-    ("cudnn_on_cpu", r"impl='cudnn' needs CUDA tensors, got CPU tensors.*use impl='flash'"),
-    ("wire_differs",
-     r"dense ring attention: the ranks of the group disagree on \{'grad_wire_dtype': \['fp32', 'bf16'\]"),
-    ("unknown_wire", r"invalid on rank\(s\) \[1\]|CP rank 1: grad_wire_dtype='fp16' is not one of"),
-    ("scale_differs", r"dense ring attention: the ranks of the group disagree on \{'softmax_scale': \[0\.25, 0\.3\]"),
-])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("odd_local_length", r"invalid on rank\(s\) \[1\]|CP rank 1: N_loc=63 is odd.*multiple of 2 x 2"),
+        ("shapes_differ", r"dense ring attention: the ranks of the group disagree on \{'d': \[16, 8\]"),
+        ("striped_layout", r"needs the zigzag layout, got Layout\(kind='striped'.*use Layout\('zigzag', world_size\)"),
+        ("cudnn_on_cpu", r"impl='cudnn' needs CUDA tensors, got CPU tensors.*use impl='flash'"),
+        (
+            "wire_differs",
+            r"dense ring attention: the ranks of the group disagree on \{'grad_wire_dtype': \['fp32', 'bf16'\]",
+        ),
+        ("unknown_wire", r"invalid on rank\(s\) \[1\]|CP rank 1: grad_wire_dtype='fp16' is not one of"),
+        (
+            "scale_differs",
+            r"dense ring attention: the ranks of the group disagree on \{'softmax_scale': \[0\.25, 0\.3\]",
+        ),
+    ],
+)
 def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, message):
     errors = distributed(_bad_dense_ring_input, 2, problem, timeout=60, collective_timeout=20)
     for rank, error in enumerate(errors):
@@ -204,11 +224,24 @@ def _sdpa_attention_module(cp_group, dense_impl: str = "sdpa_flash", layout: str
     from megatron_mtraining.attention import MTrainingAttention
     from megatron_mtraining.config import MTrainingConfig
 
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=1, kv_channels=16,
-                               use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0)
-    return MTrainingAttention(config=config, layer_number=2, attn_mask_type=AttnMaskType.causal, attention_type="self",
-                              pg_collection=ProcessGroupCollection(tp=None, cp=cp_group, hcp=None),
-                              mtraining=MTrainingConfig(dense_impl=dense_impl, dense=True, layout=layout))
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=1,
+        kv_channels=16,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    return MTrainingAttention(
+        config=config,
+        layer_number=2,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        pg_collection=ProcessGroupCollection(tp=None, cp=cp_group, hcp=None),
+        mtraining=MTrainingConfig(dense_impl=dense_impl, dense=True, layout=layout),
+    )
 
 
 def _module_rank(rank, world_size, seed, shape):
@@ -217,23 +250,31 @@ def _module_rank(rank, world_size, seed, shape):
     layout = Layout("zigzag", world_size)
     b, n, hq, hkv, d = shape
     q, k, v, dout = _inputs(seed, *shape)
-    local = [layout.shard(t, rank).permute(1, 0, 2, 3).contiguous().requires_grad_(t is not dout)
-             for t in (q, k, v, dout)]                                          # Megatron's [s, b, heads, d]
+    local = [
+        layout.shard(t, rank).permute(1, 0, 2, 3).contiguous().requires_grad_(t is not dout) for t in (q, k, v, dout)
+    ]  # Megatron's [s, b, heads, d]
     out = attention(local[0], local[1], local[2], None)
     out.backward(local[3].reshape(out.shape))
     stats = attention.last_stats
     balance = stats.balance()
     tensors = [out.detach().view(-1, b, hq, d)] + [t.grad for t in local[:3]]
-    return ([t.permute(1, 0, 2, 3) for t in tensors],
-            dict(density=stats.density, dense=stats.dense, has_index=stats.v_idx is not None,
-                 worker=balance.worker_imbalance, step=balance.step_imbalance, layer=stats.layer_number))
+    return (
+        [t.permute(1, 0, 2, 3) for t in tensors],
+        dict(
+            density=stats.density,
+            dense=stats.dense,
+            has_index=stats.v_idx is not None,
+            worker=balance.worker_imbalance,
+            step=balance.step_imbalance,
+            layer=stats.layer_number,
+        ),
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_attention_module_runs_the_sdpa_baseline(distributed, seed, world):
-    shape = (1, 512, 4, 1, 16)         # the launcher's unit: 2 x CP x 128 tokens
-    results = (distributed(_module_rank, world, seed, shape) if world > 1
-               else [_module_rank(0, 1, seed, shape)])
+    shape = (1, 512, 4, 1, 16)  # the launcher's unit: 2 x CP x 128 tokens
+    results = distributed(_module_rank, world, seed, shape) if world > 1 else [_module_rank(0, 1, seed, shape)]
     layout = Layout("zigzag", world)
     ours = [layout.unshard([r[0][i] for r in results]) for i in range(4)]
     out, _, dq, dk, dv = _reference(*_inputs(seed, *shape))
@@ -247,8 +288,11 @@ def test_attention_module_runs_the_sdpa_baseline(distributed, seed, world):
 def test_attention_module_refuses_sdpa_with_another_layout_at_cp2(distributed):
     errors = distributed(_striped_sdpa_module, 2)
     for error in errors:
-        assert re.search(r"--mtraining-dense-impl=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense "
-                         r"ring, but --mtraining-layout=striped; add --mtraining-layout zigzag", error), error
+        assert re.search(
+            r"--mtraining-dense-impl=sdpa_cudnn with --context-parallel-size=2 runs the zigzag dense "
+            r"ring, but --mtraining-layout=striped; add --mtraining-layout zigzag",
+            error,
+        ), error
 
 
 def _striped_sdpa_module(rank, world_size):
@@ -260,23 +304,31 @@ def _striped_sdpa_module(rank, world_size):
 
 
 # ------------------------------------------------------------------------------------------ launcher
-@pytest.mark.parametrize("extra, cp, impl", [
-    ("--mtraining-dense-impl sdpa_cudnn --mtraining-dense --mtraining-layout zigzag", 2, "cudnn"),
-    ("--mtraining-dense-impl sdpa_flash --mtraining-dense --mtraining-layout zigzag --mtraining-grad-wire-dtype bf16",
-     4,
-     "flash"),
-    ("--mtraining-dense-impl sdpa_cudnn --mtraining-dense", 1, "cudnn"),            # CP = 1: any layout
-])
+@pytest.mark.parametrize(
+    "extra, cp, impl",
+    [
+        ("--mtraining-dense-impl sdpa_cudnn --mtraining-dense --mtraining-layout zigzag", 2, "cudnn"),
+        (
+            "--mtraining-dense-impl sdpa_flash --mtraining-dense --mtraining-layout zigzag "
+            "--mtraining-grad-wire-dtype bf16",
+            4,
+            "flash",
+        ),
+        ("--mtraining-dense-impl sdpa_cudnn --mtraining-dense", 1, "cudnn"),  # CP = 1: any layout
+    ],
+)
 def test_launcher_accepts_the_sdpa_baseline(extra, cp, impl):
     from megatron.training.arguments import add_megatron_arguments
 
     from megatron_mtraining.arguments import add_mtraining_args, validate_mtraining_args
 
-    parser = argparse.ArgumentParser(allow_abbrev=False)   # as Megatron's parse_args builds it
+    parser = argparse.ArgumentParser(allow_abbrev=False)  # as Megatron's parse_args builds it
     add_megatron_arguments(parser)
     add_mtraining_args(parser)
-    args = parser.parse_args(f"--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 1024 "
-                             f"--max-position-embeddings 1024 --micro-batch-size 1 --context-parallel-size {cp} "
-                             f"{extra}".split())
+    args = parser.parse_args(
+        f"--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 1024 "
+        f"--max-position-embeddings 1024 --micro-batch-size 1 --context-parallel-size {cp} "
+        f"{extra}".split()
+    )
     config = validate_mtraining_args(args)
     assert (config.dense, config.dense_impl, config.sdpa_impl) == (True, f"sdpa_{impl}", impl)

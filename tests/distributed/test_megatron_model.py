@@ -34,8 +34,8 @@ NUM_LAYERS = 2
 NUM_HEADS = 4
 SPARSE_SETTINGS = dict(budget="static", sink_tokens=4, local_window=1, last_q=64)
 ATTENTION_BUDGET = dict(budget="static", vertical_size=12, slash_size=2, sink_tokens=4, local_window=1)
-LOSS_RTOL = 1e-6        # fp32 sums of ~800 token losses in another order (observed <= 1e-7)
-GRAD_RTOL = 1e-5        # max |Δ| / max |ref| per parameter gradient (observed <= 1e-6)
+LOSS_RTOL = 1e-6  # fp32 sums of ~800 token losses in another order (observed <= 1e-7)
+GRAD_RTOL = 1e-5  # max |Δ| / max |ref| per parameter gradient (observed <= 1e-6)
 
 
 def _new_seed() -> int:
@@ -47,22 +47,41 @@ def _transformer_config(tp: int = 1, cp: int = 1, hcp: list[int] | None = None, 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=NUM_HEADS, num_query_groups=2, kv_channels=16,
-        ffn_hidden_size=128, normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=True,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=tp, context_parallel_size=cp, hierarchical_context_parallel_sizes=hcp,
-        **extra)
+        num_layers=NUM_LAYERS,
+        hidden_size=64,
+        num_attention_heads=NUM_HEADS,
+        num_query_groups=2,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=hcp,
+        **extra,
+    )
 
 
 def _init_parallel(tp: int, cp: int, hcp: list[int] | None = None) -> None:
     from megatron.core import parallel_state
 
     reset_parallel_state()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                             hierarchical_context_parallel_sizes=hcp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, hierarchical_context_parallel_sizes=hcp
+    )
 
 
 def _mtraining(kind: str, pattern_file: str | None = None, layout: str = "striped", ring: str = "flat"):
@@ -83,9 +102,15 @@ def _build_model(mtraining, tp: int = 1, cp: int = 1, hcp=None, seed: int = 0, i
 
     config = _transformer_config(tp, cp, hcp, **extra)
     torch.manual_seed(seed)
-    model = GPTModel(config, get_gpt_layer_mtraining_spec(config, mtraining=mtraining), vocab_size=VOCAB,
-                     max_sequence_length=SEQ_LEN, position_embedding_type="rope", rotary_base=1_000_000,
-                     share_embeddings_and_output_weights=True)
+    model = GPTModel(
+        config,
+        get_gpt_layer_mtraining_spec(config, mtraining=mtraining),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ_LEN,
+        position_embedding_type="rope",
+        rotary_base=1_000_000,
+        share_embeddings_and_output_weights=True,
+    )
     if install_rope:
         install_layout_rope(model, mtraining.layout_for(cp), parallel_state.get_context_parallel_group())
     return model
@@ -94,10 +119,13 @@ def _build_model(mtraining, tp: int = 1, cp: int = 1, hcp=None, seed: int = 0, i
 def _batch(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN), generator=gen)
-    return {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1),
-            "loss_mask": (torch.rand(BATCH, SEQ_LEN, generator=gen) < 0.8).float(),
-            "position_ids": torch.arange(SEQ_LEN).expand(BATCH, SEQ_LEN).contiguous(),
-            "attention_mask": None}
+    return {
+        "tokens": tokens,
+        "labels": torch.roll(tokens, -1, dims=1),
+        "loss_mask": (torch.rand(BATCH, SEQ_LEN, generator=gen) < 0.8).float(),
+        "position_ids": torch.arange(SEQ_LEN).expand(BATCH, SEQ_LEN).contiguous(),
+        "attention_mask": None,
+    }
 
 
 def _full_tensor(tensor: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tensor:
@@ -129,7 +157,7 @@ def _train_step(model, batch, layout):
     grads, params = {}, {}
     for name, param in model.named_parameters():
         grad = param.grad.clone()
-        dist.all_reduce(grad, group=cp_group)          # each CP rank holds its own tokens' share
+        dist.all_reduce(grad, group=cp_group)  # each CP rank holds its own tokens' share
         grads[name] = _full_tensor(grad, param, tp_group)
         params[name] = _full_tensor(param.detach(), param, tp_group)
     return total, grads, params
@@ -181,12 +209,15 @@ def _equivalence(kind, layouts, seed, workdir, pattern_file) -> dict:
     for name, (tp, cp, hcp, layout) in layouts.items():
         _init_parallel(tp, cp, hcp)
         mt = _mtraining(kind, pattern_file, layout, "hierarchical" if hcp else "flat")
-        model = _build_model(mt, tp, cp, hcp, seed=seed + 1)   # other weights until the checkpoint loads
+        model = _build_model(mt, tp, cp, hcp, seed=seed + 1)  # other weights until the checkpoint loads
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), checkpoint))
         diffs = _differences(reference, _train_step(model, batch, mt.layout_for(cp)))
         stats = [m.last_stats for m in _attention_modules(model)]
-        report["layouts"][name] = {"diffs": diffs, "density": _head_densities(model),
-                                   "worker imbalance": [s.balance().worker_imbalance for s in stats]}
+        report["layouts"][name] = {
+            "diffs": diffs,
+            "density": _head_densities(model),
+            "worker imbalance": [s.balance().worker_imbalance for s in stats],
+        }
     return report
 
 
@@ -221,24 +252,34 @@ def _refusals(world_size: int) -> dict[str, str]:
         _init_parallel(1, cp, hcp)
         mtraining = kwargs.pop("mtraining", MTrainingConfig(backend="torch"))
         try:
-            MTrainingAttention(config=_transformer_config(1, cp, hcp), layer_number=1,
-                               attn_mask_type=AttnMaskType.causal, attention_type="self",
-                               softmax_scale=None, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                               mtraining=mtraining, **kwargs)
+            MTrainingAttention(
+                config=_transformer_config(1, cp, hcp),
+                layer_number=1,
+                attn_mask_type=AttnMaskType.causal,
+                attention_type="self",
+                softmax_scale=None,
+                pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                mtraining=mtraining,
+                **kwargs,
+            )
         except ValueError as error:
             return str(error)
         return "accepted"
 
     if world_size == 2:
-        return {"a2a": message(cp_comm_type="a2a"),
-                "a2a+p2p without hcp": message(cp_comm_type="a2a+p2p"),
-                "hierarchical without hcp": message(
-                    mtraining=MTrainingConfig(backend="torch", ring="hierarchical")),
-                "reference backend": message(mtraining=MTrainingConfig(backend="reference")),
-                "p2p per-layer list": message(cp_comm_type=["p2p", "a2a"])}
-    return {"flat ring with hcp": message(cp_comm_type="p2p"),
-            "a2a+p2p with hcp": message(cp_comm_type="a2a+p2p",
-                                        mtraining=MTrainingConfig(backend="torch", ring="hierarchical"))}
+        return {
+            "a2a": message(cp_comm_type="a2a"),
+            "a2a+p2p without hcp": message(cp_comm_type="a2a+p2p"),
+            "hierarchical without hcp": message(mtraining=MTrainingConfig(backend="torch", ring="hierarchical")),
+            "reference backend": message(mtraining=MTrainingConfig(backend="reference")),
+            "p2p per-layer list": message(cp_comm_type=["p2p", "a2a"]),
+        }
+    return {
+        "flat ring with hcp": message(cp_comm_type="p2p"),
+        "a2a+p2p with hcp": message(
+            cp_comm_type="a2a+p2p", mtraining=MTrainingConfig(backend="torch", ring="hierarchical")
+        ),
+    }
 
 
 def _rope_checks(cp: int) -> dict[str, float]:
@@ -253,14 +294,22 @@ def _rope_checks(cp: int) -> dict[str, float]:
     _init_parallel(1, cp)
     cp_group = parallel_state.get_context_parallel_group()
     rank = dist.get_rank(cp_group)
-    modules = {"rope": RotaryEmbedding(16, 1.0, rotary_base=1_000_000, use_cpu_initialization=True, cp_group=cp_group),
-               "yarn": YarnRotaryEmbedding(16, 1.0, rotary_base=1_000_000, use_cpu_initialization=True,
-                                           scaling_factor=4.0, original_max_position_embeddings=128)}
+    modules = {
+        "rope": RotaryEmbedding(16, 1.0, rotary_base=1_000_000, use_cpu_initialization=True, cp_group=cp_group),
+        "yarn": YarnRotaryEmbedding(
+            16,
+            1.0,
+            rotary_base=1_000_000,
+            use_cpu_initialization=True,
+            scaling_factor=4.0,
+            original_max_position_embeddings=128,
+        ),
+    }
     diffs = {}
     for name, rotary in modules.items():
         full = rotary.get_emb(SEQ_LEN)
         full_table = full[0] if isinstance(full, tuple) else full
-        megatron_zigzag = rotary(SEQ_LEN, cp_group=cp_group)          # Megatron's own split (CPU-patched)
+        megatron_zigzag = rotary(SEQ_LEN, cp_group=cp_group)  # Megatron's own split (CPU-patched)
         megatron_zigzag = megatron_zigzag[0] if isinstance(megatron_zigzag, tuple) else megatron_zigzag
         for kind in ("striped", "zigzag", "contiguous"):
             layout = Layout(kind, cp)
@@ -300,7 +349,8 @@ def _kept_output_over_the_ring(seed, world_size, pattern_file) -> dict:
             report[f"{kind} keep={keep} forward launches"] = len(launches)
         (loss, grads, _), (kept_loss, kept_grads, _) = results[False], results[True]
         report[f"{kind} equal"] = bool(torch.equal(loss, kept_loss)) and all(
-            torch.equal(grads[name], kept_grads[name]) for name in grads)
+            torch.equal(grads[name], kept_grads[name]) for name in grads
+        )
     return report
 
 
@@ -324,8 +374,12 @@ def _write_pattern_file(path, seed: int) -> str:
     could light the whole triangle (seen: a layer at density 0.97), and the test would compare a dense pattern."""
     gen = torch.Generator().manual_seed(seed)
     sinks, window = SPARSE_SETTINGS["sink_tokens"], SPARSE_SETTINGS["local_window"]
-    table = {str(layer): {str(head): [sinks + int(torch.randint(1, 12, (1,), generator=gen)), window + 1]
-                          for head in range(NUM_HEADS)} for layer in range(NUM_LAYERS)}
+    table = {
+        str(layer): {
+            str(head): [sinks + int(torch.randint(1, 12, (1,), generator=gen)), window + 1] for head in range(NUM_HEADS)
+        }
+        for layer in range(NUM_LAYERS)
+    }
     path.write_text(json.dumps(table))
     return str(path)
 
@@ -338,19 +392,20 @@ def multi_rank_report(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(f"model{request.param}")
     pattern_file = _write_pattern_file(workdir / "pattern.json", seed)
     layouts = TWO_RANK_LAYOUTS if request.param == 2 else FOUR_RANK_LAYOUTS
-    report = run_on_ranks(_multi_rank_report, request.param, layouts, seed, str(workdir), pattern_file,
-                          timeout=240)[0]
+    report = run_on_ranks(_multi_rank_report, request.param, layouts, seed, str(workdir), pattern_file, timeout=240)[0]
     return request.param, seed, report
 
 
 def _assert_equivalent(report, seed: int) -> None:
     assert isinstance(report, dict), f"the run failed (seed={seed}):\n{report}"
     for name, layout_report in report["layouts"].items():
-        assert layout_report["density"] == report["density"], \
-            f"{name}: the index differs from the CP = 1 model's (densities {layout_report['density']} vs " \
+        assert layout_report["density"] == report["density"], (
+            f"{name}: the index differs from the CP = 1 model's (densities {layout_report['density']} vs "
             f"{report['density']}, seed={seed})"
-        assert all(1.0 <= x < 2.0 for x in layout_report["worker imbalance"]), \
+        )
+        assert all(1.0 <= x < 2.0 for x in layout_report["worker imbalance"]), (
             f"{name}: worker imbalance {layout_report['worker imbalance']} (seed={seed})"
+        )
         diffs = layout_report["diffs"]
         assert diffs["loss"] <= LOSS_RTOL, f"{name}: loss differs by {diffs['loss']:.2e} relative (seed={seed})"
         for key, value in diffs.items():
@@ -412,9 +467,16 @@ def _sparse_attention(**overrides):
 
     settings = dict(backend="torch", **ATTENTION_BUDGET)
     settings.update(overrides)
-    return MTrainingAttention(config=_transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                              attention_type="self", cp_comm_type=None, softmax_scale=None, pg_collection=None,
-                              mtraining=MTrainingConfig(**settings))
+    return MTrainingAttention(
+        config=_transformer_config(),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type=None,
+        softmax_scale=None,
+        pg_collection=None,
+        mtraining=MTrainingConfig(**settings),
+    )
 
 
 def _attention_vs_reference(seed) -> dict[str, float]:
@@ -425,8 +487,7 @@ def _attention_vs_reference(seed) -> dict[str, float]:
 
     gen = torch.Generator().manual_seed(seed)
     n, b, hq, hkv, d = SEQ_LEN, BATCH, NUM_HEADS, 2, 16
-    query, key, value, grad = (torch.randn(n, b, h, d, generator=gen, dtype=torch.float64)
-                               for h in (hq, hkv, hkv, hq))
+    query, key, value, grad = (torch.randn(n, b, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
     diffs = {}
     for backend in ("torch", "reference"):
         attention = _sparse_attention(backend=backend)
@@ -434,10 +495,13 @@ def _attention_vs_reference(seed) -> dict[str, float]:
         out = attention(*inputs, None, attn_mask_type=None, attention_bias=None, packed_seq_params=None)
         out.backward(grad.reshape(n, b, hq * d))
         refs = [t.permute(1, 0, 2, 3).detach().clone().requires_grad_() for t in (query, key, value)]
-        index = estimate_vertical_slash(refs[0].detach(), refs[1].detach(),
-                                        StaticBudget(ATTENTION_BUDGET["vertical_size"], ATTENTION_BUDGET["slash_size"]),
-                                        sink_tokens=ATTENTION_BUDGET["sink_tokens"],
-                                        local_window=ATTENTION_BUDGET["local_window"])
+        index = estimate_vertical_slash(
+            refs[0].detach(),
+            refs[1].detach(),
+            StaticBudget(ATTENTION_BUDGET["vertical_size"], ATTENTION_BUDGET["slash_size"]),
+            sink_tokens=ATTENTION_BUDGET["sink_tokens"],
+            local_window=ATTENTION_BUDGET["local_window"],
+        )
         ref_out, _ = reference_sparse_attention(*refs, vertical_slash_mask(index.v_idx, index.s_idx, n))
         ref_out.backward(grad.permute(1, 0, 2, 3))
         diffs[f"{backend} out"] = float((out - ref_out.permute(1, 0, 2, 3).reshape(n, b, -1)).abs().max())
@@ -451,9 +515,11 @@ def _record_replays(model) -> list[int]:
     """A list that fills with the layer number of every replay that reads a layer's index cache."""
     replays = []
     for module in _attention_modules(model):
+
         def counting_pop(key, checksum, pop=module.index_cache.pop, layer=module.layer_number):
             replays.append(layer)
             return pop(key, checksum)
+
         module.index_cache.pop = counting_pop
     return replays
 
@@ -465,6 +531,7 @@ def _count_forward_launches(module, name: str) -> list[int]:
     def counted(*args, **kwargs):
         calls.append(1)
         return launch(*args, **kwargs)
+
     setattr(module, name, counted)
     return calls
 
@@ -482,18 +549,25 @@ def _recompute_reuse(seed) -> dict:
     dense_kept = MTrainingConfig(dense_impl="sdpa_flash", dense=True, layout="zigzag", keep_attention_output=True)
     batch = _batch(seed)
     full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    runs = {"plain": (sparse, {}), "selective": (sparse, dict(recompute_granularity="selective",
-                                                              recompute_modules=["core_attn"])),
-            "full": (sparse, full), "full kept": (kept, full), "dense full": (dense, full),
-            "dense full kept": (dense_kept, full), "dense plain": (dense, {})}
+    runs = {
+        "plain": (sparse, {}),
+        "selective": (sparse, dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
+        "full": (sparse, full),
+        "full kept": (kept, full),
+        "dense full": (dense, full),
+        "dense full kept": (dense_kept, full),
+        "dense plain": (dense, {}),
+    }
     results, report = {}, {}
     sparse_launch, dense_launch = torch_backend.block_bar_forward, sdpa_backend.attention_forward
     try:
         for name, (mt, extra) in runs.items():
             model = _build_model(mt, seed=seed, **extra)
             replays = _record_replays(model)
-            launches = _count_forward_launches(sdpa_backend if mt.sdpa_impl else torch_backend,
-                                               "attention_forward" if mt.sdpa_impl else "block_bar_forward")
+            launches = _count_forward_launches(
+                sdpa_backend if mt.sdpa_impl else torch_backend,
+                "attention_forward" if mt.sdpa_impl else "block_bar_forward",
+            )
             results[name] = _train_step(model, batch, mt.layout_for(1))
             torch_backend.block_bar_forward, sdpa_backend.attention_forward = sparse_launch, dense_launch
             report[f"{name} estimations"] = [m.estimations for m in _attention_modules(model)]
@@ -501,10 +575,16 @@ def _recompute_reuse(seed) -> dict:
             report[f"{name} forward launches"] = len(launches)
     finally:
         torch_backend.block_bar_forward, sdpa_backend.attention_forward = sparse_launch, dense_launch
-    for name, baseline in (("selective", "plain"), ("full", "plain"), ("full kept", "plain"),
-                           ("dense full", "dense plain"), ("dense full kept", "dense plain")):
-        report[f"{name} grads equal"] = all(torch.equal(results[name][1][k], results[baseline][1][k])
-                                            for k in results[baseline][1])
+    for name, baseline in (
+        ("selective", "plain"),
+        ("full", "plain"),
+        ("full kept", "plain"),
+        ("dense full", "dense plain"),
+        ("dense full kept", "dense plain"),
+    ):
+        report[f"{name} grads equal"] = all(
+            torch.equal(results[name][1][k], results[baseline][1][k]) for k in results[baseline][1]
+        )
         report[f"{name} loss equal"] = bool(torch.equal(results[name][0], results[baseline][0]))
     return report
 
@@ -532,7 +612,7 @@ def _checksum_mismatch(seed) -> dict[str, str]:
     other_query = query + 0.5 * torch.randn(query.shape, generator=gen)
     outcome = {}
     for name, replayed_query in (("same", query), ("other", other_query)):
-        tp_random._set_checkpointing()                   # first pass inside Megatron's checkpoint: push
+        tp_random._set_checkpointing()  # first pass inside Megatron's checkpoint: push
         try:
             attention(query, key, value, None)
         finally:
@@ -567,11 +647,16 @@ def _call_refusals() -> dict[str, str]:
     config = _transformer_config()
     config.attention_dropout = 0.1
     return {
-        "dropout": message(lambda: MTrainingAttention(config=config, layer_number=1,
-                                                      attn_mask_type=AttnMaskType.causal, attention_type="self")),
-        "padding mask type": message(lambda: MTrainingAttention(config=_transformer_config(), layer_number=1,
-                                                                attn_mask_type=AttnMaskType.padding,
-                                                                attention_type="self")),
+        "dropout": message(
+            lambda: MTrainingAttention(
+                config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+            )
+        ),
+        "padding mask type": message(
+            lambda: MTrainingAttention(
+                config=_transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.padding, attention_type="self"
+            )
+        ),
         "mask tensor": message(lambda: attention(q, kv, kv, torch.ones(1, 1, SEQ_LEN, SEQ_LEN, dtype=torch.bool))),
         "no_mask call": message(lambda: attention(q, kv, kv, None, attn_mask_type=AttnMaskType.no_mask)),
         "bias": message(lambda: attention(q, kv, kv, None, attention_bias=torch.zeros(1))),
@@ -592,9 +677,13 @@ def _state_dict_keys_unchanged_by_layout_rope() -> bool:
 def _single_rank_report(rank, world_size, seed):
     with megatron_on_cpu():
         _init_parallel(1, 1)
-        return {"reference": _attention_vs_reference(seed), "recompute": _recompute_reuse(seed),
-                "mismatch": _checksum_mismatch(seed), "refusals": _call_refusals(),
-                "rope keys unchanged": _state_dict_keys_unchanged_by_layout_rope()}
+        return {
+            "reference": _attention_vs_reference(seed),
+            "recompute": _recompute_reuse(seed),
+            "mismatch": _checksum_mismatch(seed),
+            "refusals": _call_refusals(),
+            "rope keys unchanged": _state_dict_keys_unchanged_by_layout_rope(),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -619,25 +708,34 @@ def test_recompute_reuses_cached_index(single_rank_report):
     seed, report = single_rank_report
     recompute = report["recompute"]
     for mode in ("plain", "selective", "full", "full kept"):
-        assert recompute[f"{mode} estimations"] == [1] * NUM_LAYERS, \
+        assert recompute[f"{mode} estimations"] == [1] * NUM_LAYERS, (
             f"{mode}: estimations per layer {recompute[f'{mode} estimations']} (seed={seed})"
+        )
     assert recompute["plain replays"] == [] and recompute["dense full replays"] == []
     for mode in ("selective", "full", "full kept", "dense full kept"):
-        assert recompute[f"{mode} replays"] == list(range(1, NUM_LAYERS + 1)), \
+        assert recompute[f"{mode} replays"] == list(range(1, NUM_LAYERS + 1)), (
             f"{mode}: every layer must replay once from the cache, got {recompute[f'{mode} replays']}"
+        )
     for mode in ("selective", "full", "full kept", "dense full", "dense full kept"):
-        assert recompute[f"{mode} loss equal"] and recompute[f"{mode} grads equal"], \
+        assert recompute[f"{mode} loss equal"] and recompute[f"{mode} grads equal"], (
             f"{mode} recomputation changed the loss or gradients (seed={seed})"
+        )
 
 
 def test_kept_attention_output_skips_the_recomputed_attention_forward(single_rank_report):
     seed, report = single_rank_report
     recompute = report["recompute"]
-    for mode, expected in (("plain", NUM_LAYERS), ("full", 2 * NUM_LAYERS), ("full kept", NUM_LAYERS),
-                           ("dense plain", NUM_LAYERS), ("dense full", 2 * NUM_LAYERS),
-                           ("dense full kept", NUM_LAYERS)):
-        assert recompute[f"{mode} forward launches"] == expected, \
+    for mode, expected in (
+        ("plain", NUM_LAYERS),
+        ("full", 2 * NUM_LAYERS),
+        ("full kept", NUM_LAYERS),
+        ("dense plain", NUM_LAYERS),
+        ("dense full", 2 * NUM_LAYERS),
+        ("dense full kept", NUM_LAYERS),
+    ):
+        assert recompute[f"{mode} forward launches"] == expected, (
             f"{mode}: {recompute[f'{mode} forward launches']} attention forwards, expected {expected} (seed={seed})"
+        )
 
 
 def test_recompute_checksum_mismatch_raises(single_rank_report):
@@ -675,8 +773,9 @@ def test_mask_density_matches_materialised_mask(seed):
     for seq_len in (128, 384, 640):
         v_idx, s_idx = random_index(2, 3, seq_len, seq_len // 8, seq_len // 64 + 2, gen)
         expected = 1 - sparsity(vertical_slash_mask(v_idx, s_idx, seq_len))
-        assert torch.allclose(mask_density(v_idx, s_idx, seq_len), expected, rtol=0, atol=1e-12), \
+        assert torch.allclose(mask_density(v_idx, s_idx, seq_len), expected, rtol=0, atol=1e-12), (
             f"N={seq_len} (seed={seed})"
+        )
 
 
 def test_select_layout_positions_shards_every_sequence_tensor(seed):
@@ -699,8 +798,9 @@ def test_select_layout_positions_refuses_masks_and_packing():
 
     batch = _batch(0)
     with pytest.raises(ValueError, match="no-create-attention-mask-in-dataloader"):
-        select_layout_positions(dict(batch, attention_mask=torch.ones(BATCH, 1, SEQ_LEN, SEQ_LEN)),
-                                Layout("striped", 2), 0)
+        select_layout_positions(
+            dict(batch, attention_mask=torch.ones(BATCH, 1, SEQ_LEN, SEQ_LEN)), Layout("striped", 2), 0
+        )
     with pytest.raises(ValueError, match="packed sequences"):
         select_layout_positions(dict(batch, cu_seqlens=torch.tensor([0, SEQ_LEN])), Layout("striped", 2), 0)
     with pytest.raises(ValueError, match="not divisible"):

@@ -29,8 +29,8 @@ from mtraining_kernels.layout import Layout
 from patterns import random_index
 
 WORLD = 3
-COLLECTIVE_TIMEOUT = 20.0     # seconds a gloo collective waits before it fails
-PROMPT_SECONDS = 10.0         # an agreed error takes milliseconds; a stuck collective takes COLLECTIVE_TIMEOUT
+COLLECTIVE_TIMEOUT = 20.0  # seconds a gloo collective waits before it fails
+PROMPT_SECONDS = 10.0  # an agreed error takes milliseconds; a stuck collective takes COLLECTIVE_TIMEOUT
 LOCAL_LEN, HEADS, KV_HEADS, DIM = 256, 2, 1, 16
 
 
@@ -57,47 +57,96 @@ AGREE = r".*every rank must pass the same shapes, dtype, budget and options"
 # per case: what the bad rank changes (keyword arguments of _ring_call), whose message the ranks raise
 # ("consensus": all the same one; "own": the bad rank its reason, the others one naming it) and that message
 RING_CASES = {
-    "sequence length": (dict(local_len=2 * LOCAL_LEN), "consensus",
-                        r"ring attention: the ranks of the group disagree on "
-                        r"\{'N_loc': \[(?=[^\]]*256)(?=[^\]]*512)" + AGREE),
-    "index shape (heads)": (dict(index_heads=2 * HEADS), "own",
-                            r"index covers \[b, Hq\]=\(1, 4\), q has \(1, 2\); convert the index"),
-    "index for another rank": (dict(index_rank_shift=1), "own",
-                               r"index was built for world_size=3, rank=\d but this is CP rank \d of 3"),
-    "index for another length": (dict(index_len_factor=2), "own",
-                                 r"index was built for seq_len=1536, inputs have 256 x 3 tokens; convert the index "
-                                 r"for N=768"),
-    "head count": (dict(heads=2 * HEADS, index_heads=2 * HEADS), "consensus",
-                   r"ring attention: the ranks of the group disagree on \{'Hq': \[(?=[^\]]*2)(?=[^\]]*4)" + AGREE),
-    "dtype": (dict(dtype=torch.bfloat16), "consensus",
-              r"ring attention: the ranks of the group disagree on \{'dtype': "
-              r"\[(?=[^\]]*'torch\.float32')(?=[^\]]*'torch\.bfloat16')" + AGREE),
+    "sequence length": (
+        dict(local_len=2 * LOCAL_LEN),
+        "consensus",
+        r"ring attention: the ranks of the group disagree on "
+        r"\{'N_loc': \[(?=[^\]]*256)(?=[^\]]*512)" + AGREE,
+    ),
+    "index shape (heads)": (
+        dict(index_heads=2 * HEADS),
+        "own",
+        r"index covers \[b, Hq\]=\(1, 4\), q has \(1, 2\); convert the index",
+    ),
+    "index for another rank": (
+        dict(index_rank_shift=1),
+        "own",
+        r"index was built for world_size=3, rank=\d but this is CP rank \d of 3",
+    ),
+    "index for another length": (
+        dict(index_len_factor=2),
+        "own",
+        r"index was built for seq_len=1536, inputs have 256 x 3 tokens; convert the index "
+        r"for N=768",
+    ),
+    "head count": (
+        dict(heads=2 * HEADS, index_heads=2 * HEADS),
+        "consensus",
+        r"ring attention: the ranks of the group disagree on \{'Hq': \[(?=[^\]]*2)(?=[^\]]*4)" + AGREE,
+    ),
+    "dtype": (
+        dict(dtype=torch.bfloat16),
+        "consensus",
+        r"ring attention: the ranks of the group disagree on \{'dtype': "
+        r"\[(?=[^\]]*'torch\.float32')(?=[^\]]*'torch\.bfloat16')" + AGREE,
+    ),
     "q without batch dim": (dict(squeeze_q=True), "own", r"q must be a 4-D tensor \[b, N_loc, heads, d\]"),
-    "index for another layout": (dict(index_kind="zigzag"), "consensus",
-                                 r"ring attention: the ranks of the group disagree on \{'index layout': "
-                                 r"\[(?=[^\]]*Layout\(kind='striped', world_size=3)(?=[^\]]*Layout\(kind='zigzag')"
-                                 + AGREE),
-    "another backend": (dict(backend="triton"), "consensus",
-                        r"ring attention: the ranks of the group disagree on \{'backend': "
-                        r"\[(?=[^\]]*'torch_blocksparse')(?=[^\]]*'triton')" + AGREE),
-    "unknown backend": (dict(backend="torch"), "own",
-                        r"backend='torch' is unknown; use one of \['torch_blocksparse', 'triton'\]"),
-    "another wire dtype": (dict(grad_wire_dtype="bf16"), "consensus",
-                           r"ring attention: the ranks of the group disagree on \{'grad_wire_dtype': "
-                           r"\[(?=[^\]]*'fp32')(?=[^\]]*'bf16')" + AGREE),
+    "index for another layout": (
+        dict(index_kind="zigzag"),
+        "consensus",
+        r"ring attention: the ranks of the group disagree on \{'index layout': "
+        r"\[(?=[^\]]*Layout\(kind='striped', world_size=3)(?=[^\]]*Layout\(kind='zigzag')" + AGREE,
+    ),
+    "another backend": (
+        dict(backend="triton"),
+        "consensus",
+        r"ring attention: the ranks of the group disagree on \{'backend': "
+        r"\[(?=[^\]]*'torch_blocksparse')(?=[^\]]*'triton')" + AGREE,
+    ),
+    "unknown backend": (
+        dict(backend="torch"),
+        "own",
+        r"backend='torch' is unknown; use one of \['torch_blocksparse', 'triton'\]",
+    ),
+    "another wire dtype": (
+        dict(grad_wire_dtype="bf16"),
+        "consensus",
+        r"ring attention: the ranks of the group disagree on \{'grad_wire_dtype': "
+        r"\[(?=[^\]]*'fp32')(?=[^\]]*'bf16')" + AGREE,
+    ),
     "unknown wire dtype": (dict(grad_wire_dtype="fp16"), "own", r"grad_wire_dtype='fp16' is not one of"),
-    "another softmax scale": (dict(softmax_scale=0.3), "consensus",       # the others' default: 16 ** -0.5
-                              r"ring attention: the ranks of the group disagree on \{'softmax_scale': "
-                              r"\[(?=[^\]]*0\.25\b)(?=[^\]]*0\.3\b)" + AGREE),
-    "another determinism": (dict(deterministic=True), "consensus",
-                            r"ring attention: the ranks of the group disagree on \{'deterministic': "
-                            r"\[(?=[^\]]*False)(?=[^\]]*True)" + AGREE),
+    "another softmax scale": (
+        dict(softmax_scale=0.3),
+        "consensus",  # the others' default: 16 ** -0.5
+        r"ring attention: the ranks of the group disagree on \{'softmax_scale': "
+        r"\[(?=[^\]]*0\.25\b)(?=[^\]]*0\.3\b)" + AGREE,
+    ),
+    "another determinism": (
+        dict(deterministic=True),
+        "consensus",
+        r"ring attention: the ranks of the group disagree on \{'deterministic': "
+        r"\[(?=[^\]]*False)(?=[^\]]*True)" + AGREE,
+    ),
 }
 
 
-def _ring_call(rank, world_size, seed, local_len=LOCAL_LEN, heads=HEADS, index_heads=HEADS, index_rank_shift=0,
-               index_len_factor=1, index_kind="striped", dtype=torch.float32, squeeze_q=False,
-               backend="torch_blocksparse", grad_wire_dtype="fp32", softmax_scale=None, deterministic=False):
+def _ring_call(
+    rank,
+    world_size,
+    seed,
+    local_len=LOCAL_LEN,
+    heads=HEADS,
+    index_heads=HEADS,
+    index_rank_shift=0,
+    index_len_factor=1,
+    index_kind="striped",
+    dtype=torch.float32,
+    squeeze_q=False,
+    backend="torch_blocksparse",
+    grad_wire_dtype="fp32",
+    softmax_scale=None,
+    deterministic=False,
+):
     """One flat-ring forward + backward (by default on torch_blocksparse) with a random striped index."""
     from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups
@@ -108,10 +157,20 @@ def _ring_call(rank, world_size, seed, local_len=LOCAL_LEN, heads=HEADS, index_h
     k, v = (torch.randn(1, local_len, KV_HEADS, DIM, generator=gen).to(dtype).requires_grad_() for _ in range(2))
     index_len = seq_len * index_len_factor
     v_idx, s_idx = random_index(1, index_heads, index_len, 16, 4, gen)
-    index = convert_index(v_idx, s_idx, Layout(index_kind, world_size), (rank + index_rank_shift) % world_size,
-                          index_len)
-    out = ring_attention(q[0] if squeeze_q else q, k, v, index, RingGroups.flat(dist.group.WORLD), backend=backend,
-                         grad_wire_dtype=grad_wire_dtype, softmax_scale=softmax_scale, deterministic=deterministic)
+    index = convert_index(
+        v_idx, s_idx, Layout(index_kind, world_size), (rank + index_rank_shift) % world_size, index_len
+    )
+    out = ring_attention(
+        q[0] if squeeze_q else q,
+        k,
+        v,
+        index,
+        RingGroups.flat(dist.group.WORLD),
+        backend=backend,
+        grad_wire_dtype=grad_wire_dtype,
+        softmax_scale=softmax_scale,
+        deterministic=deterministic,
+    )
     out.sum().backward()
     if not torch.isfinite(q.grad).all():
         raise AssertionError("the good ring call produced non-finite gradients")
@@ -127,35 +186,63 @@ def _ring_rank(rank, world_size, case, bad_rank, warm, seed):
 
 
 # ------------------------------------------------------------------------------------------ estimator
-ESTIMATOR_CASES = {       # as RING_CASES; top-P: 0 static, 1 top-P
-    "sequence length": (dict(local_len=2 * LOCAL_LEN), "consensus",
-                        r"disagree on \{'N_loc': \[(?=[^\]]*256)(?=[^\]]*512)" + AGREE),
+ESTIMATOR_CASES = {  # as RING_CASES; top-P: 0 static, 1 top-P
+    "sequence length": (
+        dict(local_len=2 * LOCAL_LEN),
+        "consensus",
+        r"disagree on \{'N_loc': \[(?=[^\]]*256)(?=[^\]]*512)" + AGREE,
+    ),
     "head count": (dict(heads=2 * HEADS), "consensus", r"disagree on \{'Hq': \[(?=[^\]]*2)(?=[^\]]*4)" + AGREE),
-    "dtype": (dict(dtype=torch.bfloat16), "consensus",
-              r"disagree on \{'dtype': \[(?=[^\]]*'torch\.float32')(?=[^\]]*'torch\.bfloat16')" + AGREE),
-    "invalid budget": (dict(budget=StaticBudget(8, 128)), "own",
-                       r"v_size=8 is smaller than the 30 forced sink columns.*use v_size >= 30"),
-    "another budget": (dict(budget=TopPBudget(0.9, 256)), "consensus",
-                       r"disagree on \{'top-P': \[(?=[^\]]*0)(?=[^\]]*1)" + AGREE),
+    "dtype": (
+        dict(dtype=torch.bfloat16),
+        "consensus",
+        r"disagree on \{'dtype': \[(?=[^\]]*'torch\.float32')(?=[^\]]*'torch\.bfloat16')" + AGREE,
+    ),
+    "invalid budget": (
+        dict(budget=StaticBudget(8, 128)),
+        "own",
+        r"v_size=8 is smaller than the 30 forced sink columns.*use v_size >= 30",
+    ),
+    "another budget": (
+        dict(budget=TopPBudget(0.9, 256)),
+        "consensus",
+        r"disagree on \{'top-P': \[(?=[^\]]*0)(?=[^\]]*1)" + AGREE,
+    ),
     "another last_q": (dict(last_q=32), "consensus", r"disagree on \{'last_q': \[(?=[^\]]*64)(?=[^\]]*32)" + AGREE),
-    "another layout": (dict(kind="zigzag"), "consensus",
-                       r"disagree on \{'layout': \[(?=[^\]]*kind='zigzag')(?=[^\]]*kind='striped')" + AGREE),
+    "another layout": (
+        dict(kind="zigzag"),
+        "consensus",
+        r"disagree on \{'layout': \[(?=[^\]]*kind='zigzag')(?=[^\]]*kind='striped')" + AGREE,
+    ),
     # 0.25 + 2^-40 and the others' 0.25 are one value in the 2^-32 fixed point the ranks once compared
-    "softmax scale below 2^-32": (dict(softmax_scale=0.25 + 2 ** -40), "consensus",
-                                  r"disagree on \{'softmax_scale': \[(?=[^\]]*0\.25,)(?=[^\]]*0\.25000000000090)"
-                                  + AGREE),
+    "softmax scale below 2^-32": (
+        dict(softmax_scale=0.25 + 2**-40),
+        "consensus",
+        r"disagree on \{'softmax_scale': \[(?=[^\]]*0\.25,)(?=[^\]]*0\.25000000000090)" + AGREE,
+    ),
 }
 
 
-def _estimate_call(rank, world_size, seed, local_len=LOCAL_LEN, heads=HEADS, dtype=torch.float32,
-                   budget=StaticBudget(64, 128), last_q=64, kind="striped", softmax_scale=None):
+def _estimate_call(
+    rank,
+    world_size,
+    seed,
+    local_len=LOCAL_LEN,
+    heads=HEADS,
+    dtype=torch.float32,
+    budget=StaticBudget(64, 128),
+    last_q=64,
+    kind="striped",
+    softmax_scale=None,
+):
     from megatron_mtraining.ring.estimation import estimate_vertical_slash_distributed
 
     gen = torch.Generator().manual_seed(seed + rank)
     q = torch.randn(1, local_len, heads, DIM, generator=gen).to(dtype)
     k = torch.randn(1, local_len, KV_HEADS, DIM, generator=gen).to(dtype)
-    return estimate_vertical_slash_distributed(q, k, budget, Layout(kind, world_size), dist.group.WORLD,
-                                               last_q=last_q, softmax_scale=softmax_scale)
+    return estimate_vertical_slash_distributed(
+        q, k, budget, Layout(kind, world_size), dist.group.WORLD, last_q=last_q, softmax_scale=softmax_scale
+    )
 
 
 def _estimator_rank(rank, world_size, case, bad_rank, warm, seed):
@@ -178,7 +265,8 @@ def _assert_every_rank_raised(outcomes, bad_rank, kind, message, what, context):
         where = f"{what}, rank {rank} (bad rank {bad_rank}), {context}"
         assert outcome["raised"] == "ValueError", f"{where}: {outcome['raised']}: {outcome['message']}"
         assert outcome["seconds"] < PROMPT_SECONDS, (
-            f"{where}: raised only after {outcome['seconds']:.1f}s (a collective waited): {outcome['message']}")
+            f"{where}: raised only after {outcome['seconds']:.1f}s (a collective waited): {outcome['message']}"
+        )
         if kind == "consensus" or rank == bad_rank:
             expected = message
         else:
@@ -203,8 +291,9 @@ def test_distributed_estimation_raises_on_every_rank(case, warm, seed):
     bad_rank = (WORLD - 1) if seed % 2 else seed % (WORLD - 1)
     _, kind, message = ESTIMATOR_CASES[case]
     outcomes = _run(_estimator_rank, case, bad_rank, warm, seed)
-    _assert_every_rank_raised(outcomes, bad_rank, kind, message, f"estimate_vertical_slash_distributed, {case}",
-                              f"seed={seed}")
+    _assert_every_rank_raised(
+        outcomes, bad_rank, kind, message, f"estimate_vertical_slash_distributed, {case}", f"seed={seed}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ per-head budgets
@@ -228,15 +317,24 @@ def test_per_head_budgets_are_compared_exactly(seed):
     from mtraining_kernels.estimation import list_width
 
     (v_good, s_good), (v_other, s_other) = CHECKSUM_TWINS
+
     def checksum(sizes):
         return sum((head + 1) * size for head, size in enumerate(sizes))
+
     assert v_good != v_other and checksum(v_good) == checksum(v_other) and s_good == s_other
     assert list_width(max(v_good), WORLD * LOCAL_LEN) == list_width(max(v_other), WORLD * LOCAL_LEN)
     bad_rank = seed % WORLD
 
     def by_rank(head):
         return [v_other[head] if rank == bad_rank else v_good[head] for rank in range(WORLD)]
+
     message = re.escape(f"disagree on {{'v_size[0]': {by_rank(0)}, 'v_size[1]': {by_rank(1)}}}") + AGREE
     outcomes = _run(_head_budget_rank, bad_rank, seed)
-    _assert_every_rank_raised(outcomes, bad_rank, "consensus", message,
-                              "estimate_vertical_slash_distributed, per-head budgets", f"seed={seed}")
+    _assert_every_rank_raised(
+        outcomes,
+        bad_rank,
+        "consensus",
+        message,
+        "estimate_vertical_slash_distributed, per-head budgets",
+        f"seed={seed}",
+    )

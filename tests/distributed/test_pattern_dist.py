@@ -13,7 +13,7 @@ from mtraining_kernels.estimation import estimate_vertical_slash
 from megatron_mtraining.ring.estimation_comm import _halo_sends
 from mtraining_kernels.layout import LAYOUT_KINDS, Layout
 
-SEQ_LEN = 384            # every layout splits it for W in {2, 3, 4} (striped with granularity 16 or 32)
+SEQ_LEN = 384  # every layout splits it for W in {2, 3, 4} (striped with granularity 16 or 32)
 BATCH, Q_HEADS, KV_HEADS, DIM = 2, 4, 2, 32
 FIELDS = ("v_idx", "s_idx", "v_cnt", "s_cnt")
 
@@ -30,13 +30,23 @@ def _make_case(rng: random.Random, kind: str, world: int, mode: str) -> dict:
     if mode == "static":
         v_sizes = [rng.randint(max(sinks, 1), sinks + 24) for _ in range(Q_HEADS)]
         s_sizes = [rng.randint(window + 4, window + 24) for _ in range(Q_HEADS)]
-        budget = rng.choice([StaticBudget(v_sizes[0], s_sizes[0]),
-                             StaticHeadBudgets(torch.tensor(v_sizes), torch.tensor(s_sizes))])
+        budget = rng.choice(
+            [StaticBudget(v_sizes[0], s_sizes[0]), StaticHeadBudgets(torch.tensor(v_sizes), torch.tensor(s_sizes))]
+        )
     else:
         budget = TopPBudget(round(rng.uniform(0.5, 0.97), 3), rng.randint(max(sinks, window, 1), 300))
-    return dict(kind=kind, world=world, granularity=granularity, last_q=last_q, sink_tokens=sinks,
-                local_window=window, budget=budget, softmax_scale=rng.choice([None, 0.3]),
-                dtype=rng.choice([torch.float32, torch.bfloat16]), data_seed=rng.randrange(2 ** 31))
+    return dict(
+        kind=kind,
+        world=world,
+        granularity=granularity,
+        last_q=last_q,
+        sink_tokens=sinks,
+        local_window=window,
+        budget=budget,
+        softmax_scale=rng.choice([None, 0.3]),
+        dtype=rng.choice([torch.float32, torch.bfloat16]),
+        data_seed=rng.randrange(2**31),
+    )
 
 
 def _straddling_offsets(case: dict) -> list[int]:
@@ -45,8 +55,14 @@ def _straddling_offsets(case: dict) -> list[int]:
     owners, _ = layout.to_local(torch.arange(SEQ_LEN), SEQ_LEN)
     run_starts = ((owners[1:] != owners[:-1]).nonzero().flatten() + 1).tolist()
     last_q = case["last_q"]
-    return sorted({SEQ_LEN - 1 - top for start in run_starts for top in range(start, start + last_q - 1)
-                   if last_q <= SEQ_LEN - 1 - top <= SEQ_LEN - last_q})
+    return sorted(
+        {
+            SEQ_LEN - 1 - top
+            for start in run_starts
+            for top in range(start, start + last_q - 1)
+            if last_q <= SEQ_LEN - 1 - top <= SEQ_LEN - last_q
+        }
+    )
 
 
 def _inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -72,14 +88,14 @@ def _inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
 
     plant_some(_straddling_offsets(case), 2)
     straddlers = list(planted)
-    plant_some(list(range(SEQ_LEN - last_q + 1)), 4)         # offsets whose diagonal has all L rows
+    plant_some(list(range(SEQ_LEN - last_q + 1)), 4)  # offsets whose diagonal has all L rows
     rows = torch.arange(SEQ_LEN - last_q, SEQ_LEN)
     for offset in planted:
         k[:, rows - offset, 0] = 3 * q[:, rows, 0]
-    q[:, SEQ_LEN - last_q:] += direction
+    q[:, SEQ_LEN - last_q :] += direction
     used = {int(j) for offset in planted for j in rows - offset}
-    tied_columns = rng.sample([j for j in range(SEQ_LEN - last_q + 1) if j not in used], 8)   # complete columns
-    k[:, tied_columns] = 2 * direction[:, :, ::Q_HEADS // KV_HEADS]
+    tied_columns = rng.sample([j for j in range(SEQ_LEN - last_q + 1) if j not in used], 8)  # complete columns
+    k[:, tied_columns] = 2 * direction[:, :, :: Q_HEADS // KV_HEADS]
     return q.to(case["dtype"]), k.to(case["dtype"]), straddlers
 
 
@@ -92,8 +108,11 @@ def _estimate_shard(case: dict, group: dist.ProcessGroup):
     layout = Layout(case["kind"], case["world"], case["granularity"])
     q, k, _ = _inputs(case)
     cp_rank = dist.get_rank(group)
-    return tuple(estimate_vertical_slash_distributed(layout.shard(q, cp_rank), layout.shard(k, cp_rank),
-                                                     case["budget"], layout, group, **_options(case)))
+    return tuple(
+        estimate_vertical_slash_distributed(
+            layout.shard(q, cp_rank), layout.shard(k, cp_rank), case["budget"], layout, group, **_options(case)
+        )
+    )
 
 
 def _check_bitwise(case: dict, per_rank: list, seed: int) -> None:
@@ -102,13 +121,15 @@ def _check_bitwise(case: dict, per_rank: list, seed: int) -> None:
     expected = estimate_vertical_slash(q, k, case["budget"], **_options(case))
     for rank, got in enumerate(per_rank):
         for name, ours, theirs in zip(FIELDS, got, expected):
-            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), \
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), (
                 f"{name} differs on rank {rank} (seed={seed}, case={case})"
+            )
     if not isinstance(case["budget"], TopPBudget):
         picked = set(expected.s_idx[:, 0].flatten().tolist())
         wanted = [s for s in straddlers if s >= case["local_window"]]
-        assert not wanted or picked & set(wanted), \
+        assert not wanted or picked & set(wanted), (
             f"no planted straddling slash {wanted} was selected, so the halo went untested (seed={seed}, case={case})"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- ranks
@@ -140,8 +161,9 @@ def test_cp_groups_that_are_not_the_world_run_concurrently(distributed, seed):
     """Two CP groups of non-adjacent global ranks (as with TP = 2 inside), each with its own data."""
     rng = random.Random(seed)
     members = [[0, 2], [1, 3]]
-    cases_by_group = [[_make_case(rng, rng.choice(LAYOUT_KINDS), 2, mode) for mode in ("static", "top-p")]
-                      for _ in members]
+    cases_by_group = [
+        [_make_case(rng, rng.choice(LAYOUT_KINDS), 2, mode) for mode in ("static", "top-p")] for _ in members
+    ]
     results = distributed(_estimate_on_subgroups, 4, members, cases_by_group)
     for group_id, ranks in enumerate(members):
         assert [results[r][0] for r in ranks] == [group_id] * len(ranks)
@@ -155,11 +177,14 @@ def test_halo_sends_only_the_offsets_that_straddle_a_run_end():
     for rank in range(4):
         sends = _halo_sends(Layout("contiguous", 4), seq_len, last_q, rank)
         first_foreign = (rank + 1) * seq_len // 4
-        expected = [] if rank == 3 else [(rank + 1, list(range(seq_len - first_foreign - last_q + 1,
-                                                                seq_len - first_foreign)))]
+        expected = (
+            []
+            if rank == 3
+            else [(rank + 1, list(range(seq_len - first_foreign - last_q + 1, seq_len - first_foreign)))]
+        )
         assert [(dest, offsets.tolist()) for dest, offsets in sends] == expected
         striped = _halo_sends(Layout("striped", 4, 128), seq_len, last_q, rank)
-        runs = seq_len // (4 * 128) - (rank == 3)                  # rank 3's last run ends the sequence
+        runs = seq_len // (4 * 128) - (rank == 3)  # rank 3's last run ends the sequence
         assert [dest for dest, _ in striped] == [(rank + 1) % 4] and len(striped[0][1]) == runs * (last_q - 1)
 
 
@@ -181,20 +206,21 @@ def _bad_calls(rank, world_size):
         "striped last_q": lambda: estimate(layout=Layout("striped", world_size, 16)),
         "striped split": lambda: estimate(length=192, layout=Layout("striped", world_size, 64)),
         "shapes": lambda: estimate_vertical_slash_distributed(
-            contiguous.shard(q, rank), contiguous.shard(k, rank)[:, 1:], StaticBudget(64, 128), contiguous, group),
+            contiguous.shard(q, rank), contiguous.shard(k, rank)[:, 1:], StaticBudget(64, 128), contiguous, group
+        ),
         "budget heads": lambda: estimate(budget=StaticHeadBudgets(torch.tensor([64] * 3), torch.tensor([128] * 3))),
         "sinks": lambda: estimate(sink_tokens=257),
         "top-p cap": lambda: estimate(budget=TopPBudget(0.9, 64)),
         "device": lambda: estimate(device="meta"),
     }
     messages = {}
-    for name, call in calls.items():          # errors come before any work: no thread setting needed
+    for name, call in calls.items():  # errors come before any work: no thread setting needed
         try:
             call()
             messages[name] = None
         except ValueError as error:
             messages[name] = str(error)
-    return messages, tuple(estimate())      # the ranks are still in step
+    return messages, tuple(estimate())  # the ranks are still in step
 
 
 EXPECTED_ERRORS = {

@@ -18,16 +18,22 @@ import sys
 import pytest
 
 STEPS = 6
-LOSS_DROP = 0.5                 # nats, mean of the last 3 steps below the mean of the first 3
+LOSS_DROP = 0.5  # nats, mean of the last 3 steps below the mean of the first 3
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.py")
-STEP_LINE = re.compile(r"^step +(?P<step>\d+)/(?P<steps>\d+) \| loss (?P<loss>[\d.]+) \| density (?P<density>[\d.]+) "
-                       r"\| worker imbalance (?P<worker>[\d.]+) \| step imbalance (?P<ring_step>[\d.]+) "
-                       r"\| (?P<seconds>[\d.]+) s$", re.MULTILINE)
-SUMMARY = re.compile(r"^summary: (?P<steps>\d+) steps, loss (?P<first>[\d.]+) -> (?P<last>[\d.]+), "
-                     r"(?P<seconds>[\d.]+) s of steps\n"
-                     r" +mean density (?P<density>[\d.]+): the sparse attention did (?P<percent>\d+)% of dense "
-                     r"attention's work\n"
-                     r" +worst imbalance: worker (?P<worker>[\d.]+), step (?P<ring_step>[\d.]+)$", re.MULTILINE)
+STEP_LINE = re.compile(
+    r"^step +(?P<step>\d+)/(?P<steps>\d+) \| loss (?P<loss>[\d.]+) \| density (?P<density>[\d.]+) "
+    r"\| worker imbalance (?P<worker>[\d.]+) \| step imbalance (?P<ring_step>[\d.]+) "
+    r"\| (?P<seconds>[\d.]+) s$",
+    re.MULTILINE,
+)
+SUMMARY = re.compile(
+    r"^summary: (?P<steps>\d+) steps, loss (?P<first>[\d.]+) -> (?P<last>[\d.]+), "
+    r"(?P<seconds>[\d.]+) s of steps\n"
+    r" +mean density (?P<density>[\d.]+): the sparse attention did (?P<percent>\d+)% of dense "
+    r"attention's work\n"
+    r" +worst imbalance: worker (?P<worker>[\d.]+), step (?P<ring_step>[\d.]+)$",
+    re.MULTILINE,
+)
 LIBRARY_WARNING = re.compile(r"warn|transformer.engine|apex|absl", re.IGNORECASE)
 
 
@@ -42,8 +48,13 @@ def _quickstart():
 def demo():
     """(output, seed) of one CPU run of the demo; stdout and stderr together, as a user sees them."""
     seed = int.from_bytes(os.urandom(4), "little") % 2**31
-    run = subprocess.run([sys.executable, QUICKSTART, "--cpu", "--steps", str(STEPS), "--seed", str(seed)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, QUICKSTART, "--cpu", "--steps", str(STEPS), "--seed", str(seed)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, f"the demo failed (seed={seed}):\n{run.stdout}"
     return run.stdout, seed
 
@@ -52,7 +63,7 @@ def _steps(output: str) -> list[dict]:
     return [match.groupdict() for match in STEP_LINE.finditer(output)]
 
 
-@pytest.mark.slow           # about a minute: two ranks build Megatron's model and mock data, then train
+@pytest.mark.slow  # about a minute: two ranks build Megatron's model and mock data, then train
 def test_quickstart_loss_falls_with_sparse_balanced_attention(demo):
     output, seed = demo
     steps = _steps(output)
@@ -73,11 +84,14 @@ def test_quickstart_explains_itself_before_the_first_step(demo):
     first_step = STEP_LINE.search(output).start()
     before = output[:first_step]
     assert "a minimal training loop in 2 gloo processes: Megatron's `pretrain` needs CUDA" in before, output
-    for words in ("2 layers, hidden 256", "4096 tokens split over CP = 2 ranks in the striped layout",
-                  "90% of the estimated attention mass",
-                  "density    fraction of the causal attention area computed (1.0 = dense attention)",
-                  "imbalance  max/mean of the ring's attention work over ranks (worker) and over ring steps (step)",
-                  "1.0 = perfectly balanced"):
+    for words in (
+        "2 layers, hidden 256",
+        "4096 tokens split over CP = 2 ranks in the striped layout",
+        "90% of the estimated attention mass",
+        "density    fraction of the causal attention area computed (1.0 = dense attention)",
+        "imbalance  max/mean of the ring's attention work over ranks (worker) and over ring steps (step)",
+        "1.0 = perfectly balanced",
+    ):
         assert words in before, f"{words!r} not before the first step:\n{output}"
     starting = before.index("starting 2 processes: importing Megatron, building the model")
     built = before.index("model built: ")
@@ -120,10 +134,13 @@ def test_launcher_log_gives_the_step_records(capsys):
 
     log_step_metrics(StepMetrics({1: 0.25, 2: 0.35}, 1.25, 1.125, 0.004), iteration=1)
     metrics_line = capsys.readouterr().out
-    megatron_lines = [f" [timestamp] iteration {iteration:8d}/{2:8d} | consumed samples: "
-                      f"{iteration:12d} | elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.000000E-03 | "
-                      f"global batch size:     1 | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.234 | "
-                      for iteration, ms, loss in ((1, 2500.0, 6.25), (2, 125.0, 5.5))]
+    megatron_lines = [
+        f" [timestamp] iteration {iteration:8d}/{2:8d} | consumed samples: "
+        f"{iteration:12d} | elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.000000E-03 | "
+        f"global batch size:     1 | lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.234 | "
+        for iteration, ms, loss in ((1, 2500.0, 6.25), (2, 125.0, 5.5))
+    ]
     records = _quickstart().records_from_launcher_log(["noise\n", metrics_line, *megatron_lines])
-    assert records == [{"step": 1, "seconds": 2.5, "loss": 6.25, "density": 0.3, "worker_imbalance": 1.25,
-                        "step_imbalance": 1.125}], records   # iteration 2 has no metrics line: left out
+    assert records == [
+        {"step": 1, "seconds": 2.5, "loss": 6.25, "density": 0.3, "worker_imbalance": 1.25, "step_imbalance": 1.125}
+    ], records  # iteration 2 has no metrics line: left out

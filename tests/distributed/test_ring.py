@@ -47,8 +47,9 @@ def _ring_rank(rank, world_size, mode, kind, shape, seed, full, wire):
     layout = Layout(kind, cp_size)
     local = [layout.shard(t, cp_rank, dim=1).clone().requires_grad_(t is not dout) for t in (q, k, v, dout)]
     index = convert_index(v_idx, s_idx, layout, cp_rank, n)
-    out, lse = ring_attention(local[0], local[1], local[2], index, groups, backend="torch_blocksparse",
-                              grad_wire_dtype=wire, return_lse=True)
+    out, lse = ring_attention(
+        local[0], local[1], local[2], index, groups, backend="torch_blocksparse", grad_wire_dtype=wire, return_lse=True
+    )
     out.backward(local[3])
     return cp_rank, [t.detach() for t in (out, lse, local[0].grad, local[1].grad, local[2].grad)]
 
@@ -72,9 +73,9 @@ CASES = [
     # (world, mode, layout, (b, N, Hq, Hkv, d))
     (2, "flat", "striped", (1, 1024, 4, 1, 64)),
     (2, "flat", "zigzag", (1, 1024, 2, 2, 32)),
-    (3, "flat", "striped", (1, 1152, 5, 5, 16)),   # 3 blocks per rank, odd head count
+    (3, "flat", "striped", (1, 1152, 5, 5, 16)),  # 3 blocks per rank, odd head count
     (4, "flat", "contiguous", (2, 1024, 8, 1, 16)),  # GQA 8:1
-    (2, "flat", "striped", (1, 512, 4, 1, 128)),     # head dim 128
+    (2, "flat", "striped", (1, 512, 4, 1, 128)),  # head dim 128
     (4, "hier2x2", "striped", (1, 2048, 4, 1, 32)),
     (4, "dp2xcp2", "striped", (1, 1024, 4, 2, 16)),
     (4, "tp2xcp2", "zigzag", (1, 1024, 4, 2, 16)),
@@ -91,8 +92,11 @@ def test_ring_matches_single_device_reference(distributed, seed, world, mode, ki
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     if full:  # the full pattern is exactly dense causal attention
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(hq // hkv, 1),
-            v.transpose(1, 2).repeat_interleave(hq // hkv, 1), is_causal=True).transpose(1, 2)
+            q.transpose(1, 2),
+            k.transpose(1, 2).repeat_interleave(hq // hkv, 1),
+            v.transpose(1, 2).repeat_interleave(hq // hkv, 1),
+            is_causal=True,
+        ).transpose(1, 2)
         ref_lse = None
     else:
         ref, ref_lse = reference_sparse_attention(q, k, v, vertical_slash_mask(v_idx, s_idx, n))
@@ -148,13 +152,19 @@ def _bad_ring_input(rank, world_size, problem):
     return None
 
 
-@pytest.mark.parametrize("problem, message", [
-    ("index_for_another_rank", "invalid on rank\\(s\\) \\[1\\]|built for world_size=2, rank=0 but this is CP rank 1"),
-    ("shapes_differ", r"ring attention: the ranks of the group disagree on \{'d': \[16, 8\]"),
-    ("hierarchy_does_not_tile", "inner_size=3 does not divide the CP size 2"),
-    ("replay_on_one_rank", r"ring attention: the ranks of the group disagree on \{'replay': \[0, 1\]"),
-    ("replay_of_other_shape", r"invalid on rank\(s\) \[1\]|replay_output lse \(1, 2, 513\)"),
-])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        (
+            "index_for_another_rank",
+            "invalid on rank\\(s\\) \\[1\\]|built for world_size=2, rank=0 but this is CP rank 1",
+        ),
+        ("shapes_differ", r"ring attention: the ranks of the group disagree on \{'d': \[16, 8\]"),
+        ("hierarchy_does_not_tile", "inner_size=3 does not divide the CP size 2"),
+        ("replay_on_one_rank", r"ring attention: the ranks of the group disagree on \{'replay': \[0, 1\]"),
+        ("replay_of_other_shape", r"invalid on rank\(s\) \[1\]|replay_output lse \(1, 2, 513\)"),
+    ],
+)
 def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, message):
     import re
 
@@ -176,8 +186,10 @@ def _replay_rank(rank, world_size, seed):
     index = convert_index(v_idx, s_idx, layout, rank, n)
 
     def attention(q, k, v, replay_output):
-        return ring_attention(q, k, v, index, groups, backend="torch_blocksparse", return_lse=True,
-                              replay_output=replay_output)
+        return ring_attention(
+            q, k, v, index, groups, backend="torch_blocksparse", return_lse=True, replay_output=replay_output
+        )
+
     return replay_matches(attention, local[:3], local[3], torch_backend, "block_bar_forward")
 
 

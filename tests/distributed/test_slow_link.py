@@ -21,7 +21,7 @@ def _delay_rank(rank, world_size, node_size, delay_s):
 
     tensor = torch.full((4096,), float(rank))
     nbytes = tensor.numel() * tensor.element_size()
-    link = SlowLink(node_size=node_size, slowdown=2.0, inner_bytes_per_s=nbytes / delay_s)   # delay = delay_s
+    link = SlowLink(node_size=node_size, slowdown=2.0, inner_bytes_per_s=nbytes / delay_s)  # delay = delay_s
     exchange = SlowLinkExchange(dist.group.WORLD, list(range(world_size)), link)
     start = time.perf_counter()
     received = exchange.post(tensor)
@@ -44,6 +44,7 @@ def test_only_transfers_across_nodes_wait_for_the_delay(distributed, world, node
 def _ring_rank(rank, world_size, inner, node_size, seed):
     from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
+
     SlowLink, SlowLinkRingGroups = slow_link.SlowLink, slow_link.SlowLinkRingGroups
 
     plain = RingGroups.flat(dist.group.WORLD) if inner == world_size else build_hierarchical_groups(inner_size=inner)
@@ -63,13 +64,16 @@ def _ring_rank(rank, world_size, inner, node_size, seed):
     return results
 
 
-@pytest.mark.parametrize("world, inner, node_size", [
-    (4, 4, 2),      # flat ring, 2 emulated nodes of 2
-    (4, 2, 2),      # hierarchical 2 x 2
-    (8, 8, 4),      # flat ring, 2 nodes of 4
-    (8, 4, 4),      # hierarchical: inner 4, outer 2
-    (8, 2, 2),      # hierarchical: inner 2, outer 4
-])
+@pytest.mark.parametrize(
+    "world, inner, node_size",
+    [
+        (4, 4, 2),  # flat ring, 2 emulated nodes of 2
+        (4, 2, 2),  # hierarchical 2 x 2
+        (8, 8, 4),  # flat ring, 2 nodes of 4
+        (8, 4, 4),  # hierarchical: inner 4, outer 2
+        (8, 2, 2),  # hierarchical: inner 2, outer 4
+    ],
+)
 def test_emulation_changes_no_result(distributed, seed, world, inner, node_size):
     for rank, (plain, slow) in enumerate(distributed(_ring_rank, world, inner, node_size, seed)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), plain, slow):
@@ -79,9 +83,11 @@ def test_emulation_changes_no_result(distributed, seed, world, inner, node_size)
 def test_wrap_and_link_reject_bad_settings():
     SlowLink = slow_link.SlowLink
 
-    for kwargs, message in (({"node_size": 0, "slowdown": 2.0, "inner_bytes_per_s": 1.0}, "node_size=0"),
-                            ({"node_size": 2, "slowdown": 0.5, "inner_bytes_per_s": 1.0}, "slowdown=0.5"),
-                            ({"node_size": 2, "slowdown": 2.0, "inner_bytes_per_s": 0.0}, "inner_bytes_per_s=0.0")):
+    for kwargs, message in (
+        ({"node_size": 0, "slowdown": 2.0, "inner_bytes_per_s": 1.0}, "node_size=0"),
+        ({"node_size": 2, "slowdown": 0.5, "inner_bytes_per_s": 1.0}, "slowdown=0.5"),
+        ({"node_size": 2, "slowdown": 2.0, "inner_bytes_per_s": 0.0}, "inner_bytes_per_s=0.0"),
+    ):
         with pytest.raises(ValueError, match=message):
             SlowLink(**kwargs)
     link = SlowLink(node_size=4, slowdown=10.0, inner_bytes_per_s=1e9)
@@ -91,6 +97,7 @@ def test_wrap_and_link_reject_bad_settings():
 
 def _wrap_errors_rank(rank, world_size):
     from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
+
     SlowLink, SlowLinkRingGroups = slow_link.SlowLink, slow_link.SlowLinkRingGroups
 
     errors = []

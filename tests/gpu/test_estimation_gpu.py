@@ -41,7 +41,7 @@ def draw_qk(seed, batch, seq_len, q_heads, kv_heads, dim, dtype, device=DEVICE):
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(batch, seq_len, q_heads, dim, generator=gen, device=device).to(dtype)
     k = torch.randn(batch, seq_len, kv_heads, dim, generator=gen, device=device).to(dtype)
-    k[:, torch.randint(0, seq_len, (16,), generator=gen, device=device)] *= 3.0        # a few strong columns
+    k[:, torch.randint(0, seq_len, (16,), generator=gen, device=device)] *= 3.0  # a few strong columns
     return q, k
 
 
@@ -49,15 +49,18 @@ def positions(seq_len, device=DEVICE):
     return torch.arange(seq_len - 64, seq_len, device=device), torch.arange(seq_len, device=device)
 
 
-@pytest.mark.parametrize("batch, seq_len, q_heads, kv_heads, dim, dtype", [
-    (2, 4096, 8, 1, 128, torch.bfloat16),
-    (1, 8192, 4, 4, 64, torch.float16),
-    (1, 32768, 16, 2, 128, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "batch, seq_len, q_heads, kv_heads, dim, dtype",
+    [
+        (2, 4096, 8, 1, 128, torch.bfloat16),
+        (1, 8192, 4, 4, 64, torch.float16),
+        (1, 32768, 16, 2, 128, torch.bfloat16),
+    ],
+)
 def test_logits_are_bit_equal_to_the_pytorch_path(seed, batch, seq_len, q_heads, kv_heads, dim, dtype):
     q, k = draw_qk(seed, batch, seq_len, q_heads, kv_heads, dim, dtype)
     q_positions, k_positions = positions(seq_len)
-    args = (q[:, seq_len - 64:], q_positions, k, k_positions, dim ** -0.5)
+    args = (q[:, seq_len - 64 :], q_positions, k, k_positions, dim**-0.5)
     got = triton_estimation.estimation_logits(*args)
     expected = estimation._torch_estimation_logits(*args)
     mismatches = int((got.view(torch.int32) != expected.view(torch.int32)).sum())
@@ -72,12 +75,13 @@ def test_scores_are_bit_equal_to_the_pytorch_path(seed, mode):
     seq_len = 32768
     q, k = draw_qk(seed, 1, seq_len, 16, 2, 128, torch.bfloat16)
     q_positions, k_positions = positions(seq_len)
-    logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, 128 ** -0.5)
+    logits = triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, 128**-0.5)
     scores = {}
     for backend in ("torch", "triton"):
         with estimation_backend(backend):
-            scores[backend] = estimation.vertical_and_slash_scores(logits, mode == "top_p", q_positions, k_positions,
-                                                                 seq_len)
+            scores[backend] = estimation.vertical_and_slash_scores(
+                logits, mode == "top_p", q_positions, k_positions, seq_len
+            )
     for name, got, expected in zip(("V", "S"), scores["triton"], scores["torch"]):
         assert torch.equal(got, expected), f"seed={seed} {mode} {name}: {int((got != expected).sum())} differ"
 
@@ -88,10 +92,11 @@ def test_partial_slash_sums_of_a_striped_split_add_up(seed, mode):
     seq_len, layout = 16384, Layout("striped", 4)
     q, k = draw_qk(seed, 1, seq_len, 8, 2, 128, torch.bfloat16)
     q_positions, k_positions = positions(seq_len)
-    logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, 128 ** -0.5)
+    logits = triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, 128**-0.5)
     with estimation_backend("torch"):
-        expected_v, expected_s = estimation.vertical_and_slash_scores(logits, mode == "top_p", q_positions,
-                                                                    k_positions, seq_len)
+        expected_v, expected_s = estimation.vertical_and_slash_scores(
+            logits, mode == "top_p", q_positions, k_positions, seq_len
+        )
     row_max = logits.amax(dim=-1)
     row_sums = estimation.exp_fixed_point(logits, row_max).sum(dim=-1)
     rules, summed_s = estimation._fixed_point_rules(), torch.zeros_like(expected_s)
@@ -101,8 +106,9 @@ def test_partial_slash_sums_of_a_striped_split_add_up(seed, mode):
         if mode == "static":
             local_v, local_s = triton_estimation.static_scores(shard_logits, q_positions, shard, seq_len, rules)
         else:
-            local_v, local_s = triton_estimation.top_p_scores(shard_logits, q_positions, shard, seq_len, row_max,
-                                                              row_sums, rules)
+            local_v, local_s = triton_estimation.top_p_scores(
+                shard_logits, q_positions, shard, seq_len, row_max, row_sums, rules
+            )
         assert torch.equal(local_v, expected_v[..., shard]), f"seed={seed} {mode} rank {rank}: V differs"
         summed_s += local_s
     assert torch.equal(summed_s, expected_s), f"seed={seed} {mode}: the partial S do not add up"
@@ -125,7 +131,7 @@ def test_index_is_identical_to_the_pytorch_path(seed, mode, seq_len):
 
 # ----------------------------------------------------------------------------------------------- timing
 def _median_ms(step, repeats: int) -> float:
-    step()                                                            # warm-up (and Triton compilation)
+    step()  # warm-up (and Triton compilation)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -142,44 +148,72 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
     """Print median milliseconds of one layer's estimation (b = 1, bf16) through both paths."""
     q, k = draw_qk(0, 1, seq_len, q_heads, kv_heads, dim, torch.bfloat16)
     q_positions, k_positions = positions(seq_len)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     old_repeats = 2 if seq_len > 200_000 else 3
     tiles = {}
     for keys_per_tile, num_warps in ((64, 1), (64, 2), (128, 1), (128, 2), (128, 4), (256, 2), (256, 4)):
-        tiles[f"{keys_per_tile}x{num_warps}w"] = round(_median_ms(lambda: triton_estimation.estimation_logits(
-            q[:, seq_len - 64:], q_positions, k, k_positions, scale, keys_per_tile=keys_per_tile,
-            num_warps=num_warps), 5), 2)
+        tiles[f"{keys_per_tile}x{num_warps}w"] = round(
+            _median_ms(
+                lambda: triton_estimation.estimation_logits(
+                    q[:, seq_len - 64 :],
+                    q_positions,
+                    k,
+                    k_positions,
+                    scale,
+                    keys_per_tile=keys_per_tile,
+                    num_warps=num_warps,
+                ),
+                5,
+            ),
+            2,
+        )
     print(f"N={seq_len}: logits kernel ms by keys per tile x warps: {tiles}", flush=True)
     # the logits are bound as default arguments (not closed over): they are deleted before the peak-memory timings
-    sweep_logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
+    sweep_logits = triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, scale)
     for mode in BUDGETS:
         tiles = {}
         for keys_per_tile, num_warps in ((32, 4), (64, 8), (128, 4), (128, 8), (128, 16), (256, 8), (256, 16)):
-            with mock.patch.object(triton_estimation, "SCORE_KEYS_PER_TILE", keys_per_tile), \
-                    mock.patch.object(triton_estimation, "SCORE_NUM_WARPS", num_warps):
-                tiles[f"{keys_per_tile}x{num_warps}w"] = round(_median_ms(
-                    lambda logits=sweep_logits: estimation.vertical_and_slash_scores(
-                        logits, mode == "top_p", q_positions, k_positions, seq_len), 5), 2)
+            with (
+                mock.patch.object(triton_estimation, "SCORE_KEYS_PER_TILE", keys_per_tile),
+                mock.patch.object(triton_estimation, "SCORE_NUM_WARPS", num_warps),
+            ):
+                tiles[f"{keys_per_tile}x{num_warps}w"] = round(
+                    _median_ms(
+                        lambda logits=sweep_logits: estimation.vertical_and_slash_scores(
+                            logits, mode == "top_p", q_positions, k_positions, seq_len
+                        ),
+                        5,
+                    ),
+                    2,
+                )
         print(f"N={seq_len} {mode}: score kernels ms by keys per tile x warps: {tiles}", flush=True)
     del sweep_logits
     for mode, budget in BUDGETS.items():
         with estimation_backend("torch"):
             torch.cuda.reset_peak_memory_stats()
             old = _median_ms(lambda: estimation.estimate_vertical_slash(q, k, budget), old_repeats)
-            old_peak = torch.cuda.max_memory_allocated() / 2 ** 30
+            old_peak = torch.cuda.max_memory_allocated() / 2**30
         with estimation_backend("auto"):
-            logits = triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k, k_positions, scale)
-            logits_ms = _median_ms(lambda: triton_estimation.estimation_logits(q[:, seq_len - 64:], q_positions, k,
-                                                                                k_positions, scale), 5)
-            scores_ms = _median_ms(lambda logits=logits: estimation.vertical_and_slash_scores(
-                logits, mode == "top_p", q_positions, k_positions, seq_len), 5)
+            logits = triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, scale)
+            logits_ms = _median_ms(
+                lambda: triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, scale), 5
+            )
+            scores_ms = _median_ms(
+                lambda logits=logits: estimation.vertical_and_slash_scores(
+                    logits, mode == "top_p", q_positions, k_positions, seq_len
+                ),
+                5,
+            )
             del logits
             torch.cuda.reset_peak_memory_stats()
             new = _median_ms(lambda: estimation.estimate_vertical_slash(q, k, budget), 5)
-            new_peak = torch.cuda.max_memory_allocated() / 2 ** 30
-        print(f"N={seq_len} Hq={q_heads} Hkv={kv_heads} d={dim} {mode}: pytorch path {old:.1f} ms "
-              f"(peak {old_peak:.1f} GiB), triton path {new:.1f} ms (peak {new_peak:.1f} GiB) = logits "
-              f"{logits_ms:.1f} + scores {scores_ms:.1f} + selection; speedup {old / new:.1f}x", flush=True)
+            new_peak = torch.cuda.max_memory_allocated() / 2**30
+        print(
+            f"N={seq_len} Hq={q_heads} Hkv={kv_heads} d={dim} {mode}: pytorch path {old:.1f} ms "
+            f"(peak {old_peak:.1f} GiB), triton path {new:.1f} ms (peak {new_peak:.1f} GiB) = logits "
+            f"{logits_ms:.1f} + scores {scores_ms:.1f} + selection; speedup {old / new:.1f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def test_triton_lists_equal_the_pytorch_lists(seed, seq_len, kind, world):
         assert got.bar_col.numel() > 0, "the pattern has no bars; the test would check nothing"
         for field in FIELDS:
             assert torch.equal(getattr(got, field), getattr(expected, field)), (
-                f"seed={seed} N={seq_len} {kind} W={world} rank={rank}: {field} differs")
+                f"seed={seed} N={seq_len} {kind} W={world} rank={rank}: {field} differs"
+            )
 
 
 def test_auto_uses_triton_on_cuda(seed, monkeypatch):
@@ -58,12 +59,17 @@ def test_auto_uses_triton_on_cuda(seed, monkeypatch):
 if __name__ == "__main__":
     for n in [int(arg) for arg in sys.argv[1:]] or [131072, 524288]:
         v, s, _ = budget_pattern(1, 16, n, 0.95, "cuda", torch.Generator().manual_seed(0))
-        timings = {name: median_ms(lambda: convert(name, v, s, Layout("contiguous", 1), 0, n), 5)
-                   for name in ("torch", "triton")}
+        timings = {
+            name: median_ms(lambda: convert(name, v, s, Layout("contiguous", 1), 0, n), 5)
+            for name in ("torch", "triton")
+        }
         bars = convert("triton", v, s, Layout("contiguous", 1), 0, n).bar_col.numel()
         hit = slash_block_hits(s, n // BLOCK_SIZE, BLOCK_SIZE)
         query_blocks, source_blocks = index._block_tables(Layout("contiguous", 1), 0, n, v.device)
         blocks_ms = median_ms(lambda: index._block_lists(hit, query_blocks, source_blocks), 5)
-        print(f"N={n}: conversion {timings['torch']:.1f} ms with PyTorch ops (block lists {blocks_ms:.1f} ms), "
-              f"{timings['triton']:.1f} ms with the Triton kernels ({bars / 1e6:.1f} M bar entries, Hq = 16, "
-              "95 % sparsity pattern)", flush=True)
+        print(
+            f"N={n}: conversion {timings['torch']:.1f} ms with PyTorch ops (block lists {blocks_ms:.1f} ms), "
+            f"{timings['triton']:.1f} ms with the Triton kernels ({bars / 1e6:.1f} M bar entries, Hq = 16, "
+            "95 % sparsity pattern)",
+            flush=True,
+        )

@@ -32,10 +32,12 @@ pytestmark = [
 
 VOCAB = 512
 SEQ_LEN = 8192
-LOGITS_ATOL = 2e-4             # fp32 on both sides; the weights are the trained bf16 values
+LOGITS_ATOL = 2e-4  # fp32 on both sides; the weights are the trained bf16 values
 RUN_TIMEOUT_S = 480
-WORDS = ("attention sparse ring stripe token vertical slash budget kernel block query key value gradient "
-         "layer model context length sequence document data train loss step head group rank device").split()
+WORDS = (
+    "attention sparse ring stripe token vertical slash budget kernel block query key value gradient "
+    "layer model context length sequence document data train loss step head group rank device"
+).split()
 SHAPES = {
     "qwen2.5": dict(model_type="qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(model_type="qwen3", hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
@@ -44,10 +46,21 @@ SHAPES = {
 
 def _run(command: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = REPO) -> str:
     """Run ``command``; its output goes to ``log``; fails the test with the output's tail."""
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                    PYTHONUNBUFFERED="1", **(env or {}))
-    done = subprocess.run(command, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=RUN_TIMEOUT_S)
+    full_env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+        **(env or {}),
+    )
+    done = subprocess.run(
+        command,
+        env=full_env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     log.write_text(done.stdout)
     assert done.returncode == 0, f"{shlex.join(command)} failed ({done.returncode}):\n{done.stdout[-6000:]}"
     return done.stdout
@@ -82,9 +95,19 @@ def _random_hf_model(directory: Path, shape: dict, tokenizer_dir: Path, seed: in
 
     torch.manual_seed(seed)
     shape = dict(shape)
-    config = AutoConfig.for_model(shape.pop("model_type"), vocab_size=VOCAB, intermediate_size=512, num_hidden_layers=2,
-                                  max_position_embeddings=SEQ_LEN, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                  initializer_range=0.1, eos_token_id=0, bos_token_id=0, **shape)
+    config = AutoConfig.for_model(
+        shape.pop("model_type"),
+        vocab_size=VOCAB,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        max_position_embeddings=SEQ_LEN,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        eos_token_id=0,
+        bos_token_id=0,
+        **shape,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(directory, safe_serialization=True)
     for file in tokenizer_dir.iterdir():
         (directory / file.name).write_bytes(file.read_bytes())
@@ -99,21 +122,52 @@ def journey(request, tmp_path_factory) -> dict[str, Path]:
     tokenizer_dir = _tokenizer(root / "tokenizer", corpus)
     hf_dir = _random_hf_model(root / "hf", SHAPES[request.param], tokenizer_dir, seed=2)
     checkpoint = root / "checkpoint"
-    _run([sys.executable, "tools/convert_qwen2_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--output-dir",
-          str(checkpoint)], root / "convert.log")
+    _run(
+        [
+            sys.executable,
+            "tools/convert_qwen2_hf_to_megatron.py",
+            "--hf-dir",
+            str(hf_dir),
+            "--output-dir",
+            str(checkpoint),
+        ],
+        root / "convert.log",
+    )
     data_prefix = root / "data" / "docs"
-    _run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
-          "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_dir),
-          "--output-prefix", str(data_prefix), "--workers", "2", "--target-length", str(SEQ_LEN)],
-         root / "preprocess.log")
+    _run(
+        [
+            sys.executable,
+            "tools/preprocess_data.py",
+            "--input",
+            str(corpus),
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            str(hf_dir),
+            "--output-prefix",
+            str(data_prefix),
+            "--workers",
+            "2",
+            "--target-length",
+            str(SEQ_LEN),
+        ],
+        root / "preprocess.log",
+    )
     return {"name": request.param, "root": root, "hf": hf_dir, "checkpoint": checkpoint, "data": data_prefix}
 
 
 def _script_env(journey: dict, save_dir: Path, **settings: str) -> dict[str, str]:
-    return {"CHECKPOINT": str(journey["checkpoint"]), "DATA_PREFIX": str(journey["data"]), "SAVE_DIR": str(save_dir),
-            "PYTHON": sys.executable, "SEQ_LEN": str(SEQ_LEN), "GLOBAL_BATCH_SIZE": "1", "WARMUP_ITERS": "1",
-            "MASTER_PORT": _free_port(),
-            **settings}
+    return {
+        "CHECKPOINT": str(journey["checkpoint"]),
+        "DATA_PREFIX": str(journey["data"]),
+        "SAVE_DIR": str(save_dir),
+        "PYTHON": sys.executable,
+        "SEQ_LEN": str(SEQ_LEN),
+        "GLOBAL_BATCH_SIZE": "1",
+        "WARMUP_ITERS": "1",
+        "MASTER_PORT": _free_port(),
+        **settings,
+    }
 
 
 def _free_port() -> str:
@@ -145,18 +199,34 @@ def _megatron_logits(journey: dict, iteration_dir: Path, tokens: torch.Tensor, p
     printed = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout
     model_flags = printed.split("\0")[:-1]
     parser = launcher_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
-    args = parser.parse_args([*model_flags, "--micro-batch-size", "1", "--seq-length", str(tokens.shape[1]),
-                              "--max-position-embeddings", str(SEQ_LEN), "--bf16", "--mtraining-dense",
-                              "--mtraining-backend", "torch"])
+    args = parser.parse_args(
+        [
+            *model_flags,
+            "--micro-batch-size",
+            "1",
+            "--seq-length",
+            str(tokens.shape[1]),
+            "--max-position-embeddings",
+            str(SEQ_LEN),
+            "--bf16",
+            "--mtraining-dense",
+            "--mtraining-backend",
+            "torch",
+        ]
+    )
     args.params_dtype = torch.bfloat16
     dist.init_process_group("nccl", init_method=f"file://{port_file}", rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel()
-        model_parallel_cuda_manual_seed(0)              # Megatron's GPU weight init draws from this tracker
-        model = GPTModelBuilder(mtraining_model_config(args, validate_mtraining_args(args))).build_model(
-            ProcessGroupCollection.use_mpu_process_groups()).cuda()
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iteration_dir),
-                                     strict="raise_unexpected")    # the optimizer state stays unread
+        model_parallel_cuda_manual_seed(0)  # Megatron's GPU weight init draws from this tracker
+        model = (
+            GPTModelBuilder(mtraining_model_config(args, validate_mtraining_args(args)))
+            .build_model(ProcessGroupCollection.use_mpu_process_groups())
+            .cuda()
+        )
+        loaded = dist_checkpointing.load(
+            {"model": model.sharded_state_dict()}, str(iteration_dir), strict="raise_unexpected"
+        )  # the optimizer state stays unread
         model.load_state_dict(loaded["model"])
         model.float().eval()
         positions = torch.arange(tokens.shape[1], device="cuda").expand_as(tokens)
@@ -172,26 +242,56 @@ def test_demo_script_trains_evaluates_saves_resumes_and_converts_back(journey):
     resume to 6 at twice the length with the static budget (a longer run: Megatron needs
     ``--override-opt_param-scheduler`` to take the new schedule), then back to Hugging Face."""
     root, save_dir = journey["root"], journey["root"] / "demo-run"
-    settings = dict(TRAIN_ITERS="4", SAVE_INTERVAL="4", EVAL_INTERVAL="2", EVAL_ITERS="1", SPLIT="90,10,0",
-                    EXTRA_ARGS="--mtraining-stats-interval 1")
-    first = _run(["bash", "examples/qwen2.5-0.5b_1gpu_demo.sh"], root / "demo-1.log", _script_env(journey, save_dir,
-                                                                                                   **settings))
+    settings = dict(
+        TRAIN_ITERS="4",
+        SAVE_INTERVAL="4",
+        EVAL_INTERVAL="2",
+        EVAL_ITERS="1",
+        SPLIT="90,10,0",
+        EXTRA_ARGS="--mtraining-stats-interval 1",
+    )
+    first = _run(
+        ["bash", "examples/qwen2.5-0.5b_1gpu_demo.sh"], root / "demo-1.log", _script_env(journey, save_dir, **settings)
+    )
     assert "Transformer Engine is not installed: using --transformer-impl local" in first
     assert _iterations(first)[-1] == 4
     assert "validation loss" in first
     assert re.search(r"mtraining \| iteration +\d+ \| density", first)
     assert (save_dir / "iter_0000004").is_dir()
-    second = _run(["bash", "examples/qwen2.5-0.5b_1gpu_demo.sh"], root / "demo-2.log",
-                  _script_env(journey, save_dir, **dict(settings, TRAIN_ITERS="6", SAVE_INTERVAL="6",
-                                                        SEQ_LEN=str(2 * SEQ_LEN), BUDGET="static", SPARSITY="0.9",
-                                                        EXTRA_ARGS=f"{settings['EXTRA_ARGS']} "
-                                                                   "--override-opt_param-scheduler")))
+    second = _run(
+        ["bash", "examples/qwen2.5-0.5b_1gpu_demo.sh"],
+        root / "demo-2.log",
+        _script_env(
+            journey,
+            save_dir,
+            **dict(
+                settings,
+                TRAIN_ITERS="6",
+                SAVE_INTERVAL="6",
+                SEQ_LEN=str(2 * SEQ_LEN),
+                BUDGET="static",
+                SPARSITY="0.9",
+                EXTRA_ARGS=f"{settings['EXTRA_ARGS']} --override-opt_param-scheduler",
+            ),
+        ),
+    )
     assert re.search(r"loaded checkpoint from .*demo-run.* at iteration 4", second), second[-3000:]
     assert _iterations(second) == [5, 6]
 
     hf_out = root / "hf-trained"
-    _run([sys.executable, "tools/convert_megatron_to_qwen2_hf.py", "--checkpoint", str(save_dir), "--output-dir",
-          str(hf_out), "--hf-reference", str(journey["hf"])], root / "convert-back.log")
+    _run(
+        [
+            sys.executable,
+            "tools/convert_megatron_to_qwen2_hf.py",
+            "--checkpoint",
+            str(save_dir),
+            "--output-dir",
+            str(hf_out),
+            "--hf-reference",
+            str(journey["hf"]),
+        ],
+        root / "convert-back.log",
+    )
     from transformers import AutoModelForCausalLM
 
     tokens = torch.randint(0, VOCAB, (1, 512), generator=torch.Generator().manual_seed(3))
@@ -210,10 +310,23 @@ def test_512k_recipe_runs_a_few_iterations_with_the_static_budget(journey):
     if journey["name"] != "qwen2.5":
         pytest.skip("one model shape is enough for the recipe's own flags")
     root = journey["root"]
-    log = _run(["bash", "examples/qwen2.5-3b_32k_to_512k.sh"], root / "recipe.log",
-               _script_env(journey, root / "recipe-run", GPUS_PER_NODE="1", TRAIN_ITERS="3", SAVE_INTERVAL="3",
-                           EVAL_INTERVAL="3", EVAL_ITERS="1", SPLIT="90,10,0", BUDGET="static", SPARSITY="0.9",
-                           EXTRA_ARGS="--mtraining-stats-interval 1"))
+    log = _run(
+        ["bash", "examples/qwen2.5-3b_32k_to_512k.sh"],
+        root / "recipe.log",
+        _script_env(
+            journey,
+            root / "recipe-run",
+            GPUS_PER_NODE="1",
+            TRAIN_ITERS="3",
+            SAVE_INTERVAL="3",
+            EVAL_INTERVAL="3",
+            EVAL_ITERS="1",
+            SPLIT="90,10,0",
+            BUDGET="static",
+            SPARSITY="0.9",
+            EXTRA_ARGS="--mtraining-stats-interval 1",
+        ),
+    )
     assert _iterations(log)[-1] == 3
     densities = [float(value) for value in re.findall(r"mtraining \| iteration +\d+ \| density ([0-9.]+)", log)]
     assert densities and all(value < 0.5 for value in densities), densities
@@ -231,8 +344,17 @@ def test_slurm_template_runs_through_srun(journey, tmp_path, template):
     srun = fake_bin / "srun"
     srun.write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n')
     srun.chmod(0o755)
-    env = _script_env(journey, journey["root"] / f"slurm-run-{template}", GPUS_PER_NODE="1", TRAIN_ITERS="2",
-                      SAVE_INTERVAL="2", EVAL_INTERVAL="2", EVAL_ITERS="1", SPLIT="90,10,0", SLURM_NNODES="1",
-                      PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    env = _script_env(
+        journey,
+        journey["root"] / f"slurm-run-{template}",
+        GPUS_PER_NODE="1",
+        TRAIN_ITERS="2",
+        SAVE_INTERVAL="2",
+        EVAL_INTERVAL="2",
+        EVAL_ITERS="1",
+        SPLIT="90,10,0",
+        SLURM_NNODES="1",
+        PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
+    )
     log = _run(["bash", f"examples/slurm/{template}"], journey["root"] / f"slurm-{template}.log", env)
     assert _iterations(log)[-1] == 2

@@ -45,13 +45,25 @@ def _model_flags(context_parallel: int) -> list[str]:
 def launch(out_dir: Path, flags: list[str], extra_env: dict[str, str] | None = None) -> tuple[dict, str]:
     """Run the probe on 2 GPUs; returns ({rank: records}, output). Fails the test with the output's tail."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(REPO / "tools" / "train_probe.py"), *flags]
-    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", MTRAINING_PROBE_DIR=str(out_dir),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               **(extra_env or {}))
-    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=RUN_TIMEOUT_S)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(REPO / "tools" / "train_probe.py"),
+        *flags,
+    ]
+    env = dict(
+        os.environ,
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        MTRAINING_PROBE_DIR=str(out_dir),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **(extra_env or {}),
+    )
+    done = subprocess.run(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S
+    )
     assert done.returncode == 0, f"launcher failed ({done.returncode}):\n{' '.join(command)}\n{done.stdout[-6000:]}"
     read_records = load_tool("train_probe").read_records
 
@@ -107,8 +119,10 @@ def _identical(a: dict, b: dict, iterations: range, fields=("loss_hex", "grad_no
         for iteration in iterations:
             for field in fields:
                 if by_iteration_a[iteration][field] != by_iteration_b[iteration][field]:
-                    diffs.append(f"rank {rank} iteration {iteration} {field}: {by_iteration_a[iteration][field]} "
-                                 f"!= {by_iteration_b[iteration][field]}")
+                    diffs.append(
+                        f"rank {rank} iteration {iteration} {field}: {by_iteration_a[iteration][field]} "
+                        f"!= {by_iteration_b[iteration][field]}"
+                    )
     return diffs
 
 
@@ -120,8 +134,7 @@ def test_deterministic_runs_and_resume_are_bitwise_identical(tmp_path):
     hash_grads = {"MTRAINING_PROBE_HASH_GRADS": "1"}
     first, _ = launch(tmp_path / "first", [*flags, "--save", str(checkpoint), "--save-interval", "10"], hash_grads)
     second, _ = launch(tmp_path / "second", flags, hash_grads)
-    resumed, output = launch(tmp_path / "resumed", [*flags, "--load", str(checkpoint), "--ckpt-step", "10"],
-                             hash_grads)
+    resumed, output = launch(tmp_path / "resumed", [*flags, "--load", str(checkpoint), "--ckpt-step", "10"], hash_grads)
     assert [r["iteration"] for r in resumed[0]] == list(range(11, ITERATIONS + 1)), output[-3000:]
     assert not _identical(first, second, range(1, ITERATIONS + 1))
     assert not _identical(first, resumed, range(11, ITERATIONS + 1))
@@ -134,8 +147,19 @@ def test_kept_attention_output_trains_bitwise_like_the_plain_recomputation(tmp_p
     losses, grad norms and gradients bitwise (CP = 2 sparse over the ring; PP = 2 with 1F1B's several
     micro-batches in flight, which the per-layer FIFO must replay in order)."""
     parallel = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"] if pipeline == 2 else []
-    flags = [*_model_flags(1 if pipeline == 2 else 2), *parallel, "--deterministic-mode", "--train-iters", "6",
-             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    flags = [
+        *_model_flags(1 if pipeline == 2 else 2),
+        *parallel,
+        "--deterministic-mode",
+        "--train-iters",
+        "6",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ]
     hash_grads = {"MTRAINING_PROBE_HASH_GRADS": "1"}
     plain, _ = launch(tmp_path / "plain", flags, hash_grads)
     kept, _ = launch(tmp_path / "kept", [*flags, "--mtraining-keep-attention-output"], hash_grads)
@@ -152,10 +176,14 @@ def test_long_run_memory_is_flat(tmp_path):
     for rank, rank_records in records.items():
         assert len(rank_records) == 200
         early, late = rank_records[10:100], rank_records[100:]
-        summary = {name: (max(r[key] for r in early), max(r[key] for r in late))
-                   for name, key in (("allocated", "mem_allocated"), ("reserved", "mem_reserved"))}
+        summary = {
+            name: (max(r[key] for r in early), max(r[key] for r in late))
+            for name, key in (("allocated", "mem_allocated"), ("reserved", "mem_reserved"))
+        }
         medians = [sorted(r["iter_ms"] for r in part)[len(part) // 2] for part in (early, late)]
-        print(f"rank {rank}: max allocated {summary['allocated']} B, max reserved {summary['reserved']} B, "
-              f"median iteration {medians[0]:.1f} ms (11-100) vs {medians[1]:.1f} ms (101-200)")
+        print(
+            f"rank {rank}: max allocated {summary['allocated']} B, max reserved {summary['reserved']} B, "
+            f"median iteration {medians[0]:.1f} ms (11-100) vs {medians[1]:.1f} ms (101-200)"
+        )
         for name, (before, after) in summary.items():
             assert after <= before, f"rank {rank}: {name} memory grew from {before} B to {after} B"

@@ -32,15 +32,17 @@ from triton_cases import assert_close_fa, poisoned_attention, reference_attentio
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SEQ_LEN, HEADS, KV_HEADS, DIM = 2048, 4, 1, 128
-SCALE = DIM ** -0.5
+SCALE = DIM**-0.5
 NAMES = ("out", "lse", "dq", "dk", "dv")
 BUDGETS = {
     "forced-only": StaticBudget(30, 100),
     "top-p": TopPBudget(0.9, cap=512),
     "full": StaticBudget(SEQ_LEN, SEQ_LEN),
 }
-STRESS = [pytest.param(torch.bfloat16, 1e4, id="bf16-1e4"),
-          pytest.param(torch.float16, 0.9 * torch.finfo(torch.float16).max * SCALE, id="fp16-near-overflow")]
+STRESS = [
+    pytest.param(torch.bfloat16, 1e4, id="bf16-1e4"),
+    pytest.param(torch.float16, 0.9 * torch.finfo(torch.float16).max * SCALE, id="fp16-near-overflow"),
+]
 
 
 def _extreme_qkv_dout(largest_logit: float, dtype: torch.dtype, gen: torch.Generator):
@@ -79,8 +81,10 @@ def _ring_call(rank: int, world_size: int, seed: int, local_len: int) -> None:
     device = torch.device("cuda", rank)
     layout, seq_len = Layout("striped", world_size), local_len * world_size
     q = torch.randn(1, local_len, HEADS, DIM, generator=gen).to(device, torch.bfloat16).requires_grad_()
-    k, v = (torch.randn(1, local_len, KV_HEADS, DIM, generator=gen).to(device, torch.bfloat16).requires_grad_()
-            for _ in range(2))
+    k, v = (
+        torch.randn(1, local_len, KV_HEADS, DIM, generator=gen).to(device, torch.bfloat16).requires_grad_()
+        for _ in range(2)
+    )
     v_idx, s_idx = random_index(1, HEADS, seq_len, 64, 16, gen)
     index = convert_index(v_idx.to(device), s_idx.to(device), layout, rank, seq_len)
     distributed_ring(q, k, v, index, RingGroups.flat(dist.group.WORLD), backend="triton").sum().backward()
@@ -106,8 +110,9 @@ def test_nan_or_inf_inputs_reach_the_outputs_that_read_them(seed, poison, dtype)
     reference makes NaN (so Megatron's NaN check stops the step at the loss), and dq, dk, dv NaN. A NaN in v
     also reaches rows that give it weight 0 (0 · NaN = NaN): in the dense reference every row of the head, in
     the kernels the rows whose key tile holds it; so for v the check is that the output has NaN rows."""
-    out, grads, ref_out, context = poisoned_attention(seed, poison, "triton", dtype, (SEQ_LEN, HEADS, KV_HEADS, DIM),
-                                                      device="cuda")
+    out, grads, ref_out, context = poisoned_attention(
+        seed, poison, "triton", dtype, (SEQ_LEN, HEADS, KV_HEADS, DIM), device="cuda"
+    )
     assert torch.isnan(ref_out).any(), f"the poison reaches nothing in the reference ({context})"
     if poison.startswith("v"):
         assert torch.isnan(out).any(), f"a {poison} vanished from the output ({context})"

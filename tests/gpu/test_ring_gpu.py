@@ -44,8 +44,9 @@ def _ring_on_gpus(rank, world_size, seed, kind, pattern, shape, dtype, wire, inn
     local = [layout.shard(t, rank).contiguous().requires_grad_(t is not dout) for t in (q, k, v, dout)]
     index = convert_index(v_idx, s_idx, layout, rank, shape[1])
     groups = RingGroups.flat(dist.group.WORLD) if inner is None else build_hierarchical_groups(inner_size=inner)
-    out, lse = ring_attention(local[0], local[1], local[2], index, groups, backend="triton", grad_wire_dtype=wire,
-                              return_lse=True)
+    out, lse = ring_attention(
+        local[0], local[1], local[2], index, groups, backend="triton", grad_wire_dtype=wire, return_lse=True
+    )
     out.backward(local[3])
     return [t.detach().cpu() for t in (out, lse.transpose(1, 2), local[0].grad, local[1].grad, local[2].grad)]
 
@@ -78,16 +79,17 @@ def test_ring_on_every_gpu_matches_reference(seed, kind, inner):
         pytest.skip(f"an inner ring of {inner} leaves no outer ring on {world} GPUs")
     inner_size = inner
     pattern, shape, dtype = "mixed", (1, 16384, 8, 2, 128), torch.bfloat16
-    results = run_on_ranks(_ring_on_gpus, world, seed, kind, pattern, shape, dtype, "fp32", inner_size,
-                           backend="nccl")
-    _assert_matches_reference(results, seed, kind, pattern, shape, dtype,
-                              f"seed={seed} W={world} inner={inner_size} {kind} {shape}")
+    results = run_on_ranks(_ring_on_gpus, world, seed, kind, pattern, shape, dtype, "fp32", inner_size, backend="nccl")
+    _assert_matches_reference(
+        results, seed, kind, pattern, shape, dtype, f"seed={seed} W={world} inner={inner_size} {kind} {shape}"
+    )
 
 
 def _emulated_ring_on_gpus(rank, world_size, seed, inner, node_size, delay_s):
     """(plain vs emulated-slow-link outputs equal?, this rank's delayed?, ms of one delayed exchange)."""
     from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
+
     SlowLink, SlowLinkExchange = slow_link.SlowLink, slow_link.SlowLinkExchange
     SlowLinkRingGroups = slow_link.SlowLinkRingGroups
 

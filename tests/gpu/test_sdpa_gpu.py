@@ -31,12 +31,15 @@ def _causal_references(q, k, v, dout):
 
 
 @pytest.mark.parametrize("impl", sdpa_backend.IMPLS)
-@pytest.mark.parametrize("b, n, hq, hkv, d", [
-    (2, 2048, 4, 4, 64),       # MHA
-    (1, 4096, 8, 2, 128),      # GQA 4:1
-    (1, 16384, 8, 2, 128),     # GQA 4:1, 16K
-    (1, 8192, 4, 1, 64),       # GQA 4:1, d 64
-])
+@pytest.mark.parametrize(
+    "b, n, hq, hkv, d",
+    [
+        (2, 2048, 4, 4, 64),  # MHA
+        (1, 4096, 8, 2, 128),  # GQA 4:1
+        (1, 16384, 8, 2, 128),  # GQA 4:1, 16K
+        (1, 8192, 4, 1, 64),  # GQA 4:1, d 64
+    ],
+)
 def test_causal_step_and_autograd_match_reference(seed, impl, b, n, hq, hkv, d):
     gen = torch.Generator().manual_seed(seed)
     q, k, v, dout = make_qkv_dout(b, n, hq, hkv, d, DTYPE, DEVICE, gen)
@@ -59,7 +62,7 @@ def test_full_rectangle_step_matches_reference(seed, impl, nq, nk):
     hq, hkv, d = 8, 2, 128
     q, _, _, dout = make_qkv_dout(1, nq, hq, hkv, d, DTYPE, DEVICE, gen)
     _, k, v, _ = make_qkv_dout(1, nk, hq, hkv, d, DTYPE, DEVICE, gen)
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = sdpa_backend.attention_forward(q, k, v, causal=False, softmax_scale=scale, impl=impl)
     grads = sdpa_backend.attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=scale, impl=impl)
     mask = torch.ones(nq, nk, dtype=torch.bool, device=DEVICE)
@@ -73,17 +76,25 @@ def test_full_rectangle_step_matches_reference(seed, impl, nq, nk):
         assert_close_fa(name, a, r, lo, DTYPE, context)
 
 
-@pytest.mark.parametrize("impl, dtype, dim, message", [
-    ("cudnn", torch.float32, 128, r"q has dtype torch\.float32; the CUDA cudnn kernel takes one of"),
-    ("flash", torch.float32, 128, r"q has dtype torch\.float32; the CUDA flash kernel takes one of"),
-    ("cudnn", DTYPE, 192, r"head dim 192 is unsupported by the cudnn kernel; use a multiple of 8 up to 128 or "
-                          r"impl='flash'"),
-    ("flash", DTYPE, 60, r"head dim 60 is unsupported by the flash kernel; use a multiple of 8 up to 256"),
-])
+@pytest.mark.parametrize(
+    "impl, dtype, dim, message",
+    [
+        ("cudnn", torch.float32, 128, r"q has dtype torch\.float32; the CUDA cudnn kernel takes one of"),
+        ("flash", torch.float32, 128, r"q has dtype torch\.float32; the CUDA flash kernel takes one of"),
+        (
+            "cudnn",
+            DTYPE,
+            192,
+            r"head dim 192 is unsupported by the cudnn kernel; use a multiple of 8 up to 128 or "
+            r"impl='flash'",
+        ),
+        ("flash", DTYPE, 60, r"head dim 60 is unsupported by the flash kernel; use a multiple of 8 up to 256"),
+    ],
+)
 def test_cuda_refusals(impl, dtype, dim, message):
     q = torch.zeros(1, 128, 2, dim, dtype=dtype, device=DEVICE)
     with pytest.raises(ValueError, match=message):
-        sdpa_backend.attention_forward(q, q, q, causal=True, softmax_scale=dim ** -0.5, impl=impl)
+        sdpa_backend.attention_forward(q, q, q, causal=True, softmax_scale=dim**-0.5, impl=impl)
 
 
 # ------------------------------------------------------------------------------------------ ring on 2 GPUs
@@ -99,19 +110,30 @@ def _dense_ring_on_gpus(rank, world_size, seed, impl, shape, wire):
     layout = Layout("zigzag", world_size)
     q, k, v, dout = _inputs(seed, shape, torch.device("cuda", rank))
     local = [layout.shard(t, rank).contiguous().requires_grad_(t is not dout) for t in (q, k, v, dout)]
-    out, lse = dense_ring_attention(local[0], local[1], local[2], layout, RingGroups.flat(dist.group.WORLD),
-                                    impl=impl, grad_wire_dtype=wire, return_lse=True)
+    out, lse = dense_ring_attention(
+        local[0],
+        local[1],
+        local[2],
+        layout,
+        RingGroups.flat(dist.group.WORLD),
+        impl=impl,
+        grad_wire_dtype=wire,
+        return_lse=True,
+    )
     out.backward(local[3])
     return [t.detach().cpu() for t in (out, lse.transpose(1, 2), local[0].grad, local[1].grad, local[2].grad)]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("impl", sdpa_backend.IMPLS)
-@pytest.mark.parametrize("shape, wire", [
-    ((1, 8192, 8, 2, 128), "fp32"),
-    ((1, 4096, 4, 1, 64), "fp32"),
-    ((1, 16384, 8, 2, 128), "bf16"),
-])
+@pytest.mark.parametrize(
+    "shape, wire",
+    [
+        ((1, 8192, 8, 2, 128), "fp32"),
+        ((1, 4096, 4, 1, 64), "fp32"),
+        ((1, 16384, 8, 2, 128), "bf16"),
+    ],
+)
 def test_zigzag_dense_ring_on_two_gpus_matches_reference(seed, impl, shape, wire):
     results = run_on_ranks(_dense_ring_on_gpus, 2, seed, impl, shape, wire, backend="nccl")
     layout = Layout("zigzag", 2)

@@ -27,34 +27,52 @@ def _check_against_reference(seed, layout, seq_len, heads, kv_heads, dim, dtype,
     torch.cuda.synchronize()
     ref = reference_attention(q, k, v, dout, v_idx, s_idx, torch.float32)
     low = reference_attention(q, k, v, dout, v_idx, s_idx, dtype)
-    context = (f"seed={seed} {layout.kind} W={layout.world_size} b={batch} N={seq_len} Hq={heads} Hkv={kv_heads} "
-               f"d={dim} {dtype} {pattern} deterministic={deterministic}")
+    context = (
+        f"seed={seed} {layout.kind} W={layout.world_size} b={batch} N={seq_len} Hq={heads} Hkv={kv_heads} "
+        f"d={dim} {dtype} {pattern} deterministic={deterministic}"
+    )
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert_close_fa(name, a, r, lo, dtype, context)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("seq_len, heads, kv_heads, dim, dtype, pattern", [
-    (2048, 4, 4, 64, torch.bfloat16, "mixed"),       # MHA
-    (2048, 8, 2, 128, torch.float16, "bars"),        # GQA 4:1
-    (4096, 8, 1, 128, torch.bfloat16, "mixed"),      # GQA 8:1
-    (1024, 4, 1, 64, torch.float16, "verticals"),
-    (1024, 4, 2, 128, torch.bfloat16, "slashes"),
-    (2048, 2, 1, 128, torch.bfloat16, "full"),
-    (1024, 8, 1, 64, torch.bfloat16, "bars"),
-])
+@pytest.mark.parametrize(
+    "seq_len, heads, kv_heads, dim, dtype, pattern",
+    [
+        (2048, 4, 4, 64, torch.bfloat16, "mixed"),  # MHA
+        (2048, 8, 2, 128, torch.float16, "bars"),  # GQA 4:1
+        (4096, 8, 1, 128, torch.bfloat16, "mixed"),  # GQA 8:1
+        (1024, 4, 1, 64, torch.float16, "verticals"),
+        (1024, 4, 2, 128, torch.bfloat16, "slashes"),
+        (2048, 2, 1, 128, torch.bfloat16, "full"),
+        (1024, 8, 1, 64, torch.bfloat16, "bars"),
+    ],
+)
 def test_single_device_matches_reference(seed, seq_len, heads, kv_heads, dim, dtype, pattern, deterministic):
-    _check_against_reference(seed, Layout("contiguous", 1), seq_len, heads, kv_heads, dim, dtype, pattern,
-                             deterministic, batch=2 if seq_len <= 1024 else 1)
+    _check_against_reference(
+        seed,
+        Layout("contiguous", 1),
+        seq_len,
+        heads,
+        kv_heads,
+        dim,
+        dtype,
+        pattern,
+        deterministic,
+        batch=2 if seq_len <= 1024 else 1,
+    )
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("kind, heads, kv_heads, dim, dtype, pattern", [
-    ("contiguous", 8, 2, 128, torch.bfloat16, "mixed"),
-    ("zigzag", 4, 4, 64, torch.float16, "bars"),
-    ("striped", 8, 1, 128, torch.bfloat16, "verticals"),
-    ("striped", 4, 1, 64, torch.bfloat16, "slashes"),
-])
+@pytest.mark.parametrize(
+    "kind, heads, kv_heads, dim, dtype, pattern",
+    [
+        ("contiguous", 8, 2, 128, torch.bfloat16, "mixed"),
+        ("zigzag", 4, 4, 64, torch.float16, "bars"),
+        ("striped", 8, 1, 128, torch.bfloat16, "verticals"),
+        ("striped", 4, 1, 64, torch.bfloat16, "slashes"),
+    ],
+)
 def test_two_rank_ring_matches_reference(seed, kind, heads, kv_heads, dim, dtype, pattern, deterministic):
     """Both ranks' steps, including the off-diagonal ones (source w != rank, no causal mask)."""
     _check_against_reference(seed, Layout(kind, 2), 4096, heads, kv_heads, dim, dtype, pattern, deterministic)
@@ -62,8 +80,7 @@ def test_two_rank_ring_matches_reference(seed, kind, heads, kv_heads, dim, dtype
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_32k_matches_reference(seed, deterministic):
-    _check_against_reference(seed, Layout("contiguous", 1), 32768, 2, 1, 128, torch.bfloat16, "mixed",
-                             deterministic)
+    _check_against_reference(seed, Layout("contiguous", 1), 32768, 2, 1, 128, torch.bfloat16, "mixed", deterministic)
 
 
 def test_deterministic_backward_is_bitwise_repeatable(seed):
@@ -105,8 +122,21 @@ def test_rows_without_work_are_untouched(seed):
     dq, dk, dv = (torch.randn(x.shape, device=DEVICE) for x in (q, k, v))
     dq0 = dq.clone()
     for deterministic in (False, True):
-        triton_backend.block_bar_backward(q, k, v, dout, lse, torch.randn_like(lse), *lists, dq, dk, dv,
-                                          causal_diag=False, softmax_scale=0.1, deterministic=deterministic)
+        triton_backend.block_bar_backward(
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            torch.randn_like(lse),
+            *lists,
+            dq,
+            dk,
+            dv,
+            causal_diag=False,
+            softmax_scale=0.1,
+            deterministic=deterministic,
+        )
     assert torch.equal(out[:, :, 1], out0[:, :, 1]) and torch.equal(lse[:, 1], lse0[:, 1]), f"seed={seed}"
     assert torch.equal(dq[:, :, 1], dq0[:, :, 1]), f"dq of an idle head changed (seed={seed})"
     assert not torch.equal(out[:, :, 0], out0[:, :, 0]), f"the busy head was not updated (seed={seed})"
@@ -117,5 +147,16 @@ def test_cpu_tensors_are_rejected():
     ptr = torch.zeros(1, 1, 2, dtype=torch.int32)
     col = torch.zeros(0, dtype=torch.int32)
     with pytest.raises(ValueError, match="CUDA"):
-        triton_backend.block_bar_forward(q, q, q, ptr, col, ptr, col, torch.zeros(q.shape),
-                                         torch.zeros(1, 1, 128), causal_diag=True, softmax_scale=0.125)
+        triton_backend.block_bar_forward(
+            q,
+            q,
+            q,
+            ptr,
+            col,
+            ptr,
+            col,
+            torch.zeros(q.shape),
+            torch.zeros(1, 1, 128),
+            causal_diag=True,
+            softmax_scale=0.125,
+        )
