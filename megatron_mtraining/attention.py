@@ -30,6 +30,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from mtraining_kernels.budget import LayerBudget
 from mtraining_kernels.estimation import VerticalSlashIndex, estimate_vertical_slash
 from mtraining_kernels.index import BlockBarIndex, convert_index
 from mtraining_kernels.interface import dense_attention, sparse_attention
@@ -38,7 +39,6 @@ from mtraining_kernels.reference import reference_sparse_attention, vertical_sla
 from mtraining_kernels.vertical_slash import full_index
 
 from .attention_stats import AttentionStats, Stopwatch
-from .budget import LayerBudget
 from .config import REFERENCE_BACKEND, MTrainingConfig, flag
 from .index_cache import ForwardKind, IndexCache, IndexKey, forward_kind, probe_checksum
 from .ring.dense_ring import dense_ring_attention

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
 
+from mtraining_kernels.budget import DEFAULT_CAP, StaticBudget
+from mtraining_kernels.estimation import MAX_LAST_Q
 from mtraining_kernels.layout import BLOCK_SIZE, LAYOUT_KINDS, Layout
 
-from .budget import DEFAULT_CAP, BudgetTable, StaticBudget
+from .budget import BudgetTable
 
-MAX_LAST_Q = 64  # one estimation tile of query rows; equals pattern.MAX_LAST_Q (config sits below pattern)
 BUDGET_MODES = ("top-p", "static")
 FLAG_BACKENDS = ("triton", "torch")  # --mtraining-backend choices
 REFERENCE_BACKEND = "reference"  # the plain-autograd test oracle, Python API only

@@ -219,7 +219,8 @@ def _budget_text(mtraining: MTrainingConfig) -> str:
     if mtraining.dense:
         return f"dense (full causal pattern), backend {mtraining.backend}"
     if mtraining.budget == "top-p":
-        from .budget import DEFAULT_CAP
+        from mtraining_kernels.budget import DEFAULT_CAP
+
         from .config import DEFAULT_TOP_P
 
         top_p = mtraining.top_p if mtraining.top_p is not None else DEFAULT_TOP_P

@@ -16,8 +16,8 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer, print_rank_last
 
 from .attention_stats import collect_stats
-from .ring.consensus import collective_device
 from .index_cache import assert_index_caches_empty
+from .ring.consensus import collective_device
 
 
 @dataclass(frozen=True)

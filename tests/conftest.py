@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))  # make tests/harness.py importable (also in spawned ranks)
 
-from harness import run_on_ranks  # noqa: E402
+from harness import run_on_ranks
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,13 +12,13 @@
 from __future__ import annotations
 
 import torch
+from patterns import random_index
 
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import sparse_attention
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
-from patterns import random_index
 
 PATTERNS = ("mixed", "bars", "verticals", "slashes", "full")
 

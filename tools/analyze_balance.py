@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 
+from realistic_pattern import realistic_pattern
+
 from megatron_mtraining.balance import BalanceReport, balance_report
 from mtraining_kernels.layout import LAYOUT_KINDS, Layout
-
-from realistic_pattern import realistic_pattern
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

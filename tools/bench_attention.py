@@ -53,15 +53,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-from mtraining_kernels import Layout, convert_index, sparse_attention
-from mtraining_kernels.budget import StaticBudget, TopPBudget
-from mtraining_kernels.estimation import estimate_vertical_slash
-from mtraining_kernels.index import BlockBarIndex
-from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.vertical_slash import full_index, mask_area
-
 from flex_peer import (
     block_only_block_mask,
     block_only_pattern,
@@ -71,6 +62,14 @@ from flex_peer import (
     vertical_slash_block_mask,
 )
 from structured_qk import structured_qk
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mtraining_kernels import Layout, convert_index, sparse_attention
+from mtraining_kernels.budget import StaticBudget, TopPBudget
+from mtraining_kernels.estimation import estimate_vertical_slash
+from mtraining_kernels.index import BlockBarIndex
+from mtraining_kernels.layout import BLOCK_SIZE
+from mtraining_kernels.vertical_slash import full_index, mask_area
 
 SHAPES = {"qwen2.5-3b": (16, 2, 128), "mha": (16, 16, 128)}  # (Hq, Hkv, d)
 SINKS, WINDOW = 30, 100

@@ -31,21 +31,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from megatron_mtraining.balance import balance_report
-from megatron_mtraining.ring.dense_ring import dense_ring_attention, dense_ring_backward, dense_ring_forward
-from megatron_mtraining.ring.sparse_ring import ring_attention, sparse_ring_backward, sparse_ring_forward
-from megatron_mtraining.ring.comm import RingExchange
-from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
-from mtraining_kernels.index import convert_index, count_work
-from mtraining_kernels.interface import get_backend
-from mtraining_kernels.layout import BLOCK_SIZE, Layout
-from mtraining_kernels.vertical_slash import full_index, slash_block_hits
-from mtraining_kernels.sdpa_backend import IMPLS
-
 from realistic_pattern import realistic_pattern
 from ring_model import CellCosts, flat_ring, hierarchical_ring, hop_bytes
 from slow_link import SlowLink, SlowLinkRingGroups
+
+from megatron_mtraining.balance import balance_report
+from megatron_mtraining.ring.comm import RingExchange
+from megatron_mtraining.ring.dense_ring import dense_ring_attention, dense_ring_backward, dense_ring_forward
+from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
+from megatron_mtraining.ring.sparse_ring import ring_attention, sparse_ring_backward, sparse_ring_forward
+from mtraining_kernels.index import convert_index, count_work
+from mtraining_kernels.interface import get_backend
+from mtraining_kernels.layout import BLOCK_SIZE, Layout
+from mtraining_kernels.sdpa_backend import IMPLS
+from mtraining_kernels.vertical_slash import full_index, slash_block_hits
 
 
 def parse_args() -> argparse.Namespace:

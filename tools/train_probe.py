@@ -117,6 +117,7 @@ def main() -> None:
     profile_iteration = os.environ.get("MTRAINING_PROBE_PROFILE_ITER")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     import megatron.training.training as training
+
     from megatron_mtraining import pretrain
 
     training.train_step = IterationRecorder(

@@ -26,12 +26,11 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from bench_attention import SHAPES, budget_pattern, git_commit, mask_density, measure, time_sdpa
 from torch.nn.attention import SDPBackend
 
 from mtraining_kernels import Layout, convert_index, sparse_attention, triton_backend
 from mtraining_kernels.vertical_slash import full_index
-
-from bench_attention import SHAPES, budget_pattern, git_commit, mask_density, measure, time_sdpa
 
 FORWARD_CANDIDATES = tuple({"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3, 4))
 BACKWARD_CANDIDATES = tuple({"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (1, 2, 3))

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from mtraining_kernels import estimation
 from megatron_mtraining.attention import MTrainingAttention
 from megatron_mtraining.attention_stats import mask_density
 from megatron_mtraining.config import MTrainingConfig
+from mtraining_kernels import estimation
 from mtraining_kernels.reference import vertical_slash_mask
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 ACCURACY_TOLERANCE = 0.01  # 1 point
 LOSS_TOLERANCE = 0.02  # 2 %

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quickstart import rope_tables_on_cpu  # noqa: E402
-from recall import pattern_recall  # noqa: E402
-from tasks import RetrievalTask, query_correct  # noqa: E402
+from quickstart import rope_tables_on_cpu
+from recall import pattern_recall
+from tasks import RetrievalTask, query_correct
 
 TRAIN_STREAM, EVAL_STREAM, RECALL_STREAM = 0, 1, 2
 KERNEL_SETTINGS = {  # --kernel (the kernels named in the results) → MTrainingConfig settings

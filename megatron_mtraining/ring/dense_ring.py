@@ -30,9 +30,9 @@ from mtraining_kernels.sdpa_backend import attention_backward, attention_forward
 from mtraining_kernels.torch_backend import accumulator_dtype
 
 from .consensus import agree_on_inputs
-from .sparse_ring import WIRE_DTYPES
 from .driver import run_backward_ring, run_forward_ring
 from .groups import RingGroups
+from .sparse_ring import WIRE_DTYPES
 
 
 @dataclass(frozen=True)

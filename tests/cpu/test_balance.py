@@ -3,13 +3,13 @@
 import pytest
 import torch
 from hypothesis import given, settings
+from test_index import conversion_cases, random_index
+from tool_modules import load_tool
 
 from megatron_mtraining.balance import BAR_COST, balance_report, by_step, source_work
 from mtraining_kernels.index import convert_index, count_work
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.vertical_slash import full_index
-from test_index import conversion_cases, random_index
-from tool_modules import load_tool
 
 realistic_pattern = load_tool("realistic_pattern").realistic_pattern
 

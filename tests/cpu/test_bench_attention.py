@@ -4,7 +4,6 @@ rebuilds the table and plot from the latest run of an appended JSONL, and the pl
 import json
 
 import pytest
-
 from tool_modules import load_tool
 
 bench_attention = load_tool("bench_attention")

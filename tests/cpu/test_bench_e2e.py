@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tool_modules import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -254,6 +253,7 @@ def test_model_flags_are_the_qwen25_architecture(megatron_parser, name):
     import dataclasses
 
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
     from megatron_mtraining.conversion.architecture import QwenArchitecture
 
     shape = bench.QWEN25[name]

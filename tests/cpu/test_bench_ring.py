@@ -4,7 +4,6 @@ and its compute-only rings (the library's ring steps over exchanges that move no
 from argparse import Namespace
 
 import pytest
-
 from tool_modules import load_tool
 
 bench_ring = load_tool("bench_ring")

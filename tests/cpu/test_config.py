@@ -5,10 +5,8 @@ import re
 
 import pytest
 
-from megatron_mtraining import config as config_module
-from mtraining_kernels import estimation
-from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget
 from megatron_mtraining.config import MTrainingConfig, flag
+from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget
 
 MODEL = dict(num_layers=4, num_attention_heads=8, seq_length=4096)
 
@@ -24,10 +22,6 @@ def _pattern_file(tmp_path, layers: int, heads: int, pair=(40, 120)) -> str:
 def test_flag_names_follow_the_field_names():
     assert flag("top_p") == "--mtraining-top-p"
     assert flag("dense_layers") == "--mtraining-dense-layers"
-
-
-def test_last_q_limit_is_the_estimators():
-    assert config_module.MAX_LAST_Q == estimation.MAX_LAST_Q
 
 
 def test_defaults_are_valid_and_follow_the_design():

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron_cpu import megatron_on_cpu
+from tool_modules import load_tool
 
 from megatron_mtraining.conversion import hf_to_megatron, megatron_to_hf
 from megatron_mtraining.conversion.architecture import (
@@ -46,9 +48,6 @@ from megatron_mtraining.conversion.architecture import (
 from megatron_mtraining.conversion.megatron_checkpoint import read_checkpoint_args
 from megatron_mtraining.conversion.single_process import single_process_group, torch_dist_writer_on_cpu
 from megatron_mtraining.conversion.tensor_map import interleave_qkv, split_qkv
-
-from megatron_cpu import megatron_on_cpu
-from tool_modules import load_tool
 
 to_megatron_tool = load_tool("convert_qwen2_hf_to_megatron")
 to_hf_tool = load_tool("convert_megatron_to_qwen2_hf")

@@ -8,13 +8,13 @@ an unlisted block not at all — the mask that the compiled kernels compute.
 
 import pytest
 import torch
+from patterns import random_index
+from tool_modules import load_tool
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from mtraining_kernels.layout import BLOCK_SIZE
 from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
 from mtraining_kernels.vertical_slash import mask_area
-from patterns import random_index
-from tool_modules import load_tool
 
 flex_peer = load_tool("flex_peer")
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

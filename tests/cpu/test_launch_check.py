@@ -206,7 +206,6 @@ def _saved_schedule(checkpoint_root: Path, iteration: int, flags: str, monkeypat
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.training.training import get_optimizer_param_scheduler
-
     from megatron_cpu import megatron_on_cpu
 
     _set_global_args(monkeypatch, _validated(monkeypatch, flags))

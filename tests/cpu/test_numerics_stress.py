@@ -29,20 +29,21 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit
 TRITON_CASES_RUN = os.environ.get("TRITON_INTERPRET") == "1"
 
-from mtraining_kernels.budget import StaticBudget, TopPBudget  # noqa: E402
-from mtraining_kernels.estimation import estimate_vertical_slash  # noqa: E402
-from mtraining_kernels import torch_backend  # noqa: E402
-from mtraining_kernels.index import convert_index  # noqa: E402
-from mtraining_kernels.interface import sparse_attention  # noqa: E402
-from mtraining_kernels.layout import Layout  # noqa: E402
-from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask  # noqa: E402
 from triton_cases import (
     assert_close_fa,
     make_index,
     poisoned_attention,
-    reference_attention,  # noqa: E402
+    reference_attention,
     ring_attention,
 )
+
+from mtraining_kernels import torch_backend
+from mtraining_kernels.budget import StaticBudget, TopPBudget
+from mtraining_kernels.estimation import estimate_vertical_slash
+from mtraining_kernels.index import convert_index
+from mtraining_kernels.interface import sparse_attention
+from mtraining_kernels.layout import Layout
+from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 SEQ_LEN, HEADS, KV_HEADS, DIM = 512, 2, 1, 64
@@ -378,9 +379,9 @@ def test_megatron_loss_check_stops_on_nan(monkeypatch):
     """The launcher's loss function raises on a NaN loss when --check-for-nan-in-loss-and-grad is on
     (Megatron's default) and passes it through when it is off."""
     from megatron.core.rerun_state_machine import RerunStateMachine
+    from megatron_cpu import megatron_on_cpu
 
     import megatron_mtraining.pretrain as pretrain
-    from megatron_cpu import megatron_on_cpu
 
     losses = torch.ones(2, 8)
     losses[1, 3] = float("nan")  # one token's loss, e.g. from a NaN attention output

@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
-
 from tool_modules import load_tool
 
 REPO = Path(__file__).resolve().parents[2]

@@ -27,11 +27,11 @@ import torch
 QUALITY = Path(__file__).resolve().parents[2] / "examples" / "quality"
 sys.path.insert(0, str(QUALITY))
 
-from recall import covered_mass  # noqa: E402
-from tasks import BOS, KV, QUERY, RetrievalTask, query_correct  # noqa: E402
+from recall import covered_mass
+from tasks import BOS, KV, QUERY, RetrievalTask, query_correct
 
-from mtraining_kernels.reference import vertical_slash_mask  # noqa: E402
-from mtraining_kernels.vertical_slash import full_index  # noqa: E402
+from mtraining_kernels.reference import vertical_slash_mask
+from mtraining_kernels.vertical_slash import full_index
 
 
 # ------------------------------------------------------------------------------------------ task
@@ -247,7 +247,6 @@ SMOKE = [
 def one_process_megatron():
     """Let train.main set up its one-process group and Megatron state, and tear down what it set up."""
     import torch.distributed as dist
-
     from megatron_cpu import reset_parallel_state
 
     had_group = dist.is_initialized()

@@ -4,14 +4,14 @@ in tests/distributed/test_ring.py and test_dense_ring.py, the Megatron wiring in
 
 import pytest
 import torch
+from patterns import random_index
+from replay import replay_matches
 
 from megatron_mtraining.config import MTrainingConfig
 from mtraining_kernels import sdpa_backend, torch_backend
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import dense_attention, sparse_attention
 from mtraining_kernels.layout import Layout
-from patterns import random_index
-from replay import replay_matches
 
 SEQ_LEN, HEADS, KV_HEADS, DIM = 512, 4, 2, 32
 

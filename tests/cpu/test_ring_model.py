@@ -4,7 +4,6 @@ and the hierarchical formulas, and DESIGN.md §2.4's worked example."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tool_modules import load_tool
 
 ring_model = load_tool("ring_model")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_cases import assert_close_fa
 
 from mtraining_kernels import sdpa_backend
 from mtraining_kernels.interface import dense_attention
 from mtraining_kernels.reference import reference_sparse_attention
-from triton_cases import assert_close_fa
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 

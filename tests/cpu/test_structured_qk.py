@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from tool_modules import load_tool
 
 from mtraining_kernels.budget import TopPBudget
 from mtraining_kernels.estimation import estimate_vertical_slash
-from tool_modules import load_tool
 
 mask_density = load_tool("bench_attention").mask_density
 structured_qk_tool = load_tool("structured_qk")

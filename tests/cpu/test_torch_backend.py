@@ -10,8 +10,8 @@ from mtraining_kernels.interface import get_backend, sparse_attention, torch_blo
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.merge import merge_attention
 from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
-from mtraining_kernels.vertical_slash import full_index
 from mtraining_kernels.torch_backend import block_bar_backward, block_bar_forward
+from mtraining_kernels.vertical_slash import full_index
 
 BLOCK = 128
 SINGLE = Layout("contiguous", 1)

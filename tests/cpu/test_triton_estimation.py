@@ -18,10 +18,9 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("triton")
 
-from mtraining_kernels import estimation  # noqa: E402
-from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget  # noqa: E402
-from mtraining_kernels import triton_estimation  # noqa: E402
-from mtraining_kernels.layout import Layout  # noqa: E402
+from mtraining_kernels import estimation, triton_estimation
+from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget
+from mtraining_kernels.layout import Layout
 
 _interpreted = type(triton_estimation._logits_kernel).__name__ == "InterpretedFunction"
 if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreted:

@@ -14,9 +14,10 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("triton")
 
-from mtraining_kernels import index, triton_index  # noqa: E402
-from mtraining_kernels.layout import BLOCK_SIZE, Layout  # noqa: E402
-from test_index import FIELDS, random_index  # noqa: E402
+from test_index import FIELDS, random_index
+
+from mtraining_kernels import index, triton_index
+from mtraining_kernels.layout import BLOCK_SIZE, Layout
 
 if type(triton_index._list_rows_kernel).__name__ != "InterpretedFunction":
     importlib.reload(triton_index)  # imported earlier without the interpreter flag

@@ -20,16 +20,17 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("triton")
 
-from mtraining_kernels import torch_backend, triton_backend, triton_bwd, triton_fwd  # noqa: E402
-from mtraining_kernels.index import convert_index  # noqa: E402
-from mtraining_kernels.layout import Layout  # noqa: E402
-from triton_cases import (  # noqa: E402
+from triton_cases import (
     assert_close_fa,
     make_index,
     make_qkv_dout,
     reference_attention,
     ring_attention,
 )
+
+from mtraining_kernels import torch_backend, triton_backend, triton_bwd, triton_fwd
+from mtraining_kernels.index import convert_index
+from mtraining_kernels.layout import Layout
 
 _interpreted = type(triton_fwd.block_bar_forward_kernel).__name__ == "InterpretedFunction"
 if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreted:

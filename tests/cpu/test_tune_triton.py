@@ -5,8 +5,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from mtraining_kernels import triton_backend  # noqa: E402
-from tool_modules import load_tool  # noqa: E402
+from tool_modules import load_tool
+
+from mtraining_kernels import triton_backend
 
 tune_triton = load_tool("tune_triton")
 

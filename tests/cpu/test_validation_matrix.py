@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
+from tool_modules import load_tool
 
 from megatron_mtraining.conversion import hf_to_megatron, megatron_to_hf
 from megatron_mtraining.conversion.single_process import single_process_group
@@ -31,8 +32,6 @@ from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import get_backend, sparse_attention
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.vertical_slash import full_index
-
-from tool_modules import load_tool
 
 preprocess_data = load_tool("preprocess_data")
 
@@ -112,8 +111,8 @@ def _ring(index_layout: Layout, index_rank: int, index_seq_len: int, grad_wire_d
     """``ring_attention`` on a one-rank world with an index built for the given layout/rank/length."""
     import torch.distributed as dist
 
-    from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
 
     q, k, v = (_step_arguments()[name] for name in ("q", "k", "v"))
     v_idx, s_idx = full_index(1, HEADS, index_seq_len)

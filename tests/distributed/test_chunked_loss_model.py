@@ -9,7 +9,6 @@ and every parameter gradient under a random per-token upstream gradient match th
 from __future__ import annotations
 
 import torch
-
 from megatron_cpu import megatron_on_cpu, reset_parallel_state
 
 SEQ_LEN, BATCH, VOCAB, CHUNK = 256, 2, 128, 48

@@ -142,9 +142,10 @@ def test_merge_step_into_a_row_range_equals_reference_merge(seed, lse_offset):
 # ------------------------------------------------------------------------------------------ bad input
 def _replay_rank(rank, world_size, seed):
     """Gradients of a plain dense-ring call vs a call replaying its (out, lse) with no SDPA forward."""
+    from replay import replay_matches
+
     from megatron_mtraining.ring import dense_ring
     from megatron_mtraining.ring.groups import RingGroups
-    from replay import replay_matches
 
     layout, groups = Layout("zigzag", world_size), RingGroups.flat(dist.group.WORLD)
     local = [layout.shard(t, rank).clone() for t in _inputs(seed, 1, 256, 4, 2, 16)]

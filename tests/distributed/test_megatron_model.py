@@ -24,7 +24,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from megatron_cpu import megatron_on_cpu, reset_parallel_state
 
 SEQ_LEN = 512
@@ -288,8 +287,8 @@ def _rope_checks(cp: int) -> dict[str, float]:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    from mtraining_kernels.layout import Layout
     from megatron_mtraining.layout import LayoutRotaryEmbedding
+    from mtraining_kernels.layout import Layout
 
     _init_parallel(1, cp)
     cp_group = parallel_state.get_context_parallel_group()
@@ -765,9 +764,10 @@ def test_layout_rope_keeps_checkpoint_keys(single_rank_report):
 
 # ------------------------------------------------------------------------------------------ in-process (no ranks)
 def test_mask_density_matches_materialised_mask(seed):
+    from patterns import random_index
+
     from megatron_mtraining.attention_stats import mask_density
     from mtraining_kernels.reference import sparsity, vertical_slash_mask
-    from patterns import random_index
 
     gen = torch.Generator().manual_seed(seed)
     for seq_len in (128, 384, 640):

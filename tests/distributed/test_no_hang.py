@@ -22,11 +22,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from patterns import random_index
 
 from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
-from patterns import random_index
 
 WORLD = 3
 COLLECTIVE_TIMEOUT = 20.0  # seconds a gloo collective waits before it fails
@@ -148,8 +148,8 @@ def _ring_call(
     deterministic=False,
 ):
     """One flat-ring forward + backward (by default on torch_blocksparse) with a random striped index."""
-    from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
 
     gen = torch.Generator().manual_seed(seed + rank)
     seq_len = local_len * world_size

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from megatron_mtraining.ring.estimation import estimate_vertical_slash_distributed
-from mtraining_kernels.estimation import estimate_vertical_slash
 from megatron_mtraining.ring.estimation_comm import _halo_sends
+from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from mtraining_kernels.estimation import estimate_vertical_slash
 from mtraining_kernels.layout import LAYOUT_KINDS, Layout
 
 SEQ_LEN = 384  # every layout splits it for W in {2, 3, 4} (striped with granularity 16 or 32)

@@ -3,12 +3,12 @@
 import pytest
 import torch
 import torch.distributed as dist
+from patterns import random_index
 
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
-from patterns import random_index
 
 
 def _inputs(seed, b, n, hq, hkv, d, n_vertical, n_slash, full):
@@ -126,8 +126,8 @@ def test_bf16_gradient_wire_stays_within_tolerance(distributed, seed):
 
 
 def _bad_ring_input(rank, world_size, problem):
-    from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
 
     n, layout = 1024, Layout("striped", world_size)
     v_idx, s_idx = full_index(1, 2, n)
@@ -175,10 +175,11 @@ def test_bad_input_raises_on_every_rank_without_hanging(distributed, problem, me
 
 def _replay_rank(rank, world_size, seed):
     """Gradients of a plain ring call vs a call replaying the plain call's (out, lse) with no forward launch."""
-    from megatron_mtraining.ring.sparse_ring import ring_attention
-    from megatron_mtraining.ring.groups import RingGroups
-    from mtraining_kernels import torch_backend
     from replay import replay_matches
+
+    from megatron_mtraining.ring.groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from mtraining_kernels import torch_backend
 
     n, layout, groups = 1024, Layout("striped", world_size), RingGroups.flat(dist.group.WORLD)
     q, k, v, dout, v_idx, s_idx = _inputs(seed, 1, n, 4, 2, 16, n // 4, n // 256 + 2, False)

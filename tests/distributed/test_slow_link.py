@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from patterns import random_index
+from tool_modules import load_tool
 
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
-from patterns import random_index
-from tool_modules import load_tool
 
 slow_link = load_tool("slow_link")
 
@@ -42,8 +42,8 @@ def test_only_transfers_across_nodes_wait_for_the_delay(distributed, world, node
 
 
 def _ring_rank(rank, world_size, inner, node_size, seed):
-    from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
 
     SlowLink, SlowLinkRingGroups = slow_link.SlowLink, slow_link.SlowLinkRingGroups
 

@@ -17,9 +17,8 @@ from unittest import mock
 import pytest
 import torch
 
-from mtraining_kernels import estimation
+from mtraining_kernels import estimation, triton_estimation
 from mtraining_kernels.budget import StaticBudget, TopPBudget
-from mtraining_kernels import triton_estimation
 from mtraining_kernels.layout import Layout
 
 pytestmark = pytest.mark.gpu

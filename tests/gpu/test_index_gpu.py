@@ -16,11 +16,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from bench_attention import budget_pattern, median_ms  # noqa: E402
+from bench_attention import budget_pattern, median_ms
 
-from mtraining_kernels import index  # noqa: E402
-from mtraining_kernels.layout import BLOCK_SIZE, Layout  # noqa: E402
-from mtraining_kernels.vertical_slash import slash_block_hits  # noqa: E402
+from mtraining_kernels import index
+from mtraining_kernels.layout import BLOCK_SIZE, Layout
+from mtraining_kernels.vertical_slash import slash_block_hits
 
 pytestmark = pytest.mark.gpu
 FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")

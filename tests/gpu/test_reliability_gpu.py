@@ -19,15 +19,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_on_ranks
-from mtraining_kernels.budget import StaticBudget, TopPBudget
-from mtraining_kernels.estimation import estimate_vertical_slash
-from mtraining_kernels import triton_backend
-from mtraining_kernels.index import convert_index
-from mtraining_kernels.layout import Layout
 from patterns import random_index
 from triton_cases import assert_close_fa, poisoned_attention, reference_attention, ring_attention
+
+from mtraining_kernels import triton_backend
+from mtraining_kernels.budget import StaticBudget, TopPBudget
+from mtraining_kernels.estimation import estimate_vertical_slash
+from mtraining_kernels.index import convert_index
+from mtraining_kernels.layout import Layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -74,8 +74,8 @@ def test_triton_kernels_at_extreme_logits_match_reference(seed, dtype, largest_l
 
 # ------------------------------------------------------------------------------------------ NCCL consensus
 def _ring_call(rank: int, world_size: int, seed: int, local_len: int) -> None:
-    from megatron_mtraining.ring.sparse_ring import ring_attention as distributed_ring
     from megatron_mtraining.ring.groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention as distributed_ring
 
     gen = torch.Generator().manual_seed(seed + rank)
     device = torch.device("cuda", rank)

@@ -4,12 +4,12 @@ of a 4- or 8-GPU host (flat and hierarchical rings)."""
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_on_ranks
-from mtraining_kernels.index import convert_index
-from mtraining_kernels.layout import Layout
 from tool_modules import load_tool
 from triton_cases import assert_close_fa, make_index, make_qkv_dout, reference_attention
+
+from mtraining_kernels.index import convert_index
+from mtraining_kernels.layout import Layout
 
 slow_link = load_tool("slow_link")
 
@@ -35,8 +35,8 @@ def _inputs(seed, shape, dtype, pattern, device):
 
 
 def _ring_on_gpus(rank, world_size, seed, kind, pattern, shape, dtype, wire, inner=None):
-    from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
 
     device = torch.device("cuda", rank)
     q, k, v, dout, v_idx, s_idx = _inputs(seed, shape, dtype, pattern, device)
@@ -87,8 +87,8 @@ def test_ring_on_every_gpu_matches_reference(seed, kind, inner):
 
 def _emulated_ring_on_gpus(rank, world_size, seed, inner, node_size, delay_s):
     """(plain vs emulated-slow-link outputs equal?, this rank's delayed?, ms of one delayed exchange)."""
-    from megatron_mtraining.ring.sparse_ring import ring_attention
     from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
 
     SlowLink, SlowLinkExchange = slow_link.SlowLink, slow_link.SlowLinkExchange
     SlowLinkRingGroups = slow_link.SlowLinkRingGroups

@@ -9,14 +9,14 @@ the CUDA-only refusals (fp32 inputs, head dims the kernel does not take).
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_on_ranks
+from triton_cases import assert_close_fa, make_qkv_dout, reference_attention
+
 from mtraining_kernels import sdpa_backend
 from mtraining_kernels.interface import dense_attention
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.reference import reference_sparse_attention
 from mtraining_kernels.vertical_slash import full_index
-from triton_cases import assert_close_fa, make_qkv_dout, reference_attention
 
 pytestmark = pytest.mark.gpu
 NAMES = ("out", "lse", "dq", "dk", "dv")

@@ -8,11 +8,11 @@ bitwise-repeatable deterministic backwards; agreement with the torch_blocksparse
 
 import pytest
 import torch
+from triton_cases import assert_close_fa, make_index, make_qkv_dout, reference_attention, ring_attention
 
 from mtraining_kernels import torch_backend, triton_backend
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
-from triton_cases import assert_close_fa, make_index, make_qkv_dout, reference_attention, ring_attention
 
 pytestmark = pytest.mark.gpu
 NAMES = ("out", "lse", "dq", "dk", "dv")
