@@ -19,6 +19,7 @@ from mtraining_kernels.estimation import MAX_LAST_Q
 from mtraining_kernels.layout import BLOCK_SIZE, LAYOUT_KINDS, Layout
 
 from .budget import BudgetTable
+from .ring.comm import WIRE_DTYPES
 
 BUDGET_MODES = ("top-p", "static")
 FLAG_BACKENDS = ("triton", "torch")  # --mtraining-backend choices
@@ -27,7 +28,7 @@ BACKENDS = (*FLAG_BACKENDS, REFERENCE_BACKEND)
 BLOCK_SPARSE_BACKENDS = {"triton": "triton", "torch": "torch_blocksparse"}  # backend → mtraining_kernels name
 SDPA_IMPLS = {"sdpa_cudnn": "cudnn", "sdpa_flash": "flash"}  # dense_impl → mtraining_kernels.sdpa_backend impl
 DENSE_IMPLS = ("mtraining", *SDPA_IMPLS)
-GRAD_WIRE_DTYPES = ("fp32", "bf16")
+GRAD_WIRE_DTYPES = tuple(WIRE_DTYPES)
 RINGS = ("flat", "hierarchical")
 DEFAULT_TOP_P = 0.9
 

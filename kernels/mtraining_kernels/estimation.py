@@ -72,14 +72,15 @@ class VerticalSlashIndex(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------- scores
-# "auto": Triton kernels for CUDA tensors, PyTorch ops elsewhere; "torch" / "triton" force one path
-# (benchmarks of the PyTorch path on a GPU; Triton-interpreter tests on the CPU). Both paths give the
-# same integers: tests/gpu/test_estimation_gpu.py checks it bit for bit on CUDA.
-_estimation_backend = "auto"
+# implementation="auto": Triton kernels for CUDA tensors, PyTorch ops elsewhere; "torch" / "triton" force one
+# path (the PyTorch path on a GPU; Triton-interpreter tests on the CPU). Both give the same integers.
+IMPLEMENTATIONS = ("auto", "torch", "triton")
 
 
-def _uses_triton(tensor: torch.Tensor) -> bool:
-    return _estimation_backend == "triton" or (_estimation_backend == "auto" and tensor.is_cuda)
+def _uses_triton(tensor: torch.Tensor, implementation: str) -> bool:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+    return implementation == "triton" or (implementation == "auto" and tensor.is_cuda)
 
 
 def _triton_estimation():
@@ -102,7 +103,12 @@ def _fixed_point_rules():
 
 
 def estimation_logits(
-    q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, k_positions: torch.Tensor, softmax_scale: float
+    q_rows: torch.Tensor,
+    q_positions: torch.Tensor,
+    k: torch.Tensor,
+    k_positions: torch.Tensor,
+    softmax_scale: float,
+    implementation: str = "auto",
 ) -> torch.Tensor:
     """Logits of the estimation rows against some keys: fp32 ``[b, Hq, L, n]``, −inf where j > i.
 
@@ -110,10 +116,10 @@ def estimation_logits(
     ``k_positions [n]``, any subset of keys in any order. Query head h reads KV head h // (Hq/Hkv).
     The loop runs over d (not over tokens): entry (i, j) is fl(…fl(fl(q0·k0) + fl(q1·k1))… ) accumulated
     in fixed order, then multiplied by ``softmax_scale`` rounded to fp32, so it is independent of
-    every other entry computed alongside it. CUDA tensors go through the bit-equal Triton kernel
-    (:mod:`mtraining_kernels.triton_estimation`).
+    every other entry computed alongside it. ``implementation`` "auto" takes the bit-equal Triton kernel
+    (:mod:`mtraining_kernels.triton_estimation`) for CUDA tensors.
     """
-    if _uses_triton(k):
+    if _uses_triton(k, implementation):
         return _triton_estimation().estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
     return _torch_estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
 
@@ -355,6 +361,7 @@ def estimate_vertical_slash(
     last_q: int = 64,
     sink_tokens: int = 30,
     local_window: int = 100,
+    implementation: str = "auto",
 ) -> VerticalSlashIndex:
     """Estimate the vertical-slash index of one layer from post-RoPE q/k in global order (DESIGN.md §2.2).
 
@@ -364,8 +371,10 @@ def estimate_vertical_slash(
     count toward the budget; the other entries are the best candidates by (score desc, index asc).
     ``v_idx`` is Vmax wide, the largest ``v_size`` (or the cap) rounded up to a multiple of 64 and at
     most N; ``s_idx`` likewise with ``s_size``. Top-P counts reach ``p`` of the integer total mass.
+    ``implementation`` "auto" (Triton for CUDA tensors), "torch" or "triton": the same index either way.
     """
     _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window)
+    _uses_triton(q, implementation)  # checks the name before any work
     batch, seq_len, q_heads, dim = q.shape
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
@@ -373,9 +382,9 @@ def estimate_vertical_slash(
     device = q.device
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = torch.arange(seq_len, device=device)
-    logits = estimation_logits(q[:, seq_len - last_q :], q_positions, k, k_positions, scale)
+    logits = estimation_logits(q[:, seq_len - last_q :], q_positions, k, k_positions, scale, implementation)
     v_scores, s_scores = vertical_and_slash_scores(
-        logits, isinstance(budget, TopPBudget), q_positions, k_positions, seq_len
+        logits, isinstance(budget, TopPBudget), q_positions, k_positions, seq_len, implementation=implementation
     )
     del logits
 
@@ -423,13 +432,15 @@ def vertical_and_slash_scores(
     k_positions: torch.Tensor,
     seq_len: int,
     reduce_rows: RowReduction | None = None,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(V over the logits' columns ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64, from the logits.
 
-    ``reduce_rows`` as in :func:`_values_and_vertical_scores`. With Triton (see :func:`_uses_triton`)
-    the terms are computed inside the kernels and never stored; the integers are the same.
+    ``reduce_rows`` as in :func:`_values_and_vertical_scores`; ``implementation`` as in
+    :func:`estimation_logits`. With Triton the terms are computed inside the kernels and never stored; the
+    integers are the same.
     """
-    if not _uses_triton(logits):
+    if not _uses_triton(logits, implementation):
         values, v_scores = _values_and_vertical_scores(logits, top_p, reduce_rows)
         return v_scores, slash_partial_sums(values, q_positions, k_positions, seq_len)
     kernels, rules = _triton_estimation(), _fixed_point_rules()

@@ -26,9 +26,9 @@ from .layout import BLOCK_SIZE, Layout
 from .vertical_slash import slash_block_hits
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-# "auto": the Triton list kernels (triton_index.py) for CUDA tensors, PyTorch ops elsewhere;
-# "torch" / "triton" force one path (tests compare them, tests/gpu/test_index_gpu.py on a GPU).
-_conversion_backend = "auto"
+# convert_index's implementation: "auto" (the Triton list kernels of triton_index.py for CUDA tensors, PyTorch
+# ops elsewhere), or "torch" / "triton" to force one path; both give the same lists.
+IMPLEMENTATIONS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,19 +188,22 @@ def _bar_lists_triton(
     return _lists_triton(candidates, (layout.world_size, *v_idx.shape[:2], query_blocks.numel()))
 
 
-def convert_index(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> BlockBarIndex:
+def convert_index(
+    v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int, implementation: str = "auto"
+) -> BlockBarIndex:
     """Vectorised conversion of ``(v_idx, s_idx)`` ``[b, Hq, ·]`` into ``rank``'s :class:`BlockBarIndex`.
 
-    Runs on ``v_idx``'s device with no loop over blocks, columns or ranks. Transient memory: with the
-    Triton kernels (``_conversion_backend``) int32 candidates and row counts only; with PyTorch ops a bool
-    block mask ``[W, b, Hq, nb, nb]`` and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list itself
-    can be that large).
+    Runs on ``v_idx``'s device with no loop over blocks, columns or ranks. ``implementation``: "auto"
+    (Triton on CUDA), "torch" or "triton", the same lists either way. Transient memory: with the Triton
+    kernels int32 candidates and row counts only; with PyTorch ops a bool block mask ``[W, b, Hq, nb, nb]``
+    and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list itself can be that large).
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
     query_blocks, source_blocks = _block_tables(layout, rank, seq_len, v_idx.device)
-    use_triton = _conversion_backend == "triton" or (_conversion_backend == "auto" and v_idx.is_cuda)
-    if use_triton:
+    if implementation == "triton" or (implementation == "auto" and v_idx.is_cuda):
         blk_ptr, blk_col = _block_lists_triton(hit, query_blocks, source_blocks)
         bar_ptr, bar_col = _bar_lists_triton(v_idx, hit, query_blocks, layout, seq_len)
     else:

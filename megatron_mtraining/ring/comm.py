@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # dtypes the dK/dV partials may travel in
+
 
 class RingExchange:
     """Send to the next group member and receive from the previous one, asynchronously.

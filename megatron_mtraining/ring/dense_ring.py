@@ -29,10 +29,10 @@ from mtraining_kernels.layout import Layout
 from mtraining_kernels.sdpa_backend import attention_backward, attention_forward, check_step_inputs
 from mtraining_kernels.torch_backend import accumulator_dtype
 
+from .comm import WIRE_DTYPES
 from .consensus import agree_on_inputs
 from .driver import run_backward_ring, run_forward_ring
 from .groups import RingGroups
-from .sparse_ring import WIRE_DTYPES
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,10 @@ from mtraining_kernels.index import BlockBarIndex
 from mtraining_kernels.interface import get_backend, replay_output_error
 from mtraining_kernels.layout import Layout
 
+from .comm import WIRE_DTYPES
 from .consensus import agree_on_inputs
 from .driver import run_backward_ring, run_forward_ring
 from .groups import RingGroups
-
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _options_error(backend: str, softmax_scale, grad_wire_dtype: str) -> str:

@@ -23,16 +23,15 @@ if type(triton_index._list_rows_kernel).__name__ != "InterpretedFunction":
     importlib.reload(triton_index)  # imported earlier without the interpreter flag
 
 
-def convert_with(backend: str, monkeypatch, *args) -> index.BlockBarIndex:
-    monkeypatch.setattr(index, "_conversion_backend", backend)
-    return index.convert_index(*args)
+def convert_with(backend: str, *args) -> index.BlockBarIndex:
+    return index.convert_index(*args, implementation=backend)
 
 
 LAYOUTS = [("contiguous", 1), ("contiguous", 2), ("zigzag", 2), ("zigzag", 3), ("striped", 2), ("striped", 4)]
 
 
 @pytest.mark.parametrize("kind, world", LAYOUTS)
-def test_triton_bar_lists_equal_the_pytorch_ones(seed, monkeypatch, kind, world):
+def test_triton_bar_lists_equal_the_pytorch_ones(seed, kind, world):
     generator = torch.Generator().manual_seed(seed)
     layout = Layout(kind, world)
     seq_len = 2 * world * BLOCK_SIZE * 3  # 6 blocks per rank: zigzag needs 2 chunks each
@@ -40,8 +39,8 @@ def test_triton_bar_lists_equal_the_pytorch_ones(seed, monkeypatch, kind, world)
     v_width = triton_index.CANDIDATES_PER_STEP + 64
     v_idx, s_idx = random_index(generator, 2, 3, seq_len, min(v_width, seq_len // 4), 24)
     for rank in range(world):
-        expected = convert_with("torch", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
-        got = convert_with("triton", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
+        expected = convert_with("torch", v_idx, s_idx, layout, rank, seq_len)
+        got = convert_with("triton", v_idx, s_idx, layout, rank, seq_len)
         for field in FIELDS:
             assert torch.equal(getattr(got, field), getattr(expected, field)), (
                 f"seed={seed} {kind} W={world} rank={rank}: {field} differs"
@@ -49,7 +48,7 @@ def test_triton_bar_lists_equal_the_pytorch_ones(seed, monkeypatch, kind, world)
         assert got.bar_col.dtype == torch.int32 and got.bar_ptr.dtype == torch.int32
 
 
-def test_many_verticals_and_no_verticals(seed, monkeypatch):
+def test_many_verticals_and_no_verticals(seed):
     """Every column a vertical (rows with hundreds of bars over several loop steps), then none at all."""
     generator = torch.Generator().manual_seed(seed)
     seq_len, layout = 16 * BLOCK_SIZE, Layout("striped", 2)
@@ -58,22 +57,22 @@ def test_many_verticals_and_no_verticals(seed, monkeypatch):
     empty = torch.full((1, 2, 64), seq_len, dtype=torch.int32)
     for v_idx in (full, empty):
         for rank in range(2):
-            expected = convert_with("torch", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
-            got = convert_with("triton", monkeypatch, v_idx, s_idx, layout, rank, seq_len)
+            expected = convert_with("torch", v_idx, s_idx, layout, rank, seq_len)
+            got = convert_with("triton", v_idx, s_idx, layout, rank, seq_len)
             for field in FIELDS:
                 assert torch.equal(getattr(got, field), getattr(expected, field)), f"seed={seed}: {field}"
     assert expected.bar_col.numel() == 0
 
 
-def test_rows_longer_than_one_loop_step_of_blocks(seed, monkeypatch):
+def test_rows_longer_than_one_loop_step_of_blocks(seed):
     """160 query blocks, a slash on every block diagonal and random verticals: the last rows hold more blocks
     than one kernel loop step reads."""
     generator = torch.Generator().manual_seed(seed)
     seq_len = 160 * BLOCK_SIZE
     v_idx, _ = random_index(generator, 1, 2, seq_len, 16, 4)
     s_idx = torch.arange(0, seq_len, BLOCK_SIZE, dtype=torch.int32).expand(1, 2, -1).contiguous()
-    expected = convert_with("torch", monkeypatch, v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
-    got = convert_with("triton", monkeypatch, v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+    expected = convert_with("torch", v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+    got = convert_with("triton", v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
     longest = int((expected.blk_ptr[..., 1:] - expected.blk_ptr[..., :-1]).max()) // 2
     assert longest > triton_index.CANDIDATES_PER_STEP, f"longest block row {longest}: the test checks one step only"
     for field in FIELDS:

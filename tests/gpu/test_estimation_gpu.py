@@ -9,7 +9,6 @@ Run as a script to time one layer's estimation, the PyTorch path against the Tri
 ``python tests/gpu/test_estimation_gpu.py 131072 524288``.
 """
 
-import contextlib
 import statistics
 import sys
 from unittest import mock
@@ -24,16 +23,6 @@ from mtraining_kernels.layout import Layout
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 BUDGETS = {"static": StaticBudget(2048, 4096), "top_p": TopPBudget(0.9, 4096)}
-
-
-@contextlib.contextmanager
-def estimation_backend(name: str):
-    """Run the estimator through ``name`` ("torch", "triton" or "auto") inside the block."""
-    previous, estimation._estimation_backend = estimation._estimation_backend, name
-    try:
-        yield
-    finally:
-        estimation._estimation_backend = previous
 
 
 def draw_qk(seed, batch, seq_len, q_heads, kv_heads, dim, dtype, device=DEVICE):
@@ -77,10 +66,9 @@ def test_scores_are_bit_equal_to_the_pytorch_path(seed, mode):
     logits = triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, 128**-0.5)
     scores = {}
     for backend in ("torch", "triton"):
-        with estimation_backend(backend):
-            scores[backend] = estimation.vertical_and_slash_scores(
-                logits, mode == "top_p", q_positions, k_positions, seq_len
-            )
+        scores[backend] = estimation.vertical_and_slash_scores(
+            logits, mode == "top_p", q_positions, k_positions, seq_len, implementation=backend
+        )
     for name, got, expected in zip(("V", "S"), scores["triton"], scores["torch"]):
         assert torch.equal(got, expected), f"seed={seed} {mode} {name}: {int((got != expected).sum())} differ"
 
@@ -92,10 +80,9 @@ def test_partial_slash_sums_of_a_striped_split_add_up(seed, mode):
     q, k = draw_qk(seed, 1, seq_len, 8, 2, 128, torch.bfloat16)
     q_positions, k_positions = positions(seq_len)
     logits = triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, 128**-0.5)
-    with estimation_backend("torch"):
-        expected_v, expected_s = estimation.vertical_and_slash_scores(
-            logits, mode == "top_p", q_positions, k_positions, seq_len
-        )
+    expected_v, expected_s = estimation.vertical_and_slash_scores(
+        logits, mode == "top_p", q_positions, k_positions, seq_len, implementation="torch"
+    )
     row_max = logits.amax(dim=-1)
     row_sums = estimation.exp_fixed_point(logits, row_max).sum(dim=-1)
     rules, summed_s = estimation._fixed_point_rules(), torch.zeros_like(expected_s)
@@ -119,8 +106,7 @@ def test_index_is_identical_to_the_pytorch_path(seed, mode, seq_len):
     q, k = draw_qk(seed, 1, seq_len, 16, 2, 128, torch.bfloat16)
     indexes = {}
     for backend in ("torch", "auto"):
-        with estimation_backend(backend):
-            indexes[backend] = estimation.estimate_vertical_slash(q, k, BUDGETS[mode])
+        indexes[backend] = estimation.estimate_vertical_slash(q, k, BUDGETS[mode], implementation=backend)
     if seq_len <= 4096:
         indexes["cpu"] = estimation.estimate_vertical_slash(q.cpu(), k.cpu(), BUDGETS[mode])
     for backend in indexes:
@@ -188,25 +174,23 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
         print(f"N={seq_len} {mode}: score kernels ms by keys per tile x warps: {tiles}", flush=True)
     del sweep_logits
     for mode, budget in BUDGETS.items():
-        with estimation_backend("torch"):
-            torch.cuda.reset_peak_memory_stats()
-            old = _median_ms(lambda: estimation.estimate_vertical_slash(q, k, budget), old_repeats)
-            old_peak = torch.cuda.max_memory_allocated() / 2**30
-        with estimation_backend("auto"):
-            logits = triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, scale)
-            logits_ms = _median_ms(
-                lambda: triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, scale), 5
-            )
-            scores_ms = _median_ms(
-                lambda logits=logits: estimation.vertical_and_slash_scores(
-                    logits, mode == "top_p", q_positions, k_positions, seq_len
-                ),
-                5,
-            )
-            del logits
-            torch.cuda.reset_peak_memory_stats()
-            new = _median_ms(lambda: estimation.estimate_vertical_slash(q, k, budget), 5)
-            new_peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        old = _median_ms(lambda: estimation.estimate_vertical_slash(q, k, budget, implementation="torch"), old_repeats)
+        old_peak = torch.cuda.max_memory_allocated() / 2**30
+        logits = triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, scale)
+        logits_ms = _median_ms(
+            lambda: triton_estimation.estimation_logits(q[:, seq_len - 64 :], q_positions, k, k_positions, scale), 5
+        )
+        scores_ms = _median_ms(
+            lambda logits=logits: estimation.vertical_and_slash_scores(
+                logits, mode == "top_p", q_positions, k_positions, seq_len
+            ),
+            5,
+        )
+        del logits
+        torch.cuda.reset_peak_memory_stats()
+        new = _median_ms(lambda: estimation.estimate_vertical_slash(q, k, budget), 5)
+        new_peak = torch.cuda.max_memory_allocated() / 2**30
         print(
             f"N={seq_len} Hq={q_heads} Hkv={kv_heads} d={dim} {mode}: pytorch path {old:.1f} ms "
             f"(peak {old_peak:.1f} GiB), triton path {new:.1f} ms (peak {new_peak:.1f} GiB) = logits "

@@ -10,7 +10,6 @@ Run as a script to time the conversion, PyTorch ops against the Triton kernels (
 
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -27,8 +26,7 @@ FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
 
 
 def convert(backend: str, v_idx, s_idx, layout: Layout, rank: int, seq_len: int) -> index.BlockBarIndex:
-    with mock.patch.object(index, "_conversion_backend", backend):
-        return index.convert_index(v_idx, s_idx, layout, rank, seq_len)
+    return index.convert_index(v_idx, s_idx, layout, rank, seq_len, implementation=backend)
 
 
 @pytest.mark.parametrize("seq_len", [32768, 131072])
