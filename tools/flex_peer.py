@@ -5,7 +5,7 @@ FlexAttention works on 128×128 blocks of a ``BlockMask``: a block it does not l
 For a vertical-slash index (``v_idx``, ``s_idx`` int ``[b, Hq, width]``, entries ≥ N are padding),
 :func:`vertical_slash_block_mask` lists, per (b, query head, query block qb),
 
-* full: the active blocks A[qb, kb] (``mtraining_kernels.reference.slash_block_hits``) with kb < qb;
+* full: the active blocks A[qb, kb] (``mtraining_kernels.vertical_slash.slash_block_hits``) with kb < qb;
 * partial: the diagonal block, and every inactive block kb < qb that holds one of the head's verticals;
 
 with ``mask_mod`` = (kv ≤ q) ∧ (A[qb(q), kb(kv)] ∨ kv is a vertical). That ``mask_mod`` alone is the mask M
@@ -117,7 +117,7 @@ def block_only_block_mask(s_idx: Tensor, seq_len: int) -> BlockMask:
 
 def block_only_pattern(target_area: Tensor, seq_len: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """A block-only pattern with, per [b, Hq], a mask area |M| just below ``target_area`` (int64 ``[b, Hq]``,
-    e.g. ``reference.mask_area`` of a vertical-slash pattern): (v_idx int32 ``[b, Hq, 1]`` all N, s_idx int32
+    e.g. ``vertical_slash.mask_area`` of a vertical-slash pattern): (v_idx int32 ``[b, Hq, 1]`` all N, s_idx int32
     ``[b, Hq, width]`` ascending, padded with N).
 
     Block distance δ adds nb − δ whole blocks. Each head takes distances 0 (the diagonal) and 1, then the

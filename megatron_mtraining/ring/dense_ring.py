@@ -59,7 +59,7 @@ def merge_step(out: torch.Tensor, lse: torch.Tensor, step_out: torch.Tensor, ste
 
     Every lse of a dense causal ring is finite (each step gives each of its rows ≥ 1 key), so the
     weights σ(lse − step_lse) and σ(step_lse − lse) (DESIGN.md §2.4) need none of
-    ``reference.merge_attention``'s −inf handling. They come from the difference of the two lse, not from
+    ``merge.merge_attention``'s −inf handling. They come from the difference of the two lse, not from
     the rounded merged lse, whose fp32 ulp at large |lse| would scale even the dominant side.
     """
     gap = lse - step_lse

@@ -1,6 +1,6 @@
 """Data movement of distributed vertical-slash estimation over a context-parallel group (DESIGN.md §2.2).
 
-:func:`megatron_mtraining.pattern.estimate_vertical_slash_distributed` computes the scores; this module
+:func:`megatron_mtraining.ring.estimation.estimate_vertical_slash_distributed` computes the scores; this module
 knows, from the layout formulas alone, where rows, columns and offsets live and moves them. Peers are
 addressed by global rank (``dist.get_process_group_ranks``), so the group need not be the world.
 

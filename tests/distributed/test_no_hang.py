@@ -1,7 +1,7 @@
 """No hangs: when one rank's input is inconsistent, every rank raises promptly.
 
 On 3 gloo ranks, one rank calls :func:`~megatron_mtraining.ring.sparse_ring.ring_attention` or
-:func:`~megatron_mtraining.pattern.estimate_vertical_slash_distributed` with a different sequence
+:func:`~megatron_mtraining.ring.estimation.estimate_vertical_slash_distributed` with a different sequence
 length, index (rank, length, heads or layout), head count, dtype, kernel backend, gradient wire dtype,
 softmax scale, budget or option than its peers. Every rank must raise a
 ``ValueError`` within :data:`PROMPT_SECONDS`: the bad rank its own reason, the others either the same
