@@ -7,14 +7,22 @@ Index format (per sample b and query head h):
 
 * ``v_idx [b, Hq, Vmax]`` int — vertical key columns, ascending, distinct; unused slots hold N.
 * ``s_idx [b, Hq, Smax]`` int — slash offsets (pairs (i, i−s)), ascending, distinct; unused = N.
+
+Packed documents (PACKED.md) carry one such index per document, in global coordinates
+(:class:`mtraining_kernels.document_index.DocumentIndex`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from .layout import BLOCK_SIZE
 from .vertical_slash import slash_block_hits, vertical_columns
+
+if TYPE_CHECKING:
+    from .document_index import DocumentIndex
 
 
 def vertical_slash_mask(
@@ -44,6 +52,34 @@ def vertical_slash_mask(
     token = token | vertical_columns(v_idx, seq_len)[..., None, :]
     causal = torch.arange(seq_len, device=s_idx.device)[None, :] <= query_rows[:, None]
     return token & causal
+
+
+def packed_vertical_slash_mask(index: DocumentIndex, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """The mask of packed documents (PACKED.md): bool ``[b, Hq, N, N]`` (query i, key j).
+
+    ``M[i, j] = doc(i) == doc(j) and (M_d[i, j] if document d = doc(i) is sparse else j ≤ i)``, where ``M_d`` is
+    :func:`vertical_slash_mask` of document d's own index on the whole sequence (global blocks).
+    """
+    documents = index.documents
+    seq_len = documents.seq_len
+    if seq_len % block_size:
+        raise ValueError(f"seq_len={seq_len} must be a multiple of block_size={block_size}")
+    positions = torch.arange(seq_len, device=index.v_idx.device)
+    causal = positions[None, :] <= positions[:, None]
+    same_document = documents.doc_id[:, :, None] == documents.doc_id[:, None, :]  # [b, N, N]
+    mask = (same_document & causal)[:, None].repeat(1, index.num_heads, 1, 1)
+    for sample, document in index.sparse.nonzero().tolist():
+        start = int(documents.starts[sample, document])
+        rows = slice(start, start + int(documents.lengths[sample, document]))
+        own = vertical_slash_mask(
+            index.v_idx[sample : sample + 1, document],
+            index.s_idx[sample : sample + 1, document],
+            seq_len,
+            block_size,
+            rows=positions[rows],
+        )
+        mask[sample, :, rows] &= own[0]
+    return mask
 
 
 def sparsity(mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,202 @@
+"""Per-document vertical-slash indices of packed sequences and their estimation on one device (PACKED.md).
+
+A document at least ``min_sparse_length`` long gets its own index, estimated from its own last queries
+against its own keys exactly as an unpacked sequence of its length would be (DESIGN.md §2.2), then moved
+to global coordinates: verticals are global key positions inside the document, slashes stay offsets
+i − j. Shorter documents are attended densely-causally. The mask is
+:func:`mtraining_kernels.reference.packed_vertical_slash_mask`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from .documents import Documents
+from .estimation import (
+    MAX_LAST_Q,
+    check_forced_entries,
+    check_int,
+    check_query_key,
+    estimate_vertical_slash,
+    resolve_budget,
+)
+
+
+def _check_lists(
+    name: str, lists: torch.Tensor, low: torch.Tensor, high: torch.Tensor, sparse: torch.Tensor, seq_len: int
+) -> None:
+    """Raise unless every list ``[b, m_max, Hq, width]`` is ascending and distinct, padded with ``seq_len``, with
+    its entries in [low, high) of its document (``low``/``high`` ``[b, m_max]``) and none in a dense document."""
+    valid = lists < seq_len
+    outside = valid & ((lists < low[..., None, None]) | (lists >= high[..., None, None]) | ~sparse[..., None, None])
+    outside |= ~valid & (lists != seq_len)
+    if outside.any():
+        where = tuple(int(x) for x in outside.nonzero()[0])
+        sample, document = where[:2]
+        if not sparse[sample, document]:
+            allowed = f"document {document} of sample {sample} is dense (sparse=False), so its lists hold only N"
+        else:
+            allowed = (
+                f"the entries of document {document} of sample {sample} lie in "
+                f"[{int(low[sample, document])}, {int(high[sample, document])})"
+            )
+        raise ValueError(
+            f"{name}{list(where)}={int(lists[where])} is not allowed: {allowed}; unused slots hold N={seq_len}"
+        )
+    previous, following = lists[..., :-1], lists[..., 1:]
+    disordered = (following <= previous) & (following < seq_len)  # only padding may follow padding
+    if disordered.any():
+        where = tuple(int(x) for x in disordered.nonzero()[0])
+        raise ValueError(
+            f"{name}{list(where[:3])} = {lists[where[:3]].tolist()} is not strictly ascending at slot {where[3] + 1}; "
+            f"list each entry once, ascending, then pad with N={seq_len}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentIndex:
+    """Vertical-slash indices of the documents of packed sequences, in global coordinates.
+
+    ``sparse`` bool ``[b, m_max]``: the documents with their own index; the others (and unused slots)
+    are attended densely-causally and their rows hold only padding. ``v_idx`` int32
+    ``[b, m_max, Hq, Vmax]``: global key positions inside the document, ascending, padded with N.
+    ``s_idx`` int32 ``[b, m_max, Hq, Smax]``: offsets i − j below the document's length, ascending,
+    padded with N.
+    """
+
+    documents: Documents
+    sparse: torch.Tensor
+    v_idx: torch.Tensor
+    s_idx: torch.Tensor
+
+    def __post_init__(self) -> None:
+        documents = self.documents
+        if not isinstance(documents, Documents):
+            raise ValueError(f"documents must be a Documents, got {type(documents).__name__}")
+        slots = (documents.batch_size, documents.max_documents)
+        if not isinstance(self.sparse, torch.Tensor) or self.sparse.dtype != torch.bool:
+            got = getattr(self.sparse, "dtype", type(self.sparse).__name__)
+            raise ValueError(f"sparse must be a bool tensor [b, m_max], got {got}")
+        if tuple(self.sparse.shape) != slots:
+            raise ValueError(f"sparse has shape {tuple(self.sparse.shape)} but the documents have [b, m_max]={slots}")
+        for name, lists in (("v_idx", self.v_idx), ("s_idx", self.s_idx)):
+            if not isinstance(lists, torch.Tensor) or lists.dim() != 4 or lists.dtype != torch.int32:
+                raise ValueError(
+                    f"{name} must be an int32 tensor [b, m_max, Hq, width], got "
+                    f"{tuple(getattr(lists, 'shape', ()))} {getattr(lists, 'dtype', type(lists).__name__)}"
+                )
+            if tuple(lists.shape[:2]) != slots or lists.shape[-1] == 0:
+                raise ValueError(
+                    f"{name} has shape {tuple(lists.shape)}; it needs [b, m_max]={slots} leading and a non-empty list"
+                )
+            if lists.device != documents.starts.device or self.sparse.device != documents.starts.device:
+                raise ValueError(
+                    f"{name} is on {lists.device}, sparse on {self.sparse.device} and the documents on "
+                    f"{documents.starts.device}; put them on one device"
+                )
+        if self.v_idx.shape[2] != self.s_idx.shape[2]:
+            raise ValueError(f"v_idx has Hq={self.v_idx.shape[2]} heads but s_idx has {self.s_idx.shape[2]}")
+        unused_sparse = self.sparse & (documents.lengths == 0)
+        if unused_sparse.any():
+            sample, slot = (int(x) for x in unused_sparse.nonzero()[0])
+            raise ValueError(
+                f"sparse[{sample}, {slot}] is True but sample {sample} has only "
+                f"{int(documents.num_documents[sample])} documents; unused slots are not sparse"
+            )
+        starts, lengths, seq_len = documents.starts, documents.lengths, documents.seq_len
+        _check_lists("v_idx", self.v_idx, starts, starts + lengths, self.sparse, seq_len)  # key positions
+        _check_lists("s_idx", self.s_idx, torch.zeros_like(lengths), lengths, self.sparse, seq_len)  # offsets
+
+    @property
+    def num_heads(self) -> int:
+        return self.v_idx.shape[2]
+
+
+def _check_min_sparse_length(min_sparse_length, last_q: int, sink_tokens: int, local_window: int) -> None:
+    shortest = max(last_q, sink_tokens, local_window, 1)
+    if isinstance(min_sparse_length, bool) or not isinstance(min_sparse_length, int) or min_sparse_length < shortest:
+        raise ValueError(
+            f"min_sparse_length={min_sparse_length!r} must be an integer >= max(last_q={last_q}, "
+            f"sink_tokens={sink_tokens}, local_window={local_window}, 1) = {shortest}: a document with its own "
+            f"index must hold its last_q estimation queries, its sink_tokens sinks and its local_window offsets"
+        )
+
+
+def _clamp_budget(budget: StaticHeadBudgets | TopPBudget, length: int) -> tuple[StaticHeadBudgets | TopPBudget, bool]:
+    """The budget of a document of ``length`` tokens, and whether a static size had to shrink to fit it.
+
+    Static sizes become min(size, length); a top-P budget already caps at min(cap, length)."""
+    if isinstance(budget, TopPBudget):
+        return budget, False
+    clamped = bool((budget.v_size > length).any() or (budget.s_size > length).any())
+    return StaticHeadBudgets(budget.v_size.clamp(max=length), budget.s_size.clamp(max=length)), clamped
+
+
+def estimate_document_index(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    documents: Documents,
+    budget: StaticBudget | StaticHeadBudgets | TopPBudget,
+    *,
+    min_sparse_length: int,
+    softmax_scale: float | None = None,
+    last_q: int = 64,
+    sink_tokens: int = 30,
+    local_window: int = 100,
+) -> tuple[DocumentIndex, int]:
+    """Estimate every long document's own index from post-RoPE ``q [b, N, Hq, d]``, ``k [b, N, Hkv, d]``.
+
+    A document of L ≥ ``min_sparse_length`` tokens starting at o is estimated by
+    :func:`mtraining_kernels.estimation.estimate_vertical_slash` on ``q[:, o : o + L]``, ``k[:, o : o + L]``
+    with static sizes clamped to L, and its verticals are shifted by o. The budget must fit the whole
+    sequence (as unpacked). Lists are padded to the widest document's (one slot when no document is
+    sparse). Returns the index and the number of documents whose static budget was clamped.
+    """
+    check_query_key(q, k, softmax_scale)
+    batch, seq_len, q_heads = q.shape[:3]
+    if (batch, seq_len) != (documents.batch_size, documents.seq_len):
+        raise ValueError(
+            f"q has [b, N]={(batch, seq_len)} but the documents describe "
+            f"{(documents.batch_size, documents.seq_len)}; build them from this batch"
+        )
+    if documents.starts.device != q.device:
+        raise ValueError(f"the documents are on {documents.starts.device} but q on {q.device}; put both on one device")
+    check_int("last_q", last_q, 1, min(MAX_LAST_Q, seq_len), f"at most N={seq_len} and one {MAX_LAST_Q}-row tile")
+    check_forced_entries(sink_tokens, local_window, seq_len)
+    _check_min_sparse_length(min_sparse_length, last_q, sink_tokens, local_window)
+    budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
+
+    sparse = documents.lengths >= min_sparse_length
+    estimated = {}  # (sample, document) → (v_idx [Hq, V_d], s_idx [Hq, S_d]) in global coordinates
+    clamped_documents = 0
+    for sample, document in sparse.nonzero().tolist():
+        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
+        document_budget, clamped = _clamp_budget(budget, length)
+        clamped_documents += clamped
+        rows = slice(start, start + length)
+        own = estimate_vertical_slash(
+            q[sample : sample + 1, rows],
+            k[sample : sample + 1, rows],
+            document_budget,
+            softmax_scale=softmax_scale,
+            last_q=last_q,
+            sink_tokens=sink_tokens,
+            local_window=local_window,
+        )
+        estimated[sample, document] = (
+            torch.where(own.v_idx[0] < length, own.v_idx[0] + start, seq_len),
+            torch.where(own.s_idx[0] < length, own.s_idx[0], seq_len),
+        )
+
+    v_width = max((v.shape[-1] for v, _ in estimated.values()), default=1)
+    s_width = max((s.shape[-1] for _, s in estimated.values()), default=1)
+    slots = (batch, documents.max_documents, q_heads)
+    v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=q.device)
+    s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=q.device)
+    for (sample, document), (verticals, slashes) in estimated.items():
+        v_idx[sample, document, :, : verticals.shape[-1]] = verticals
+        s_idx[sample, document, :, : slashes.shape[-1]] = slashes
+    return DocumentIndex(documents, sparse, v_idx, s_idx), clamped_documents
