@@ -41,6 +41,7 @@ from typing import Callable, Literal, NamedTuple
 import torch
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from .launch_checks import uses_triton
 
 FIXED_POINT_ONE = 2**32  # fixed point: value·2^32 rounded to int64
 STATIC_LOGIT_LIMIT = 2.0**24  # |logit| clamp: 64 rows · 2^24 · 2^32 = 2^62 cannot overflow
@@ -72,15 +73,6 @@ class VerticalSlashIndex(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------- scores
-# implementation="auto": Triton kernels for CUDA tensors, PyTorch ops elsewhere; "torch" / "triton" force one
-# path (the PyTorch path on a GPU; Triton-interpreter tests on the CPU). Both give the same integers.
-IMPLEMENTATIONS = ("auto", "torch", "triton")
-
-
-def _uses_triton(tensor: torch.Tensor, implementation: str) -> bool:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
-    return implementation == "triton" or (implementation == "auto" and tensor.is_cuda)
 
 
 def _triton_estimation():
@@ -119,7 +111,7 @@ def estimation_logits(
     every other entry computed alongside it. ``implementation`` "auto" takes the bit-equal Triton kernel
     (:mod:`mtraining_kernels.triton_estimation`) for CUDA tensors.
     """
-    if _uses_triton(k, implementation):
+    if uses_triton(implementation, k):
         return _triton_estimation().estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
     return _torch_estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
 
@@ -374,7 +366,7 @@ def estimate_vertical_slash(
     ``implementation`` "auto" (Triton for CUDA tensors), "torch" or "triton": the same index either way.
     """
     _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window)
-    _uses_triton(q, implementation)  # checks the name before any work
+    uses_triton(implementation, q)  # an unknown name is refused before any work
     batch, seq_len, q_heads, dim = q.shape
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
@@ -440,7 +432,7 @@ def vertical_and_slash_scores(
     :func:`estimation_logits`. With Triton the terms are computed inside the kernels and never stored; the
     integers are the same.
     """
-    if not _uses_triton(logits, implementation):
+    if not uses_triton(implementation, logits):
         values, v_scores = _values_and_vertical_scores(logits, top_p, reduce_rows)
         return v_scores, slash_partial_sums(values, q_positions, k_positions, seq_len)
     kernels, rules = _triton_estimation(), _fixed_point_rules()

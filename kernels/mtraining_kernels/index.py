@@ -22,13 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .launch_checks import uses_triton
 from .layout import BLOCK_SIZE, Layout
 from .vertical_slash import slash_block_hits
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-# convert_index's implementation: "auto" (the Triton list kernels of triton_index.py for CUDA tensors, PyTorch
-# ops elsewhere), or "torch" / "triton" to force one path; both give the same lists.
-IMPLEMENTATIONS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,11 +197,10 @@ def convert_index(
     and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list itself can be that large).
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+    use_triton = uses_triton(implementation, v_idx)  # the Triton list kernels are triton_index.py's
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
     query_blocks, source_blocks = _block_tables(layout, rank, seq_len, v_idx.device)
-    if implementation == "triton" or (implementation == "auto" and v_idx.is_cuda):
+    if use_triton:
         blk_ptr, blk_col = _block_lists_triton(hit, query_blocks, source_blocks)
         bar_ptr, bar_col = _bar_lists_triton(v_idx, hit, query_blocks, layout, seq_len)
     else:

@@ -1,4 +1,5 @@
-"""Checks shared by the backends' step launchers (``torch_backend``, ``triton_backend``)."""
+"""Checks shared by the backends' step launchers (``torch_backend``, ``triton_backend``), and the choice
+between a Triton kernel and its PyTorch twin (estimation, index conversion)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,15 @@ def check_accumulator(name: str, tensor, shape: tuple, dtype: torch.dtype, devic
             f"{name} must be contiguous (it is updated in place); pass {name}.contiguous() "
             f"and read the result from that tensor"
         )
+
+
+# implementation="auto": the Triton kernel for CUDA tensors, PyTorch ops elsewhere; "torch" / "triton" force one
+# path (the PyTorch path on a GPU; Triton-interpreter tests on the CPU). Both give the same results.
+IMPLEMENTATIONS = ("auto", "torch", "triton")
+
+
+def uses_triton(implementation: str, tensor: torch.Tensor) -> bool:
+    """Whether ``implementation`` runs the Triton kernel for ``tensor``; ``ValueError`` for an unknown name."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+    return implementation == "triton" or (implementation == "auto" and tensor.is_cuda)
