@@ -4,7 +4,9 @@ A document at least ``min_sparse_length`` long gets its own index, estimated fro
 against its own keys exactly as an unpacked sequence of its length would be (DESIGN.md §2.2), then moved
 to global coordinates: verticals are global key positions inside the document, slashes stay offsets
 i − j. Shorter documents are attended densely-causally. The mask is
-:func:`mtraining_kernels.reference.packed_vertical_slash_mask`.
+:func:`mtraining_kernels.reference.packed_vertical_slash_mask`; the same index over a context-parallel
+group is :func:`megatron_mtraining.ring.document_estimation.estimate_document_index_distributed`, built from
+this module's checks, :func:`clamp_budget` and :func:`assemble_document_index`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from .documents import Documents
 from .estimation import (
     MAX_LAST_Q,
+    VerticalSlashIndex,
     check_forced_entries,
     check_int,
     check_query_key,
     estimate_vertical_slash,
+    list_widths,
     resolve_budget,
 )
 
@@ -115,7 +119,8 @@ class DocumentIndex:
         return self.v_idx.shape[2]
 
 
-def _check_min_sparse_length(min_sparse_length, last_q: int, sink_tokens: int, local_window: int) -> None:
+def check_min_sparse_length(min_sparse_length, last_q: int, sink_tokens: int, local_window: int) -> None:
+    """Raise unless a document of ``min_sparse_length`` tokens holds its estimation rows and forced entries."""
     shortest = max(last_q, sink_tokens, local_window, 1)
     if isinstance(min_sparse_length, bool) or not isinstance(min_sparse_length, int) or min_sparse_length < shortest:
         raise ValueError(
@@ -125,7 +130,26 @@ def _check_min_sparse_length(min_sparse_length, last_q: int, sink_tokens: int, l
         )
 
 
-def _clamp_budget(budget: StaticHeadBudgets | TopPBudget, length: int) -> tuple[StaticHeadBudgets | TopPBudget, bool]:
+def check_document_estimation(
+    documents, batch: int, seq_len: int, device, min_sparse_length, last_q, sink_tokens, local_window
+) -> None:
+    """The checks of a per-document estimation of ``batch`` sequences of ``seq_len`` tokens on ``device``
+    (q/k and the budget are checked apart)."""
+    if not isinstance(documents, Documents):
+        raise ValueError(f"documents must be a mtraining_kernels.documents.Documents, got {type(documents).__name__}")
+    if (batch, seq_len) != (documents.batch_size, documents.seq_len):
+        raise ValueError(
+            f"q has [b, N]={(batch, seq_len)} but the documents describe "
+            f"{(documents.batch_size, documents.seq_len)}; build them from this batch"
+        )
+    if documents.starts.device != device:
+        raise ValueError(f"the documents are on {documents.starts.device} but q on {device}; put both on one device")
+    check_int("last_q", last_q, 1, min(MAX_LAST_Q, seq_len), f"at most N={seq_len} and one {MAX_LAST_Q}-row tile")
+    check_forced_entries(sink_tokens, local_window, seq_len)
+    check_min_sparse_length(min_sparse_length, last_q, sink_tokens, local_window)
+
+
+def clamp_budget(budget: StaticHeadBudgets | TopPBudget, length: int) -> tuple[StaticHeadBudgets | TopPBudget, bool]:
     """The budget of a document of ``length`` tokens, and whether a static size had to shrink to fit it.
 
     Static sizes become min(size, length); a top-P budget already caps at min(cap, length)."""
@@ -133,6 +157,34 @@ def _clamp_budget(budget: StaticHeadBudgets | TopPBudget, length: int) -> tuple[
         return budget, False
     clamped = bool((budget.v_size > length).any() or (budget.s_size > length).any())
     return StaticHeadBudgets(budget.v_size.clamp(max=length), budget.s_size.clamp(max=length)), clamped
+
+
+def assemble_document_index(
+    documents: Documents,
+    sparse: torch.Tensor,
+    estimated: dict[tuple[int, int], VerticalSlashIndex],
+    budget: StaticHeadBudgets | TopPBudget,
+    q_heads: int,
+) -> DocumentIndex:
+    """The :class:`DocumentIndex` from each sparse document's own index.
+
+    ``estimated`` maps (sample, document) to the index of that document alone (batch 1, document
+    coordinates, padded with its length). Verticals move to global positions; every list is padded with
+    N to the width of the whole sequence's budget, ``list_widths(budget, N)``, whatever the documents.
+    """
+    seq_len = documents.seq_len
+    v_width, s_width = list_widths(budget, seq_len)
+    slots = (documents.batch_size, documents.max_documents, q_heads)
+    device = documents.starts.device
+    v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=device)
+    s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
+    for (sample, document), own in estimated.items():
+        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
+        verticals = torch.where(own.v_idx[0] < length, own.v_idx[0] + start, seq_len)
+        slashes = torch.where(own.s_idx[0] < length, own.s_idx[0], seq_len)
+        v_idx[sample, document, :, : verticals.shape[-1]] = verticals
+        s_idx[sample, document, :, : slashes.shape[-1]] = slashes
+    return DocumentIndex(documents, sparse, v_idx, s_idx)
 
 
 def estimate_document_index(
@@ -152,32 +204,24 @@ def estimate_document_index(
     A document of L ≥ ``min_sparse_length`` tokens starting at o is estimated by
     :func:`mtraining_kernels.estimation.estimate_vertical_slash` on ``q[:, o : o + L]``, ``k[:, o : o + L]``
     with static sizes clamped to L, and its verticals are shifted by o. The budget must fit the whole
-    sequence (as unpacked). Lists are padded to the widest document's (one slot when no document is
-    sparse). Returns the index and the number of documents whose static budget was clamped.
+    sequence (as unpacked), and the lists are as wide as the whole sequence's (``list_widths(budget, N)``),
+    so their shapes do not depend on the documents. Returns the index and the number of documents whose
+    static budget was clamped.
     """
     check_query_key(q, k, softmax_scale)
     batch, seq_len, q_heads = q.shape[:3]
-    if (batch, seq_len) != (documents.batch_size, documents.seq_len):
-        raise ValueError(
-            f"q has [b, N]={(batch, seq_len)} but the documents describe "
-            f"{(documents.batch_size, documents.seq_len)}; build them from this batch"
-        )
-    if documents.starts.device != q.device:
-        raise ValueError(f"the documents are on {documents.starts.device} but q on {q.device}; put both on one device")
-    check_int("last_q", last_q, 1, min(MAX_LAST_Q, seq_len), f"at most N={seq_len} and one {MAX_LAST_Q}-row tile")
-    check_forced_entries(sink_tokens, local_window, seq_len)
-    _check_min_sparse_length(min_sparse_length, last_q, sink_tokens, local_window)
+    check_document_estimation(documents, batch, seq_len, q.device, min_sparse_length, last_q, sink_tokens, local_window)
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
     sparse = documents.lengths >= min_sparse_length
-    estimated = {}  # (sample, document) → (v_idx [Hq, V_d], s_idx [Hq, S_d]) in global coordinates
+    estimated = {}
     clamped_documents = 0
     for sample, document in sparse.nonzero().tolist():
         start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
-        document_budget, clamped = _clamp_budget(budget, length)
+        document_budget, clamped = clamp_budget(budget, length)
         clamped_documents += clamped
         rows = slice(start, start + length)
-        own = estimate_vertical_slash(
+        estimated[sample, document] = estimate_vertical_slash(
             q[sample : sample + 1, rows],
             k[sample : sample + 1, rows],
             document_budget,
@@ -186,17 +230,4 @@ def estimate_document_index(
             sink_tokens=sink_tokens,
             local_window=local_window,
         )
-        estimated[sample, document] = (
-            torch.where(own.v_idx[0] < length, own.v_idx[0] + start, seq_len),
-            torch.where(own.s_idx[0] < length, own.s_idx[0], seq_len),
-        )
-
-    v_width = max((v.shape[-1] for v, _ in estimated.values()), default=1)
-    s_width = max((s.shape[-1] for _, s in estimated.values()), default=1)
-    slots = (batch, documents.max_documents, q_heads)
-    v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=q.device)
-    s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=q.device)
-    for (sample, document), (verticals, slashes) in estimated.items():
-        v_idx[sample, document, :, : verticals.shape[-1]] = verticals
-        s_idx[sample, document, :, : slashes.shape[-1]] = slashes
-    return DocumentIndex(documents, sparse, v_idx, s_idx), clamped_documents
+    return assemble_document_index(documents, sparse, estimated, budget, q_heads), clamped_documents

@@ -6,7 +6,7 @@ import torch
 from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from mtraining_kernels.document_index import DocumentIndex, estimate_document_index
 from mtraining_kernels.documents import Documents
-from mtraining_kernels.estimation import estimate_vertical_slash
+from mtraining_kernels.estimation import estimate_vertical_slash, list_widths, resolve_budget
 from mtraining_kernels.reference import packed_vertical_slash_mask, reference_sparse_attention, vertical_slash_mask
 
 SEQ_LEN, Q_HEADS, KV_HEADS, DIM = 512, 4, 2, 16
@@ -59,7 +59,6 @@ def test_each_document_equals_its_own_unpacked_estimate_shifted(kind, seed):
     q, k = random_qk(seed)
     documents = packed_documents(LENGTHS)
     index, _ = estimate_document_index(q, k, documents, BUDGETS[kind], min_sparse_length=MIN_SPARSE)
-    widths = []
     for sample, row in enumerate(LENGTHS):
         for document, length in enumerate(row):
             if length < MIN_SPARSE:
@@ -70,7 +69,6 @@ def test_each_document_equals_its_own_unpacked_estimate_shifted(kind, seed):
                 k[sample : sample + 1, start : start + length],
                 clamped_to(BUDGETS[kind], length),
             )
-            widths.append((alone.v_idx.shape[-1], alone.s_idx.shape[-1]))
             message = f"seed={seed} {kind} sample={sample} document={document}"
             for got, own, shift, counts in (
                 (index.v_idx, alone.v_idx, start, alone.v_cnt),
@@ -81,8 +79,8 @@ def test_each_document_equals_its_own_unpacked_estimate_shifted(kind, seed):
                     expected = own[0, head, :count].tolist()
                     assert [x - shift for x in got[sample, document, head, :count].tolist()] == expected, message
                     assert got[sample, document, head, count:].eq(SEQ_LEN).all(), message
-    assert index.v_idx.shape[-1] == max(v for v, _ in widths), f"seed={seed} {kind}: lists pad to the widest"
-    assert index.s_idx.shape[-1] == max(s for _, s in widths), f"seed={seed} {kind}: lists pad to the widest"
+    widths = list_widths(resolve_budget(BUDGETS[kind], Q_HEADS, SEQ_LEN, 30, 100), SEQ_LEN)
+    assert (index.v_idx.shape[-1], index.s_idx.shape[-1]) == widths, f"seed={seed} {kind}: the whole sequence's widths"
 
 
 def test_short_documents_are_dense_and_static_clamping_is_counted(seed):
@@ -100,13 +98,14 @@ def test_short_documents_are_dense_and_static_clamping_is_counted(seed):
     assert top_p_clamped == 0, f"seed={seed}: a top-P cap is a ceiling, never clamped"
 
 
-def test_no_sparse_document_gives_one_padding_slot(seed):
+def test_no_sparse_document_keeps_the_budget_widths_all_padding(seed):
     q, k = random_qk(seed)
     index, clamped = estimate_document_index(
         q, k, packed_documents(LENGTHS), BUDGETS["static"], min_sparse_length=SEQ_LEN + 1
     )
     assert not index.sparse.any() and clamped == 0
-    assert index.v_idx.shape == index.s_idx.shape == (2, 5, Q_HEADS, 1) and index.v_idx.eq(SEQ_LEN).all()
+    assert index.v_idx.shape == (2, 5, Q_HEADS, 192) and index.s_idx.shape == (2, 5, Q_HEADS, 192)
+    assert index.v_idx.eq(SEQ_LEN).all() and index.s_idx.eq(SEQ_LEN).all()
 
 
 def test_packed_mask_of_one_document_equals_unpacked_mask(seed):
