@@ -38,6 +38,12 @@ class BlockBarIndex:
     pair 2j, 2j+1 (the Triton forward reads each pair as one tile). bar_ptr int32 ``[W, b, Hq, nb+1]``,
     bar_col int32 ``[total]``: local key columns of the source chunk (0 … N_loc−1), ascending per query
     block.
+
+    ``doc_ids`` int32 ``[W, b, N_loc]`` (packed documents, DESIGN.md §2.7; None for an unpacked index): the
+    document of every position of each rank's chunk in local order, so a step reads this rank's query rows
+    from ``doc_ids[rank]`` and the source's key columns from ``doc_ids[w]``. Every listed score (i, j), tile
+    or bar, is then attended iff doc(i) == doc(j) (and j ≤ i on the diagonal); the lists were built from
+    the per-document indices (``document_conversion``), so that is all the kernels need.
     """
 
     blk_ptr: Tensor
@@ -48,6 +54,7 @@ class BlockBarIndex:
     world_size: int
     rank: int
     layout: Layout
+    doc_ids: Tensor | None = None
 
     @property
     def num_local_blocks(self) -> int:
@@ -57,6 +64,13 @@ class BlockBarIndex:
     def source_for_step(self, step: int) -> int:
         """The source rank a flat ring reads at ``step``: (rank − step) mod W."""
         return (self.rank - step) % self.world_size
+
+    def step_doc_ids(self, source: int) -> dict[str, Tensor]:
+        """The launchers' document keywords for a step reading ``source``: ``query_doc_ids [b, N_loc]`` and
+        ``key_doc_ids [b, N_loc]``, or none for an unpacked index."""
+        if self.doc_ids is None:
+            return {}
+        return {"query_doc_ids": self.doc_ids[self.rank], "key_doc_ids": self.doc_ids[source]}
 
 
 def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> None:
@@ -127,10 +141,17 @@ def _block_lists(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor) -> tu
     world, nb = source_blocks.shape
     distance = query_blocks[None, :, None] - source_blocks[:, None, :]  # [W, nb, nb]
     active = hit.index_select(-1, distance.clamp(min=0).flatten()).view(batch, heads, world, nb, nb)
-    active = (active & (distance >= 0)).permute(2, 0, 1, 3, 4).contiguous().view(-1, nb)  # rows (w, b, h, i)
-    key_block = (torch.nonzero(active.view(-1)).squeeze(1) % nb).to(torch.int32)
+    return lists_of_active_blocks((active & (distance >= 0)).permute(2, 0, 1, 3, 4))
+
+
+def lists_of_active_blocks(active: Tensor) -> tuple[Tensor, Tensor]:
+    """CSR block lists (sub-tile pairs) from the bool block mask ``active [W, b, Hq, nb, nb]`` (key block last)."""
+    shape = active.shape[:4]
+    nb = active.shape[-1]
+    rows = active.contiguous().view(-1, nb)  # rows (w, b, h, i)
+    key_block = (torch.nonzero(rows.view(-1)).squeeze(1) % nb).to(torch.int32)
     col = torch.stack((2 * key_block, 2 * key_block + 1), dim=1).view(-1)
-    return _csr_offsets(2 * active.sum(1), (world, batch, heads, nb)), col
+    return _csr_offsets(2 * rows.sum(1), shape), col
 
 
 def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout, seq_len: int) -> tuple[Tensor, Tensor]:
@@ -149,12 +170,17 @@ def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout,
     head_row = flat // width  # (b, h)·nb + i
     vertical = head_row // nb * width + flat % width  # over (b, h, v)
     row = owner.view(-1)[vertical] * (batch * heads * nb) + head_row  # over (w, b, h, i)
-    order_key = torch.sort(row * local_len + local.view(-1)[vertical]).values
-    row_starts = torch.searchsorted(
-        order_key // local_len, torch.arange(world * batch * heads * nb + 1, device=v_idx.device)
-    )
+    return lists_of_bar_entries(row, local.view(-1)[vertical], (world, batch, heads, nb), local_len)
+
+
+def lists_of_bar_entries(row: Tensor, column: Tensor, shape: tuple[int, ...], local_len: int) -> tuple[Tensor, Tensor]:
+    """CSR bar lists from entries: int64 ``row [E]`` over (w, b, h, i) of ``shape`` = (W, b, Hq, nb) and local
+    key ``column [E]``, distinct per row; each row's columns come out ascending."""
+    order_key = torch.sort(row * local_len + column).values
+    num_rows = shape[0] * shape[1] * shape[2] * shape[3]
+    row_starts = torch.searchsorted(order_key // local_len, torch.arange(num_rows + 1, device=row.device))
     col = (order_key % local_len).to(torch.int32)
-    return _csr_offsets(row_starts[1:] - row_starts[:-1], (world, batch, heads, nb)), col
+    return _csr_offsets(row_starts[1:] - row_starts[:-1], shape), col
 
 
 def _lists_triton(candidates, shape: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
@@ -252,27 +278,30 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
                             bars.append(local)
                     bar_rows.append(sorted(bars))
 
-    def to_csr(row_lists: list[list[int]]) -> tuple[Tensor, Tensor]:
-        ptr = [[[[0] * (nb + 1) for _ in range(heads)] for _ in range(batch)] for _ in range(world)]
-        cols: list[int] = []
-        row = 0
-        for w in range(world):
-            for b in range(batch):
-                for h in range(heads):
-                    for i in range(nb):
-                        ptr[w][b][h][i] = len(cols)
-                        cols += row_lists[row]
-                        row += 1
-                    ptr[w][b][h][nb] = len(cols)
-        device = v_idx.device
-        return (
-            torch.tensor(ptr, dtype=torch.int32, device=device),
-            torch.tensor(cols, dtype=torch.int32, device=device),
-        )
-
-    blk_ptr, blk_col = to_csr(blk_rows)
-    bar_ptr, bar_col = to_csr(bar_rows)
+    shape = (world, batch, heads, nb)
+    blk_ptr, blk_col = lists_of_rows(blk_rows, shape, v_idx.device)
+    bar_ptr, bar_col = lists_of_rows(bar_rows, shape, v_idx.device)
     return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout)
+
+
+def lists_of_rows(row_lists: list[list[int]], shape: tuple[int, int, int, int], device) -> tuple[Tensor, Tensor]:
+    """CSR (ptr int32 ``[W, b, Hq, nb+1]``, col int32) from one Python list of columns per row (w, b, h, i)."""
+    world, batch, heads, nb = shape
+    ptr = [[[[0] * (nb + 1) for _ in range(heads)] for _ in range(batch)] for _ in range(world)]
+    cols: list[int] = []
+    row = 0
+    for w in range(world):
+        for b in range(batch):
+            for h in range(heads):
+                for i in range(nb):
+                    ptr[w][b][h][i] = len(cols)
+                    cols += row_lists[row]
+                    row += 1
+                ptr[w][b][h][nb] = len(cols)
+    return (
+        torch.tensor(ptr, dtype=torch.int32, device=device),
+        torch.tensor(cols, dtype=torch.int32, device=device),
+    )
 
 
 def count_work(index: BlockBarIndex) -> tuple[Tensor, Tensor]:
