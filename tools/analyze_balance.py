@@ -4,15 +4,21 @@ Prints worker-level and step-level max/mean cost and the ring critical path over
 (DESIGN.md §2.3), and draws one rank × step cost heatmap per layout into a PNG::
 
     python tools/analyze_balance.py --seq-len 524288 --world-size 32 --heads 16 --out balance.png
+
+With ``--mixture`` the sequence is a packed document mixture (PACKED.md) with the realistic pattern
+per document, counted by the §2.7 conversion rule::
+
+    python tools/analyze_balance.py --seq-len 524288 --world-size 32 --heads 16 --mixture prolong
 """
 
 from __future__ import annotations
 
 import argparse
 
+from document_mixtures import prolong_like, realistic_document_index, single, uniform
 from realistic_pattern import realistic_pattern
 
-from megatron_mtraining.balance import BalanceReport, balance_report
+from megatron_mtraining.balance import BalanceReport, balance_report, document_balance_report
 from mtraining_kernels.layout import LAYOUT_KINDS, Layout
 
 
@@ -25,6 +31,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--granularity", type=int, default=128, help="striped layout stripe length")
     parser.add_argument("--far-slashes", type=int, default=1000, help="random slashes beyond the window")
     parser.add_argument("--far-verticals", type=int, default=1000, help="random verticals beyond the sinks")
+    parser.add_argument(
+        "--mixture",
+        choices=("none", "prolong", "uniform4k", "single"),
+        default="none",
+        help="packed documents: none (one unpacked sequence), prolong (half the tokens from documents >= 64K, the "
+        "rest 1K-32K), uniform4k (all 4K documents) or single (one document, counted as packed)",
+    )
+    parser.add_argument(
+        "--min-sparse-length",
+        type=int,
+        default=4096,
+        help="documents shorter than this are dense (default 4096 for this analysis); with --mixture only",
+    )
     parser.add_argument("--out", default=None, help="PNG path for the rank × step heatmaps (none: no plot)")
     return parser.parse_args(argv)
 
@@ -58,22 +77,46 @@ def plot_heatmaps(reports: dict[str, BalanceReport], title: str, path: str) -> N
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    v_idx, s_idx = realistic_pattern(
-        args.seq_len, args.heads, far_slashes=args.far_slashes, far_verticals=args.far_verticals, seed=args.seed
-    )
+MIXTURES = {
+    "prolong": lambda seq_len, seed: prolong_like(seq_len, seed=seed),
+    "uniform4k": lambda seq_len, seed: uniform(seq_len, 4096),
+    "single": lambda seq_len, seed: single(seq_len),
+}
+
+
+def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport], str]:
+    """One report per layout kind, and the title naming the pattern (and the mixture)."""
     names = {"striped": f"striped g={args.granularity}"}
-    reports = {
-        names.get(kind, kind): balance_report(
-            v_idx, s_idx, Layout(kind, args.world_size, args.granularity), args.seq_len
-        )
-        for kind in LAYOUT_KINDS
-    }
+    layouts = {names.get(kind, kind): Layout(kind, args.world_size, args.granularity) for kind in LAYOUT_KINDS}
     title = (
         f"N={args.seq_len}, W={args.world_size}, heads={args.heads}, seed={args.seed}, "
         f"{args.far_slashes} far slashes, {args.far_verticals} far verticals"
     )
+    if args.mixture == "none":
+        v_idx, s_idx = realistic_pattern(
+            args.seq_len, args.heads, far_slashes=args.far_slashes, far_verticals=args.far_verticals, seed=args.seed
+        )
+        return {name: balance_report(v_idx, s_idx, layout, args.seq_len) for name, layout in layouts.items()}, title
+    documents = MIXTURES[args.mixture](args.seq_len, args.seed)
+    doc_index = realistic_document_index(
+        documents,
+        args.heads,
+        min_sparse_length=args.min_sparse_length,
+        far_slashes=args.far_slashes,
+        far_verticals=args.far_verticals,
+        seed=args.seed,
+    )
+    sparse_tokens = int(documents.lengths[doc_index.sparse].sum())
+    title += (
+        f" (per N), mixture {args.mixture}: {int(documents.num_documents.sum())} documents, "
+        f"{int(doc_index.sparse.sum())} sparse (>= {args.min_sparse_length} tokens, {sparse_tokens} tokens)"
+    )
+    return {name: document_balance_report(doc_index, layout) for name, layout in layouts.items()}, title
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    reports, title = reports_and_title(args)
     print(title)
     print(format_table(reports))
     if args.out:
