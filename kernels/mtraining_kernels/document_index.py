@@ -6,12 +6,13 @@ to global coordinates: verticals are global key positions inside the document, s
 i − j. Shorter documents are attended densely-causally. The mask is
 :func:`mtraining_kernels.reference.packed_vertical_slash_mask`; the same index over a context-parallel
 group is :func:`megatron_mtraining.ring.document_estimation.estimate_document_index_distributed`, built from
-this module's checks, :func:`clamp_budget` and :func:`assemble_document_index`.
+this module's checks, :func:`sparse_documents` and :func:`assemble_document_index`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -149,7 +150,7 @@ def check_document_estimation(
     check_min_sparse_length(min_sparse_length, last_q, sink_tokens, local_window)
 
 
-def clamp_budget(budget: StaticHeadBudgets | TopPBudget, length: int) -> tuple[StaticHeadBudgets | TopPBudget, bool]:
+def _clamp_budget(budget: StaticHeadBudgets | TopPBudget, length: int) -> tuple[StaticHeadBudgets | TopPBudget, bool]:
     """The budget of a document of ``length`` tokens, and whether a static size had to shrink to fit it.
 
     Static sizes become min(size, length); a top-P budget already caps at min(cap, length)."""
@@ -159,16 +160,42 @@ def clamp_budget(budget: StaticHeadBudgets | TopPBudget, length: int) -> tuple[S
     return StaticHeadBudgets(budget.v_size.clamp(max=length), budget.s_size.clamp(max=length)), clamped
 
 
+class SparseDocument(NamedTuple):
+    """A document with its own index: its slot (sample, document), its tokens start … start + length − 1 and
+    its budget (static sizes clamped to its length)."""
+
+    sample: int
+    document: int
+    start: int
+    length: int
+    budget: StaticHeadBudgets | TopPBudget
+
+
+def sparse_documents(
+    documents: Documents, min_sparse_length: int, budget: StaticHeadBudgets | TopPBudget
+) -> tuple[torch.Tensor, list[SparseDocument], int]:
+    """(``sparse`` bool ``[b, m_max]``, the sparse documents in (sample, document) order, how many had their
+    static budget clamped) for documents of at least ``min_sparse_length`` tokens and a resolved budget."""
+    sparse = documents.lengths >= min_sparse_length
+    chosen, clamped_documents = [], 0
+    for sample, document in sparse.nonzero().tolist():
+        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
+        document_budget, clamped = _clamp_budget(budget, length)
+        clamped_documents += clamped
+        chosen.append(SparseDocument(sample, document, start, length, document_budget))
+    return sparse, chosen, clamped_documents
+
+
 def assemble_document_index(
     documents: Documents,
     sparse: torch.Tensor,
-    estimated: dict[tuple[int, int], VerticalSlashIndex],
+    estimated: list[tuple[SparseDocument, VerticalSlashIndex]],
     budget: StaticHeadBudgets | TopPBudget,
     q_heads: int,
 ) -> DocumentIndex:
     """The :class:`DocumentIndex` from each sparse document's own index.
 
-    ``estimated`` maps (sample, document) to the index of that document alone (batch 1, document
+    ``estimated`` pairs each sparse document with the index of that document alone (batch 1, document
     coordinates, padded with its length). Verticals move to global positions; every list is padded with
     N to the width of the whole sequence's budget, ``list_widths(budget, N)``, whatever the documents.
     """
@@ -178,12 +205,11 @@ def assemble_document_index(
     device = documents.starts.device
     v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=device)
     s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
-    for (sample, document), own in estimated.items():
-        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
-        verticals = torch.where(own.v_idx[0] < length, own.v_idx[0] + start, seq_len)
-        slashes = torch.where(own.s_idx[0] < length, own.s_idx[0], seq_len)
-        v_idx[sample, document, :, : verticals.shape[-1]] = verticals
-        s_idx[sample, document, :, : slashes.shape[-1]] = slashes
+    for part, own in estimated:
+        verticals = torch.where(own.v_idx[0] < part.length, own.v_idx[0] + part.start, seq_len)
+        slashes = torch.where(own.s_idx[0] < part.length, own.s_idx[0], seq_len)
+        v_idx[part.sample, part.document, :, : verticals.shape[-1]] = verticals
+        s_idx[part.sample, part.document, :, : slashes.shape[-1]] = slashes
     return DocumentIndex(documents, sparse, v_idx, s_idx)
 
 
@@ -213,21 +239,18 @@ def estimate_document_index(
     check_document_estimation(documents, batch, seq_len, q.device, min_sparse_length, last_q, sink_tokens, local_window)
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
-    sparse = documents.lengths >= min_sparse_length
-    estimated = {}
-    clamped_documents = 0
-    for sample, document in sparse.nonzero().tolist():
-        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
-        document_budget, clamped = clamp_budget(budget, length)
-        clamped_documents += clamped
-        rows = slice(start, start + length)
-        estimated[sample, document] = estimate_vertical_slash(
-            q[sample : sample + 1, rows],
-            k[sample : sample + 1, rows],
-            document_budget,
+    sparse, parts, clamped_documents = sparse_documents(documents, min_sparse_length, budget)
+    estimated = []
+    for part in parts:
+        rows = slice(part.start, part.start + part.length)
+        own = estimate_vertical_slash(
+            q[part.sample : part.sample + 1, rows],
+            k[part.sample : part.sample + 1, rows],
+            part.budget,
             softmax_scale=softmax_scale,
             last_q=last_q,
             sink_tokens=sink_tokens,
             local_window=local_window,
         )
+        estimated.append((part, own))
     return assemble_document_index(documents, sparse, estimated, budget, q_heads), clamped_documents
