@@ -23,7 +23,14 @@ from torch import Tensor
 
 from .document_index import DocumentIndex
 from .documents import Documents
-from .index import BlockBarIndex, _block_tables, lists_of_active_blocks, lists_of_bar_entries, lists_of_rows
+from .index import (
+    BlockBarIndex,
+    _block_tables,
+    block_and_position_tables,
+    lists_of_active_blocks,
+    lists_of_bar_entries,
+    lists_of_rows,
+)
 from .layout import BLOCK_SIZE, Layout
 from .vertical_slash import slash_block_hits
 
@@ -118,12 +125,7 @@ def convert_document_index_slow(index: DocumentIndex, layout: Layout, rank: int)
     batch, _, heads, _ = index.v_idx.shape
     world = layout.world_size
     nb = seq_len // world // BLOCK_SIZE
-    query_blocks = layout.global_blocks(seq_len, rank).tolist()
-    source_blocks = [layout.global_blocks(seq_len, w).tolist() for w in range(world)]
-    owner_local = {}  # global position → (source rank, local position)
-    for w in range(world):
-        for local, position in enumerate(layout.global_positions(seq_len, w).tolist()):
-            owner_local[position] = (w, local)
+    query_blocks, source_blocks, owner_local = block_and_position_tables(layout, rank, seq_len)
 
     def documents_in(b: int, block: int) -> set[int]:
         return set(documents.doc_id[b, block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE].tolist())

@@ -244,12 +244,7 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
     batch, heads = v_idx.shape[:2]
     world = layout.world_size
     nb = seq_len // world // BLOCK_SIZE
-    query_blocks = layout.global_blocks(seq_len, rank).tolist()
-    source_blocks = [layout.global_blocks(seq_len, w).tolist() for w in range(world)]
-    owner_local = {}  # global position → (source rank, local position)
-    for w in range(world):
-        for local, position in enumerate(layout.global_positions(seq_len, w).tolist()):
-            owner_local[position] = (w, local)
+    query_blocks, source_blocks, owner_local = block_and_position_tables(layout, rank, seq_len)
 
     blk_rows, bar_rows = [], []  # one list of columns per row (w, b, h, i)
     for w in range(world):
@@ -282,6 +277,21 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
     blk_ptr, blk_col = lists_of_rows(blk_rows, shape, v_idx.device)
     bar_ptr, bar_col = lists_of_rows(bar_rows, shape, v_idx.device)
     return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout)
+
+
+def block_and_position_tables(
+    layout: Layout, rank: int, seq_len: int
+) -> tuple[list[int], list[list[int]], dict[int, tuple[int, int]]]:
+    """For the loop conversions: ``rank``'s global query blocks, every source's global key blocks, and
+    global position → (source rank, local position)."""
+    world = layout.world_size
+    query_blocks = layout.global_blocks(seq_len, rank).tolist()
+    source_blocks = [layout.global_blocks(seq_len, w).tolist() for w in range(world)]
+    owner_local = {}
+    for w in range(world):
+        for local, position in enumerate(layout.global_positions(seq_len, w).tolist()):
+            owner_local[position] = (w, local)
+    return query_blocks, source_blocks, owner_local
 
 
 def lists_of_rows(row_lists: list[list[int]], shape: tuple[int, int, int, int], device) -> tuple[Tensor, Tensor]:

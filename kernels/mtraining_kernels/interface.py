@@ -85,7 +85,15 @@ class _SparseAttention(torch.autograd.Function):
             out = torch.zeros(q.shape, dtype=acc, device=q.device)
             lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
             backend.block_bar_forward(
-                q, k, v, *_step_lists(index), out, lse, causal_diag=True, softmax_scale=softmax_scale
+                q,
+                k,
+                v,
+                *_step_lists(index),
+                out,
+                lse,
+                causal_diag=True,
+                softmax_scale=softmax_scale,
+                **index.step_doc_ids(0),
             )
             out = out.to(q.dtype)
         else:
@@ -118,6 +126,7 @@ class _SparseAttention(torch.autograd.Function):
             causal_diag=True,
             softmax_scale=ctx.softmax_scale,
             deterministic=ctx.deterministic,
+            **ctx.index.step_doc_ids(0),
         )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
@@ -136,6 +145,15 @@ def _check_single_device(q: torch.Tensor, index: BlockBarIndex) -> None:
         raise ValueError(f"index was built for seq_len={index.seq_len} but q has length {q.shape[1]}")
 
 
+def check_document_backend(index: BlockBarIndex, backend: str) -> None:
+    """Refuse a packed index (``doc_ids`` set) on a backend without document masking."""
+    if index.doc_ids is not None and backend != "torch_blocksparse":
+        raise ValueError(
+            f"backend={backend!r} cannot mask packed documents yet (the index has doc_ids; Triton document "
+            "masking lands with the next kernels); use backend='torch_blocksparse'"
+        )
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -150,7 +168,8 @@ def sparse_attention(
 ):
     """Causal vertical-slash sparse attention on one device, differentiable in q, k, v.
 
-    ``index`` is ``convert_index(v_idx, s_idx, Layout(kind, 1), 0, N)``. Returns out
+    ``index`` is ``convert_index(v_idx, s_idx, Layout(kind, 1), 0, N)``, or for packed documents
+    ``convert_document_index(document_index, Layout(kind, 1), 0)`` (``torch_blocksparse`` only). Returns out
     ``[b, N, Hq, d]`` in q's dtype and, with ``return_lse``, lse ``[b, Hq, N]`` (fp32; fp64 for fp64
     inputs; not differentiable). ``deterministic`` makes the backward bitwise repeatable.
     ``replay_output``: (out, lse) of an earlier forward of the same q, k, v and index (activation
@@ -159,6 +178,7 @@ def sparse_attention(
     _check_single_device(q, index)
     if error := replay_output_error(q, replay_output):
         raise ValueError(error)
+    check_document_backend(index, backend)
     launcher = get_backend(backend)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = _SparseAttention.apply(q, k, v, index, scale, launcher, deterministic, replay_output)

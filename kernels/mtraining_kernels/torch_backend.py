@@ -10,6 +10,10 @@ built. For each query block, the listed key columns are expanded into a padded g
 Rows are processed in chunks of at most :data:`SCORE_ELEMENTS_PER_CHUNK` score elements, so
 memory stays bounded on long sequences; only rows that have work are visited.
 
+Packed documents (DESIGN.md §2.7): with ``query_doc_ids``/``key_doc_ids`` (the index's ``doc_ids`` of the
+query rows and of the source chunk) a listed score (i, j), tile or bar, is kept only where
+doc(i) == doc(j); the lists of ``document_conversion`` make that the whole document mask.
+
 Math is fp32 (fp64 when the inputs are fp64, which the tests use for tight checks); the
 running ``out``/``lse`` and the gradient buffers must have that accumulator dtype.
 """
@@ -43,7 +47,7 @@ class _Chunk(NamedTuple):
     qblock: torch.Tensor  # int64 [R] local query block
     columns: torch.Tensor  # int64 [R, K] local key columns in the source chunk (padding: 0)
     valid: torch.Tensor  # bool  [R, K] column is a listed entry, not padding
-    keep: torch.Tensor  # bool  [R, 1 or 128, K] score is used (valid and, on the diagonal, causal)
+    keep: torch.Tensor  # bool  [R, 1 or 128, K] score is used (valid, causal on the diagonal, same document)
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -90,6 +94,25 @@ def _check_index(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, k
         )
 
 
+def _check_doc_ids(query_doc_ids, key_doc_ids, batch: int, query_len: int, key_len: int, device) -> None:
+    if (query_doc_ids is None) != (key_doc_ids is None):
+        raise ValueError(
+            "query_doc_ids and key_doc_ids go together (packed documents: index.step_doc_ids(source)); "
+            "pass both or neither"
+        )
+    if query_doc_ids is None:
+        return
+    for name, ids, length in (("query_doc_ids", query_doc_ids, query_len), ("key_doc_ids", key_doc_ids, key_len)):
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or tuple(ids.shape) != (batch, length):
+            raise ValueError(
+                f"{name} must be an int32 tensor [b, {'Nq' if name[0] == 'q' else 'Nk'}] = {(batch, length)} "
+                f"(the index's doc_ids of this step), got {getattr(ids, 'dtype', type(ids))} "
+                f"{tuple(getattr(ids, 'shape', ()))}"
+            )
+        if ids.device != device:
+            raise ValueError(f"{name} is on {ids.device}; move it to {device}")
+
+
 def _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale) -> torch.dtype:
     """Validate one step's inputs; return the accumulator dtype."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -129,8 +152,11 @@ def _padded_entries(start: torch.Tensor, count: torch.Tensor, col: torch.Tensor)
     return torch.where(valid, col[position].long(), 0), valid
 
 
-def _chunks(blk_ptr, blk_col, bar_ptr, bar_col, *, causal_diag: bool) -> Iterator[_Chunk]:
-    """Rows (b, h, query block) with work, in chunks of bounded score size."""
+def _chunks(
+    blk_ptr, blk_col, bar_ptr, bar_col, *, causal_diag: bool, query_doc_ids=None, key_doc_ids=None
+) -> Iterator[_Chunk]:
+    """Rows (b, h, query block) with work, in chunks of bounded score size; with document ids ``[b, Nq]`` and
+    ``[b, Nk]`` each score also needs doc(i) == doc(j)."""
     heads, num_blocks = blk_ptr.shape[1], blk_ptr.shape[2] - 1
     device = blk_col.device
     blk_start = blk_ptr[..., :-1].reshape(-1).long()
@@ -159,6 +185,10 @@ def _chunks(blk_ptr, blk_col, bar_ptr, bar_col, *, causal_diag: bool) -> Iterato
             on_diagonal = is_tile & (columns // BLOCK_SIZE == qblock[:, None])
             future = on_diagonal[:, None, :] & ((columns % BLOCK_SIZE)[:, None, :] > query_offset[:, None])
             keep = keep & ~future
+        if query_doc_ids is not None:
+            row_docs = query_doc_ids.reshape(query_doc_ids.shape[0], num_blocks, BLOCK_SIZE)[batch_of_row, qblock]
+            column_docs = key_doc_ids[batch_of_row[:, None], columns]
+            keep = keep & (row_docs[:, :, None] == column_docs[:, None, :])
         yield _Chunk(batch_of_row, head, qblock, columns, valid, keep)
 
 
@@ -198,7 +228,20 @@ def _add_rows(buffer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) ->
 
 # ---------------------------------------------------------------------------------------- launchers
 def block_bar_forward(
-    q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, causal_diag: bool, softmax_scale: float
+    q,
+    k,
+    v,
+    blk_ptr,
+    blk_col,
+    bar_ptr,
+    bar_col,
+    out,
+    lse,
+    *,
+    causal_diag: bool,
+    softmax_scale: float,
+    query_doc_ids=None,
+    key_doc_ids=None,
 ) -> None:
     """Attend one source chunk through one step's lists and merge into (out, lse) in place.
 
@@ -207,9 +250,12 @@ def block_bar_forward(
     ``[b, Nq, Hq, d]`` and lse ``[b, Hq, Nq]`` in the accumulator dtype (fp32; fp64 for fp64
     inputs), contiguous. lse = −inf means "nothing yet"; rows without work stay bit-identical.
     ``causal_diag`` applies the token causal mask to query block i's sub-tiles 2i and 2i+1.
+    ``query_doc_ids`` int32 ``[b, Nq]`` and ``key_doc_ids`` int32 ``[b, Nk]`` (packed documents, both or
+    neither): keep only the listed scores with doc(i) == doc(j).
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
+    _check_doc_ids(query_doc_ids, key_doc_ids, batch, query_len, k.shape[1], q.device)
     check_accumulator("out", out, tuple(q.shape), acc, q.device, "the running output [b, Nq, Hq, d]")
     check_accumulator("lse", lse, (batch, heads, query_len), acc, q.device, "the running lse [b, Hq, Nq]")
     q = q.contiguous()
@@ -217,7 +263,8 @@ def block_bar_forward(
     num_blocks = query_len // BLOCK_SIZE
     step_out = torch.zeros(batch, num_blocks, BLOCK_SIZE, heads, dim, dtype=acc, device=q.device)
     step_lse = torch.full((batch, heads, num_blocks, BLOCK_SIZE), float("-inf"), dtype=acc, device=q.device)
-    for chunk in _chunks(blk_ptr, blk_col, bar_ptr, bar_col, causal_diag=causal_diag):
+    documents = dict(query_doc_ids=query_doc_ids, key_doc_ids=key_doc_ids)
+    for chunk in _chunks(blk_ptr, blk_col, bar_ptr, bar_col, causal_diag=causal_diag, **documents):
         q_rows, k_rows, v_rows = _gather(q, k, v, chunk, group, acc)
         scores = _masked_scores(q_rows, k_rows, chunk, softmax_scale)
         row_max = scores.amax(dim=-1, keepdim=True)
@@ -252,6 +299,8 @@ def block_bar_backward(
     causal_diag: bool,
     softmax_scale: float,
     deterministic: bool = False,
+    query_doc_ids=None,
+    key_doc_ids=None,
 ) -> None:
     """Accumulate one step's gradients in place.
 
@@ -260,10 +309,11 @@ def block_bar_backward(
     P = exp(scale·q·kᵀ − lse) and dS = P ⊙ (dout·vᵀ − delta): dq ``[b, Nq, Hq, d]`` += scale·dS·k,
     dk ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout (accumulator dtype, contiguous).
     This backend's backward is always deterministic (bitwise repeatable); ``deterministic`` is
-    accepted for signature parity with the Triton backend.
+    accepted for signature parity with the Triton backend. Document ids as in :func:`block_bar_forward`.
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
+    _check_doc_ids(query_doc_ids, key_doc_ids, batch, query_len, k.shape[1], q.device)
     if not isinstance(dout, torch.Tensor) or dout.dtype not in (q.dtype, acc):
         raise ValueError(f"dout must be a tensor of dtype {q.dtype} or {acc}, got {getattr(dout, 'dtype', type(dout))}")
     if dout.shape != q.shape or dout.device != q.device:
@@ -282,7 +332,8 @@ def block_bar_backward(
     lse_blocks = lse.view(batch, heads, num_blocks, BLOCK_SIZE)
     delta_blocks = delta.view(batch, heads, num_blocks, BLOCK_SIZE)
     dk_rows, dv_rows = dk.view(-1, dim), dv.view(-1, dim)
-    for chunk in _chunks(blk_ptr, blk_col, bar_ptr, bar_col, causal_diag=causal_diag):
+    documents = dict(query_doc_ids=query_doc_ids, key_doc_ids=key_doc_ids)
+    for chunk in _chunks(blk_ptr, blk_col, bar_ptr, bar_col, causal_diag=causal_diag, **documents):
         q_rows, k_rows, v_rows = _gather(q, k, v, chunk, group, acc)
         dout_rows = dout_blocks[chunk.batch, chunk.qblock, :, chunk.head].to(acc)
         row_lse = lse_blocks[chunk.batch, chunk.head, chunk.qblock]

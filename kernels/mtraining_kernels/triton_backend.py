@@ -109,6 +109,14 @@ def _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch: int, heads: int, num
             raise ValueError(f"{name}_col must be contiguous; pass {name}_col.contiguous()")
 
 
+def _refuse_documents(query_doc_ids, key_doc_ids) -> None:
+    if query_doc_ids is not None or key_doc_ids is not None:
+        raise ValueError(
+            "the triton backend cannot mask packed documents yet (query_doc_ids/key_doc_ids given; Triton "
+            "document masking lands with the next kernels); use backend='torch_blocksparse'"
+        )
+
+
 # ---------------------------------------------------------------------------------------- configs
 # Picked from the compiler's resource report for sm_90 (no register spills, loads pipelined): the
 # forward uses 192-229 registers; the key-major passes walk a query block in 64-row slices, since
@@ -133,15 +141,30 @@ def _bhs(t: torch.Tensor) -> tuple[int, int, int]:
 
 # ---------------------------------------------------------------------------------------- forward
 def block_bar_forward(
-    q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, out, lse, *, causal_diag: bool, softmax_scale: float
+    q,
+    k,
+    v,
+    blk_ptr,
+    blk_col,
+    bar_ptr,
+    bar_col,
+    out,
+    lse,
+    *,
+    causal_diag: bool,
+    softmax_scale: float,
+    query_doc_ids=None,
+    key_doc_ids=None,
 ) -> None:
     """Attend one source chunk through one step's lists and merge into (out, lse) in place.
 
     q ``[b, Nq, Hq, d]``; k, v ``[b, Nk, Hkv, d]``; blk_ptr/bar_ptr int32 ``[b, Hq, nb+1]``
     (absolute offsets into blk_col/bar_col); out fp32 ``[b, Nq, Hq, d]`` and lse fp32 ``[b, Hq, Nq]``,
     contiguous. lse = −inf means "nothing yet"; rows without work are not written.
-    ``causal_diag`` applies the token causal mask to query block i's sub-tiles 2i and 2i+1.
+    ``causal_diag`` applies the token causal mask to query block i's sub-tiles 2i and 2i+1. Document ids
+    (packed documents) are refused with a ``ValueError``.
     """
+    _refuse_documents(query_doc_ids, key_doc_ids)
     _check_inputs(q, k, v, softmax_scale)
     batch, query_len, heads, dim = q.shape
     num_blocks = query_len // BLOCK_SIZE
@@ -287,6 +310,8 @@ def block_bar_backward(
     causal_diag: bool,
     softmax_scale: float,
     deterministic: bool = False,
+    query_doc_ids=None,
+    key_doc_ids=None,
 ) -> None:
     """Accumulate one step's gradients in place.
 
@@ -294,8 +319,9 @@ def block_bar_backward(
     dout ``[b, Nq, Hq, d]`` in q's dtype. With P = exp(scale·q·kᵀ − lse), dS = P ⊙ (dout·vᵀ − delta):
     dq fp32 ``[b, Nq, Hq, d]`` += scale·dS·k, dk fp32 ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout.
     ``deterministic`` uses no atomics (and a few host syncs to build the by-key lists); repeated calls
-    on the same inputs are then bitwise equal.
+    on the same inputs are then bitwise equal. Document ids are refused as in :func:`block_bar_forward`.
     """
+    _refuse_documents(query_doc_ids, key_doc_ids)
     _check_inputs(q, k, v, softmax_scale)
     batch, query_len, heads, dim = q.shape
     num_blocks = query_len // BLOCK_SIZE
