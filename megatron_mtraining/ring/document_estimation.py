@@ -47,6 +47,7 @@ _AGREED_FIELDS = (
     "Hkv",
     "d",
     "dtype",
+    "k dtype",
     "layout",
     "last_q",
     "sink_tokens",
@@ -113,8 +114,8 @@ def _checked_inputs(
     else:
         budget_values = [False, None, None, budget.v_size, budget.s_size]
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
-    values = [batch, local_len, q_heads, k_local.shape[2], dim, q_local.dtype, repr(layout), last_q, sink_tokens]
-    values += [local_window, float(scale), min_sparse_length, *budget_values]
+    values = [batch, local_len, q_heads, k_local.shape[2], dim, q_local.dtype, k_local.dtype, repr(layout), last_q]
+    values += [sink_tokens, local_window, float(scale), min_sparse_length, *budget_values]
     return seq_len, budget, values + [tuple(documents.starts.shape), documents.starts]
 
 
@@ -255,7 +256,7 @@ def estimate_document_index_distributed(
     Maxima are exact and int64 sums are associative, so every rank holds the integers the single-device
     estimator computes on each document alone and ranks them with the same
     :func:`~mtraining_kernels.estimation.select_index`. Nothing but the agreement runs when no document
-    is sparse. Volume per rank: about R·Hq·d·W values gathered and I int64 gathered plus I all-reduced.
+    is sparse. Each rank receives at most W·R·Hq·d values of q and I int64 gathered, and all-reduces I int64.
     """
     values, error = None, None
     try:
