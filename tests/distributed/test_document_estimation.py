@@ -93,8 +93,9 @@ def _layout(case: dict) -> Layout:
     return Layout(case["kind"], case["world"])
 
 
-def _estimate_shard(case: dict, rank: int):
-    """This rank's distributed estimate of ``case``: (sparse, v_idx, s_idx, starts, clamped)."""
+def _estimate_shard(case: dict, rank: int, group: dist.ProcessGroup | None = None):
+    """The distributed estimate of ``case`` by CP rank ``rank`` of ``group`` (None: the world): (sparse, v_idx,
+    s_idx, starts, clamped)."""
     layout, (q, k) = _layout(case), _inputs(case)
     index, clamped = estimate_document_index_distributed(
         layout.shard(q, rank),
@@ -102,7 +103,7 @@ def _estimate_shard(case: dict, rank: int):
         _documents(case["lengths"]),
         case["budget"],
         layout,
-        dist.group.WORLD,
+        group,
         **_options(case),
     )
     return index.sparse, index.v_idx, index.s_idx, index.documents.starts, clamped
@@ -151,6 +152,28 @@ def test_distributed_document_index_is_bitwise_the_single_device_one(distributed
             assert torch.equal(v_idx[:, 0], whole[0]) and torch.equal(s_idx[:, 0], whole[1]), (
                 f"one document differs from the unpacked distributed index on rank {rank} (seed={seed}, case={case})"
             )
+
+
+def _estimate_on_subgroups(rank, world_size, members, cases_by_group):
+    """Every rank joins the group of ``members`` that lists it and estimates that group's cases."""
+    groups = [dist.new_group(ranks) for ranks in members]
+    mine = next(i for i, ranks in enumerate(members) if rank in ranks)
+    try:
+        cp_rank = dist.get_rank(groups[mine])
+        return mine, [_estimate_shard(case, cp_rank, groups[mine]) for case in cases_by_group[mine]]
+    finally:
+        dist.destroy_process_group(groups[mine])
+
+
+def test_cp_groups_that_are_not_the_world_run_concurrently(distributed, seed):
+    """Two CP groups of non-adjacent global ranks (as with TP = 2 inside), each with its own data."""
+    rng = random.Random(seed)
+    members = [[0, 2], [1, 3]]
+    cases_by_group = [[_make_case(rng, rng.choice(LAYOUT_KINDS), 2, mode)] for mode in ("static", "top-p")]
+    results = distributed(_estimate_on_subgroups, 4, members, cases_by_group)
+    for group_id, ranks in enumerate(members):
+        assert [results[r][0] for r in ranks] == [group_id] * len(ranks)
+        _check_bitwise(cases_by_group[group_id][0], [results[r][1][0] for r in ranks], seed)
 
 
 # ------------------------------------------------------------------------------------------ agreement
