@@ -12,12 +12,13 @@ Inputs are already in the CP layout (the permutation happens once, in the data l
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 
 from mtraining_kernels.index import BlockBarIndex
-from mtraining_kernels.interface import get_backend, replay_output_error
+from mtraining_kernels.interface import check_document_backend, get_backend, replay_output_error
 from mtraining_kernels.layout import Layout
 
 from .comm import WIRE_DTYPES
@@ -75,6 +76,28 @@ def _signature_error(q, k, v, index: BlockBarIndex, groups: RingGroups) -> str:
             f"index covers [b, Hq]={tuple(index.blk_ptr.shape[1:3])}, q has {(b, hq)}; convert the index "
             "of this batch and these query heads"
         )
+    if index.doc_ids is not None and tuple(index.doc_ids.shape) != (groups.world_size, b, n_loc):
+        return (
+            f"index carries document ids {tuple(index.doc_ids.shape)}, expected [W, b, N_loc]="
+            f"{(groups.world_size, b, n_loc)}; convert the index with convert_document_index for these inputs"
+        )
+    return ""
+
+
+def _documents_digest(index: BlockBarIndex) -> str | None:
+    """SHA-256 of the index's document ids ``[W, b, N_loc]`` (one small host copy), None when unpacked: the
+    documents as one agreed setting without sending them."""
+    if index.doc_ids is None:
+        return None
+    return hashlib.sha256(index.doc_ids.contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+def _documents_error(index: BlockBarIndex, backend: str) -> str:
+    """Why this backend cannot run this index's documents, or '' (never raises)."""
+    try:
+        check_document_backend(index, backend)
+    except ValueError as error:
+        return str(error)
     return ""
 
 
@@ -100,6 +123,7 @@ _RING_SETTINGS = (
     "deterministic",
     "grad_wire_dtype",
     "replay",
+    "documents",
 )
 
 
@@ -118,8 +142,8 @@ def check_ring_inputs(
 ) -> None:
     """Raise a ``ValueError`` on every CP rank if any rank's inputs are bad, or if the ranks differ in any
     of :data:`_RING_SETTINGS`: shapes, dtypes, the index's length and layout, the ring's shape, the kernel
-    backend, the (resolved) softmax scale, determinism, the dK/dV wire dtype, or in replaying an earlier
-    forward's output.
+    backend, the (resolved) softmax scale, determinism, the dK/dV wire dtype, in replaying an earlier
+    forward's output, or in the packed documents (the index's ``doc_ids`` of every rank's chunk).
 
     Every call agrees over the CP group (one small all-gather, :func:`agree_on_inputs`): skipping it for
     inputs seen before would let a rank whose input changed enter the all-gather while its peers enter
@@ -128,6 +152,7 @@ def check_ring_inputs(
     error = (
         _options_error(backend, softmax_scale, grad_wire_dtype)
         or _signature_error(q, k, v, index, groups)
+        or _documents_error(index, backend)
         or replay_output_error(q, replay_output)
     )
     values = None
@@ -148,6 +173,7 @@ def check_ring_inputs(
             bool(deterministic),
             grad_wire_dtype,
             int(replay_output is not None),
+            _documents_digest(index),
         ]
     agree_on_inputs(
         "ring attention",
@@ -178,6 +204,7 @@ def sparse_ring_forward(q, kv, index, groups, backend, scale):
             lse,
             causal_diag=t == 0,
             softmax_scale=scale,
+            **index.step_doc_ids(source),
         )
 
     run_forward_ring(kv, groups, step)
@@ -209,6 +236,7 @@ def sparse_ring_backward(q, kv, dout, out, lse, index, groups, backend, scale, d
             causal_diag=t == 0,
             softmax_scale=scale,
             deterministic=deterministic,
+            **index.step_doc_ids(source),
         )
         return contribution
 
