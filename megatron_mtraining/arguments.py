@@ -198,6 +198,13 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "more per layer and rank)",
     )
     group.add_argument(
+        flag("min_sparse_length"),
+        type=int,
+        default=_default("min_sparse_length"),
+        help="packed documents at least this long get their own sparse index, shorter ones are attended "
+        "densely (provisional default, not yet measured on a GPU)",
+    )
+    group.add_argument(
         LOSS_CHUNK_SIZE_FLAG,
         type=int,
         default=0,

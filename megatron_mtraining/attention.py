@@ -15,12 +15,17 @@ call the module
 With an SDPA ``dense_impl`` (``sdpa_cudnn``/``sdpa_flash``, the dense baseline) it builds no index and runs
 torch's SDPA kernels: one dense causal call (CP = 1) or the zigzag dense ring (``dense_ring``, CP > 1).
 
+Packed documents (DESIGN.md §2.7) arrive as :class:`PackedDocuments` in ``packed_seq_params``: every
+document at least ``min_sparse_length`` long gets its own index, shorter ones are attended densely, and no
+score crosses a document boundary. Only the ``torch`` block-sparse backend (and the reference oracle at
+CP = 1) masks documents; Triton and the SDPA dense impls refuse them.
+
 It has no parameters, so checkpoints are the same as a dense Megatron model's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -31,31 +36,67 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from mtraining_kernels.budget import LayerBudget
+from mtraining_kernels.document_conversion import convert_document_index
+from mtraining_kernels.document_index import DocumentIndex, estimate_document_index
+from mtraining_kernels.documents import Documents
 from mtraining_kernels.estimation import VerticalSlashIndex, estimate_vertical_slash
 from mtraining_kernels.index import BlockBarIndex, convert_index
 from mtraining_kernels.interface import dense_attention, sparse_attention
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
-from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.reference import packed_vertical_slash_mask, reference_sparse_attention, vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
 
 from .attention_stats import AttentionStats, Stopwatch
 from .config import REFERENCE_BACKEND, MTrainingConfig, flag
 from .index_cache import ForwardKind, IndexCache, IndexKey, forward_kind, probe_checksum
 from .ring.dense_ring import dense_ring_attention
+from .ring.document_estimation import estimate_document_index_distributed
 from .ring.estimation import estimate_vertical_slash_distributed
 from .ring.groups import RingGroups
 from .ring.sparse_ring import ring_attention
 
 ACCEPTED_CP_COMM_TYPES = (None, "p2p", "a2a+p2p")
+DOCUMENT_BACKENDS = ("torch", REFERENCE_BACKEND)  # backends whose kernels mask packed documents
+
+
+@dataclass(frozen=True, eq=False)
+class PackedDocuments:
+    """The documents of a micro-batch, handed to ``GPTModel.forward`` as ``packed_seq_params``.
+
+    ``documents``: the boundaries of the whole sequences (``[b, N]``, global order, before the layout
+    permutation), identical on every CP rank and on the tokens' device. The other fields are those that
+    megatron-core reads of any ``packed_seq_params`` on the GPT path: ``qkv_format`` is ``"sbhd"`` (not THD,
+    so the tensors keep their ``[s, b]`` shape), ``cp_group`` None, and ``max_seqlen_q``/``max_seqlen_kv``
+    are N (the RoPE table length).
+    """
+
+    documents: Documents
+    qkv_format: str = field(default="sbhd", init=False)
+    cp_group: None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.documents, Documents):
+            raise ValueError(
+                f"documents must be a mtraining_kernels.documents.Documents, got {type(self.documents).__name__}"
+            )
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return self.documents.seq_len
+
+    @property
+    def max_seqlen_kv(self) -> int:
+        return self.documents.seq_len
 
 
 @dataclass(frozen=True, eq=False)
 class _LayerIndex:
-    """An index of one forward: the global lists and this rank's block/bar lists."""
+    """An index of one forward: the global lists (per document when packed) and this rank's block/bar lists."""
 
-    v_idx: torch.Tensor
+    v_idx: torch.Tensor  # [b, Hq, Vmax], or [b, m_max, Hq, Vmax] when packed
     s_idx: torch.Tensor
     block_bar: BlockBarIndex
+    packed: DocumentIndex | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,11 +227,12 @@ class MTrainingAttention(MegatronModule):
         packed_seq_params=None,
     ) -> torch.Tensor:
         """``query [s, b, np, hn]``, ``key``/``value [s, b, ng, hn]`` (post-RoPE, layout order) → ``[s, b, np·hn]``."""
-        self._check_call(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        self._check_call(query, key, value, attention_mask, attn_mask_type, attention_bias)
         local_len, batch, heads, head_dim = query.shape
         q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))  # [b, s, heads, d]
         seq_len = local_len * self.cp_size
         self.layout.validate(seq_len, BLOCK_SIZE)
+        documents = self._documents(packed_seq_params, batch, seq_len, query.device)
         mt = self.mtraining
         estimates = mt.sdpa_impl is None and not self.dense
         kind = forward_kind() if estimates or mt.keep_attention_output else ForwardKind.PLAIN
@@ -201,7 +243,12 @@ class MTrainingAttention(MegatronModule):
             index = None
             out, lse = self._sdpa_attention(q, k, v, seq_len, replay_output)
         else:
-            index = replayed.index if replayed is not None and estimates else self._layer_index(q, k, seq_len)
+            if replayed is not None and estimates:
+                index = replayed.index
+            elif documents is not None:
+                index = self._document_layer_index(q, k, documents)
+            else:
+                index = self._layer_index(q, k, seq_len)
             out, lse = self._sparse_attention(q, k, v, seq_len, index, replay_output)
         if kind is ForwardKind.CHECKPOINTED:
             self.index_cache.push(
@@ -229,7 +276,10 @@ class MTrainingAttention(MegatronModule):
                 replay_output=replay_output,
             )
         if mt.backend == REFERENCE_BACKEND:  # plain autograd (keep_attention_output is refused)
-            mask = vertical_slash_mask(index.v_idx, index.s_idx, seq_len)
+            if index.packed is not None:
+                mask = packed_vertical_slash_mask(index.packed)
+            else:
+                mask = vertical_slash_mask(index.v_idx, index.s_idx, seq_len)
             out, lse = reference_sparse_attention(q, k, v, mask, softmax_scale=self.softmax_scale)
             return out.to(q.dtype), lse
         return sparse_attention(
@@ -244,7 +294,7 @@ class MTrainingAttention(MegatronModule):
             replay_output=replay_output,
         )
 
-    def _check_call(self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params):
+    def _check_call(self, query, key, value, attention_mask, attn_mask_type, attention_bias):
         if attention_mask is not None:
             raise ValueError(
                 f"MTraining attention is causal by construction and takes no attention_mask, got a "
@@ -255,11 +305,6 @@ class MTrainingAttention(MegatronModule):
             raise ValueError(f"MTraining attention is causal only, got attn_mask_type={attn_mask_type}")
         if attention_bias is not None:
             raise ValueError("MTraining attention does not support attention_bias; drop it")
-        if packed_seq_params is not None:
-            raise ValueError(
-                "MTraining attention does not support packed sequences (packed_seq_params) in v1; "
-                "train on unpacked sequences"
-            )
         if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape:
             raise ValueError(
                 f"expected query [s, b, np, hn] and key/value [s, b, ng, hn], got "
@@ -273,6 +318,39 @@ class MTrainingAttention(MegatronModule):
                 f"query has {heads} heads on each of {self.tp_size} TP ranks, but the model has "
                 f"{self.config.num_attention_heads}"
             )
+
+    def _documents(self, packed_seq_params, batch: int, seq_len: int, device: torch.device) -> Documents | None:
+        """The documents of this call (None when unpacked), checked against the batch and the settings."""
+        if packed_seq_params is None:
+            return None
+        if not isinstance(packed_seq_params, PackedDocuments):
+            raise ValueError(
+                f"MTraining attention does not support packed sequences as {type(packed_seq_params).__name__} "
+                f"(qkv_format={getattr(packed_seq_params, 'qkv_format', None)!r}); hand the documents as "
+                "megatron_mtraining.attention.PackedDocuments, or train on unpacked sequences"
+            )
+        mt = self.mtraining
+        if mt.sdpa_impl is not None:
+            raise ValueError(
+                f"{flag('dense_impl')}={mt.dense_impl} has no document mask, so it cannot attend packed documents; "
+                f"use {flag('dense_impl')} mtraining with {flag('backend')} torch"
+            )
+        if mt.backend not in DOCUMENT_BACKENDS:
+            raise ValueError(
+                f"{flag('backend')}={mt.backend} does not mask packed documents yet; use {flag('backend')} torch"
+            )
+        documents = packed_seq_params.documents
+        if (documents.batch_size, documents.seq_len) != (batch, seq_len):
+            raise ValueError(
+                f"the packed documents describe [b, N]={(documents.batch_size, documents.seq_len)} but the call "
+                f"has [b, N]={(batch, seq_len)}; build them from this micro-batch's whole sequences"
+            )
+        if documents.starts.device != device:
+            raise ValueError(
+                f"the packed documents are on {documents.starts.device} but query is on {device}; "
+                "build them on the tokens' device"
+            )
+        return documents
 
     def _sdpa_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, replay_output):
         """Dense causal attention on torch's SDPA kernels, no index: (out ``[b, s, heads, d]``, lse)."""
@@ -326,6 +404,43 @@ class MTrainingAttention(MegatronModule):
         if self.training:
             self.last_stats = AttentionStats(
                 self.layer_number, False, index.v_idx, index.s_idx, self.layout, seq_len, stopwatch
+            )
+        return index
+
+    def _document_layer_index(self, q: torch.Tensor, k: torch.Tensor, documents: Documents) -> _LayerIndex:
+        """The packed index of a first forward: every document dense (dense layers) or estimated per document.
+
+        No statistics are kept for packed forwards (``last_stats`` is None).
+        """
+        self.last_stats = None
+        if self.dense:
+            batch, heads = q.shape[0], q.shape[2]
+            padding = torch.full(
+                (batch, documents.max_documents, heads, 1), documents.seq_len, dtype=torch.int32, device=q.device
+            )
+            sparse = torch.zeros(batch, documents.max_documents, dtype=torch.bool, device=q.device)
+            index = DocumentIndex(documents, sparse, padding, padding)
+        else:
+            with torch.no_grad():
+                index = self._estimate_documents(q.detach(), k.detach(), documents)
+            self.estimations += 1
+        return _LayerIndex(index.v_idx, index.s_idx, convert_document_index(index, self.layout, self.cp_rank), index)
+
+    def _estimate_documents(self, q: torch.Tensor, k: torch.Tensor, documents: Documents) -> DocumentIndex:
+        mt = self.mtraining
+        budget = self._layer_budget(documents.seq_len, q.shape[2])
+        options = dict(
+            min_sparse_length=mt.min_sparse_length,
+            softmax_scale=self.softmax_scale,
+            last_q=mt.last_q,
+            sink_tokens=mt.sink_tokens,
+            local_window=mt.local_window,
+        )
+        if self.cp_size == 1:
+            index, _ = estimate_document_index(q, k, documents, budget, **options)
+        else:
+            index, _ = estimate_document_index_distributed(
+                q, k, documents, budget, self.layout, self.cp_group, **options
             )
         return index
 

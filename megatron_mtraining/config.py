@@ -31,6 +31,7 @@ DENSE_IMPLS = ("mtraining", *SDPA_IMPLS)
 GRAD_WIRE_DTYPES = tuple(WIRE_DTYPES)
 RINGS = ("flat", "hierarchical")
 DEFAULT_TOP_P = 0.9
+DEFAULT_MIN_SPARSE_LENGTH = 4096  # provisional: packed documents shorter than this are attended densely
 
 
 def flag(field_name: str) -> str:
@@ -63,6 +64,8 @@ class MTrainingConfig:
     the zigzag dense ring: zigzag layout, flat ring). ``keep_attention_output`` keeps each layer's
     attention output and lse from the first forward of a full activation recomputation, so that the
     recomputation skips the attention forward (costs N_loc·Hq·d activations per layer and rank).
+    ``min_sparse_length``: packed documents (DESIGN.md §2.7) at least this long get their own index,
+    shorter ones are attended densely (the default is provisional until measured on a GPU).
     """
 
     layout: str = "striped"
@@ -87,6 +90,7 @@ class MTrainingConfig:
     inner_ring_size: int | None = None
     stats_interval: int = 1
     keep_attention_output: bool = False
+    min_sparse_length: int = DEFAULT_MIN_SPARSE_LENGTH
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, (list, range)):
@@ -142,6 +146,15 @@ class MTrainingConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 raise ValueError(f"{flag(name)}={value!r} must be an integer >= 0")
+        if not _is_int(self.min_sparse_length) or self.min_sparse_length < max(
+            self.last_q, self.sink_tokens, self.local_window
+        ):
+            raise ValueError(
+                f"{flag('min_sparse_length')}={self.min_sparse_length!r} must be an integer >= max("
+                f"{flag('last_q')}, {flag('sink_tokens')}, {flag('local_window')}) = "
+                f"{max(self.last_q, self.sink_tokens, self.local_window)}: a packed document with its own index "
+                "holds its estimation queries, sinks and window offsets"
+            )
         if self.inner_ring_size is not None and (not _is_int(self.inner_ring_size) or self.inner_ring_size < 1):
             raise ValueError(
                 f"{flag('inner_ring_size')}={self.inner_ring_size!r} must be an integer >= 1 "

@@ -7,7 +7,9 @@ Megatron hard-codes the zigzag split in ``get_batch_on_this_cp_rank`` (data) and
 * :func:`select_layout_positions` picks this CP rank's positions of tokens, labels, loss mask and
   position ids (the loss is a sum over tokens, so the order does not change it);
 * :class:`LayoutRotaryEmbedding` wraps the model's rotary module (RoPE or YaRN) and returns the table
-  rows at this rank's global positions; :func:`install_layout_rope` puts it into a model.
+  rows at this rank's global positions, or (``per_token_positions``, Megatron's ``--reset-position-ids``)
+  at each token's own position id, restarting per document; :func:`install_layout_rope` puts it into a
+  model.
 
 For zigzag both give exactly Megatron's split.
 """
@@ -71,9 +73,19 @@ class LayoutRotaryEmbedding(nn.Module):
     cp_group=None)`` and the same result type: a table ``[N/W, 1, 1, dim]`` for RoPE, the pair
     ``(table, mscale)`` for YaRN. ``max_seq_len`` is the global length N. ``get_rotary_seq_len`` and
     ``get_cos_sin`` are those of the wrapped module.
+
+    With ``per_token_positions`` the table is gathered at ``position_ids [b, N/W]``, this rank's position
+    ids in layout order (set by :func:`install_layout_rope`'s hook from ``GPTModel.forward``'s
+    ``position_ids`` on every call), and is ``[N/W, b, 1, dim]``.
     """
 
-    def __init__(self, rotary: RotaryEmbedding, layout: Layout, cp_group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        rotary: RotaryEmbedding,
+        layout: Layout,
+        cp_group: dist.ProcessGroup | None,
+        per_token_positions: bool = False,
+    ):
         super().__init__()
         if isinstance(rotary, LayoutRotaryEmbedding):
             rotary = rotary.rotary
@@ -94,6 +106,9 @@ class LayoutRotaryEmbedding(nn.Module):
         self.layout = layout
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
         self._last: tuple[tuple[int, int], Any] | None = None  # (max_seq_len, offset) → result
+        self.per_token_positions = per_token_positions
+        self.position_ids: torch.Tensor | None = None  # [b, N/W] of the current call (per_token_positions)
+        self.hook = None  # install_layout_rope's pre-hook handle (per_token_positions)
 
     def forward(
         self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: dist.ProcessGroup | None = None
@@ -104,6 +119,8 @@ class LayoutRotaryEmbedding(nn.Module):
             raise ValueError(
                 f"cp_group has {dist.get_world_size(cp_group)} ranks but the layout has {self.layout.world_size}"
             )
+        if self.per_token_positions:
+            return self._at_position_ids(self.rotary.get_emb(max_seq_len, offset), max_seq_len)
         if self._last is not None and self._last[0] == (max_seq_len, offset):
             return self._last[1]
         table = self.rotary.get_emb(max_seq_len, offset)
@@ -117,6 +134,21 @@ class LayoutRotaryEmbedding(nn.Module):
     def _select(self, table: torch.Tensor, seq_len: int) -> torch.Tensor:
         return table.index_select(0, self.layout.global_positions(seq_len, self.cp_rank, device=table.device))
 
+    def _at_position_ids(self, table, seq_len: int):
+        """``table [N, 1, 1, dim]`` (or YaRN's pair) gathered at :attr:`position_ids`: ``[N/W, b, 1, dim]``."""
+        positions = self.position_ids
+        local_len = seq_len // self.layout.world_size
+        if positions is None or positions.dim() != 2 or positions.shape[1] != local_len:
+            raise ValueError(
+                f"per-token RoPE positions (--reset-position-ids) need this rank's position_ids [b, {local_len}] "
+                f"from GPTModel.forward, got {None if positions is None else tuple(positions.shape)}; pass the "
+                "micro-batch's position_ids (pipeline stages without them are not supported)"
+            )
+        if isinstance(table, tuple):  # YaRN: (table, mscale)
+            return self._at_position_ids(table[0], seq_len), table[1]
+        rows = table[:, 0, 0].index_select(0, positions.reshape(-1).to(table.device))  # [b·N/W, dim]
+        return rows.view(*positions.shape, -1).transpose(0, 1)[:, :, None, :]
+
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.rotary.get_rotary_seq_len(*args, **kwargs)
 
@@ -124,10 +156,19 @@ class LayoutRotaryEmbedding(nn.Module):
         return self.rotary.get_cos_sin(*args, **kwargs)
 
 
-def install_layout_rope(model: nn.Module, layout: Layout, cp_group: dist.ProcessGroup | None) -> LayoutRotaryEmbedding:
+def _position_ids_of_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of ``GPTModel``: hand the call's ``position_ids`` to its per-token RoPE."""
+    module.rotary_pos_emb.position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+
+
+def install_layout_rope(
+    model: nn.Module, layout: Layout, cp_group: dist.ProcessGroup | None, per_token_positions: bool = False
+) -> LayoutRotaryEmbedding:
     """Replace ``model.rotary_pos_emb`` (looking through ``.module`` wrappers) with a :class:`LayoutRotaryEmbedding`.
 
-    Idempotent: installing again re-wraps the original rotary module. Returns the installed module.
+    With ``per_token_positions`` a forward pre-hook on the model hands every call's ``position_ids`` to it.
+    Idempotent: installing again re-wraps the original rotary module (and replaces the hook). Returns the
+    installed module.
     """
     target = model
     while not hasattr(target, "rotary_pos_emb") and isinstance(getattr(target, "module", None), nn.Module):
@@ -137,5 +178,11 @@ def install_layout_rope(model: nn.Module, layout: Layout, cp_group: dist.Process
             f"{type(model).__name__} has no rotary_pos_emb; the layout's RoPE needs "
             "--position-embedding-type rope or yarn"
         )
-    target.rotary_pos_emb = LayoutRotaryEmbedding(target.rotary_pos_emb, layout, cp_group)
-    return target.rotary_pos_emb
+    previous = target.rotary_pos_emb
+    if isinstance(previous, LayoutRotaryEmbedding) and previous.hook is not None:
+        previous.hook.remove()
+    rotary = LayoutRotaryEmbedding(previous, layout, cp_group, per_token_positions)
+    target.rotary_pos_emb = rotary
+    if per_token_positions:
+        rotary.hook = target.register_forward_pre_hook(_position_ids_of_call, with_kwargs=True)
+    return rotary

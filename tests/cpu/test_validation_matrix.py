@@ -506,7 +506,7 @@ ROWS = [
         "attention: packed sequences",
         lambda tmp: _packed_sequence_call(),
         ValueError,
-        r"does not support packed sequences \(packed_seq_params\).*train on unpacked sequences",
+        r"does not support packed sequences as PackedSeqParams.*PackedDocuments.*train on unpacked sequences",
     ),
     Invalid(
         "spec: multi-latent attention",
