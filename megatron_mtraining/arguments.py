@@ -279,7 +279,6 @@ def _check_megatron_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
             ("--sft", args.sft),
             ("--dataloader-inter-document-masking", args.dataloader_inter_document_masking),
             ("--hybrid-context-parallel", args.hybrid_context_parallel),
-            ("--reset-attention-mask", args.reset_attention_mask),
         )
         if given
     ]
@@ -288,6 +287,7 @@ def _check_megatron_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
             f"{', '.join(packed)} need per-document attention masks or packed sequences, which "
             "MTraining v1 does not support (causal attention over the whole sequence); drop them"
         )
+    _check_document_flags(args, config)
     if args.attention_dropout:
         raise ValueError(
             f"--attention-dropout {args.attention_dropout} is not supported: MTraining attention has "
@@ -318,6 +318,44 @@ def _check_megatron_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
         raise ValueError(
             f"{LOSS_CHUNK_SIZE_FLAG} recomputes the output layer in backward, which "
             "--defer-embedding-wgrad-compute cannot follow; drop one of them"
+        )
+
+
+def _check_document_flags(args: argparse.Namespace, config: MTrainingConfig) -> None:
+    """``--reset-attention-mask`` (packed documents) and ``--reset-position-ids`` (per-document RoPE positions)."""
+    if args.reset_attention_mask:
+        if config.sdpa_impl is not None:
+            raise ValueError(
+                f"--reset-attention-mask needs a document mask, which {flag('dense_impl')}={config.dense_impl} "
+                f"does not have; use {flag('dense_impl')} mtraining with {flag('backend')} torch"
+            )
+        if config.backend != "torch":
+            raise ValueError(
+                f"--reset-attention-mask needs kernels that mask packed documents, which {flag('backend')}="
+                f"{config.backend} does not have yet; use {flag('backend')} torch"
+            )
+        if args.mtp_num_layers:
+            raise ValueError(
+                f"--mtp-num-layers {args.mtp_num_layers} rolls packed sequences by THD cu_seqlens, which "
+                "MTraining's packed documents do not carry; drop --mtp-num-layers or --reset-attention-mask"
+            )
+    documents = [
+        name
+        for name, given in (
+            ("--reset-attention-mask", args.reset_attention_mask),
+            ("--reset-position-ids", args.reset_position_ids),
+        )
+        if given
+    ]
+    if documents and args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"{', '.join(documents)} need the micro-batch's tokens and position ids on every pipeline stage, "
+            f"which only the first and last stages read; use --pipeline-model-parallel-size 1 or drop them"
+        )
+    if args.reset_position_ids and args.apply_rope_fusion and args.position_embedding_type in ("rope", "yarn"):
+        raise ValueError(
+            "--reset-position-ids gives every token its own RoPE position ([s, b, 1, dim] tables), which MTraining "
+            "runs on the unfused RoPE path only; add --no-rope-fusion"
         )
 
 

@@ -51,9 +51,11 @@ from megatron.training.arguments import parse_and_validate_args, parse_args
 from megatron.training.models import GPTModelConfig
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
+from mtraining_kernels.documents import Documents
 from mtraining_kernels.layout import Layout
 
 from .arguments import add_mtraining_args, hierarchical_cp_sizes, validate_mtraining_args
+from .attention import PackedDocuments
 from .chunked_loss import ChunkedLossOutputProcessor
 from .config import MTrainingConfig
 from .launch_check import check_launch_flags, check_resumed_schedule, run_check
@@ -67,35 +69,44 @@ SPIKY_LOSS_FACTOR = 10  # Megatron's pretrain_gpt.py: a loss 10x the largest see
 
 
 # ------------------------------------------------------------------------------------------ model
-def _install_layout_rope(mtraining: MTrainingConfig, model_chunks):
-    """Pre-wrap hook: every chunk's RoPE table follows this CP rank's positions in the MTraining layout."""
+def _install_layout_rope(mtraining: MTrainingConfig, per_token_positions: bool, model_chunks):
+    """Pre-wrap hook: every chunk's RoPE table follows this CP rank's positions in the MTraining layout
+    (with ``per_token_positions``, each token's position id)."""
     cp_group = mpu.get_context_parallel_group()
     layout = mtraining.layout_for(dist.get_world_size(cp_group))
     for chunk in model_chunks:
-        install_layout_rope(chunk, layout, cp_group)
+        install_layout_rope(chunk, layout, cp_group, per_token_positions)
     return model_chunks
 
 
 def mtraining_model_config(args, mtraining: MTrainingConfig) -> GPTModelConfig:
-    """Megatron's ``GPTModelConfig`` of ``args`` with MTraining's layer spec, layout RoPE and step end."""
+    """Megatron's ``GPTModelConfig`` of ``args`` with MTraining's layer spec, layout RoPE and step end.
+
+    ``--reset-position-ids`` gives RoPE each token's position id (restarting per document) in every layout.
+    """
     model_config = gpt_config_from_args(args)
     model_config.transformer_layer_spec = partial(get_gpt_layer_mtraining_spec, mtraining=mtraining)
-    if mtraining.layout != "zigzag" and model_config.position_embedding_type in ("rope", "yarn"):
-        model_config.pre_wrap_hooks.append(partial(_install_layout_rope, mtraining))
+    per_token_positions = bool(args.reset_position_ids)
+    reorders = mtraining.layout != "zigzag" or per_token_positions
+    if reorders and model_config.position_embedding_type in ("rope", "yarn"):
+        model_config.pre_wrap_hooks.append(partial(_install_layout_rope, mtraining, per_token_positions))
     model_config.transformer.finalize_model_grads_func = MTrainingStepEnd(args.num_layers, mtraining.stats_interval)
     return model_config
 
 
 # ------------------------------------------------------------------------------------------ data
-def get_batch(data_iterator, vp_stage: int | None, layout: Layout) -> tuple:
-    """``(tokens, labels, loss_mask, attention_mask, position_ids)`` of this rank, each ``[b, N/CP]`` (or None).
+def get_batch(data_iterator, vp_stage: int | None, layout: Layout, eod_token: int | None = None) -> tuple:
+    """``(tokens, labels, loss_mask, attention_mask, position_ids)`` of this rank, each ``[b, N/CP]`` (or None),
+    and the micro-batch's :class:`PackedDocuments` (None unless ``eod_token`` is given).
 
-    TP rank 0 reads the micro-batch and Megatron broadcasts it over TP; then this CP rank keeps its
-    positions: ``layout``'s for striped/contiguous, Megatron's own split for zigzag.
+    TP rank 0 reads the micro-batch and Megatron broadcasts it over TP; with ``eod_token``
+    (``--reset-attention-mask``) every rank derives the document boundaries from the whole sequences'
+    tokens (``Documents.from_eod``); then this CP rank keeps its positions: ``layout``'s for
+    striped/contiguous, Megatron's own split for zigzag.
     """
     args = get_args()
     if not is_first_or_last_pipeline_stage(vp_stage):
-        return (None,) * len(BATCH_KEYS)
+        return (None,) * (len(BATCH_KEYS) + 1)
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
     if tp_rank == 0:
@@ -120,11 +131,12 @@ def get_batch(data_iterator, vp_stage: int | None, layout: Layout) -> tuple:
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
     batch = {key: batch[key] for key in BATCH_KEYS}
+    packed = None if eod_token is None else PackedDocuments(Documents.from_eod(batch["tokens"], eod_token))
     if layout.kind == "zigzag":
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     else:
         batch = select_layout_positions(batch, layout, mpu.get_context_parallel_rank())
-    return tuple(batch[key] for key in BATCH_KEYS)
+    return (*(batch[key] for key in BATCH_KEYS), packed)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -168,8 +180,9 @@ class MTrainingForwardStep:
         timers = get_timers()
         timers("batch-generator", log_level=2).start()
         layout = self.mtraining.layout_for(mpu.get_context_parallel_world_size())
-        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-            data_iterator, get_attr_wrapped_model(model, "vp_stage"), layout
+        eod_token = get_tokenizer().eod if get_args().reset_attention_mask else None
+        tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(
+            data_iterator, get_attr_wrapped_model(model, "vp_stage"), layout, eod_token
         )
         timers("batch-generator").stop()
         output = model(
@@ -178,6 +191,7 @@ class MTrainingForwardStep:
             attention_mask,
             labels=labels,
             loss_mask=loss_mask,
+            packed_seq_params=packed,
             output_processor=self.output_processor,
         )
         return output, partial(loss_func, loss_mask)

@@ -1,0 +1,166 @@
+"""The launcher's packed-document path (DESIGN.md §2.7): flags, ``get_batch`` and the forward step.
+
+* ``--reset-attention-mask`` is accepted with ``--mtraining-backend torch`` and refused, naming the fix, with
+  Triton, an SDPA dense impl, MTP or pipeline parallelism; ``--reset-position-ids`` needs unfused RoPE and
+  one pipeline stage;
+* ``get_batch`` derives the documents from the whole sequences' tokens on every CP rank, before the layout
+  permutation, and the forward step hands them to the model as ``packed_seq_params``;
+* ``--reset-position-ids`` gives the launcher's model per-token RoPE in every layout.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_arguments import _parse, parser  # noqa: F401 - parser is a fixture
+
+from megatron_mtraining import pretrain
+from megatron_mtraining.arguments import validate_mtraining_args
+from megatron_mtraining.attention import PackedDocuments
+from mtraining_kernels.documents import Documents
+from mtraining_kernels.layout import Layout
+
+SEQ_LEN = 512
+EOD = 0
+
+
+def test_reset_attention_mask_is_accepted_with_the_torch_backend(parser):  # noqa: F811
+    documents = "--reset-attention-mask --reset-position-ids --no-rope-fusion --eod-mask-loss"
+    for layout in ("striped", "zigzag", "contiguous"):
+        flags = f"{documents} --mtraining-backend torch --mtraining-layout {layout}"
+        assert validate_mtraining_args(_parse(parser, flags)).layout == layout
+    positions_only = "--reset-position-ids --no-rope-fusion --mtraining-backend triton"
+    assert validate_mtraining_args(_parse(parser, positions_only)).backend == "triton"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            "--reset-attention-mask --mtraining-backend triton",
+            "--mtraining-backend=triton does not have yet; use --mtraining-backend torch",
+        ),
+        (
+            "--reset-attention-mask --mtraining-backend torch --mtraining-dense --mtraining-dense-impl sdpa_cudnn "
+            "--mtraining-layout zigzag",
+            "--mtraining-dense-impl=sdpa_cudnn does not have; use --mtraining-dense-impl mtraining",
+        ),
+        (
+            "--reset-attention-mask --mtraining-backend torch --mtraining-layout zigzag --mtp-num-layers 1",
+            "drop --mtp-num-layers or --reset-attention-mask",
+        ),
+        (
+            "--reset-attention-mask --mtraining-backend torch --pipeline-model-parallel-size 2",
+            "--reset-attention-mask need the micro-batch's tokens and position ids on every pipeline stage",
+        ),
+        (
+            "--reset-position-ids --no-rope-fusion --pipeline-model-parallel-size 2",
+            "use --pipeline-model-parallel-size 1",
+        ),
+        ("--reset-position-ids --position-embedding-type rope", "add --no-rope-fusion"),
+    ],
+)
+def test_document_flags_are_refused_where_unsupported(parser, extra, message):  # noqa: F811
+    with pytest.raises(ValueError) as error:
+        validate_mtraining_args(_parse(parser, extra))
+    assert message in str(error.value), str(error.value)
+
+
+def _tokens(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 64, (2, SEQ_LEN), generator=gen)
+    tokens[0, [99, 100, 300]] = EOD
+    tokens[1, [255, SEQ_LEN - 1]] = EOD
+    return tokens
+
+
+@pytest.fixture
+def launcher_on_cpu(monkeypatch):
+    """``get_batch``'s Megatron helpers on one CPU process: TP = 1 (the broadcast passes the batch through)."""
+    state = SimpleNamespace(cp_rank=0, cp_size=2)
+    args = SimpleNamespace(
+        reset_attention_mask=True,
+        create_attention_mask_in_dataloader=False,
+        context_parallel_size=state.cp_size,
+        micro_batch_size=2,
+        seq_length=SEQ_LEN,
+        pipeline_model_parallel_size=1,
+    )
+    monkeypatch.setattr(pretrain, "get_args", lambda: args)
+    monkeypatch.setattr(pretrain, "is_first_or_last_pipeline_stage", lambda vp_stage: True)
+    monkeypatch.setattr(pretrain, "get_batch_on_this_tp_rank", lambda batch, **kwargs: batch)
+    monkeypatch.setattr(pretrain, "get_tokenizer", lambda: SimpleNamespace(eod=EOD))
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, non_blocking=False: self)
+    timer = SimpleNamespace(start=lambda: None, stop=lambda: None)
+    monkeypatch.setattr(pretrain, "get_timers", lambda: lambda *args, **kwargs: timer)
+    monkeypatch.setattr(pretrain, "get_attr_wrapped_model", lambda model, attribute: None)
+    monkeypatch.setattr(
+        pretrain,
+        "mpu",
+        SimpleNamespace(
+            get_tensor_model_parallel_rank=lambda: 0,
+            get_tensor_model_parallel_src_rank=lambda: 0,
+            get_tensor_model_parallel_group=lambda: None,
+            is_pipeline_first_stage=lambda: True,
+            is_pipeline_last_stage=lambda: True,
+            get_context_parallel_rank=lambda: state.cp_rank,
+            get_context_parallel_world_size=lambda: state.cp_size,
+        ),
+    )
+    return state
+
+
+def _sample(tokens: torch.Tensor) -> dict:
+    documents = Documents.from_eod(tokens, EOD)
+    return {
+        "tokens": tokens,
+        "labels": torch.roll(tokens, -1, dims=1),
+        "loss_mask": torch.ones(tokens.shape),
+        "position_ids": documents.position_ids,
+    }
+
+
+@pytest.mark.parametrize("kind", ["striped", "contiguous"])
+def test_get_batch_derives_the_documents_before_the_layout_permutation(launcher_on_cpu, kind, seed):
+    tokens = _tokens(seed)
+    expected = Documents.from_eod(tokens, EOD)
+    layout = Layout(kind, 2)
+    for rank in range(2):
+        launcher_on_cpu.cp_rank = rank
+        *local, packed = pretrain.get_batch(iter([_sample(tokens)]), None, layout, EOD)
+        positions = layout.global_positions(SEQ_LEN, rank)
+        assert torch.equal(local[0], tokens[:, positions])
+        assert torch.equal(local[4], expected.position_ids[:, positions])
+        assert isinstance(packed, PackedDocuments) and torch.equal(packed.documents.starts, expected.starts)
+    *_, unpacked = pretrain.get_batch(iter([_sample(tokens)]), None, layout)
+    assert unpacked is None
+
+
+def test_forward_step_hands_the_documents_to_the_model(launcher_on_cpu, seed):
+    from megatron_mtraining.config import MTrainingConfig
+
+    calls = []
+
+    def model(*args, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros(2, SEQ_LEN // 2)
+
+    pretrain.MTrainingForwardStep(MTrainingConfig(backend="torch"), 0)(iter([_sample(_tokens(seed))]), model)
+    packed = calls[0]["packed_seq_params"]
+    assert isinstance(packed, PackedDocuments)
+    assert torch.equal(packed.documents.starts, Documents.from_eod(_tokens(seed), EOD).starts)
+
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag"])
+def test_reset_position_ids_gives_the_launchers_model_per_token_rope(parser, layout):  # noqa: F811
+    args = _parse(
+        parser, f"--reset-position-ids --no-rope-fusion --mtraining-layout {layout} --position-embedding-type rope"
+    )
+    args.params_dtype, args.padded_vocab_size = torch.float32, 128
+    model_config = pretrain.mtraining_model_config(args, validate_mtraining_args(args))
+    hooks = [
+        hook for hook in model_config.pre_wrap_hooks if getattr(hook, "func", None) is pretrain._install_layout_rope
+    ]
+    assert [hook.args[1] for hook in hooks] == [True]
