@@ -1,5 +1,6 @@
-"""Packed documents through the sparse ring on gloo ranks (DESIGN.md §2.7): the torch_blocksparse backend (fp32)
-against the fp64 reference on the oracle's packed mask, and the refusals every rank raises before the first send."""
+"""Packed documents through the sparse ring on gloo ranks (DESIGN.md §2.7), flat and hierarchical: the
+torch_blocksparse backend (fp32) against the fp64 reference on the oracle's packed mask, and the refusals every rank
+raises before the first send."""
 
 import re
 
@@ -21,6 +22,7 @@ RELATIVE_TOLERANCE = 2e-5  # fp32 ring (fp32 inputs and accumulators) against th
 # starts per sample: documents straddling blocks and ranks, one-token documents, dense (short) and sparse ones
 STARTS = {
     512: [[0, 130, 131, 300], [0, 64, 200, 512]],
+    1024: [[0, 1, 257, 383, 700], [0, 600, 1024, 1024, 1024]],
     768: [[0, 1, 257, 383, 384], [0, 600, 768, 768, 768]],
 }
 
@@ -36,8 +38,8 @@ def _inputs(seed: int, seq_len: int):
     return q, k, v, dout, index
 
 
-def _ring_rank(rank, world_size, kind, seq_len, seed):
-    from megatron_mtraining.ring.groups import RingGroups
+def _ring_rank(rank, world_size, kind, seq_len, seed, inner_size=None):
+    from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
     from megatron_mtraining.ring.sparse_ring import ring_attention
 
     q, k, v, dout, doc_index = _inputs(seed, seq_len)
@@ -45,16 +47,19 @@ def _ring_rank(rank, world_size, kind, seq_len, seed):
     local = [layout.shard(t, rank, dim=1).clone().requires_grad_(t is not dout) for t in (q, k, v, dout)]
     index = convert_document_index(doc_index, layout, rank)
     assert index.doc_ids is not None, "the documents must reach the ring"
-    out, lse = ring_attention(
-        *local[:3], index, RingGroups.flat(dist.group.WORLD), backend="torch_blocksparse", return_lse=True
-    )
+    groups = RingGroups.flat(dist.group.WORLD) if inner_size is None else build_hierarchical_groups(inner_size)
+    out, lse = ring_attention(*local[:3], index, groups, backend="torch_blocksparse", return_lse=True)
     out.backward(local[3])
     return [t.detach() for t in (out, lse, local[0].grad, local[1].grad, local[2].grad)]
 
 
-@pytest.mark.parametrize("world, kind, seq_len", [(2, "striped", 512), (2, "zigzag", 512), (3, "striped", 768)])
-def test_packed_ring_equals_the_reference(distributed, seed, world, kind, seq_len):
-    parts = distributed(_ring_rank, world, kind, seq_len, seed)
+@pytest.mark.parametrize(
+    "world, kind, seq_len, inner_size",
+    [(2, "striped", 512, None), (2, "zigzag", 512, None), (3, "striped", 768, None), (4, "striped", 1024, 2)],
+    ids=["striped-W2", "zigzag-W2", "striped-W3", "striped-hierarchical-2x2"],
+)
+def test_packed_ring_equals_the_reference(distributed, seed, world, kind, seq_len, inner_size):
+    parts = distributed(_ring_rank, world, kind, seq_len, seed, inner_size)
     layout = Layout(kind, world)
     out, dq, dk, dv = (layout.unshard([p[i] for p in parts], dim=1) for i in (0, 2, 3, 4))
     lse = layout.unshard([p[1] for p in parts], dim=2)
