@@ -24,7 +24,6 @@ from mtraining_kernels.document_index import (
 )
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.estimation import (
-    check_query_key,
     estimation_logits,
     exp_fixed_point,
     probability_fixed_point,
@@ -36,7 +35,8 @@ from mtraining_kernels.estimation import (
 )
 from mtraining_kernels.layout import Layout
 
-from .consensus import agree_on_inputs, collective_device
+from .consensus import agree_on_inputs
+from .estimation import check_group_inputs
 from .estimation_comm import all_gather_last_dim
 
 # every setting that changes what a per-document estimation sends or computes; the ranks agree on them exactly
@@ -79,32 +79,8 @@ def _checked_inputs(
 ) -> tuple[int, StaticHeadBudgets | TopPBudget, list]:
     """The checks of :func:`estimate_document_index_distributed`, alike on every rank: (N, the resolved budget,
     this rank's values of :data:`_AGREED_FIELDS`)."""
-    check_query_key(q_local, k_local, softmax_scale)
-    if not isinstance(layout, Layout):
-        raise ValueError(
-            f"layout={layout!r} must be a mtraining_kernels.layout.Layout, e.g. Layout('striped', cp_size)"
-        )
-    world_size = dist.get_world_size(group)
-    if layout.world_size != world_size:
-        raise ValueError(
-            f"the layout has world_size={layout.world_size} but the group has {world_size} ranks; "
-            f"build the layout with the group's size, Layout({layout.kind!r}, {world_size})"
-        )
-    wanted = collective_device(group)
-    if q_local.device.type != wanted.type:
-        raise ValueError(
-            f"q_local and k_local are on {q_local.device} but the group's collectives move "
-            f"{wanted.type} tensors; move them to {wanted.type}"
-        )
+    seq_len = check_group_inputs(q_local, k_local, layout, group, softmax_scale)
     batch, local_len, q_heads, dim = q_local.shape
-    seq_len = local_len * world_size
-    try:
-        layout.validate(seq_len)
-    except ValueError as error:
-        raise ValueError(
-            f"the local length N_loc={local_len} on {world_size} ranks gives N={seq_len}, which "
-            f"the layout cannot split: {error}"
-        ) from None
     check_document_estimation(
         documents, batch, seq_len, q_local.device, min_sparse_length, last_q, sink_tokens, local_window
     )

@@ -30,15 +30,15 @@ from mtraining_kernels.estimation import (
 )
 from mtraining_kernels.layout import Layout
 
-from .consensus import agree_on_inputs
+from .consensus import agree_on_inputs, collective_device
 from .estimation_comm import all_gather_last_dim, broadcast_last_rows, complete_slash_sums, last_rows_owner
 
-_COLLECTIVE_DEVICE_TYPES = {"nccl": "cuda", "gloo": "cpu"}
 _REDUCE_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 
 
-def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens, local_window) -> int:
-    """The checks of :func:`estimate_vertical_slash_distributed`, alike on every rank; returns N."""
+def check_group_inputs(q_local, k_local, layout, group, softmax_scale) -> int:
+    """The checks every distributed estimator makes alike on every rank: q/k and the scale, the layout for the
+    group's size, the group's device and the length the layout must split; returns N = W·N_loc."""
     check_query_key(q_local, k_local, softmax_scale)
     if not isinstance(layout, Layout):
         raise ValueError(
@@ -50,12 +50,11 @@ def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, la
             f"the layout has world_size={layout.world_size} but the group has {world_size} ranks; "
             f"build the layout with the group's size, Layout({layout.kind!r}, {world_size})"
         )
-    backend = str(dist.get_backend(group))
-    device_type = _COLLECTIVE_DEVICE_TYPES.get(backend)
-    if device_type is not None and q_local.device.type != device_type:
+    wanted = collective_device(group)
+    if q_local.device.type != wanted.type:
         raise ValueError(
-            f"q_local and k_local are on {q_local.device} but the group's {backend} backend moves "
-            f"{device_type} tensors; move them to {device_type}"
+            f"q_local and k_local are on {q_local.device} but the group's collectives move "
+            f"{wanted.type} tensors; move them to {wanted.type}"
         )
     local_len = q_local.shape[1]
     seq_len = local_len * world_size
@@ -66,6 +65,12 @@ def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, la
             f"the local length N_loc={local_len} on {world_size} ranks gives N={seq_len}, which "
             f"the layout cannot split: {error}"
         ) from None
+    return seq_len
+
+
+def _check_distributed_inputs(q_local, k_local, layout, group, softmax_scale, last_q, sink_tokens, local_window) -> int:
+    """The checks of :func:`estimate_vertical_slash_distributed`, alike on every rank; returns N."""
+    seq_len = check_group_inputs(q_local, k_local, layout, group, softmax_scale)
     check_int("last_q", last_q, 1, MAX_LAST_Q, f"at most one {MAX_LAST_Q}-row tile")
     owner, held = last_rows_owner(layout, seq_len, min(MAX_LAST_Q, seq_len))
     if last_q > held:

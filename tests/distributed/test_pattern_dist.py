@@ -233,7 +233,7 @@ EXPECTED_ERRORS = {
     "budget heads": "budget has 3 heads but q has Hq=4",
     "sinks": "sink_tokens=257 .* N=256",
     "top-p cap": "cap=64 is smaller",
-    "device": "are on meta but the group's gloo backend moves cpu tensors",
+    "device": "are on meta but the group's collectives move cpu tensors",
 }
 
 
