@@ -25,8 +25,8 @@ from .document_index import DocumentIndex
 from .documents import Documents
 from .index import (
     BlockBarIndex,
-    _block_tables,
     block_and_position_tables,
+    block_tables,
     lists_of_active_blocks,
     lists_of_bar_entries,
     lists_of_rows,
@@ -111,7 +111,7 @@ def convert_document_index(index: DocumentIndex, layout: Layout, rank: int) -> B
     _check_inputs(index, layout, rank)
     documents, seq_len = index.documents, index.documents.seq_len
     hit = _document_hits(index, seq_len // BLOCK_SIZE)
-    query_blocks, source_blocks = _block_tables(layout, rank, seq_len, index.v_idx.device)
+    query_blocks, source_blocks = block_tables(layout, rank, seq_len, index.v_idx.device)
     blk_ptr, blk_col = _block_lists(documents, hit, query_blocks, source_blocks)
     bar_ptr, bar_col = _bar_lists(index, hit, query_blocks, layout)
     doc_ids = local_document_ids(documents, layout)

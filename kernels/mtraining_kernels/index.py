@@ -112,7 +112,7 @@ def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
             )
 
 
-def _block_tables(layout: Layout, rank: int, seq_len: int, device) -> tuple[Tensor, Tensor]:
+def block_tables(layout: Layout, rank: int, seq_len: int, device) -> tuple[Tensor, Tensor]:
     """Global block ids: of ``rank``'s local query blocks ``[nb]`` and of every source's key blocks ``[W, nb]``."""
     world = layout.world_size
     num_blocks = seq_len // BLOCK_SIZE
@@ -225,7 +225,7 @@ def convert_index(
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
     use_triton = uses_triton(implementation, v_idx)  # the Triton list kernels are triton_index.py's
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
-    query_blocks, source_blocks = _block_tables(layout, rank, seq_len, v_idx.device)
+    query_blocks, source_blocks = block_tables(layout, rank, seq_len, v_idx.device)
     if use_triton:
         blk_ptr, blk_col = _block_lists_triton(hit, query_blocks, source_blocks)
         bar_ptr, bar_col = _bar_lists_triton(v_idx, hit, query_blocks, layout, seq_len)

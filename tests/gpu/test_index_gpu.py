@@ -63,7 +63,7 @@ if __name__ == "__main__":
         }
         bars = convert("triton", v, s, Layout("contiguous", 1), 0, n).bar_col.numel()
         hit = slash_block_hits(s, n // BLOCK_SIZE, BLOCK_SIZE)
-        query_blocks, source_blocks = index._block_tables(Layout("contiguous", 1), 0, n, v.device)
+        query_blocks, source_blocks = index.block_tables(Layout("contiguous", 1), 0, n, v.device)
         blocks_ms = median_ms(lambda: index._block_lists(hit, query_blocks, source_blocks), 5)
         print(
             f"N={n}: conversion {timings['torch']:.1f} ms with PyTorch ops (block lists {blocks_ms:.1f} ms), "
