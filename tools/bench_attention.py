@@ -27,7 +27,8 @@ N, the pattern and the tensor).
 Timing: CUDA events around the forward and around the backward (``torch.autograd.grad``) of each
 repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
 (``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
-budget on the structured inputs) plus the conversion (``convert_index``).
+budget on the structured inputs) plus the conversion (``convert_index`` and the block lists by key that
+the backward reads, ``BlockBarIndex.blocks_by_key``).
 FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed forward 4·|M|·d·Hq
 (|M| per head), backward 2.5× forward.
 
@@ -252,7 +253,8 @@ def git_commit() -> str:
 
 def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, float]:
     """(conversion ms, static-budget estimation ms) of the pattern's counts."""
-    convert = median_ms(lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len), reps)
+    # with the block lists by key, which the Triton backward builds once per index
+    convert = median_ms(lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key, reps)
     counts = ((v_idx < seq_len).sum(-1).max().item(), (s_idx < seq_len).sum(-1).max().item())
     budget = StaticBudget(int(counts[0]), int(counts[1]))
     estimate = median_ms(lambda: estimate_vertical_slash(q, k, budget), reps)
@@ -435,7 +437,8 @@ def main(argv=None) -> None:
                 block_v_idx, block_s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, block_gen)
                 index = convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len)
                 convert_ms = median_ms(
-                    lambda: convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len), 3
+                    lambda: convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key,
+                    3,
                 )
                 pattern = dict(
                     target_sparsity=sparsity,
@@ -510,7 +513,9 @@ def main(argv=None) -> None:
             for budget in budgets:
                 v_idx, s_idx = estimate_vertical_slash(q.detach(), k.detach(), budget)[:2]
                 estimate_ms = median_ms(functools.partial(estimate_vertical_slash, q.detach(), k.detach(), budget), 3)
-                convert_ms = median_ms(lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len), 3)
+                convert_ms = median_ms(
+                    lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key, 3
+                )
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
                 extra = dict(
                     top_p=budget.p,

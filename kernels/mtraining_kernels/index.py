@@ -17,6 +17,7 @@ absolute offsets, and ``ptr[w, b, h, nb]`` is where the next row group starts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,18 @@ class BlockBarIndex:
     def source_for_step(self, step: int) -> int:
         """The source rank a flat ring reads at ``step``: (rank − step) mod W."""
         return (self.rank - step) % self.world_size
+
+    @functools.cached_property
+    def blocks_by_key(self) -> tuple[Tensor, Tensor]:
+        """The block lists transposed for a key-major backward, built once per index without a host sync
+        (like a BlockMask's transposed lists): see :func:`block_lists_by_key`."""
+        return block_lists_by_key(self.blk_ptr, self.blk_col, 0, self.blk_col.numel())
+
+    def key_lists(self, source: int) -> tuple[Tensor, Tensor]:
+        """(key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32) of the step reading ``source``, for the
+        launchers' ``key_lists`` keyword."""
+        key_ptr, key_qblock = self.blocks_by_key
+        return key_ptr[source], key_qblock
 
     def step_doc_ids(self, source: int) -> dict[str, Tensor]:
         """The launchers' document keywords for a step reading ``source``: ``query_doc_ids [b, N_loc]`` and
@@ -120,6 +133,33 @@ def block_tables(layout: Layout, rank: int, seq_len: int, device) -> tuple[Tenso
     source_blocks = torch.empty(world, num_blocks // world, dtype=torch.long, device=device)
     source_blocks[owner, local // BLOCK_SIZE] = torch.arange(num_blocks, device=device)
     return source_blocks[rank], source_blocks
+
+
+def block_lists_by_key(blk_ptr: Tensor, blk_col: Tensor, first: int, last: int) -> tuple[Tensor, Tensor]:
+    """CSR-by-key copy of block lists whose rows lie back to back in ``blk_col[first:last]``.
+
+    blk_ptr int32 ``[..., nb+1]`` (absolute offsets, each group's last entry the next group's first).
+    Returns key_ptr int32 of the same shape, absolute offsets into key_qblock int32: row (…, j) lists,
+    ascending, the query blocks i whose row (…, i) holds block j (as its sub-tile pair 2j, 2j+1; the
+    even sub-tile stands for the pair). No host sync.
+    """
+    num_blocks = blk_ptr.shape[-1] - 1
+    groups = blk_ptr.numel() // (num_blocks + 1)
+    counts = (blk_ptr[..., 1:] - blk_ptr[..., :-1]).reshape(-1)
+    rows = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=blk_ptr.device), counts, output_size=last - first
+    )
+    tiles = blk_col[first:last].long()
+    group, qblock = rows // num_blocks, rows % num_blocks
+    # odd sub-tiles sort after every real row: the pairs' even halves, exactly half the entries, come first
+    key_row = torch.where(tiles % 2 == 0, group * num_blocks + tiles // 2, groups * num_blocks)
+    sorted_rows, order = torch.sort(key_row, stable=True)  # stable: ascending query blocks within a row
+    pairs = (last - first) // 2
+    row_starts = torch.arange(groups, device=blk_ptr.device)[:, None] * num_blocks + torch.arange(
+        num_blocks + 1, device=blk_ptr.device
+    )
+    key_ptr = torch.searchsorted(sorted_rows[:pairs], row_starts).to(torch.int32).view(blk_ptr.shape)
+    return key_ptr, qblock[order[:pairs]].to(torch.int32)
 
 
 def _csr_offsets(row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:

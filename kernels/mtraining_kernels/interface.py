@@ -126,6 +126,7 @@ class _SparseAttention(torch.autograd.Function):
             causal_diag=True,
             softmax_scale=ctx.softmax_scale,
             deterministic=ctx.deterministic,
+            key_lists=ctx.index.key_lists(0),
             **ctx.index.step_doc_ids(0),
         )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -4,11 +4,11 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
 
 * :func:`block_bar_forward` — fused block + bar flash attention of the local queries against one
   source chunk, merged in place into the running fp32 (out, lse);
-* :func:`block_bar_backward` — that step's dq, dk, dv, accumulated in place into fp32 buffers.
-  Default: one query-major pass with fp32 atomics for dk/dv. ``deterministic=True``: no atomics;
-  dq query-major, block dk/dv key-sub-tile-major through a CSR-by-key copy of the block lists, bar
-  dk/dv per chunk of distinct bar columns, reduced over the GQA group in a fixed order, so repeated
-  backwards are bitwise equal.
+* :func:`block_bar_backward` — that step's dq, dk, dv, accumulated in place into fp32 buffers: dq
+  query-major, the block tiles' dk/dv key-block-major through a CSR-by-key copy of the block lists
+  (registers, no atomics). The bars' dk/dv: by default fp32 atomics in the query-major pass;
+  ``deterministic=True``: per chunk of distinct bar columns, reduced over the GQA group in a fixed
+  order, so repeated backwards are bitwise equal.
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
 head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from .index import block_lists_by_key
 from .launch_checks import check_accumulator
 from .layout import BLOCK_SIZE
 from .triton_bwd import bar_chunk_backward_kernel, key_major_backward_kernel, query_major_backward_kernel
@@ -128,6 +129,7 @@ def _forward_config(dim: int) -> dict:
 
 QUERY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3}
 KEY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
+BAR_CHUNK_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
 
 
 def _tiles(dim: int) -> dict:
@@ -200,37 +202,29 @@ def block_bar_forward(
 
 
 # ---------------------------------------------------------------------------------------- backward
-def _list_rows(ptr: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten one step's CSR slice: (row id (z·Hq + h)·nb + i, entry value), int64, in list order."""
+def _entry_range(ptr: torch.Tensor) -> tuple[int, int]:
+    """(first, last) offset of one step's CSR slice ``[b, Hq, nb+1]``, checking that its rows lie back to
+    back (DESIGN: ptr[b, h, nb] == ptr[b, h+1, 0]), as a bad slice would otherwise read the wrong entries
+    silently. One host sync."""
     starts = ptr[..., :-1].reshape(-1).long()
     counts = (ptr[..., 1:] - ptr[..., :-1]).reshape(-1).long()
-    first, last = int(ptr.reshape(-1)[0]), int(ptr.reshape(-1)[-1])
-    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts, output_size=last - first)
-    # rows are stored back to back (DESIGN: ptr[b, h, nb] == ptr[b, h+1, 0]); checked, as a bad slice
-    # would otherwise read the wrong entries silently
-    if rows.numel() and not torch.equal(starts, torch.cumsum(counts, 0) - counts + first):
+    first = ptr.reshape(-1)[0].long()
+    scattered = (starts != torch.cumsum(counts, 0) - counts + first).any()
+    first, last, scattered = torch.stack([first, ptr.reshape(-1)[-1].long(), scattered.long()]).tolist()
+    if scattered:
         raise ValueError(
             "blk_ptr/bar_ptr rows are not back to back (ptr[b, h, nb] != ptr[b, h+1, 0]); "
             "pass one step's slice of a BlockBarIndex"
         )
+    return first, last
+
+
+def _list_rows(ptr: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten one step's CSR slice: (row id (z·Hq + h)·nb + i, entry value), int64, in list order."""
+    first, last = _entry_range(ptr)
+    counts = (ptr[..., 1:] - ptr[..., :-1]).reshape(-1)
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts, output_size=last - first)
     return rows, col[first:last].long()
-
-
-def _block_lists_by_key(blk_ptr: torch.Tensor, blk_col: torch.Tensor, num_blocks: int):
-    """CSR-by-key copy of the block lists: (key_ptr int32 ``[b·Hq·2nb + 1]``, key_qblock int32).
-
-    Row (z·Hq + h)·2nb + t lists, ascending, the local query blocks whose list holds sub-tile t.
-    """
-    rows, tiles = _list_rows(blk_ptr, blk_col)
-    num_tiles = 2 * num_blocks
-    sample_head, qblock = rows // num_blocks, rows % num_blocks
-    key_row = sample_head * num_tiles + tiles
-    # a stable sort keeps the ascending query-block order inside each key row
-    order = torch.sort(key_row, stable=True).indices
-    counts = torch.bincount(key_row, minlength=blk_ptr.shape[0] * blk_ptr.shape[1] * num_tiles)
-    key_ptr = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=blk_ptr.device)
-    key_ptr[1:] = torch.cumsum(counts, 0)
-    return key_ptr, qblock[order].to(torch.int32)
 
 
 class _BarChunks:
@@ -312,14 +306,17 @@ def block_bar_backward(
     deterministic: bool = False,
     query_doc_ids=None,
     key_doc_ids=None,
+    key_lists=None,
 ) -> None:
     """Accumulate one step's gradients in place.
 
     lse fp32 ``[b, Hq, Nq]`` is the FINAL merged lse and delta fp32 ``[b, Hq, Nq]`` = rowsum(out ⊙ dout);
     dout ``[b, Nq, Hq, d]`` in q's dtype. With P = exp(scale·q·kᵀ − lse), dS = P ⊙ (dout·vᵀ − delta):
     dq fp32 ``[b, Nq, Hq, d]`` += scale·dS·k, dk fp32 ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout.
-    ``deterministic`` uses no atomics (and a few host syncs to build the by-key lists); repeated calls
-    on the same inputs are then bitwise equal. Document ids are refused as in :func:`block_bar_forward`.
+    ``key_lists`` (key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32): this step's block lists by key,
+    ``BlockBarIndex.key_lists(source)``; without it they are built here (one host sync).
+    ``deterministic`` uses no atomics (and a few host syncs to regroup the bars by column); repeated
+    calls on the same inputs are then bitwise equal. Document ids are refused as in :func:`block_bar_forward`.
     """
     _refuse_documents(query_doc_ids, key_doc_ids)
     _check_inputs(q, k, v, softmax_scale)
@@ -344,6 +341,9 @@ def block_bar_backward(
     qk_scale_log2 = softmax_scale * LOG2E
     operand_strides = (*_bhs(q), *_bhs(k), *_bhs(v), *_bhs(dout))
 
+    if key_lists is None:
+        key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr))
+    key_ptr, key_qblock = key_lists
     query_major_backward_kernel[(num_blocks, heads, batch)](
         q,
         k,
@@ -371,15 +371,11 @@ def block_bar_backward(
         softmax_scale,
         qk_scale_log2,
         CAUSAL_DIAG=bool(causal_diag),
-        ATOMIC_DKDV=not deterministic,
+        ATOMIC_BAR_DKDV=not deterministic,
         **tiles,
         **QUERY_MAJOR_CONFIG,
     )
-    if not deterministic:
-        return
-
-    key_ptr, key_qblock = _block_lists_by_key(blk_ptr, blk_col, num_blocks)
-    key_major_backward_kernel[(2 * num_blocks, kv_heads, batch)](
+    key_major_backward_kernel[(num_blocks, kv_heads, batch)](
         q,
         k,
         v,
@@ -393,17 +389,22 @@ def block_bar_backward(
         *operand_strides,
         *_bhs(dk),
         *_bhs(dv),
+        key_ptr.stride(0),
+        key_ptr.stride(1),
         lse.stride(0),
         lse.stride(1),
-        2 * num_blocks,
+        num_blocks,
         heads,
         group,
         softmax_scale,
         qk_scale_log2,
         CAUSAL_DIAG=bool(causal_diag),
-        **tiles,
+        HEAD_DIM=dim,
+        BLOCK_M=BLOCK_SIZE,
         **KEY_MAJOR_CONFIG,
     )
+    if not deterministic:
+        return
 
     chunks = _BarChunks(bar_ptr, bar_col, num_blocks, query_len)
     if chunks.num_chunks == 0:
@@ -434,7 +435,7 @@ def block_bar_backward(
         softmax_scale,
         qk_scale_log2,
         **tiles,
-        **KEY_MAJOR_CONFIG,
+        **BAR_CHUNK_CONFIG,
     )
     _reduce_bar_partials(chunks, scratch_dk, dk, heads, group)
     _reduce_bar_partials(chunks, scratch_dv, dv, heads, group)

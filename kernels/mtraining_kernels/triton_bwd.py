@@ -3,13 +3,13 @@
 Every kernel recomputes P = exp2(scale·log2(e)·q·kᵀ − lse·log2(e)) from the FINAL merged lse and
 uses dS = P ⊙ (dO·Vᵀ − delta); the softmax scale is applied once to dq/dk at the store.
 
-* :func:`query_major_backward_kernel` — grid (nb, Hq, b); a program owns a query block's dq rows.
-  With ``ATOMIC_DKDV`` it also adds each tile's dk/dv into the fp32 buffers with atomics (the
-  default, non-deterministic mode: one pass).
-* :func:`key_major_backward_kernel` — deterministic dk/dv of the block tiles: grid (2·nb, Hkv, b);
-  a program owns one (64-key sub-tile, KV head), walks the query heads of its GQA group in order
-  and, for each, the query blocks that list the sub-tile (a CSR-by-key copy of the block lists),
-  and adds its registers into dk/dv once.
+* :func:`query_major_backward_kernel` — a program owns a query block's dq rows over its listed
+  64-key sub-tiles and its bars; with ``ATOMIC_BAR_DKDV`` it also adds the bar tiles' dk/dv into the
+  fp32 buffers with atomics (the default mode).
+* :func:`key_major_backward_kernel` — a program owns the dk/dv of one 128-key block of one KV head:
+  it walks the query heads of its GQA group in order and, for each, the query blocks that list the
+  block (a CSR-by-key copy of the block lists) in 64-row slices, and adds its registers into dk/dv
+  once (no atomics). It runs after the query-major pass, whose bar atomics it must not race.
 * :func:`bar_chunk_backward_kernel` — deterministic dk/dv of the bars: one program per chunk of up
   to 64 distinct bar columns of one (sample, query head); it walks the query blocks that list any
   of them, with a 64-bit membership word per (chunk, query block), and writes the chunk's partial
@@ -26,34 +26,18 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _load_query_side(
-    Q,
-    DO,
-    LSE,
-    DELTA,
-    sample,
-    head,
-    first_row,
-    stride_qb,
-    stride_qn,
-    stride_qh,
-    stride_db,
-    stride_dn,
-    stride_dh,
-    stride_lb,
-    stride_lh,
-    HEAD_DIM: tl.constexpr,
-    ROWS: tl.constexpr,
+    q_base, do_base, lse_base, delta_base, first_row, stride_qn, stride_dn, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr
 ):
-    """q, dO ``[ROWS, D]``, base-2 lse and delta ``[ROWS]`` of query rows first_row … (lse −inf → +inf: P = 0)."""
-    offs_m = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_rows = first_row + offs_m
+    """q, dO ``[ROWS, D]``, base-2 lse and delta ``[ROWS]`` of query rows first_row … of one (sample,
+    head), whose row 0 the four base pointers address (lse −inf → +inf: P = 0)."""
+    q_rows = first_row + tl.arange(0, ROWS)
     rows64 = q_rows.to(tl.int64)[:, None]
-    q = tl.load(Q + sample * stride_qb + head * stride_qh + rows64 * stride_qn + offs_d[None, :])
-    do = tl.load(DO + sample * stride_db + head * stride_dh + rows64 * stride_dn + offs_d[None, :])
-    lse = tl.load(LSE + sample * stride_lb + head * stride_lh + q_rows)
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    q = tl.load(q_base + rows64 * stride_qn + offs_d)
+    do = tl.load(do_base + rows64 * stride_dn + offs_d)
+    lse = tl.load(lse_base + q_rows)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    delta = tl.load(DELTA + sample * stride_lb + head * stride_lh + q_rows)
+    delta = tl.load(delta_base + q_rows)
     return q, do, lse2, delta, q_rows
 
 
@@ -105,13 +89,14 @@ def query_major_backward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr,
-    ATOMIC_DKDV: tl.constexpr,
+    ATOMIC_BAR_DKDV: tl.constexpr,
 ):
+    """Grid (nb, Hq, b): the dq of one query block over its listed 64-key sub-tiles and its bars (the
+    longest lists, the last query blocks, first)."""
     qblock = num_q_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
     sample = tl.program_id(2).to(tl.int64)
     kv_head = head // group_size
-
     list_row = sample * stride_pb + head * stride_ph + qblock
     blk_start = tl.load(BLK_PTR + list_row)
     blk_end = tl.load(BLK_PTR + list_row + 1)
@@ -120,29 +105,20 @@ def query_major_backward_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    lse_offset = sample * stride_lb + head * stride_lh
     q, do, lse2, delta, q_rows = _load_query_side(
-        Q,
-        DO,
-        LSE,
-        DELTA,
-        sample,
-        head,
+        Q + sample * stride_qb + head * stride_qh,
+        DO + sample * stride_db + head * stride_dh,
+        LSE + lse_offset,
+        DELTA + lse_offset,
         qblock * BLOCK_M,
-        stride_qb,
         stride_qn,
-        stride_qh,
-        stride_db,
         stride_dn,
-        stride_dh,
-        stride_lb,
-        stride_lh,
         HEAD_DIM,
         BLOCK_M,
     )
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
-    dk_base = DK + sample * stride_gkb + kv_head * stride_gkh
-    dv_base = DV + sample * stride_gvb + kv_head * stride_gvh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     for entry in range(blk_start, blk_end):
@@ -154,15 +130,11 @@ def query_major_backward_kernel(
         if CAUSAL_DIAG:
             off_diagonal = (tile // 2) != qblock
             probs = tl.where(off_diagonal | (k_rows[None, :] <= q_rows[:, None]), probs, 0.0)
-        dprobs = tl.dot(do, tl.trans(v))
-        dscores = probs * (dprobs - delta[:, None])
+        dscores = probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(dscores.to(k.dtype), k)
-        if ATOMIC_DKDV:
-            dv_tile = tl.dot(tl.trans(probs.to(do.dtype)), do)
-            dk_tile = tl.dot(tl.trans(dscores.to(q.dtype)), q) * softmax_scale
-            tl.atomic_add(dv_base + k_rows[:, None] * stride_gvn + offs_d[None, :], dv_tile, sem="relaxed")
-            tl.atomic_add(dk_base + k_rows[:, None] * stride_gkn + offs_d[None, :], dk_tile, sem="relaxed")
 
+    dk_base = DK + sample * stride_gkb + kv_head * stride_gkh
+    dv_base = DV + sample * stride_gvb + kv_head * stride_gvh
     for entry in range(bar_start, bar_end, BLOCK_N):
         listed = entry + offs_n < bar_end
         cols = tl.load(BAR_COL + entry + offs_n, mask=listed, other=0).to(tl.int64)
@@ -170,18 +142,15 @@ def query_major_backward_kernel(
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=listed[:, None], other=0.0)
         probs = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale_log2 - lse2[:, None])
         probs = tl.where(listed[None, :], probs, 0.0)
-        dprobs = tl.dot(do, tl.trans(v))
-        dscores = probs * (dprobs - delta[:, None])
+        dscores = probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(dscores.to(k.dtype), k)
-        if ATOMIC_DKDV:
+        if ATOMIC_BAR_DKDV:
             dv_tile = tl.dot(tl.trans(probs.to(do.dtype)), do)
             dk_tile = tl.dot(tl.trans(dscores.to(q.dtype)), q) * softmax_scale
-            tl.atomic_add(
-                dv_base + cols[:, None] * stride_gvn + offs_d[None, :], dv_tile, mask=listed[:, None], sem="relaxed"
-            )
-            tl.atomic_add(
-                dk_base + cols[:, None] * stride_gkn + offs_d[None, :], dk_tile, mask=listed[:, None], sem="relaxed"
-            )
+            dv_ptrs = dv_base + cols[:, None] * stride_gvn + offs_d[None, :]
+            dk_ptrs = dk_base + cols[:, None] * stride_gkn + offs_d[None, :]
+            tl.atomic_add(dv_ptrs, dv_tile, mask=listed[:, None], sem="relaxed")
+            tl.atomic_add(dk_ptrs, dk_tile, mask=listed[:, None], sem="relaxed")
 
     has_work = (blk_end > blk_start) | (bar_end > bar_start)
     dq_ptrs = DQ + sample * stride_gqb + head * stride_gqh + q_rows.to(tl.int64)[:, None] * stride_gqn + offs_d[None, :]
@@ -218,71 +187,66 @@ def key_major_backward_kernel(
     stride_gvb,
     stride_gvn,
     stride_gvh,
+    stride_kpb,
+    stride_kph,
     stride_lb,
     stride_lh,
-    num_key_tiles,
+    num_blocks,
     heads_q,
     group_size,
     softmax_scale,
     qk_scale_log2,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr,
     QUERY_ROWS: tl.constexpr,
 ):
-    """KEY_PTR int32 ``[b·Hq·2nb + 1]``: row (z, h, key sub-tile) spans KEY_QBLOCK[ptr[row]:ptr[row+1]],
-    the ascending local query blocks whose block list holds that sub-tile. Each listed query block is
-    visited in BLOCK_M // QUERY_ROWS slices of QUERY_ROWS rows (smaller tiles keep dk/dv in registers)."""
-    SLICES = BLOCK_M // QUERY_ROWS
-    tile = tl.program_id(0)
+    """Grid (nb, Hkv, b): the dk/dv of one 128-key block over the query blocks of its GQA group that
+    list it. KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph): row (z, h, key block j)
+    spans KEY_QBLOCK[ptr[z, h, j] : ptr[z, h, j+1]], the ascending local query blocks whose list holds
+    block j; each is visited in BLOCK_M // QUERY_ROWS slices of QUERY_ROWS rows (smaller tiles keep
+    dk/dv in registers)."""
+    SLICES: tl.constexpr = BLOCK_M // QUERY_ROWS
+    key_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     sample = tl.program_id(2).to(tl.int64)
-
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_rows = tile * BLOCK_N + offs_n
+    k_rows = key_block * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = k_rows.to(tl.int64)[:, None]
     k = tl.load(K + sample * stride_kb + kv_head * stride_kh + rows64 * stride_kn + offs_d[None, :])
     v = tl.load(V + sample * stride_vb + kv_head * stride_vh + rows64 * stride_vn + offs_d[None, :])
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     visits = 0
 
     for member in range(0, group_size):
         head = kv_head * group_size + member
-        row = (sample * heads_q + head) * num_key_tiles + tile
+        row = sample * stride_kpb + head * stride_kph + key_block
         start = tl.load(KEY_PTR + row)
         end = tl.load(KEY_PTR + row + 1)
         visits += end - start
+        q_base = Q + sample * stride_qb + head * stride_qh
+        do_base = DO + sample * stride_db + head * stride_dh
+        lse_offset = sample * stride_lb + head * stride_lh
         for step in range(start * SLICES, end * SLICES):
             qblock = tl.load(KEY_QBLOCK + step // SLICES)
             q, do, lse2, delta, q_rows = _load_query_side(
-                Q,
-                DO,
-                LSE,
-                DELTA,
-                sample,
-                head,
+                q_base,
+                do_base,
+                LSE + lse_offset,
+                DELTA + lse_offset,
                 qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
-                stride_qb,
                 stride_qn,
-                stride_qh,
-                stride_db,
                 stride_dn,
-                stride_dh,
-                stride_lb,
-                stride_lh,
                 HEAD_DIM,
                 QUERY_ROWS,
             )
             probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
             if CAUSAL_DIAG:
-                off_diagonal = (tile // 2) != qblock
+                off_diagonal = key_block != qblock
                 probs_t = tl.where(off_diagonal | (k_rows[:, None] <= q_rows[None, :]), probs_t, 0.0)
             dv += tl.dot(probs_t.to(do.dtype), do)
-            dprobs_t = tl.dot(v, tl.trans(do))
-            dscores_t = probs_t * (dprobs_t - delta[None, :])
+            dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dscores_t.to(q.dtype), q)
 
     has_work = visits > 0
@@ -336,7 +300,7 @@ def bar_chunk_backward_kernel(
     z·Hq + h); pairs PAIR_PTR[c] … PAIR_PTR[c+1] give a query block and a 64-bit word whose bit t says
     column first+t is a bar of that block. Writes scale·dSᵀq and Pᵀ·dO to scratch rows first … first+len.
     Query blocks are visited in BLOCK_M // QUERY_ROWS slices, as in the key-major kernel."""
-    SLICES = BLOCK_M // QUERY_ROWS
+    SLICES: tl.constexpr = BLOCK_M // QUERY_ROWS
     chunk = tl.program_id(0)
     sample_head = tl.load(CHUNK_HEAD + chunk).to(tl.int64)
     sample = sample_head // heads_q
@@ -349,47 +313,35 @@ def bar_chunk_backward_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     in_chunk = offs_n < count
     cols = tl.load(BAR_COLUMN + first + offs_n, mask=in_chunk, other=0).to(tl.int64)
-    k = tl.load(
-        K + sample * stride_kb + kv_head * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
-        mask=in_chunk[:, None],
-        other=0.0,
-    )
-    v = tl.load(
-        V + sample * stride_vb + kv_head * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
-        mask=in_chunk[:, None],
-        other=0.0,
-    )
+    k_ptrs = K + sample * stride_kb + kv_head * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + sample * stride_vb + kv_head * stride_vh + cols[:, None] * stride_vn + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=in_chunk[:, None], other=0.0)
+    v = tl.load(v_ptrs, mask=in_chunk[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    q_base = Q + sample * stride_qb + head * stride_qh
+    do_base = DO + sample * stride_db + head * stride_dh
+    lse_offset = sample * stride_lb + head * stride_lh
 
     for step in range(tl.load(PAIR_PTR + chunk) * SLICES, tl.load(PAIR_PTR + chunk + 1) * SLICES):
         qblock = tl.load(PAIR_QBLOCK + step // SLICES)
         bits = tl.load(PAIR_BITS + step // SLICES)
         listed = ((bits >> offs_n.to(tl.int64)) & 1) != 0
         q, do, lse2, delta, q_rows = _load_query_side(
-            Q,
-            DO,
-            LSE,
-            DELTA,
-            sample,
-            head,
+            q_base,
+            do_base,
+            LSE + lse_offset,
+            DELTA + lse_offset,
             qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
-            stride_qb,
             stride_qn,
-            stride_qh,
-            stride_db,
             stride_dn,
-            stride_dh,
-            stride_lb,
-            stride_lh,
             HEAD_DIM,
             QUERY_ROWS,
         )
         probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
         probs_t = tl.where(listed[:, None], probs_t, 0.0)
         dv += tl.dot(probs_t.to(do.dtype), do)
-        dprobs_t = tl.dot(v, tl.trans(do))
-        dscores_t = probs_t * (dprobs_t - delta[None, :])
+        dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(dscores_t.to(q.dtype), q)
 
     scratch_rows = (first + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]

@@ -236,6 +236,7 @@ def sparse_ring_backward(q, kv, dout, out, lse, index, groups, backend, scale, d
             causal_diag=t == 0,
             softmax_scale=scale,
             deterministic=deterministic,
+            key_lists=index.key_lists(source),
             **index.step_doc_ids(source),
         )
         return contribution

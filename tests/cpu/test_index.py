@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtraining_kernels.index import BlockBarIndex, convert_index, convert_index_slow, count_work
+from mtraining_kernels.index import BlockBarIndex, block_lists_by_key, convert_index, convert_index_slow, count_work
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.reference import vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
@@ -131,6 +131,34 @@ def test_vectorised_conversion_equals_loops(case):
             )
         check_structure(fast, batch, heads)
         assert (fast.seq_len, fast.world_size, fast.rank, fast.layout) == (seq_len, layout.world_size, rank, layout)
+
+
+@settings(max_examples=40, deadline=None)
+@given(conversion_cases(max_blocks=16))
+def test_block_lists_by_key_transpose_every_step(case):
+    """index.key_lists(w) lists, per (b, h, key block j), exactly the query blocks i whose step-w list holds
+    j, ascending; the per-step build (a slice of blk_col, as a launcher without the index does it) agrees."""
+    layout, seq_len, batch, heads, v_width, s_width, seed = case
+    generator = torch.Generator().manual_seed(seed)
+    v_idx, s_idx = random_index(generator, batch, heads, seq_len, v_width, s_width)
+    index = convert_index(v_idx, s_idx, layout, layout.world_size - 1, seq_len)
+    nb = index.num_local_blocks
+    for w in range(layout.world_size):
+        key_ptr, key_qblock = index.key_lists(w)
+        first, last = int(index.blk_ptr[w].reshape(-1)[0]), int(index.blk_ptr[w].reshape(-1)[-1])
+        step_ptr, step_qblock = block_lists_by_key(index.blk_ptr[w], index.blk_col, first, last)
+        for b in range(batch):
+            for h in range(heads):
+                expected = {j: [] for j in range(nb)}
+                for i in range(nb):
+                    start, end = index.blk_ptr[w, b, h, i], index.blk_ptr[w, b, h, i + 1]
+                    for tile in index.blk_col[start:end].tolist()[::2]:
+                        expected[tile // 2].append(i)
+                for j in range(nb):
+                    got = key_qblock[key_ptr[b, h, j] : key_ptr[b, h, j + 1]].tolist()
+                    step = step_qblock[step_ptr[b, h, j] : step_ptr[b, h, j + 1]].tolist()
+                    assert got == step == expected[j], f"seed={seed} {layout} w={w} b={b} h={h} key block {j}"
+        assert key_ptr.shape == index.blk_ptr[w].shape and key_ptr.dtype == torch.int32
 
 
 @settings(max_examples=30, deadline=None)
