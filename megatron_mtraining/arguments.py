@@ -327,12 +327,7 @@ def _check_document_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
         if config.sdpa_impl is not None:
             raise ValueError(
                 f"--reset-attention-mask needs a document mask, which {flag('dense_impl')}={config.dense_impl} "
-                f"does not have; use {flag('dense_impl')} mtraining with {flag('backend')} torch"
-            )
-        if config.backend != "torch":
-            raise ValueError(
-                f"--reset-attention-mask needs kernels that mask packed documents, which {flag('backend')}="
-                f"{config.backend} does not have yet; use {flag('backend')} torch"
+                f"does not have; use {flag('dense_impl')} mtraining"
             )
         if args.mtp_num_layers:
             raise ValueError(

@@ -3,8 +3,10 @@
 * :func:`make_index` — random (v_idx, s_idx) of a named pattern kind;
 * :func:`ring_attention` — a whole flat ring simulated on one device with a backend's step launchers
   (every rank's forward steps, then every backward step), returned in global token order;
+  :func:`packed_ring_attention` the same for packed documents;
 * :func:`reference_attention` — fp32/fp64 (or low-precision) masked reference with autograd
   gradients, one query head at a time so that long sequences fit in memory;
+  :func:`packed_reference_attention` the same on the packed documents' mask;
 * :func:`assert_close_fa` — DESIGN.md §6: max|ours − ref| ≤ 2·max|lowprec − ref| + ε and relative RMSE;
 * :func:`poisoned_attention` — ``sparse_attention`` forward + backward with one NaN/Inf in q, k or v.
 """
@@ -14,10 +16,12 @@ from __future__ import annotations
 import torch
 from patterns import random_index
 
+from mtraining_kernels.document_conversion import convert_document_index
+from mtraining_kernels.document_index import DocumentIndex
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import sparse_attention
 from mtraining_kernels.layout import Layout
-from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.reference import packed_vertical_slash_mask, reference_sparse_attention, vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
 
 PATTERNS = ("mixed", "bars", "verticals", "slashes", "full")
@@ -55,10 +59,23 @@ def ring_attention(backend, q, k, v, dout, v_idx, s_idx, layout: Layout, *, dete
     Rank r's step t reads source w = (r − t) mod W with the causal mask only at w == r. The running
     output starts as NaN (lse = −inf must make the backend ignore it).
     """
-    world, seq_len = layout.world_size, q.shape[1]
+    seq_len, device = q.shape[1], q.device
+    indices = [convert_index(v_idx.to(device), s_idx.to(device), layout, r, seq_len) for r in range(layout.world_size)]
+    return _run_ring(backend, q, k, v, dout, indices, layout, deterministic)
+
+
+def packed_ring_attention(backend, q, k, v, dout, index: DocumentIndex, layout: Layout, *, deterministic=False):
+    """:func:`ring_attention` of packed documents: every rank's lists from ``convert_document_index``, the
+    steps' document ids from the index."""
+    indices = [convert_document_index(index, layout, r) for r in range(layout.world_size)]
+    return _run_ring(backend, q, k, v, dout, indices, layout, deterministic)
+
+
+def _run_ring(backend, q, k, v, dout, indices, layout: Layout, deterministic: bool):
+    """The steps of :func:`ring_attention` with rank r's lists ``indices[r]``."""
+    world = layout.world_size
     scale = q.shape[-1] ** -0.5
     device = q.device
-    indices = [convert_index(v_idx.to(device), s_idx.to(device), layout, r, seq_len) for r in range(world)]
     qs, ks, vs, douts = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, dout))
     outs, lses = [], []
     for r in range(world):
@@ -78,6 +95,7 @@ def ring_attention(backend, q, k, v, dout, v_idx, s_idx, layout: Layout, *, dete
                 lse,
                 causal_diag=(w == r),
                 softmax_scale=scale,
+                **idx.step_doc_ids(w),
             )
         outs.append(out)
         lses.append(lse)
@@ -105,6 +123,7 @@ def ring_attention(backend, q, k, v, dout, v_idx, s_idx, layout: Layout, *, dete
                 causal_diag=(w == r),
                 softmax_scale=scale,
                 deterministic=deterministic,
+                **idx.step_doc_ids(w),
             )
     lse = layout.unshard([x.transpose(1, 2) for x in lses]).transpose(1, 2)
     return (layout.unshard(outs), lse, layout.unshard(dqs), layout.unshard(dks), layout.unshard(dvs))
@@ -112,6 +131,22 @@ def ring_attention(backend, q, k, v, dout, v_idx, s_idx, layout: Layout, *, dete
 
 def reference_attention(q, k, v, dout, v_idx, s_idx, compute_dtype: torch.dtype):
     """Masked reference out, lse, dq, dk, dv in ``compute_dtype`` (autograd), one query head at a time."""
+    seq_len = q.shape[1]
+
+    def head_mask(h: int) -> torch.Tensor:
+        return vertical_slash_mask(v_idx[:, h : h + 1].to(q.device), s_idx[:, h : h + 1].to(q.device), seq_len)
+
+    return _reference_by_head(q, k, v, dout, head_mask, compute_dtype)
+
+
+def packed_reference_attention(q, k, v, dout, index: DocumentIndex, compute_dtype: torch.dtype):
+    """:func:`reference_attention` on the packed documents' mask (``packed_vertical_slash_mask``)."""
+    mask = packed_vertical_slash_mask(index).to(q.device)
+    return _reference_by_head(q, k, v, dout, lambda h: mask[:, h : h + 1], compute_dtype)
+
+
+def _reference_by_head(q, k, v, dout, head_mask, compute_dtype: torch.dtype):
+    """The reference of every query head h under ``head_mask(h)`` bool ``[b, 1, N, N]``."""
     batch, seq_len, heads, _ = q.shape
     group = heads // k.shape[2]
     out = torch.empty(q.shape, dtype=compute_dtype, device=q.device)
@@ -121,7 +156,7 @@ def reference_attention(q, k, v, dout, v_idx, s_idx, compute_dtype: torch.dtype)
     dv = torch.zeros_like(dk)
     for h in range(heads):
         kv = h // group
-        mask = vertical_slash_mask(v_idx[:, h : h + 1].to(q.device), s_idx[:, h : h + 1].to(q.device), seq_len)
+        mask = head_mask(h)
         leaves = [
             x.detach().to(compute_dtype).requires_grad_()
             for x in (q[:, :, h : h + 1], k[:, :, kv : kv + 1], v[:, :, kv : kv + 1])

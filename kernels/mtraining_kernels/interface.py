@@ -146,15 +146,6 @@ def _check_single_device(q: torch.Tensor, index: BlockBarIndex) -> None:
         raise ValueError(f"index was built for seq_len={index.seq_len} but q has length {q.shape[1]}")
 
 
-def check_document_backend(index: BlockBarIndex, backend: str) -> None:
-    """Refuse a packed index (``doc_ids`` set) on a backend without document masking."""
-    if index.doc_ids is not None and backend != "torch_blocksparse":
-        raise ValueError(
-            f"backend={backend!r} cannot mask packed documents yet (the index has doc_ids; Triton document "
-            "masking lands with the next kernels); use backend='torch_blocksparse'"
-        )
-
-
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -179,7 +170,6 @@ def sparse_attention(
     _check_single_device(q, index)
     if error := replay_output_error(q, replay_output):
         raise ValueError(error)
-    check_document_backend(index, backend)
     launcher = get_backend(backend)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = _SparseAttention.apply(q, k, v, index, scale, launcher, deterministic, replay_output)

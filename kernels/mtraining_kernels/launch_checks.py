@@ -26,6 +26,26 @@ def check_accumulator(name: str, tensor, shape: tuple, dtype: torch.dtype, devic
         )
 
 
+def check_doc_ids(query_doc_ids, key_doc_ids, batch: int, query_len: int, key_len: int, device) -> None:
+    """Raise ``ValueError`` unless both are None or int32 ``[b, Nq]`` / ``[b, Nk]`` on ``device`` (packed documents)."""
+    if (query_doc_ids is None) != (key_doc_ids is None):
+        raise ValueError(
+            "query_doc_ids and key_doc_ids go together (packed documents: index.step_doc_ids(source)); "
+            "pass both or neither"
+        )
+    if query_doc_ids is None:
+        return
+    for name, ids, length in (("query_doc_ids", query_doc_ids, query_len), ("key_doc_ids", key_doc_ids, key_len)):
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or tuple(ids.shape) != (batch, length):
+            raise ValueError(
+                f"{name} must be an int32 tensor [b, {'Nq' if name[0] == 'q' else 'Nk'}] = {(batch, length)} "
+                f"(the index's doc_ids of this step), got {getattr(ids, 'dtype', type(ids))} "
+                f"{tuple(getattr(ids, 'shape', ()))}"
+            )
+        if ids.device != device:
+            raise ValueError(f"{name} is on {ids.device}; move it to {device}")
+
+
 # implementation="auto": the Triton kernel for CUDA tensors, PyTorch ops elsewhere; "torch" / "triton" force one
 # path (the PyTorch path on a GPU; Triton-interpreter tests on the CPU). Both give the same results.
 IMPLEMENTATIONS = ("auto", "torch", "triton")

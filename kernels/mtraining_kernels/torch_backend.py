@@ -25,7 +25,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from .launch_checks import check_accumulator
+from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
 from .merge import merge_attention
 
@@ -92,25 +92,6 @@ def _check_index(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, k
         raise ValueError(
             f"bar_col holds key columns outside [0, {key_len}) = [0, Nk); the index was built for another local length"
         )
-
-
-def _check_doc_ids(query_doc_ids, key_doc_ids, batch: int, query_len: int, key_len: int, device) -> None:
-    if (query_doc_ids is None) != (key_doc_ids is None):
-        raise ValueError(
-            "query_doc_ids and key_doc_ids go together (packed documents: index.step_doc_ids(source)); "
-            "pass both or neither"
-        )
-    if query_doc_ids is None:
-        return
-    for name, ids, length in (("query_doc_ids", query_doc_ids, query_len), ("key_doc_ids", key_doc_ids, key_len)):
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or tuple(ids.shape) != (batch, length):
-            raise ValueError(
-                f"{name} must be an int32 tensor [b, {'Nq' if name[0] == 'q' else 'Nk'}] = {(batch, length)} "
-                f"(the index's doc_ids of this step), got {getattr(ids, 'dtype', type(ids))} "
-                f"{tuple(getattr(ids, 'shape', ()))}"
-            )
-        if ids.device != device:
-            raise ValueError(f"{name} is on {ids.device}; move it to {device}")
 
 
 def _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale) -> torch.dtype:
@@ -255,7 +236,7 @@ def block_bar_forward(
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
-    _check_doc_ids(query_doc_ids, key_doc_ids, batch, query_len, k.shape[1], q.device)
+    check_doc_ids(query_doc_ids, key_doc_ids, batch, query_len, k.shape[1], q.device)
     check_accumulator("out", out, tuple(q.shape), acc, q.device, "the running output [b, Nq, Hq, d]")
     check_accumulator("lse", lse, (batch, heads, query_len), acc, q.device, "the running lse [b, Hq, Nq]")
     q = q.contiguous()
@@ -316,7 +297,7 @@ def block_bar_backward(
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
-    _check_doc_ids(query_doc_ids, key_doc_ids, batch, query_len, k.shape[1], q.device)
+    check_doc_ids(query_doc_ids, key_doc_ids, batch, query_len, k.shape[1], q.device)
     if not isinstance(dout, torch.Tensor) or dout.dtype not in (q.dtype, acc):
         raise ValueError(f"dout must be a tensor of dtype {q.dtype} or {acc}, got {getattr(dout, 'dtype', type(dout))}")
     if dout.shape != q.shape or dout.device != q.device:

@@ -16,6 +16,7 @@ one step's lists ``blk_ptr``/``bar_ptr`` int32 ``[b, Hq, nb+1]`` with absolute o
 1-D int32 ``blk_col``/``bar_col`` (see ``mtraining_kernels.index.BlockBarIndex``: each listed block as
 its sub-tile pair 2j, 2j+1, which the forward reads as one tile; values are not checked here, as that
 would cost a device sync per step, the reference backend checks them); fp32, contiguous in-place buffers.
+Packed documents: ``query_doc_ids``/``key_doc_ids`` as in ``mtraining_kernels.torch_backend``.
 Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
@@ -27,7 +28,7 @@ import os
 import torch
 
 from .index import block_lists_by_key
-from .launch_checks import check_accumulator
+from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
 from .triton_bwd import bar_chunk_backward_kernel, key_major_backward_kernel, query_major_backward_kernel
 from .triton_fwd import block_bar_forward_kernel
@@ -110,12 +111,14 @@ def _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch: int, heads: int, num
             raise ValueError(f"{name}_col must be contiguous; pass {name}_col.contiguous()")
 
 
-def _refuse_documents(query_doc_ids, key_doc_ids) -> None:
-    if query_doc_ids is not None or key_doc_ids is not None:
-        raise ValueError(
-            "the triton backend cannot mask packed documents yet (query_doc_ids/key_doc_ids given; Triton "
-            "document masking lands with the next kernels); use backend='torch_blocksparse'"
-        )
+def _document_arguments(query_doc_ids, key_doc_ids, q: torch.Tensor, key_len: int, placeholder: torch.Tensor):
+    """The kernels' (QUERY_DOCS, KEY_DOCS, stride_docb) and ``DOCUMENTS`` flag; without documents a
+    placeholder pointer the kernels never read."""
+    check_doc_ids(query_doc_ids, key_doc_ids, q.shape[0], q.shape[1], key_len, q.device)
+    if query_doc_ids is None:
+        return (placeholder, placeholder, 0), {"DOCUMENTS": False}
+    query_doc_ids, key_doc_ids = query_doc_ids.contiguous(), key_doc_ids.contiguous()
+    return (query_doc_ids, key_doc_ids, query_doc_ids.stride(0)), {"DOCUMENTS": True}
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -163,16 +166,17 @@ def block_bar_forward(
     q ``[b, Nq, Hq, d]``; k, v ``[b, Nk, Hkv, d]``; blk_ptr/bar_ptr int32 ``[b, Hq, nb+1]``
     (absolute offsets into blk_col/bar_col); out fp32 ``[b, Nq, Hq, d]`` and lse fp32 ``[b, Hq, Nq]``,
     contiguous. lse = −inf means "nothing yet"; rows without work are not written.
-    ``causal_diag`` applies the token causal mask to query block i's sub-tiles 2i and 2i+1. Document ids
-    (packed documents) are refused with a ``ValueError``.
+    ``causal_diag`` applies the token causal mask to query block i's sub-tiles 2i and 2i+1.
+    ``query_doc_ids`` int32 ``[b, Nq]`` and ``key_doc_ids`` int32 ``[b, Nk]`` (packed documents, both or
+    neither; ``BlockBarIndex.step_doc_ids``): a listed score counts only where the two ids agree.
     """
-    _refuse_documents(query_doc_ids, key_doc_ids)
     _check_inputs(q, k, v, softmax_scale)
     batch, query_len, heads, dim = q.shape
     num_blocks = query_len // BLOCK_SIZE
     _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, q.device)
     check_accumulator("out", out, tuple(q.shape), ACCUMULATOR_DTYPE, q.device, "the running output [b, Nq, Hq, d]")
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the running lse [b, Hq, Nq]")
+    documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     block_bar_forward_kernel[(num_blocks, heads, batch)](
         q,
@@ -184,6 +188,7 @@ def block_bar_forward(
         blk_col,
         bar_ptr,
         bar_col,
+        *documents[:2],
         *_bhs(q),
         *_bhs(k),
         *_bhs(v),
@@ -192,10 +197,12 @@ def block_bar_forward(
         lse.stride(1),
         blk_ptr.stride(0),
         blk_ptr.stride(1),
+        documents[2],
         num_blocks,
         heads // k.shape[2],
         softmax_scale * LOG2E,
         CAUSAL_DIAG=bool(causal_diag),
+        **document_flag,
         **_tiles(dim),
         **_forward_config(dim),
     )
@@ -316,9 +323,8 @@ def block_bar_backward(
     ``key_lists`` (key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32): this step's block lists by key,
     ``BlockBarIndex.key_lists(source)``; without it they are built here (one host sync).
     ``deterministic`` uses no atomics (and a few host syncs to regroup the bars by column); repeated
-    calls on the same inputs are then bitwise equal. Document ids are refused as in :func:`block_bar_forward`.
+    calls on the same inputs are then bitwise equal. Document ids as in :func:`block_bar_forward`.
     """
-    _refuse_documents(query_doc_ids, key_doc_ids)
     _check_inputs(q, k, v, softmax_scale)
     batch, query_len, heads, dim = q.shape
     num_blocks = query_len // BLOCK_SIZE
@@ -334,6 +340,7 @@ def block_bar_backward(
     check_accumulator("dq", dq, tuple(q.shape), ACCUMULATOR_DTYPE, q.device, "the dq accumulator [b, Nq, Hq, d]")
     check_accumulator("dk", dk, tuple(k.shape), ACCUMULATOR_DTYPE, q.device, "the dk accumulator [b, Nk, Hkv, d]")
     check_accumulator("dv", dv, tuple(v.shape), ACCUMULATOR_DTYPE, q.device, "the dv accumulator [b, Nk, Hkv, d]")
+    documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -358,6 +365,7 @@ def block_bar_backward(
         blk_col,
         bar_ptr,
         bar_col,
+        *documents[:2],
         *operand_strides,
         *_bhs(dq),
         *_bhs(dk),
@@ -366,12 +374,14 @@ def block_bar_backward(
         lse.stride(1),
         blk_ptr.stride(0),
         blk_ptr.stride(1),
+        documents[2],
         num_blocks,
         group,
         softmax_scale,
         qk_scale_log2,
         CAUSAL_DIAG=bool(causal_diag),
         ATOMIC_BAR_DKDV=not deterministic,
+        **document_flag,
         **tiles,
         **QUERY_MAJOR_CONFIG,
     )
@@ -386,6 +396,7 @@ def block_bar_backward(
         dv,
         key_ptr,
         key_qblock,
+        *documents[:2],
         *operand_strides,
         *_bhs(dk),
         *_bhs(dv),
@@ -393,6 +404,7 @@ def block_bar_backward(
         key_ptr.stride(1),
         lse.stride(0),
         lse.stride(1),
+        documents[2],
         num_blocks,
         heads,
         group,
@@ -401,6 +413,7 @@ def block_bar_backward(
         CAUSAL_DIAG=bool(causal_diag),
         HEAD_DIM=dim,
         BLOCK_M=BLOCK_SIZE,
+        **document_flag,
         **KEY_MAJOR_CONFIG,
     )
     if not deterministic:
@@ -427,13 +440,16 @@ def block_bar_backward(
         chunks.pair_ptr,
         chunks.pair_qblock,
         chunks.pair_bits,
+        *documents[:2],
         *operand_strides,
         lse.stride(0),
         lse.stride(1),
+        documents[2],
         heads,
         group,
         softmax_scale,
         qk_scale_log2,
+        **document_flag,
         **tiles,
         **BAR_CHUNK_CONFIG,
     )

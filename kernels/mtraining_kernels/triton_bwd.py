@@ -1,7 +1,9 @@
 """Triton backward kernels of one ring step (DESIGN.md §2.6).
 
 Every kernel recomputes P = exp2(scale·log2(e)·q·kᵀ − lse·log2(e)) from the FINAL merged lse and
-uses dS = P ⊙ (dO·Vᵀ − delta); the softmax scale is applied once to dq/dk at the store.
+uses dS = P ⊙ (dO·Vᵀ − delta); the softmax scale is applied once to dq/dk at the store. With
+``DOCUMENTS`` (packed documents) P is 0 wherever the query row's and the key's document ids differ;
+QUERY_DOCS / KEY_DOCS are int32 ``[b, N]`` with batch stride ``stride_docb``.
 
 * :func:`query_major_backward_kernel` — a program owns a query block's dq rows over its listed
   64-key sub-tiles and its bars; with ``ATOMIC_BAR_DKDV`` it also adds the bar tiles' dk/dv into the
@@ -56,6 +58,8 @@ def query_major_backward_kernel(
     BLK_COL,
     BAR_PTR,
     BAR_COL,
+    QUERY_DOCS,
+    KEY_DOCS,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -81,6 +85,7 @@ def query_major_backward_kernel(
     stride_lh,
     stride_pb,
     stride_ph,
+    stride_docb,
     num_q_blocks,
     group_size,
     softmax_scale,
@@ -90,6 +95,7 @@ def query_major_backward_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr,
     ATOMIC_BAR_DKDV: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """Grid (nb, Hq, b): the dq of one query block over its listed 64-key sub-tiles and its bars (the
     longest lists, the last query blocks, first)."""
@@ -119,6 +125,10 @@ def query_major_backward_kernel(
     )
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
+    key_docs_base = KEY_DOCS + sample * stride_docb
+    q_docs = q_rows  # unused without DOCUMENTS
+    if DOCUMENTS:
+        q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     for entry in range(blk_start, blk_end):
@@ -130,6 +140,8 @@ def query_major_backward_kernel(
         if CAUSAL_DIAG:
             off_diagonal = (tile // 2) != qblock
             probs = tl.where(off_diagonal | (k_rows[None, :] <= q_rows[:, None]), probs, 0.0)
+        if DOCUMENTS:
+            probs = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], probs, 0.0)
         dscores = probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(dscores.to(k.dtype), k)
 
@@ -142,6 +154,9 @@ def query_major_backward_kernel(
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=listed[:, None], other=0.0)
         probs = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale_log2 - lse2[:, None])
         probs = tl.where(listed[None, :], probs, 0.0)
+        if DOCUMENTS:
+            same_doc = q_docs[:, None] == tl.load(key_docs_base + cols, mask=listed, other=-1)[None, :]
+            probs = tl.where(same_doc, probs, 0.0)
         dscores = probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(dscores.to(k.dtype), k)
         if ATOMIC_BAR_DKDV:
@@ -169,6 +184,8 @@ def key_major_backward_kernel(
     DV,
     KEY_PTR,
     KEY_QBLOCK,
+    QUERY_DOCS,
+    KEY_DOCS,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -191,6 +208,7 @@ def key_major_backward_kernel(
     stride_kph,
     stride_lb,
     stride_lh,
+    stride_docb,
     num_blocks,
     heads_q,
     group_size,
@@ -200,6 +218,7 @@ def key_major_backward_kernel(
     BLOCK_M: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr,
     QUERY_ROWS: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """Grid (nb, Hkv, b): the dk/dv of one 128-key block over the query blocks of its GQA group that
     list it. KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph): row (z, h, key block j)
@@ -217,6 +236,9 @@ def key_major_backward_kernel(
     v = tl.load(V + sample * stride_vb + kv_head * stride_vh + rows64 * stride_vn + offs_d[None, :])
     dk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_docs = k_rows  # unused without DOCUMENTS
+    if DOCUMENTS:
+        k_docs = tl.load(KEY_DOCS + sample * stride_docb + k_rows)
     visits = 0
 
     for member in range(0, group_size):
@@ -245,6 +267,9 @@ def key_major_backward_kernel(
             if CAUSAL_DIAG:
                 off_diagonal = key_block != qblock
                 probs_t = tl.where(off_diagonal | (k_rows[:, None] <= q_rows[None, :]), probs_t, 0.0)
+            if DOCUMENTS:
+                q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
+                probs_t = tl.where(k_docs[:, None] == q_docs[None, :], probs_t, 0.0)
             dv += tl.dot(probs_t.to(do.dtype), do)
             dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dscores_t.to(q.dtype), q)
@@ -273,6 +298,8 @@ def bar_chunk_backward_kernel(
     PAIR_PTR,
     PAIR_QBLOCK,
     PAIR_BITS,
+    QUERY_DOCS,
+    KEY_DOCS,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -287,6 +314,7 @@ def bar_chunk_backward_kernel(
     stride_dh,
     stride_lb,
     stride_lh,
+    stride_docb,
     heads_q,
     group_size,
     softmax_scale,
@@ -295,6 +323,7 @@ def bar_chunk_backward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QUERY_ROWS: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """Chunk c covers BAR_COLUMN[first : first+len] (distinct local key columns of row CHUNK_HEAD[c] =
     z·Hq + h); pairs PAIR_PTR[c] … PAIR_PTR[c+1] give a query block and a 64-bit word whose bit t says
@@ -319,6 +348,9 @@ def bar_chunk_backward_kernel(
     v = tl.load(v_ptrs, mask=in_chunk[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    k_docs = cols  # unused without DOCUMENTS
+    if DOCUMENTS:
+        k_docs = tl.load(KEY_DOCS + sample * stride_docb + cols, mask=in_chunk, other=-1)
     q_base = Q + sample * stride_qb + head * stride_qh
     do_base = DO + sample * stride_db + head * stride_dh
     lse_offset = sample * stride_lb + head * stride_lh
@@ -340,6 +372,9 @@ def bar_chunk_backward_kernel(
         )
         probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
         probs_t = tl.where(listed[:, None], probs_t, 0.0)
+        if DOCUMENTS:
+            q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
+            probs_t = tl.where(k_docs[:, None] == q_docs[None, :], probs_t, 0.0)
         dv += tl.dot(probs_t.to(do.dtype), do)
         dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(dscores_t.to(q.dtype), q)

@@ -11,6 +11,8 @@ One program owns one (128-row local query block i, query head h, sample z). It w
 with an online softmax in base 2 (``qk_scale_log2 = softmax_scale · log2(e)`` folded into the
 scores) and fp32 accumulators, then merges the step's (out, lse) into the running fp32 buffers
 in place with the stable log-sum-exp merge of DESIGN.md §2.4. Rows without work are not written.
+With ``DOCUMENTS`` (packed documents, DESIGN.md §2.7) a listed score (i, j) counts only where the query
+row's and the key's document ids agree.
 
 GQA: KV head = h // group; K/V are read in place from ``[b, Nk, Hkv, d]`` (never repeated).
 All row offsets are formed in int64, so sequences past 2^31 elements per tensor are safe.
@@ -65,17 +67,22 @@ def _block_tile_step(
     stride_kn,
     stride_vn,
     qk_scale_log2,
+    q_docs,
+    key_docs_base,
     SUB_TILE: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """Fold the listed 128-key block whose sub-tiles start at ``first_sub_tile`` in (with the token causal
-    mask when ``CAUSAL_MASK``)."""
+    mask when ``CAUSAL_MASK``, the document mask when ``DOCUMENTS``)."""
     k_rows = (first_sub_tile * SUB_TILE + offs_block).to(tl.int64)
     k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
     v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
     scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
     if CAUSAL_MASK:
         scores = tl.where(k_rows[None, :] <= q_rows[:, None], scores, float("-inf"))
+    if DOCUMENTS:
+        scores = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], scores, float("-inf"))
     return _online_softmax_step(acc, row_max, row_sum, scores, v)
 
 
@@ -90,6 +97,8 @@ def block_bar_forward_kernel(
     BLK_COL,
     BAR_PTR,
     BAR_COL,
+    QUERY_DOCS,
+    KEY_DOCS,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -106,6 +115,7 @@ def block_bar_forward_kernel(
     stride_lh,
     stride_pb,
     stride_ph,
+    stride_docb,
     num_q_blocks,
     group_size,
     qk_scale_log2,
@@ -113,7 +123,10 @@ def block_bar_forward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
+    """QUERY_DOCS / KEY_DOCS int32 ``[b, N]`` (batch stride ``stride_docb``): the document of every local
+    query row and source key column, read only with ``DOCUMENTS``."""
     # heavy query blocks (late in the sequence) start first
     qblock = num_q_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -133,6 +146,10 @@ def block_bar_forward_kernel(
     q = tl.load(Q + sample * stride_qb + head * stride_qh + q_rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :])
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
+    key_docs_base = KEY_DOCS + sample * stride_docb
+    q_docs = q_rows  # unused without DOCUMENTS
+    if DOCUMENTS:
+        q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -157,8 +174,11 @@ def block_bar_forward_kernel(
             stride_kn,
             stride_vn,
             qk_scale_log2,
+            q_docs,
+            key_docs_base,
             BLOCK_N,
             False,
+            DOCUMENTS,
         )
     for entry in range(diag_start, blk_end, 2):
         acc, row_max, row_sum = _block_tile_step(
@@ -175,8 +195,11 @@ def block_bar_forward_kernel(
             stride_kn,
             stride_vn,
             qk_scale_log2,
+            q_docs,
+            key_docs_base,
             BLOCK_N,
             True,
+            DOCUMENTS,
         )
 
     # ---- loop 2: bar columns, gathered 64 at a time (bars are never causal)
@@ -187,6 +210,9 @@ def block_bar_forward_kernel(
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=listed[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         scores = tl.where(listed[None, :], scores, float("-inf"))
+        if DOCUMENTS:
+            same_doc = q_docs[:, None] == tl.load(key_docs_base + cols, mask=listed, other=-1)[None, :]
+            scores = tl.where(same_doc, scores, float("-inf"))
         acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v)
 
     # ---- epilogue: stable merge into the running (out, lse); rows without work stay untouched

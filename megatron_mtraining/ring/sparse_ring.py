@@ -18,7 +18,7 @@ import math
 import torch
 
 from mtraining_kernels.index import BlockBarIndex
-from mtraining_kernels.interface import check_document_backend, get_backend, replay_output_error
+from mtraining_kernels.interface import get_backend, replay_output_error
 from mtraining_kernels.layout import Layout
 
 from .comm import WIRE_DTYPES
@@ -92,15 +92,6 @@ def _documents_digest(index: BlockBarIndex) -> str | None:
     return hashlib.sha256(index.doc_ids.contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
-def _documents_error(index: BlockBarIndex, backend: str) -> str:
-    """Why this backend cannot run this index's documents, or '' (never raises)."""
-    try:
-        check_document_backend(index, backend)
-    except ValueError as error:
-        return str(error)
-    return ""
-
-
 # every setting that changes what the ring sends or computes; the ranks agree on them exactly
 _RING_SETTINGS = (
     "b",
@@ -152,7 +143,6 @@ def check_ring_inputs(
     error = (
         _options_error(backend, softmax_scale, grad_wire_dtype)
         or _signature_error(q, k, v, index, groups)
-        or _documents_error(index, backend)
         or replay_output_error(q, replay_output)
     )
     values = None

@@ -188,7 +188,6 @@ def test_contradictory_mtraining_flags_are_rejected(parser, extra, cp, message):
         ("--position-embedding-type mrope", "--position-embedding-type mrope"),
         ("--sft", "--sft need per-document attention masks"),
         ("--dataloader-inter-document-masking", "--dataloader-inter-document-masking need"),
-        ("--reset-attention-mask --mtraining-backend triton", "--reset-attention-mask needs kernels that mask"),
         ("--mtraining-loss-chunk-size -1", "--mtraining-loss-chunk-size=-1 must be >= 0"),
         ("--mtraining-loss-chunk-size 4096 --defer-embedding-wgrad-compute", "--defer-embedding-wgrad-compute"),
         ("--mtraining-dense-layers 5", "--mtraining-dense-layers lists layers [5]"),

@@ -1,9 +1,10 @@
 """Packed documents on the torch_blocksparse backend (DESIGN.md §2.7) against the fp64 reference on the oracle's
-packed mask: single device and the per-step launchers of a ring simulated on one process; the Triton refusal."""
+packed mask: single device and the per-step launchers of a ring simulated on one process (the Triton kernels'
+packed documents: tests/cpu/test_triton_interpret.py)."""
 
 import pytest
 import torch
-from test_document_conversion import packed_documents, random_document_index, random_lengths
+from document_cases import packed_documents, random_document_index, random_lengths
 
 from mtraining_kernels.budget import StaticBudget
 from mtraining_kernels.document_conversion import convert_document_index
@@ -176,30 +177,6 @@ def packed_index(seq_len: int = 512):
     documents = packed_documents([[200, 1, 311]], seq_len)
     generator = torch.Generator().manual_seed(0)
     return convert_document_index(random_document_index(generator, documents, heads=Q_HEADS), SINGLE, 0)
-
-
-def test_triton_refuses_a_packed_index():
-    q, k, v = random_qkv(torch.Generator().manual_seed(0), 1, 512, dtype=torch.float32)
-    with pytest.raises(ValueError, match="backend='torch_blocksparse'"):
-        sparse_attention(q, k, v, packed_index(), backend="triton")
-
-
-def test_triton_launchers_refuse_document_ids():
-    triton_backend = pytest.importorskip("mtraining_kernels.triton_backend")
-    index = packed_index()
-    lists = (index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col)
-    q, k, v = random_qkv(torch.Generator().manual_seed(0), 1, 512, dtype=torch.bfloat16)
-    out = torch.zeros(q.shape)
-    lse = torch.full((1, Q_HEADS, 512), float("-inf"))
-    with pytest.raises(ValueError, match="backend='torch_blocksparse'"):
-        triton_backend.block_bar_forward(
-            q, k, v, *lists, out, lse, causal_diag=True, softmax_scale=0.25, **index.step_doc_ids(0)
-        )
-    grads = [torch.zeros(x.shape) for x in (q, k, v)]
-    with pytest.raises(ValueError, match="backend='torch_blocksparse'"):
-        triton_backend.block_bar_backward(
-            q, k, v, q, lse, lse, *lists, *grads, causal_diag=True, softmax_scale=0.25, **index.step_doc_ids(0)
-        )
 
 
 @pytest.mark.parametrize(

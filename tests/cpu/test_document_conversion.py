@@ -3,6 +3,7 @@ masked by doc(i) == doc(j), reproduce the oracle's packed mask for every rank of
 
 import pytest
 import torch
+from document_cases import MIN_SPARSE, packed_documents, random_document_index, random_lengths
 
 from mtraining_kernels.document_conversion import convert_document_index, convert_document_index_slow
 from mtraining_kernels.document_index import DocumentIndex
@@ -13,7 +14,6 @@ from mtraining_kernels.reference import packed_vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
 
 FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
-MIN_SPARSE = 100
 LAYOUTS = [Layout(kind, world) for world in (1, 2, 3) for kind in ("contiguous", "zigzag", "striped")]
 LAYOUTS.append(Layout("striped", 2, 256))
 
@@ -25,65 +25,6 @@ def layout_id(layout: Layout) -> str:
 def sequence_length(layout: Layout, at_least: int) -> int:
     unit = layout.unit(BLOCK_SIZE)
     return unit * -(-at_least // unit)
-
-
-def packed_documents(lengths: list[list[int]], seq_len: int) -> Documents:
-    """Documents of the given lengths per sample (each row sums to ``seq_len``)."""
-    width = max(len(row) for row in lengths)
-    starts = [[sum(row[:d]) for d in range(len(row))] + [seq_len] * (width - len(row)) for row in lengths]
-    return Documents(torch.tensor(starts), seq_len)
-
-
-def random_lengths(generator: torch.Generator, seq_len: int) -> list[int]:
-    """Document lengths summing to ``seq_len``: one-token documents, shorter than 64 and 128, exactly
-    MIN_SPARSE, and long ones, in random order (so boundaries fall inside blocks and on rank boundaries)."""
-    kinds = [lambda: 1, lambda: 2 + draw(61), lambda: 64 + draw(63), lambda: MIN_SPARSE, lambda: 129 + draw(400)]
-
-    def draw(high: int) -> int:
-        return int(torch.randint(0, high + 1, (1,), generator=generator))
-
-    lengths: list[int] = []
-    while sum(lengths) < seq_len:
-        lengths.append(min(kinds[draw(len(kinds) - 1)](), seq_len - sum(lengths)))
-    return lengths
-
-
-def random_document_index(
-    generator: torch.Generator, documents: Documents, heads: int, v_width: int = 24, s_width: int = 16
-) -> DocumentIndex:
-    """A valid random index per document of at least MIN_SPARSE tokens (the others dense). Per head a random
-    number of verticals inside the document and of offsets below its length, with or without the forced
-    sinks and window; slash candidates include exact multiples of 128 (one block only)."""
-    seq_len = documents.seq_len
-    sparse = documents.lengths >= MIN_SPARSE
-    slots = (documents.batch_size, documents.max_documents, heads)
-    v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32)
-    s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32)
-
-    def pick(pool: torch.Tensor, width: int) -> torch.Tensor:
-        pool = pool.unique()
-        count = int(torch.randint(0, min(width, pool.numel()) + 1, (1,), generator=generator))
-        return pool[torch.randperm(pool.numel(), generator=generator)[:count]].sort().values
-
-    for sample, document in sparse.nonzero().tolist():
-        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
-        for head in range(heads):
-            forced = bool(torch.randint(0, 2, (1,), generator=generator))
-            verticals = torch.randint(0, length, (2 * v_width,), generator=generator)
-            slashes = torch.cat(
-                [
-                    torch.randint(0, length, (s_width,), generator=generator),
-                    torch.randint(0, (length - 1) // BLOCK_SIZE + 1, (1,), generator=generator) * BLOCK_SIZE,
-                ]
-            )
-            if forced:
-                verticals = torch.cat([torch.arange(min(30, length)), verticals])
-                slashes = torch.cat([torch.arange(min(100, length)), slashes])
-            chosen_v = pick(verticals, v_width) + start
-            chosen_s = pick(slashes, s_width)
-            v_idx[sample, document, head, : chosen_v.numel()] = chosen_v.to(torch.int32)
-            s_idx[sample, document, head, : chosen_s.numel()] = chosen_s.to(torch.int32)
-    return DocumentIndex(documents, sparse, v_idx, s_idx)
 
 
 def paint_mask(index: BlockBarIndex, doc_id: torch.Tensor, heads: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The launcher's packed-document path (DESIGN.md §2.7): flags, ``get_batch`` and the forward step.
 
-* ``--reset-attention-mask`` is accepted with ``--mtraining-backend torch`` and refused, naming the fix, with
-  Triton, an SDPA dense impl, MTP or pipeline parallelism; ``--reset-position-ids`` needs unfused RoPE and
+* ``--reset-attention-mask`` is accepted with either backend and refused, naming the fix, with
+  an SDPA dense impl, MTP or pipeline parallelism; ``--reset-position-ids`` needs unfused RoPE and
   one pipeline stage;
 * ``get_batch`` derives the documents from the whole sequences' tokens on every CP rank, before the layout
   permutation, and the forward step hands them to the model as ``packed_seq_params``;
@@ -26,11 +26,13 @@ SEQ_LEN = 512
 EOD = 0
 
 
-def test_reset_attention_mask_is_accepted_with_the_torch_backend(parser):  # noqa: F811
+def test_reset_attention_mask_is_accepted_with_both_backends(parser):  # noqa: F811
     documents = "--reset-attention-mask --reset-position-ids --no-rope-fusion --eod-mask-loss"
-    for layout in ("striped", "zigzag", "contiguous"):
-        flags = f"{documents} --mtraining-backend torch --mtraining-layout {layout}"
-        assert validate_mtraining_args(_parse(parser, flags)).layout == layout
+    for backend in ("torch", "triton"):
+        for layout in ("striped", "zigzag", "contiguous"):
+            flags = f"{documents} --mtraining-backend {backend} --mtraining-layout {layout}"
+            config = validate_mtraining_args(_parse(parser, flags))
+            assert (config.backend, config.layout) == (backend, layout)
     positions_only = "--reset-position-ids --no-rope-fusion --mtraining-backend triton"
     assert validate_mtraining_args(_parse(parser, positions_only)).backend == "triton"
 
@@ -38,10 +40,6 @@ def test_reset_attention_mask_is_accepted_with_the_torch_backend(parser):  # noq
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (
-            "--reset-attention-mask --mtraining-backend triton",
-            "--mtraining-backend=triton does not have yet; use --mtraining-backend torch",
-        ),
         (
             "--reset-attention-mask --mtraining-backend torch --mtraining-dense --mtraining-dense-impl sdpa_cudnn "
             "--mtraining-layout zigzag",

@@ -20,16 +20,26 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("triton")
 
+from document_cases import (
+    packed_documents,
+    packed_index_with_cross_document_bars,
+    random_document_index,
+    random_lengths,
+)
 from triton_cases import (
     assert_close_fa,
     make_index,
     make_qkv_dout,
+    packed_reference_attention,
+    packed_ring_attention,
     reference_attention,
     ring_attention,
 )
 
 from mtraining_kernels import torch_backend, triton_backend, triton_bwd, triton_fwd
+from mtraining_kernels.document_conversion import convert_document_index
 from mtraining_kernels.index import convert_index
+from mtraining_kernels.interface import sparse_attention
 from mtraining_kernels.layout import Layout
 
 _interpreted = type(triton_fwd.block_bar_forward_kernel).__name__ == "InterpretedFunction"
@@ -62,6 +72,45 @@ def test_ring_steps_match_reference(seed, kind, world, seq_len, heads, kv_heads,
     context = f"seed={seed} {kind} W={world} N={seq_len} Hq={heads} Hkv={kv_heads} d={dim} {dtype} {pattern}"
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert_close_fa(name, a, r, lo, dtype, context)
+
+
+PACKED_LAYOUTS = [Layout("contiguous", 1), Layout("striped", 2), Layout("zigzag", 2)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS, ids=lambda layout: f"{layout.kind}-W{layout.world_size}")
+def test_packed_documents_ring_steps_match_reference(seed, layout, deterministic):
+    """Random packed documents (sparse and dense ones, straddling blocks), every ring step's launchers against
+    the fp64 reference on the packed mask, forward and all gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len, heads, kv_heads, dim, dtype = 512, 2, 1, 64, torch.float16
+    index = packed_index_with_cross_document_bars(generator, seq_len, heads)
+    documents = index.documents
+    q, k, v, dout = make_qkv_dout(2, seq_len, heads, kv_heads, dim, dtype, "cpu", generator)
+    ours = packed_ring_attention(triton_backend, q, k, v, dout, index, layout, deterministic=deterministic)
+    ref = packed_reference_attention(q, k, v, dout, index, torch.float64)
+    low = packed_reference_attention(q, k, v, dout, index, dtype)
+    context = f"seed={seed} {layout} deterministic={deterministic} documents={documents.lengths.tolist()}"
+    for name, o, r, lo in zip(NAMES, ours, ref, low):
+        assert_close_fa(name, o, r, lo, dtype, context)
+
+
+def test_packed_documents_through_sparse_attention_match_the_torch_backend(seed):
+    """The single-device entry point (the index's cached by-key lists) on a packed index: Triton and the
+    torch_blocksparse backend agree within the input precision."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = 512
+    documents = packed_documents([[200, 1, 311], random_lengths(generator, seq_len)], seq_len)
+    index = convert_document_index(random_document_index(generator, documents, heads=2), Layout("contiguous", 1), 0)
+    q, k, v, dout = make_qkv_dout(2, seq_len, 2, 1, 64, torch.float16, "cpu", generator)
+    results = {}
+    for backend in ("triton", "torch_blocksparse"):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = sparse_attention(*inputs, index, backend=backend)
+        results[backend] = (out, *torch.autograd.grad(out, inputs, dout))
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv"), results["triton"], results["torch_blocksparse"]):
+        error = (ours.double() - theirs.double()).norm() / theirs.double().norm()
+        assert error < 5e-3, f"seed={seed} {name}: relative RMSE {error:.2e} against torch_blocksparse"
 
 
 def test_matches_torch_backend_per_step(seed):

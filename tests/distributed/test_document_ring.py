@@ -83,7 +83,7 @@ def _bad_rank(rank, world_size, problem):
     if problem == "other_documents" and rank == 1:
         moved = Documents(torch.tensor([[0, 131, 132, 300], [0, 64, 200, 512]]), seq_len)
         doc_index, _ = estimate_document_index(q, k, moved, BUDGET, min_sparse_length=MIN_SPARSE_LENGTH)
-    backend = "triton" if problem == "triton_backend" else "torch_blocksparse"
+    backend = "torch_blocksparse"
     index = convert_document_index(doc_index, layout, rank)
     local = [layout.shard(t, rank, dim=1) for t in (q, k, v)]
     try:
@@ -97,7 +97,6 @@ def _bad_rank(rank, world_size, problem):
     "problem, message",
     [
         ("other_documents", r"ring attention: the ranks of the group disagree on \{'documents'"),
-        ("triton_backend", r"backend='triton' cannot mask packed documents yet.*use backend='torch_blocksparse'"),
     ],
 )
 def test_bad_documents_raise_on_every_rank_without_hanging(distributed, problem, message):

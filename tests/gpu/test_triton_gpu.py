@@ -3,14 +3,26 @@
 Covers GQA 1:1 / 4:1 / 8:1, head dims 64 and 128, bf16 and fp16, single-device and
 W=2 rings (diagonal and off-diagonal steps, every layout), patterns with only verticals, only
 slashes, bars, forced entries and the full triangle, up to N = 32K; NaN-poisoned running outputs;
-bitwise-repeatable deterministic backwards; agreement with the torch_blocksparse backend.
+bitwise-repeatable deterministic backwards; agreement with the torch_blocksparse backend; packed
+documents (DESIGN.md §2.7) on one device and in W = 2 rings.
 """
 
 import pytest
 import torch
-from triton_cases import assert_close_fa, make_index, make_qkv_dout, reference_attention, ring_attention
+from document_cases import packed_index_with_cross_document_bars
+from triton_cases import (
+    assert_close_fa,
+    make_index,
+    make_qkv_dout,
+    packed_reference_attention,
+    packed_ring_attention,
+    reference_attention,
+    ring_attention,
+)
 
 from mtraining_kernels import torch_backend, triton_backend
+from mtraining_kernels.document_index import DocumentIndex
+from mtraining_kernels.documents import Documents
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
 
@@ -31,6 +43,32 @@ def _check_against_reference(seed, layout, seq_len, heads, kv_heads, dim, dtype,
         f"seed={seed} {layout.kind} W={layout.world_size} b={batch} N={seq_len} Hq={heads} Hkv={kv_heads} "
         f"d={dim} {dtype} {pattern} deterministic={deterministic}"
     )
+    for name, a, r, lo in zip(NAMES, ours, ref, low):
+        assert_close_fa(name, a, r, lo, dtype, context)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize(
+    "layout, heads, kv_heads, dim, dtype",
+    [
+        (Layout("contiguous", 1), 8, 1, 128, torch.bfloat16),  # GQA 8:1
+        (Layout("striped", 2), 4, 4, 64, torch.float16),  # MHA
+        (Layout("zigzag", 2), 8, 2, 128, torch.bfloat16),  # GQA 4:1
+    ],
+    ids=lambda value: f"{value.kind}-W{value.world_size}" if isinstance(value, Layout) else None,
+)
+def test_packed_documents_match_reference(seed, layout, heads, kv_heads, dim, dtype, deterministic):
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = 8192
+    index = packed_index_with_cross_document_bars(gen, seq_len, heads)
+    documents = Documents(index.documents.starts.to(DEVICE), seq_len)
+    index = DocumentIndex(documents, *(x.to(DEVICE) for x in (index.sparse, index.v_idx, index.s_idx)))
+    q, k, v, dout = make_qkv_dout(2, seq_len, heads, kv_heads, dim, dtype, DEVICE, gen)
+    ours = packed_ring_attention(triton_backend, q, k, v, dout, index, layout, deterministic=deterministic)
+    torch.cuda.synchronize()
+    ref = packed_reference_attention(q, k, v, dout, index, torch.float32)
+    low = packed_reference_attention(q, k, v, dout, index, dtype)
+    context = f"seed={seed} {layout} Hq={heads} Hkv={kv_heads} d={dim} {dtype} deterministic={deterministic}"
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert_close_fa(name, a, r, lo, dtype, context)
 
