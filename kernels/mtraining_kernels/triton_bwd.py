@@ -127,8 +127,10 @@ def query_major_backward_kernel(
     v_base = V + sample * stride_vb + kv_head * stride_vh
     key_docs_base = KEY_DOCS + sample * stride_docb
     q_docs = q_rows  # unused without DOCUMENTS
+    q_mixed = False
     if DOCUMENTS:
         q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
+        q_mixed = tl.min(q_docs, 0) != tl.max(q_docs, 0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     for entry in range(blk_start, blk_end):
@@ -140,8 +142,11 @@ def query_major_backward_kernel(
         if CAUSAL_DIAG:
             off_diagonal = (tile // 2) != qblock
             probs = tl.where(off_diagonal | (k_rows[None, :] <= q_rows[:, None]), probs, 0.0)
-        if DOCUMENTS:
-            probs = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], probs, 0.0)
+        if DOCUMENTS:  # the compare only where the query or the key 128-block holds two documents (forward)
+            first_key = (tile // 2) * BLOCK_M
+            k_mixed = tl.load(key_docs_base + first_key) != tl.load(key_docs_base + first_key + BLOCK_M - 1)
+            if q_mixed | k_mixed:
+                probs = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], probs, 0.0)
         dscores = probs * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(dscores.to(k.dtype), k)
 
@@ -237,8 +242,10 @@ def key_major_backward_kernel(
     dk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_docs = k_rows  # unused without DOCUMENTS
+    k_mixed = False
     if DOCUMENTS:
         k_docs = tl.load(KEY_DOCS + sample * stride_docb + k_rows)
+        k_mixed = tl.min(k_docs, 0) != tl.max(k_docs, 0)
     visits = 0
 
     for member in range(0, group_size):
@@ -267,9 +274,12 @@ def key_major_backward_kernel(
             if CAUSAL_DIAG:
                 off_diagonal = key_block != qblock
                 probs_t = tl.where(off_diagonal | (k_rows[:, None] <= q_rows[None, :]), probs_t, 0.0)
-            if DOCUMENTS:
-                q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
-                probs_t = tl.where(k_docs[:, None] == q_docs[None, :], probs_t, 0.0)
+            if DOCUMENTS:  # the compare only where the key or the query 128-block holds two documents
+                q_docs_base = QUERY_DOCS + sample * stride_docb + qblock * BLOCK_M
+                q_mixed = tl.load(q_docs_base) != tl.load(q_docs_base + BLOCK_M - 1)
+                if k_mixed | q_mixed:
+                    q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
+                    probs_t = tl.where(k_docs[:, None] == q_docs[None, :], probs_t, 0.0)
             dv += tl.dot(probs_t.to(do.dtype), do)
             dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
             dk += tl.dot(dscores_t.to(q.dtype), q)

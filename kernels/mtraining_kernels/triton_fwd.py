@@ -68,21 +68,28 @@ def _block_tile_step(
     stride_vn,
     qk_scale_log2,
     q_docs,
+    q_mixed,
     key_docs_base,
     SUB_TILE: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
     DOCUMENTS: tl.constexpr,
 ):
     """Fold the listed 128-key block whose sub-tiles start at ``first_sub_tile`` in (with the token causal
-    mask when ``CAUSAL_MASK``, the document mask when ``DOCUMENTS``)."""
-    k_rows = (first_sub_tile * SUB_TILE + offs_block).to(tl.int64)
+    mask when ``CAUSAL_MASK``; with ``DOCUMENTS`` the document mask where the query block (``q_mixed``) or
+    the key block holds more than one document: a listed block pair inside one document each is one
+    document's, so it needs no compare)."""
+    first_key = first_sub_tile * SUB_TILE
+    k_rows = (first_key + offs_block).to(tl.int64)
     k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
     v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
     scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
     if CAUSAL_MASK:
         scores = tl.where(k_rows[None, :] <= q_rows[:, None], scores, float("-inf"))
     if DOCUMENTS:
-        scores = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], scores, float("-inf"))
+        key_block_size: tl.constexpr = 2 * SUB_TILE
+        k_mixed = tl.load(key_docs_base + first_key) != tl.load(key_docs_base + first_key + key_block_size - 1)
+        if q_mixed | k_mixed:
+            scores = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], scores, float("-inf"))
     return _online_softmax_step(acc, row_max, row_sum, scores, v)
 
 
@@ -148,8 +155,10 @@ def block_bar_forward_kernel(
     v_base = V + sample * stride_vb + kv_head * stride_vh
     key_docs_base = KEY_DOCS + sample * stride_docb
     q_docs = q_rows  # unused without DOCUMENTS
+    q_mixed = False
     if DOCUMENTS:
         q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
+        q_mixed = tl.min(q_docs, 0) != tl.max(q_docs, 0)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -175,6 +184,7 @@ def block_bar_forward_kernel(
             stride_vn,
             qk_scale_log2,
             q_docs,
+            q_mixed,
             key_docs_base,
             BLOCK_N,
             False,
@@ -196,6 +206,7 @@ def block_bar_forward_kernel(
             stride_vn,
             qk_scale_log2,
             q_docs,
+            q_mixed,
             key_docs_base,
             BLOCK_N,
             True,
