@@ -56,7 +56,6 @@ from .ring.groups import RingGroups
 from .ring.sparse_ring import ring_attention
 
 ACCEPTED_CP_COMM_TYPES = (None, "p2p", "a2a+p2p")
-DOCUMENT_BACKENDS = ("torch", REFERENCE_BACKEND)  # backends whose kernels mask packed documents
 
 
 @dataclass(frozen=True, eq=False)
@@ -333,11 +332,7 @@ class MTrainingAttention(MegatronModule):
         if mt.sdpa_impl is not None:
             raise ValueError(
                 f"{flag('dense_impl')}={mt.dense_impl} has no document mask, so it cannot attend packed documents; "
-                f"use {flag('dense_impl')} mtraining with {flag('backend')} torch"
-            )
-        if mt.backend not in DOCUMENT_BACKENDS:
-            raise ValueError(
-                f"{flag('backend')}={mt.backend} does not mask packed documents yet; use {flag('backend')} torch"
+                f"use {flag('dense_impl')} mtraining"
             )
         documents = packed_seq_params.documents
         if (documents.batch_size, documents.seq_len) != (batch, seq_len):

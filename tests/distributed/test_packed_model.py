@@ -9,7 +9,7 @@ position ids (``LayoutRotaryEmbedding(per_token_positions=True)``), on the ``tor
 * one document per sample is bitwise the unpacked path, at CP = 1 and CP = 2;
 * full recomputation replays the cached per-document index;
 * the document mask changes the result, and per-token RoPE is the table at the documents' positions;
-* Triton, the SDPA dense impls, THD ``PackedSeqParams`` and documents of another batch are refused.
+* the SDPA dense impls, THD ``PackedSeqParams`` and documents of another batch are refused.
 """
 
 from __future__ import annotations
@@ -235,7 +235,6 @@ def _refusals(seed: int) -> dict[str, str]:
         return "accepted"
 
     return {
-        "triton": message(PackedDocuments(documents), backend="triton"),
         "sdpa": message(PackedDocuments(documents), "full", dense_impl="sdpa_cudnn"),
         "thd": message(PackedSeqParams(qkv_format="thd")),
         "other batch": message(PackedDocuments(Documents.single(1, SEQ_LEN))),
@@ -308,8 +307,6 @@ def test_per_token_rope_uses_document_positions(packed_report):
 def test_packed_documents_refusals(packed_report):
     _, report = packed_report
     refusals = report["refusals"]
-    assert "--mtraining-backend=triton does not mask packed documents" in refusals["triton"]
-    assert "--mtraining-backend torch" in refusals["triton"]
     assert "--mtraining-dense-impl=sdpa_cudnn has no document mask" in refusals["sdpa"]
     assert "PackedSeqParams" in refusals["thd"] and "PackedDocuments" in refusals["thd"]
     assert "build them from this micro-batch" in refusals["other batch"]
