@@ -403,11 +403,8 @@ class MTrainingAttention(MegatronModule):
         return index
 
     def _document_layer_index(self, q: torch.Tensor, k: torch.Tensor, documents: Documents) -> _LayerIndex:
-        """The packed index of a first forward: every document dense (dense layers) or estimated per document.
-
-        No statistics are kept for packed forwards (``last_stats`` is None).
-        """
-        self.last_stats = None
+        """The packed index of a first forward: every document dense (dense layers) or estimated per document."""
+        stopwatch, clamped = None, 0
         if self.dense:
             batch, heads = q.shape[0], q.shape[2]
             padding = torch.full(
@@ -416,12 +413,27 @@ class MTrainingAttention(MegatronModule):
             sparse = torch.zeros(batch, documents.max_documents, dtype=torch.bool, device=q.device)
             index = DocumentIndex(documents, sparse, padding, padding)
         else:
+            stopwatch = Stopwatch(q.device)
             with torch.no_grad():
-                index = self._estimate_documents(q.detach(), k.detach(), documents)
+                index, clamped = self._estimate_documents(q.detach(), k.detach(), documents)
+            stopwatch.stop()
             self.estimations += 1
+        if self.training:
+            self.last_stats = AttentionStats(
+                self.layer_number,
+                self.dense,
+                None,
+                None,
+                self.layout,
+                documents.seq_len,
+                stopwatch,
+                documents=index,
+                clamped_documents=clamped,
+            )
         return _LayerIndex(index.v_idx, index.s_idx, convert_document_index(index, self.layout, self.cp_rank), index)
 
-    def _estimate_documents(self, q: torch.Tensor, k: torch.Tensor, documents: Documents) -> DocumentIndex:
+    def _estimate_documents(self, q: torch.Tensor, k: torch.Tensor, documents: Documents) -> tuple[DocumentIndex, int]:
+        """(the per-document index, the number of documents whose static budget was clamped to their length)."""
         mt = self.mtraining
         budget = self._layer_budget(documents.seq_len, q.shape[2])
         options = dict(
@@ -432,12 +444,8 @@ class MTrainingAttention(MegatronModule):
             local_window=mt.local_window,
         )
         if self.cp_size == 1:
-            index, _ = estimate_document_index(q, k, documents, budget, **options)
-        else:
-            index, _ = estimate_document_index_distributed(
-                q, k, documents, budget, self.layout, self.cp_group, **options
-            )
-        return index
+            return estimate_document_index(q, k, documents, budget, **options)
+        return estimate_document_index_distributed(q, k, documents, budget, self.layout, self.cp_group, **options)
 
     def _estimate(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> VerticalSlashIndex:
         mt = self.mtraining

@@ -9,10 +9,11 @@ from functools import lru_cache
 
 import torch
 
+from mtraining_kernels.document_index import DocumentIndex
 from mtraining_kernels.layout import Layout
 from mtraining_kernels.vertical_slash import full_index, mask_area
 
-from .balance import BalanceReport, balance_report
+from .balance import BAR_COST, BalanceReport, balance_report, document_balance_report, document_source_work
 
 
 def mask_density(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -51,6 +52,19 @@ def _full_pattern_balance(layout: Layout, seq_len: int) -> BalanceReport:
     return balance_report(*full_index(1, 1, seq_len), layout, seq_len)
 
 
+def document_work_density(doc_index: DocumentIndex, layout: Layout) -> float:
+    """Packed documents: the ring work of their listed tiles and bars (``document_source_work``, bars at
+    ``BAR_COST`` of a tile) over that of the same documents all attended densely-causally."""
+    padding = torch.full_like(doc_index.v_idx[..., :1], doc_index.documents.seq_len)
+    dense = DocumentIndex(doc_index.documents, torch.zeros_like(doc_index.sparse), padding, padding)
+
+    def work(index: DocumentIndex) -> float:
+        blocks, bars = document_source_work(index, layout)
+        return float(blocks.double().sum() + BAR_COST * bars.double().sum())
+
+    return work(doc_index) / work(dense)
+
+
 @dataclass(eq=False)
 class AttentionStats:
     """One training forward of one layer: its global index and the estimation time.
@@ -58,6 +72,8 @@ class AttentionStats:
     The numbers are computed when read (``density``, ``estimation_seconds`` and ``balance()`` may
     synchronise with the GPU), so recording them costs nothing on steps that do not log. Layers on an
     SDPA dense_impl have no index (``v_idx``/``s_idx`` None): density 1.0 and the full pattern's balance.
+    Packed layers carry their ``documents`` (the per-document index; ``v_idx``/``s_idx`` None) and the
+    number of documents whose static budget was clamped to their length.
     """
 
     layer_number: int
@@ -67,13 +83,25 @@ class AttentionStats:
     layout: Layout
     seq_len: int
     estimation: Stopwatch | None  # None for dense layers
+    documents: DocumentIndex | None = None
+    clamped_documents: int = 0
 
     @property
     def density(self) -> float:
-        """|M| / causal area, averaged over samples and this rank's query heads."""
+        """|M| / causal area, averaged over samples and this rank's query heads; packed: the listed work over
+        that of every document dense (:func:`document_work_density`)."""
+        if self.documents is not None:
+            return document_work_density(self.documents, self.layout)
         if self.v_idx is None:
             return 1.0
         return float(mask_density(self.v_idx, self.s_idx, self.seq_len).mean())
+
+    @property
+    def documents_per_sequence(self) -> float | None:
+        """Mean number of documents per packed sequence (None unpacked)."""
+        if self.documents is None:
+            return None
+        return float(self.documents.documents.num_documents.double().mean())
 
     @property
     def estimation_seconds(self) -> float:
@@ -82,6 +110,8 @@ class AttentionStats:
     def balance(self) -> BalanceReport:
         """Per-(rank, ring step) work of this index in this layout (flat-ring step order); without an index,
         that of the full pattern for one head (the SDPA dense ring does the same work per step)."""
+        if self.documents is not None:
+            return document_balance_report(self.documents, self.layout)
         if self.v_idx is None:
             return _full_pattern_balance(self.layout, self.seq_len)
         return balance_report(self.v_idx, self.s_idx, self.layout, self.seq_len)

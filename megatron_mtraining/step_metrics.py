@@ -25,15 +25,20 @@ class StepMetrics:
     """MTraining metrics of one training step (its last micro-batch), reduced over all ranks.
 
     ``density`` maps 1-based layer numbers to |M| / causal area averaged over samples, heads and
-    ranks (1.0 for dense layers). Imbalances are the worst layer's, from the layer's index
-    (``balance_report``: max/mean of ring work over ranks, and over each ring step). ``index_seconds``
-    sums, over layers, the slowest rank's index estimation time.
+    ranks (1.0 for dense layers; packed documents: the listed work over that of every document dense).
+    Imbalances are the worst layer's, from the layer's index (``balance_report``: max/mean of ring work
+    over ranks, and over each ring step). ``index_seconds`` sums, over layers, the slowest rank's index
+    estimation time. Packed documents: ``documents_per_sequence`` (mean over ranks and layers) and
+    ``clamped_documents`` (documents whose static budget was clamped to their length, summed over layers,
+    the largest count of any rank); both None without packed documents.
     """
 
     density: dict[int, float]
     worker_imbalance: float
     step_imbalance: float
     index_seconds: float
+    documents_per_sequence: float | None = None
+    clamped_documents: int | None = None
 
     @property
     def mean_density(self) -> float:
@@ -46,16 +51,20 @@ def gather_step_metrics(model_chunks, num_layers: int, group: dist.ProcessGroup 
     Every rank of ``group`` must call it; returns None when no rank has MTraining attention stats.
     """
     device = collective_device(group)
-    sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)  # density sum, reports
-    maxima = torch.zeros(3, num_layers, dtype=torch.float64, device=device)  # worker, step imbalance, seconds
+    # per layer: density sum, reports, documents-per-sequence sum, packed reports
+    sums = torch.zeros(4, num_layers, dtype=torch.float64, device=device)
+    # per layer: worker, step imbalance, seconds, clamped documents
+    maxima = torch.zeros(4, num_layers, dtype=torch.float64, device=device)
     for stats in collect_stats(model_chunks):
         layer = stats.layer_number - 1
         balance = stats.balance()
-        sums[:, layer] += torch.tensor([stats.density, 1.0], dtype=torch.float64, device=device)
+        documents = stats.documents_per_sequence
+        packed = [documents, 1.0] if documents is not None else [0.0, 0.0]
+        sums[:, layer] += torch.tensor([stats.density, 1.0, *packed], dtype=torch.float64, device=device)
         maxima[:, layer] = torch.maximum(
             maxima[:, layer],
             torch.tensor(
-                [balance.worker_imbalance, balance.step_imbalance, stats.estimation_seconds],
+                [balance.worker_imbalance, balance.step_imbalance, stats.estimation_seconds, stats.clamped_documents],
                 dtype=torch.float64,
                 device=device,
             ),
@@ -67,15 +76,25 @@ def gather_step_metrics(model_chunks, num_layers: int, group: dist.ProcessGroup 
     if not reported.any():
         return None
     density = {layer + 1: float(sums[0, layer] / sums[1, layer]) for layer in reported.nonzero().flatten().tolist()}
-    return StepMetrics(density, float(maxima[0].max()), float(maxima[1].max()), float(maxima[2].sum()))
+    packed_reports = float(sums[3].sum())
+    documents_per_sequence = float(sums[2].sum()) / packed_reports if packed_reports else None
+    clamped = int(maxima[3].sum()) if packed_reports else None
+    return StepMetrics(
+        density, float(maxima[0].max()), float(maxima[1].max()), float(maxima[2].sum()), documents_per_sequence, clamped
+    )
 
 
 def log_step_metrics(metrics: StepMetrics, iteration: int) -> None:
     """One line on the last rank, and scalars to Megatron's TensorBoard and W&B writers (where configured)."""
+    packed = ""
+    if metrics.documents_per_sequence is not None:
+        packed = (
+            f" | documents/sequence {metrics.documents_per_sequence:.1f} | clamped budgets {metrics.clamped_documents}"
+        )
     print_rank_last(
         f" mtraining | iteration {iteration:8d} | density {metrics.mean_density:.4f} | worker imbalance "
         f"{metrics.worker_imbalance:.3f} | step imbalance {metrics.step_imbalance:.3f} | index time "
-        f"{metrics.index_seconds * 1e3:.1f} ms"
+        f"{metrics.index_seconds * 1e3:.1f} ms{packed}"
     )
     scalars = {
         "mtraining/density": metrics.mean_density,
@@ -83,6 +102,9 @@ def log_step_metrics(metrics: StepMetrics, iteration: int) -> None:
         "mtraining/step-imbalance": metrics.step_imbalance,
         "mtraining/index-time-ms": metrics.index_seconds * 1e3,
     }
+    if metrics.documents_per_sequence is not None:
+        scalars["mtraining/documents-per-sequence"] = metrics.documents_per_sequence
+        scalars["mtraining/clamped-budgets"] = metrics.clamped_documents
     scalars.update({f"mtraining/density-layer-{layer:03d}": value for layer, value in metrics.density.items()})
     writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
     if writer is not None:

@@ -5,7 +5,9 @@ import pytest
 import torch
 from tool_modules import load_tool
 
+from megatron_mtraining.attention_stats import document_work_density
 from megatron_mtraining.balance import document_balance_report, document_source_work, source_work
+from mtraining_kernels.document_conversion import convert_document_index
 from mtraining_kernels.document_index import DocumentIndex
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
@@ -145,6 +147,24 @@ def test_rule_tiles_and_bars_cover_the_packed_mask_exactly(seed):
             row_columns = mask[sample, head].view(num_blocks, BLOCK_SIZE, seq_len).any(1)  # [qb, j]
             outside = {(qb, j) for qb, j in row_columns.nonzero().tolist() if (qb, j // BLOCK_SIZE) not in listed}
             assert outside == bars, f"mask outside listed tiles != bars: seed={seed} sample={sample} head={head}"
+
+
+def test_work_density_is_the_lists_work_over_all_documents_dense(seed):
+    """``document_work_density``: the converted lists' blocks and bars (every rank and step) over those of the same
+    documents all dense; 1.0 when every document is dense."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len, layout = 16 * BLOCK_SIZE, Layout("striped", 2)
+    doc_index = random_document_index(generator, random_documents(generator, 3, seq_len), 2)
+    padding = torch.full_like(doc_index.v_idx[..., :1], seq_len)
+    dense = DocumentIndex(doc_index.documents, torch.zeros_like(doc_index.sparse), padding, padding)
+
+    def listed_work(index: DocumentIndex) -> float:
+        lists = [convert_document_index(index, layout, rank) for rank in range(layout.world_size)]
+        return sum(part.blk_col.numel() / 2 + part.bar_col.numel() / BLOCK_SIZE for part in lists)
+
+    expected = listed_work(doc_index) / listed_work(dense)
+    assert document_work_density(doc_index, layout) == pytest.approx(expected, rel=1e-12), f"seed={seed}"
+    assert document_work_density(dense, layout) == 1.0
 
 
 @pytest.mark.parametrize("layout", [Layout("contiguous", 4), Layout("zigzag", 4), Layout("striped", 4)])

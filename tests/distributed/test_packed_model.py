@@ -9,6 +9,7 @@ position ids (``LayoutRotaryEmbedding(per_token_positions=True)``), on the ``tor
 * one document per sample is bitwise the unpacked path, at CP = 1 and CP = 2;
 * full recomputation replays the cached per-document index;
 * the document mask changes the result, and per-token RoPE is the table at the documents' positions;
+* packed layers keep their statistics (density, documents per sequence, balance), which reach the step metrics;
 * the SDPA dense impls, THD ``PackedSeqParams`` and documents of another batch are refused.
 """
 
@@ -190,6 +191,32 @@ def _recompute(seed: int) -> dict:
     return {"diffs": _differences(plain, recomputed), "estimations": estimations}
 
 
+def _statistics(seed: int) -> dict:
+    """CP = 2, striped: every layer's ``last_stats`` of a packed training step, and the step metrics over the group."""
+    from megatron.core import parallel_state
+
+    from megatron_mtraining.attention_stats import collect_stats
+    from megatron_mtraining.step_metrics import gather_step_metrics
+
+    batch = _packed_batch(seed)
+    report = {"expected documents per sequence": float(batch["documents"].num_documents.double().mean())}
+    for kind in ("full", "sparse"):
+        _init_parallel(1, 2)
+        mt = _mtraining(kind)
+        model = _build_model(mt, 2)
+        _train_step(model, batch, mt.layout_for(2))
+        stats = collect_stats([model])
+        metrics = gather_step_metrics([model], len(stats), parallel_state.get_context_parallel_group())
+        report[kind] = {
+            "layers": len(stats),
+            "density": [s.density for s in stats],
+            "documents per sequence": [s.documents_per_sequence for s in stats],
+            "worker imbalance": [s.balance().worker_imbalance for s in stats],
+            "metrics": (metrics.documents_per_sequence, metrics.clamped_documents, metrics.mean_density),
+        }
+    return report
+
+
 def _rope_positions(seed: int) -> float:
     """Per-token RoPE vs the full table gathered at the documents' positions in layout order (CP = 2, striped)."""
     from megatron.core import parallel_state
@@ -252,6 +279,7 @@ def _report(rank, world_size, seed):
         report["one document"] = _one_document(seed)
         report["recompute"] = _recompute(seed)
         report["rope"] = _rope_positions(seed)
+        report["statistics"] = _statistics(seed)
         report["refusals"] = _refusals(seed)
     return report if rank == 0 else None
 
@@ -302,6 +330,24 @@ def test_recompute_reuses_the_per_document_index(packed_report):
 def test_per_token_rope_uses_document_positions(packed_report):
     seed, report = packed_report
     assert report["rope"] == 0.0, f"per-token RoPE differs from the table rows by {report['rope']} (seed={seed})"
+
+
+def test_packed_statistics(packed_report):
+    """Density (listed work over every document dense), documents per sequence and balance are kept for packed
+    layers and reach the step metrics."""
+    seed, report = packed_report
+    stats = report["statistics"]
+    expected = stats["expected documents per sequence"]
+    for kind in ("full", "sparse"):
+        layers = stats[kind]
+        assert layers["layers"] >= 1, f"{kind}: no packed layer kept statistics (seed={seed})"
+        assert layers["documents per sequence"] == [expected] * layers["layers"], f"{kind}: {layers} (seed={seed})"
+        assert all(imbalance >= 1.0 for imbalance in layers["worker imbalance"]), f"{kind}: {layers} (seed={seed})"
+        documents, clamped, density = layers["metrics"]
+        assert documents == expected and clamped == 0, f"{kind}: step metrics {layers['metrics']} (seed={seed})"
+        assert density == pytest.approx(sum(layers["density"]) / layers["layers"]), f"{kind} (seed={seed})"
+    assert stats["full"]["density"] == [1.0] * stats["full"]["layers"], f"{stats['full']} (seed={seed})"
+    assert all(0.0 < d < 1.0 for d in stats["sparse"]["density"]), f"{stats['sparse']} (seed={seed})"
 
 
 def test_packed_documents_refusals(packed_report):
