@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from document_mixtures import prolong_like, realistic_document_index, single, uniform
+from document_mixtures import MIXTURES, realistic_document_index
 from realistic_pattern import realistic_pattern
 
 from megatron_mtraining.balance import BalanceReport, balance_report, document_balance_report
@@ -75,13 +75,6 @@ def plot_heatmaps(reports: dict[str, BalanceReport], title: str, path: str) -> N
     fig.suptitle(title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-MIXTURES = {
-    "prolong": lambda seq_len, seed: prolong_like(seq_len, seed=seed),
-    "uniform4k": lambda seq_len, seed: uniform(seq_len, 4096),
-    "single": lambda seq_len, seed: single(seq_len),
-}
 
 
 def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport], str]:

@@ -82,6 +82,14 @@ def single(seq_len: int, batch: int = 1) -> Documents:
     return Documents.single(batch, seq_len)
 
 
+# the mixtures of PACKED.md by name: (N, seed) → Documents of one sample
+MIXTURES = {
+    "prolong": lambda seq_len, seed: prolong_like(seq_len, seed=seed),
+    "uniform4k": lambda seq_len, seed: uniform(seq_len, 4096),
+    "single": lambda seq_len, seed: single(seq_len),
+}
+
+
 def realistic_document_index(
     documents: Documents,
     heads: int,

@@ -20,6 +20,10 @@ Block-only patterns (:func:`block_only_pattern`) are slashes only: offset δ·12
 block distance δ, and v_idx is all padding, so our kernels run them through ``convert_index`` (empty bar
 lists) and :func:`block_only_block_mask` gives FlexAttention the same blocks.
 
+Packed documents: :func:`document_causal_block_mask` is the dense document-causal mask (kv ≤ q in the same
+document) as a BlockMask — the fastest dense document-causal attention this device has (no flash-attn varlen),
+which skips every block pair that shares no document.
+
 Tensors of ``flex_forward`` are heads-first ``[b, H, N, d]``; ``flex_fwd_bwd`` takes and returns our
 layout ``[b, N, H, d]``.
 """
@@ -113,6 +117,28 @@ def block_only_block_mask(s_idx: Tensor, seq_len: int) -> BlockMask:
         return (kv_idx <= q_idx) & active[b, h, q_idx // BLOCK_SIZE, kv_idx // BLOCK_SIZE]
 
     return _block_mask(active & below, diagonal.expand_as(active), causal_blocks, seq_len)
+
+
+def document_causal_block_mask(doc_id: Tensor) -> BlockMask:
+    """The dense document-causal mask of ``doc_id`` int ``[b, N]`` (ascending per sample; (q, kv) attended iff
+    kv ≤ q and doc(kv) = doc(q)) as a BlockMask shared by every head: full = the block pairs kb < qb both inside
+    one and the same document, partial = every other pair kb ≤ qb whose blocks share a document (the diagonal
+    blocks among them), ``mask_mod`` = (kv ≤ q) ∧ doc(q) = doc(kv)."""
+    batch, seq_len = doc_id.shape
+    num_blocks = seq_len // BLOCK_SIZE
+    per_block = doc_id.view(batch, num_blocks, BLOCK_SIZE)
+    first, last = per_block[..., 0], per_block[..., -1]  # [b, nb]: the block's first and last document
+    below, diagonal = _below_and_on_diagonal(num_blocks, doc_id.device)
+    # ascending ids: the key block kb ≤ qb shares a document with qb iff its last document ≥ qb's first
+    shares = (last[:, None, :] >= first[:, :, None]) & (below | diagonal)  # [b, qb, kb]
+    whole = first == last
+    full = shares & below & whole[:, :, None] & whole[:, None, :]
+    partial = shares & ~full
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_id[b, q_idx] == doc_id[b, kv_idx])
+
+    return _block_mask(full[:, None], partial[:, None], document_causal, seq_len)
 
 
 def block_only_pattern(target_area: Tensor, seq_len: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -8,12 +8,14 @@ an unlisted block not at all — the mask that the compiled kernels compute.
 
 import pytest
 import torch
+from document_cases import packed_documents, random_lengths
 from patterns import random_index
 from tool_modules import load_tool
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
+from mtraining_kernels.document_index import DocumentIndex
 from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.reference import reference_sparse_attention, vertical_slash_mask
+from mtraining_kernels.reference import packed_vertical_slash_mask, reference_sparse_attention, vertical_slash_mask
 from mtraining_kernels.vertical_slash import mask_area
 
 flex_peer = load_tool("flex_peer")
@@ -78,6 +80,21 @@ def test_block_only_block_mask_is_exactly_its_pattern(seed):
     assert torch.equal(create_mask(block_mask.mask_mod, batch, heads, seq_len, seq_len, device="cpu"), expected)
     # no verticals: only the diagonal blocks are partial
     assert bool((block_mask.kv_num_blocks == 1).all())
+
+
+def test_document_causal_block_mask_is_exactly_the_dense_packed_mask(seed):
+    """Every document dense: the packed reference mask; full blocks only inside one document, none skipped."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = 1024
+    documents = packed_documents([random_lengths(generator, seq_len), [BLOCK_SIZE, 3 * BLOCK_SIZE, 512]], seq_len)
+    padding = torch.full((2, documents.max_documents, 1, 1), seq_len, dtype=torch.int32)
+    dense = DocumentIndex(documents, torch.zeros(2, documents.max_documents, dtype=torch.bool), padding, padding)
+    block_mask = flex_peer.document_causal_block_mask(documents.doc_id)
+    expected = packed_vertical_slash_mask(dense)  # [b, 1, N, N]
+    assert torch.equal(kernel_mask(block_mask, 2, 1, seq_len), expected)
+    assert torch.equal(create_mask(block_mask.mask_mod, 2, 1, seq_len, seq_len, device="cpu"), expected)
+    # sample 1: documents on block boundaries, so every listed block is full but the diagonal ones
+    assert bool((block_mask.kv_num_blocks[1] == 1).all())
 
 
 @pytest.mark.parametrize("pattern", ["vertical_slash", "block_only"])

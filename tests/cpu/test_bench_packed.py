@@ -1,0 +1,71 @@
+"""tools/bench_packed.py run for real on the CPU (``--backend torch_blocksparse``, eager FlexAttention, a tiny
+shape): every mixture builds its per-document index, our packed and all-dense runs and Flex's document-causal
+kernel run, Flex's cross-check against our dense-document run passes, and the table pairs each row with Flex."""
+
+import json
+import time
+
+import pytest
+from tool_modules import load_tool
+
+bench_packed = load_tool("bench_packed")
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def _once(forward, backward, warmup, reps):
+    """One timed call on the CPU (the tool's CUDA-event timing needs a GPU)."""
+    start = time.perf_counter()
+    result = forward()
+    middle = time.perf_counter()
+    backward(result)
+    return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
+
+
+def _median_ms(fn, reps):
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def test_smoke_run_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_packed, "SHAPES", {"tiny": (4, 2, 64)})
+    monkeypatch.setattr(bench_packed, "measure", _once)
+    monkeypatch.setattr(bench_packed, "median_ms", _median_ms)
+    jsonl, table = tmp_path / "packed.jsonl", tmp_path / "packed.md"
+    bench_packed.main(
+        [
+            "--backend",
+            "torch_blocksparse",
+            "--shape",
+            "tiny",
+            "--seq-lens",
+            "2048",
+            "--min-sparse-length",
+            "256",
+            "--far-slashes",
+            "20",
+            "--far-verticals",
+            "20",
+            "--jsonl",
+            str(jsonl),
+            "--table",
+            str(table),
+        ]
+    )
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    impls = {(row["mixture"], row["impl"]) for row in rows}
+    for mixture in bench_packed.MIXTURES:
+        for impl in ("mtraining_packed", "mtraining_packed_dense", "flex_document_causal"):
+            assert (mixture, impl) in impls, f"no {impl} row for {mixture}"
+    assert ("single", "mtraining_unpacked") in impls
+    by_key = {(row["mixture"], row["impl"]): row for row in rows}
+    for mixture in bench_packed.MIXTURES:
+        assert by_key[mixture, "mtraining_packed_dense"]["density"] == 1.0
+        assert 0.0 < by_key[mixture, "mtraining_packed"]["density"] < 1.0, mixture
+        assert max(by_key[mixture, "flex_document_causal"]["flex_check"].values()) < bench_packed.FLEX_REL_RMSE
+    assert by_key["single", "mtraining_packed"]["documents"] == 1
+    assert by_key["uniform4k", "mtraining_packed"]["documents"] == 1  # 4K documents: one at N = 2048
+    assert by_key["prolong", "mtraining_packed"]["documents"] > 1
+    text = table.read_text()
+    assert text.count("\n| ") == len(rows) + 1  # header and one line per row
+    assert "| prolong | 2048 |" in text and "mtraining_packed" in text
