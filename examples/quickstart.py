@@ -1,6 +1,7 @@
 """Quickstart: train a tiny Qwen2-shaped GPT with MTraining's sparse attention over a CP = 2 striped ring.
 
-    python examples/quickstart.py            # or: make demo
+    python examples/quickstart.py                     # or: make demo
+    python examples/quickstart.py --packed-documents  # several documents per sequence, each attending to itself only
 
 * **Machine with GPUs:** runs the real launcher, ``torchrun -m megatron_mtraining.pretrain`` with the
   flags below, ``--mock-data`` and the Triton kernels; Megatron prints the loss, the launcher the
@@ -18,6 +19,12 @@ with what to try next. Megatron's warnings about Transformer Engine and Apex bei
 The model: 2 layers, hidden 256, 4 query heads in 2 KV groups of head dim 64, SwiGLU, RMSNorm
 (eps 1e-6), QKV bias, RoPE base 1e6, tied embeddings (Qwen2's shape, scaled down), 4,096-token
 sequences. The budget is top-P with a small cap so that the attention is visibly sparse at this length.
+
+``--packed-documents`` trains on packed documents instead of the mock data: Megatron's
+``--reset-attention-mask --reset-position-ids --eod-mask-loss`` with ``--mtraining-min-sparse-length 1024``,
+on a Megatron indexed dataset of synthetic documents written to a temporary directory
+(:func:`write_packed_documents`) and read by Megatron's ``GPTDataset`` in both paths. Every step line
+then also gives the documents per sequence.
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from datetime import timedelta
 from typing import Iterable, Iterator, Sequence
 
+import numpy
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -136,6 +145,21 @@ GPU_FLAGS = [
 ]
 CPU_FLAGS = ["--mtraining-backend", "torch", "--use-cpu-initialization", *LOCAL_IMPL_FLAGS]
 
+# --packed-documents: documents end at each EOD, each attends only within itself with its own RoPE positions
+# (unfused RoPE), no loss on EOD; documents of >= MIN_SPARSE_LENGTH tokens get their own sparse index
+MIN_SPARSE_LENGTH = 1024
+PACKED_DOCUMENT_FLAGS = [
+    "--reset-attention-mask",
+    "--reset-position-ids",
+    "--no-rope-fusion",
+    "--eod-mask-loss",
+    "--mtraining-min-sparse-length",
+    str(MIN_SPARSE_LENGTH),
+]
+SHORT_DOCUMENT_TOKENS = (128, MIN_SPARSE_LENGTH)  # [low, high): attended densely
+LONG_DOCUMENT_TOKENS = (MIN_SPARSE_LENGTH, 3072)  # [low, high): sparse; short + long < a sequence
+PACKED_ENTRIES = 256  # about 130 sequences; Megatron's GPTDataset repeats them in a reshuffled epoch if needed
+
 # Megatron warns on import that these optional libraries are absent; the demo runs without them on purpose
 ABSENT_LIBRARY_WARNINGS = (
     "Transformer Engine and Apex are not installed",
@@ -157,8 +181,9 @@ def _flag(name: str) -> str:
     return TINY_QWEN2[TINY_QWEN2.index(name) + 1]
 
 
-def introduction(steps: int, launcher_command: Sequence[str] | None = None) -> list[str]:
+def introduction(steps: int, launcher_command: Sequence[str] | None = None, packed: bool = False) -> list[str]:
     """What runs, in plain words (the launcher's command, or the CPU loop and why), and how to read the step lines."""
+    data = "packed data" if packed else "mock data"
     if launcher_command:
         runs = [
             f"  runs      the real launcher on {CONTEXT_PARALLEL} GPUs (Megatron's training loop, Triton kernels):",
@@ -168,16 +193,28 @@ def introduction(steps: int, launcher_command: Sequence[str] | None = None) -> l
         runs = [
             f"  runs      a minimal training loop in {CONTEXT_PARALLEL} gloo processes: Megatron's `pretrain` "
             "needs CUDA, so this",
-            "            loop drives the launcher's pieces itself (flags, model, mock data, metrics); with",
+            f"            loop drives the launcher's pieces itself (flags, model, {data}, metrics); with",
             f"            >= {CONTEXT_PARALLEL} GPUs this script runs the real launcher, "
             "torchrun -m megatron_mtraining.pretrain",
         ]
+    documents = [
+        "  documents every sequence packs several synthetic documents (runs of consecutive token ids, each ending",
+        "            in EOD); each document attends only within itself, its RoPE positions start at 0 and its EOD",
+        f"            carries no loss; documents of >= {MIN_SPARSE_LENGTH} tokens get their own sparse index, "
+        "shorter ones are",
+        "            attended densely",
+    ]
+    reading_density = [
+        "  density    fraction of the documents' causal attention area computed (1.0 = dense attention within",
+        "             every document)",
+        "  documents/sequence  documents in the step's sequence",
+    ]
     return [
         f"MTraining quickstart: {steps} training steps of a tiny GPT with dynamic sparse attention",
         *runs,
         f"  model     Qwen2-shaped: {_flag('--num-layers')} layers, hidden {_flag('--hidden-size')}, "
         f"{_flag('--num-attention-heads')} query heads in {_flag('--num-query-groups')} KV groups, "
-        f"vocabulary {_flag('--vocab-size')}, Megatron's mock data",
+        f"vocabulary {_flag('--vocab-size')}, " + ("synthetic packed documents" if packed else "Megatron's mock data"),
         f"  sequence  {_flag('--seq-length')} tokens split over CP = {CONTEXT_PARALLEL} ranks in the "
         f"{_flag('--mtraining-layout')} layout (stripes dealt out in turn,",
         "            so that every rank gets an equal share of the causal attention work)",
@@ -185,33 +222,79 @@ def introduction(steps: int, launcher_command: Sequence[str] | None = None) -> l
         f"estimated attention mass",
         f"            (at most {_flag('--mtraining-cap')} of each), plus the first {_flag('--mtraining-sink-tokens')} "
         f"tokens and a {_flag('--mtraining-local-window')}-token local window",
+        *(documents if packed else []),
         "reading the step lines:",
-        "  density    fraction of the causal attention area computed (1.0 = dense attention)",
+        *(
+            reading_density
+            if packed
+            else ["  density    fraction of the causal attention area computed (1.0 = dense attention)"]
+        ),
         "  imbalance  max/mean of the ring's attention work over ranks (worker) and over ring steps (step);",
         "             1.0 = perfectly balanced",
     ]
 
 
 def step_line(record: dict, steps: int) -> str:
-    """One training step: loss, density, worker/step imbalance and time."""
+    """One training step: loss, density, worker/step imbalance, documents per sequence (packed) and time."""
+    documents = record.get("documents_per_sequence")
     return (
         f"step {record['step']:3d}/{steps} | loss {record['loss']:.4f} | density {record['density']:.3f} | "
         f"worker imbalance {record['worker_imbalance']:.3f} | step imbalance {record['step_imbalance']:.3f} | "
-        f"{record['seconds']:.1f} s"
+        + ("" if documents is None else f"documents/sequence {documents:.1f} | ")
+        + f"{record['seconds']:.1f} s"
     )
 
 
 def summary(records: Sequence[dict]) -> list[str]:
-    """The run in numbers: steps, first -> last loss, mean density (= share of dense work), worst imbalance, time."""
+    """The run in numbers: steps, first -> last loss, mean density (= share of dense work), worst imbalance, time,
+    and the mean documents per sequence of a packed run."""
     density = sum(record["density"] for record in records) / len(records)
     worker = max(record["worker_imbalance"] for record in records)
     step = max(record["step_imbalance"] for record in records)
-    return [
+    lines = [
         f"summary: {len(records)} steps, loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}, "
         f"{sum(record['seconds'] for record in records):.1f} s of steps",
         f"         mean density {density:.3f}: the sparse attention did {density:.0%} of dense attention's work",
         f"         worst imbalance: worker {worker:.3f}, step {step:.3f}",
     ]
+    documents = [record["documents_per_sequence"] for record in records if "documents_per_sequence" in record]
+    if documents:
+        lines.append(f"         documents: {sum(documents) / len(documents):.1f} per sequence on average")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ data
+def demo_flags(packed_data: str | None) -> list[str]:
+    """TINY_QWEN2 on Megatron's mock data, or (``packed_data``: an indexed dataset's prefix) on those documents
+    with PACKED_DOCUMENT_FLAGS."""
+    if packed_data is None:
+        return list(TINY_QWEN2)
+    flags = [flag for flag in TINY_QWEN2 if flag != "--mock-data"]
+    return [*flags, "--data-path", packed_data, "--split", "100,0,0", *PACKED_DOCUMENT_FLAGS]
+
+
+def write_packed_documents(prefix: str, seed: int) -> None:
+    """Megatron's indexed dataset ``prefix``.bin/.idx: PACKED_ENTRIES entries, each a short document then a long one.
+
+    A document is a run of consecutive token ids from a random start (as in Megatron's mock data), without
+    the tokenizer's EOD, then EOD. ``GPTDataset`` shuffles whole entries, so short and long documents
+    alternate in every sequence; as a short and a long one together have fewer tokens than a sequence, every
+    sequence holds at least three documents, one of them attended densely and one with >= MIN_SPARSE_LENGTH tokens.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    eod = NullTokenizer(int(_flag("--vocab-size"))).eod
+    rng = numpy.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=numpy.int32)
+    for _ in range(PACKED_ENTRIES):
+        documents = [
+            numpy.append((rng.integers(eod) + numpy.arange(rng.integers(*tokens) - 1)) % eod, eod)
+            for tokens in (SHORT_DOCUMENT_TOKENS, LONG_DOCUMENT_TOKENS)
+        ]
+        entry = numpy.concatenate(documents)
+        builder.add_document(entry, [entry.size])
+    builder.finalize(get_idx_path(prefix))
 
 
 # ------------------------------------------------------------------------------------------ GPU: the launcher
@@ -221,21 +304,25 @@ MEGATRON_ITERATION_LINE = re.compile(
 )
 MTRAINING_METRICS_LINE = re.compile(
     r"mtraining \| iteration\s+(\d+) \| density ([\d.]+) \| worker imbalance ([\d.]+)"
-    r" \| step imbalance ([\d.]+)"
+    r" \| step imbalance ([\d.]+)(?:.* \| documents/sequence ([\d.]+))?"
 )
 
 
 def records_from_launcher_log(lines: Iterable[str]) -> list[dict]:
-    """Step records like ``train_on_cpu``'s, from the launcher's output (Megatron's and MTraining's lines)."""
+    """Step records like ``train_on_cpu``'s, from the launcher's output (Megatron's and MTraining's lines);
+    iterations without both lines are left out."""
     records: dict[int, dict] = {}
     for line in lines:
         if match := MEGATRON_ITERATION_LINE.search(line):
             records.setdefault(int(match[1]), {}).update(seconds=float(match[2]) / 1e3, loss=float(match[3]))
         elif match := MTRAINING_METRICS_LINE.search(line):
-            records.setdefault(int(match[1]), {}).update(
-                density=float(match[2]), worker_imbalance=float(match[3]), step_imbalance=float(match[4])
-            )
-    return [{"step": step, **record} for step, record in sorted(records.items()) if len(record) == 5]
+            record = records.setdefault(int(match[1]), {})
+            record.update(density=float(match[2]), worker_imbalance=float(match[3]), step_imbalance=float(match[4]))
+            if match[5] is not None:
+                record["documents_per_sequence"] = float(match[5])
+    return [
+        {"step": step, **record} for step, record in sorted(records.items()) if {"loss", "density"} <= record.keys()
+    ]
 
 
 def _echoed(lines: Iterable[str]) -> Iterator[str]:
@@ -245,9 +332,12 @@ def _echoed(lines: Iterable[str]) -> Iterator[str]:
         yield line
 
 
-def run_launcher(steps: int, extra_flags: Sequence[str] = ()) -> int:
-    """``torchrun -m megatron_mtraining.pretrain`` on CONTEXT_PARALLEL GPUs, output passed on; returns its exit code."""
-    flags = [*TINY_QWEN2, *GPU_FLAGS, "--train-iters", str(steps), *extra_flags]
+def run_launcher(steps: int, extra_flags: Sequence[str] = (), packed_data: str | None = None) -> int:
+    """``torchrun -m megatron_mtraining.pretrain`` on CONTEXT_PARALLEL GPUs, output passed on; returns its exit code.
+
+    ``packed_data``: train on the packed documents of :func:`write_packed_documents` at that prefix.
+    """
+    flags = [*demo_flags(packed_data), *GPU_FLAGS, "--train-iters", str(steps), *extra_flags]
     command = [
         sys.executable,
         "-m",
@@ -258,11 +348,11 @@ def run_launcher(steps: int, extra_flags: Sequence[str] = ()) -> int:
         "megatron_mtraining.pretrain",
         *flags,
     ]
-    print("\n".join(introduction(steps, command)), flush=True)
+    print("\n".join(introduction(steps, command, packed=packed_data is not None)), flush=True)
+    metrics = "the density and imbalance" + (" (and the documents per sequence)" if packed_data else "")
     print(
         "starting torchrun: Megatron prints its arguments and set-up, then one line per iteration and an "
-        "'mtraining' line with\nthe density and imbalance; iteration 1 compiles the Triton kernels and is the "
-        "slowest ...",
+        f"'mtraining' line with\n{metrics}; iteration 1 compiles the Triton kernels and is the slowest ...",
         flush=True,
     )
     # Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for context parallelism on Hopper and older GPUs
@@ -323,27 +413,32 @@ def rope_tables_on_cpu():
         torch.cuda.current_device = current_device
 
 
-def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> list[dict]:
+def train_on_cpu(
+    steps: int, report=print, extra_flags: Sequence[str] = (), packed_data: str | None = None
+) -> list[dict]:
     """Train on this gloo process group (one rank per CP rank); returns one record per step on every rank.
 
     ``report(line)`` is called on rank 0 once the model is built and then with one line per step;
-    ``extra_flags`` are appended to the demo's flags (e.g. another ``--seed``).
+    ``extra_flags`` are appended to the demo's flags (e.g. another ``--seed``); ``packed_data``: train on
+    the packed documents at that prefix (:func:`demo_flags`).
     """
     from megatron.core import parallel_state
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
     from megatron.training.models.gpt import GPTModelBuilder
 
     from megatron_mtraining.arguments import validate_mtraining_args
+    from megatron_mtraining.attention import PackedDocuments
     from megatron_mtraining.chunked_loss import ChunkedLossOutputProcessor
     from megatron_mtraining.index_cache import assert_index_caches_empty
     from megatron_mtraining.layout import select_layout_positions
     from megatron_mtraining.pretrain import gpt_dataset_config_from_args, mtraining_model_config
     from megatron_mtraining.step_metrics import gather_step_metrics
+    from mtraining_kernels.documents import Documents
 
-    args = cpu_args([*TINY_QWEN2, *CPU_FLAGS, "--train-iters", str(steps), *extra_flags])
+    args = cpu_args([*demo_flags(packed_data), *CPU_FLAGS, "--train-iters", str(steps), *extra_flags])
     if dist.get_world_size() != args.context_parallel_size:
         raise ValueError(
             f"the CPU demo runs one process per CP rank: {args.context_parallel_size} processes, "
@@ -368,9 +463,13 @@ def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> l
             weight_decay=args.weight_decay,
         )
         output_processor = ChunkedLossOutputProcessor(args.mtraining_loss_chunk_size)
-        dataset_config = gpt_dataset_config_from_args(args, build_tokenizer(args))
+        tokenizer = build_tokenizer(args)
+        eod_token = tokenizer.eod if args.reset_attention_mask else None
         dataset, _, _ = BlendedMegatronDatasetBuilder(
-            MockGPTDataset, [steps, 0, 0], lambda: True, dataset_config
+            MockGPTDataset if args.mock_data else GPTDataset,
+            [steps, 0, 0],
+            lambda: True,
+            gpt_dataset_config_from_args(args, tokenizer),
         ).build()
         if dist.get_rank() == 0:
             parameters = sum(param.numel() for param in model.parameters())
@@ -383,12 +482,16 @@ def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> l
             for step in range(steps):
                 started = time.perf_counter()
                 sample = {key: value[None] for key, value in dataset[step].items()}
+                # as the launcher's get_batch (which needs CUDA): the documents of the whole sequence on every
+                # rank, then this rank's positions
+                packed = None if eod_token is None else PackedDocuments(Documents.from_eod(sample["tokens"], eod_token))
                 local = select_layout_positions(sample, layout, dist.get_rank(cp_group))
                 token_losses = model(
                     local["tokens"],
                     local["position_ids"],
                     None,
                     labels=local["labels"],
+                    packed_seq_params=packed,
                     output_processor=output_processor,
                 )
                 sums = torch.stack([(token_losses * local["loss_mask"]).sum(), local["loss_mask"].sum()])
@@ -410,6 +513,8 @@ def train_on_cpu(steps: int, report=print, extra_flags: Sequence[str] = ()) -> l
                     "step_imbalance": metrics.step_imbalance,
                     "seconds": time.perf_counter() - started,
                 }
+                if metrics.documents_per_sequence is not None:
+                    record["documents_per_sequence"] = metrics.documents_per_sequence
                 records.append(record)
                 if dist.get_rank() == 0:
                     report(step_line(record, steps))
@@ -426,7 +531,7 @@ def silence_expected_warnings() -> None:
     logging.getLogger("megatron").setLevel(logging.ERROR)  # Megatron logs its set-up at INFO level
 
 
-def _cpu_rank(rank: int, port: int, steps: int, extra_flags: Sequence[str]) -> None:
+def _cpu_rank(rank: int, port: int, steps: int, extra_flags: Sequence[str], packed_data: str | None) -> None:
     torch.set_num_threads(1)
     silence_expected_warnings()
     dist.init_process_group(
@@ -437,25 +542,27 @@ def _cpu_rank(rank: int, port: int, steps: int, extra_flags: Sequence[str]) -> N
         timeout=timedelta(minutes=5),
     )
     try:
-        records = train_on_cpu(steps, report=lambda line: print(line, flush=True), extra_flags=extra_flags)
+        records = train_on_cpu(steps, lambda line: print(line, flush=True), extra_flags, packed_data)
         if rank == 0:
             print("\n".join(summary(records)), flush=True)
     finally:
         dist.destroy_process_group()
 
 
-def run_on_cpu(steps: int, extra_flags: Sequence[str] = ()) -> None:
-    """The CPU loop in CONTEXT_PARALLEL gloo processes, with the demo's introduction and closing lines."""
+def run_on_cpu(steps: int, extra_flags: Sequence[str] = (), packed_data: str | None = None) -> None:
+    """The CPU loop in CONTEXT_PARALLEL gloo processes, with the demo's introduction and closing lines
+    (``packed_data``: on the packed documents at that prefix)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    print("\n".join(introduction(steps)), flush=True)
+    print("\n".join(introduction(steps, packed=packed_data is not None)), flush=True)
+    data = "mock data" if packed_data is None else "packed data"
     print(
-        f"starting {CONTEXT_PARALLEL} processes: importing Megatron, building the model and the mock data ...",
+        f"starting {CONTEXT_PARALLEL} processes: importing Megatron, building the model and the {data} ...",
         flush=True,
     )
     started = time.perf_counter()
-    mp.spawn(_cpu_rank, args=(port, steps, list(extra_flags)), nprocs=CONTEXT_PARALLEL)
+    mp.spawn(_cpu_rank, args=(port, steps, list(extra_flags), packed_data), nprocs=CONTEXT_PARALLEL)
     print("\n".join([f"finished in {time.perf_counter() - started:.1f} s, start-up included", *NEXT_STEPS]), flush=True)
 
 
@@ -464,13 +571,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps")
     parser.add_argument("--cpu", action="store_true", help="run the CPU loop even when GPUs are present")
     parser.add_argument("--seed", type=int, help=f"seed of the initialisation and data (default {_flag('--seed')})")
+    parser.add_argument(
+        "--packed-documents",
+        action="store_true",
+        help="train on synthetic packed documents, several per sequence, each attending only within itself",
+    )
     options = parser.parse_args()
     if options.steps < 1:
         parser.error(f"--steps={options.steps} must be >= 1")
     extra_flags = [] if options.seed is None else ["--seed", str(options.seed)]
-    if torch.cuda.device_count() >= CONTEXT_PARALLEL and not options.cpu:
-        sys.exit(run_launcher(options.steps, extra_flags))
-    run_on_cpu(options.steps, extra_flags)
+    on_gpus = torch.cuda.device_count() >= CONTEXT_PARALLEL and not options.cpu
+    data_dir = (
+        tempfile.TemporaryDirectory(prefix="mtraining-quickstart-")
+        if options.packed_documents
+        else contextlib.nullcontext()
+    )
+    with data_dir as directory:
+        packed_data = None
+        if directory is not None:
+            silence_expected_warnings()  # this process imports Megatron to write the documents
+            packed_data = os.path.join(directory, "documents")
+            write_packed_documents(packed_data, int(_flag("--seed")) if options.seed is None else options.seed)
+        if on_gpus:
+            sys.exit(run_launcher(options.steps, extra_flags, packed_data))
+        run_on_cpu(options.steps, extra_flags, packed_data)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ striped layout, top-P sparse attention through the torch_blocksparse ring, chunk
 mock data) is checked for everything: the loss falls, the attention is sparse and the striped ring
 balanced; the output says what runs and what density and imbalance mean before the first step, its
 summary agrees with the step lines, and Megatron's Transformer Engine / Apex warnings are absent.
+A run with ``--packed-documents`` trains on several documents per sequence, with sparse attention.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -32,6 +34,13 @@ SUMMARY = re.compile(
     r" +mean density (?P<density>[\d.]+): the sparse attention did (?P<percent>\d+)% of dense "
     r"attention's work\n"
     r" +worst imbalance: worker (?P<worker>[\d.]+), step (?P<ring_step>[\d.]+)$",
+    re.MULTILINE,
+)
+PACKED_STEPS = 4
+PACKED_STEP_LINE = re.compile(
+    r"^step +(?P<step>\d+)/(?P<steps>\d+) \| loss (?P<loss>[\d.]+|nan|inf) \| density (?P<density>[\d.]+) "
+    r"\| worker imbalance [\d.]+ \| step imbalance [\d.]+ \| documents/sequence (?P<documents>[\d.]+) "
+    r"\| [\d.]+ s$",
     re.MULTILINE,
 )
 LIBRARY_WARNING = re.compile(r"warn|transformer.engine|apex|absl", re.IGNORECASE)
@@ -128,6 +137,32 @@ def test_quickstart_hides_library_warnings(demo):
     assert not LIBRARY_WARNING.search(output), output
 
 
+@pytest.mark.slow  # about 20 s: two ranks build the model and Megatron's GPTDataset over the documents, then train
+def test_quickstart_trains_on_packed_documents():
+    seed = int.from_bytes(os.urandom(4), "little") % 2**31
+    run = subprocess.run(
+        [sys.executable, QUICKSTART, "--cpu", "--packed-documents", "--steps", str(PACKED_STEPS), "--seed", str(seed)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    output = f"seed={seed}\n{run.stdout}"
+    assert run.returncode == 0, f"the demo failed: {output}"
+    steps = [match.groupdict() for match in PACKED_STEP_LINE.finditer(run.stdout)]
+    assert [int(step["step"]) for step in steps] == list(range(1, PACKED_STEPS + 1)), output
+    opening = run.stdout[: PACKED_STEP_LINE.search(run.stdout).start()]
+    assert "each document attends only within itself" in opening, output
+    losses = [float(step["loss"]) for step in steps]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], f"{losses}: {output}"
+    for step in steps:
+        # write_packed_documents puts at least three documents, one short and one long, in every sequence
+        assert float(step["documents"]) >= 3, f"{step}: {output}"
+        assert 0 < float(step["density"]) <= 1, f"{step}: {output}"
+    assert sum(float(step["density"]) for step in steps) / len(steps) < 1, f"the long documents stayed dense: {output}"
+    assert not LIBRARY_WARNING.search(run.stdout), output
+
+
 def test_launcher_log_gives_the_step_records(capsys):
     """The GPU path's summary reads Megatron's iteration lines and the launcher's metrics lines."""
     from megatron_mtraining.step_metrics import StepMetrics, log_step_metrics
@@ -144,3 +179,24 @@ def test_launcher_log_gives_the_step_records(capsys):
     assert records == [
         {"step": 1, "seconds": 2.5, "loss": 6.25, "density": 0.3, "worker_imbalance": 1.25, "step_imbalance": 1.125}
     ], records  # iteration 2 has no metrics line: left out
+
+
+def test_launcher_log_gives_the_documents_per_sequence(capsys):
+    """A packed run's launcher metrics line also gives the documents per sequence (the step records keep it)."""
+    from megatron_mtraining.step_metrics import StepMetrics, log_step_metrics
+
+    log_step_metrics(StepMetrics({1: 0.5}, 1.0, 1.0, 0.0, documents_per_sequence=4.5, clamped_documents=0), 3)
+    megatron_line = " iteration        3/       3 | elapsed time per iteration (ms): 250.0 | lm loss: 4.000000E+00 | "
+    records = _quickstart().records_from_launcher_log([capsys.readouterr().out, megatron_line])
+    assert records == [
+        {
+            "step": 3,
+            "density": 0.5,
+            "worker_imbalance": 1.0,
+            "step_imbalance": 1.0,
+            "documents_per_sequence": 4.5,
+            "seconds": 0.25,
+            "loss": 4.0,
+        }
+    ], records
+    assert "documents/sequence 4.5 | " in _quickstart().step_line(records[0], 3)
