@@ -81,14 +81,15 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         flag("layout"),
         choices=LAYOUT_KINDS,
         default=_default("layout"),
-        help="how the sequence is split over CP ranks; striped balances sparse work, zigzag is "
+        help="how the sequence is split over CP ranks; striped balances sparse work, skewed (striped with each "
+        "round of stripes turned by one rank) also balances packed documents of equal length, zigzag is "
         "Megatron's split (for ablations)",
     )
     group.add_argument(
         flag("stripe_granularity"),
         type=int,
         default=_default("stripe_granularity"),
-        help="tokens per stripe of the striped layout (a multiple of 128)",
+        help="tokens per stripe of the striped and skewed layouts (a multiple of 128)",
     )
     group.add_argument(
         flag("budget"),

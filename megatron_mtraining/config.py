@@ -350,6 +350,7 @@ class MTrainingConfig:
             lower = seq_length // unit * unit
             why = {
                 "striped": f"--context-parallel-size x {flag('stripe_granularity')} = {cp} x {self.stripe_granularity}",
+                "skewed": f"--context-parallel-size x {flag('stripe_granularity')} = {cp} x {self.stripe_granularity}",
                 "zigzag": f"2 x --context-parallel-size x {BLOCK_SIZE} = 2 x {cp} x {BLOCK_SIZE}",
                 "contiguous": f"--context-parallel-size x {BLOCK_SIZE} = {cp} x {BLOCK_SIZE}",
             }[self.layout]

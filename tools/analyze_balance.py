@@ -1,4 +1,4 @@
-"""Ring load balance of the contiguous, zigzag and striped layouts for a realistic sparse pattern.
+"""Ring load balance of the contiguous, zigzag, striped and skewed layouts for a realistic sparse pattern.
 
 Prints worker-level and step-level max/mean cost and the ring critical path over the ideal
 (DESIGN.md §2.3), and draws one rank × step cost heatmap per layout into a PNG::
@@ -79,7 +79,7 @@ def plot_heatmaps(reports: dict[str, BalanceReport], title: str, path: str) -> N
 
 def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport], str]:
     """One report per layout kind, and the title naming the pattern (and the mixture)."""
-    names = {"striped": f"striped g={args.granularity}"}
+    names = {kind: f"{kind} g={args.granularity}" for kind in ("striped", "skewed")}
     layouts = {names.get(kind, kind): Layout(kind, args.world_size, args.granularity) for kind in LAYOUT_KINDS}
     title = (
         f"N={args.seq_len}, W={args.world_size}, heads={args.heads}, seed={args.seed}, "

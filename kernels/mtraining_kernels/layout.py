@@ -10,6 +10,11 @@ Kinds:
 * ``zigzag``     — the sequence is cut into 2W chunks; rank r holds chunks r and 2W−1−r.
 * ``striped``    — the sequence is cut into runs of ``granularity`` tokens dealt round-robin,
   run c goes to rank ``c mod W``.
+* ``skewed``     — striped with every round of W runs turned by one more rank: run c goes to rank
+  ``(c + ⌊c/W⌋) mod W``. A rank still holds one run per round, in ascending global order, but the rank
+  that holds a round's first run moves on by one each round, so packed documents whose length is a whole
+  number of rounds (all-4K documents are 32 blocks) no longer put their first block on the same rank every
+  time (docs/benchmarks.md: the simulated ring balance of the mixtures).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Sequence
 
 import torch
 
-LAYOUT_KINDS = ("contiguous", "zigzag", "striped")
+LAYOUT_KINDS = ("contiguous", "zigzag", "striped", "skewed")
+STRIPED_KINDS = ("striped", "skewed")  # the kinds cut into runs of ``granularity`` tokens
 BLOCK_SIZE = 128
 
 
@@ -27,7 +33,7 @@ BLOCK_SIZE = 128
 class Layout:
     """How a sequence of length N is split over ``world_size`` context-parallel ranks.
 
-    ``granularity`` is the stripe length of the striped layout (ignored by the others).
+    ``granularity`` is the stripe length of the striped and skewed layouts (ignored by the others).
     """
 
     kind: str
@@ -57,7 +63,7 @@ class Layout:
             return 2 * w * (block_size or 1)
         if block_size is not None and self.granularity % block_size:
             raise ValueError(
-                f"striped granularity={self.granularity} is not a multiple of the block size "
+                f"{self.kind} granularity={self.granularity} is not a multiple of the block size "
                 f"{block_size}; the sparse kernels need granularity to be a multiple of {block_size}"
             )
         return w * self.granularity
@@ -72,7 +78,7 @@ class Layout:
             raise ValueError(
                 f"seq_len={seq_len} is not divisible by {unit} as the {self.kind} layout needs "
                 f"with world_size={self.world_size}"
-                + (f", granularity={self.granularity}" if self.kind == "striped" else "")
+                + (f", granularity={self.granularity}" if self.kind in STRIPED_KINDS else "")
                 + (f", block_size={block_size}" if block_size else "")
                 + f"; use {lower or unit} or {lower + unit}"
             )
@@ -102,7 +108,8 @@ class Layout:
             return rank, local
         g = self.granularity
         c = p // g
-        return c % w, (c // w) * g + p % g
+        rank = c % w if self.kind == "striped" else (c + c // w) % w
+        return rank, (c // w) * g + p % g
 
     def to_global(self, rank: int | torch.Tensor, local: torch.Tensor, seq_len: int) -> torch.Tensor:
         """(rank, local position) → global position, elementwise."""
@@ -116,7 +123,9 @@ class Layout:
             chunk = seq_len // (2 * w)
             return torch.where(pos < chunk, r * chunk + pos, (2 * w - 1 - r) * chunk + (pos - chunk))
         g = self.granularity
-        return ((pos // g) * w + r) * g + pos % g
+        round_ = pos // g  # the rank's j-th run is in round j
+        slot = r if self.kind == "striped" else (r - round_) % w
+        return (round_ * w + slot) * g + pos % g
 
     def global_positions(self, seq_len: int, rank: int, device=None) -> torch.Tensor:
         """Global positions held by ``rank``, in local order: int64 ``[N/W]``."""

@@ -14,7 +14,7 @@ from mtraining_kernels.reference import packed_vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
 
 FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
-LAYOUTS = [Layout(kind, world) for world in (1, 2, 3) for kind in ("contiguous", "zigzag", "striped")]
+LAYOUTS = [Layout(kind, world) for world in (1, 2, 3) for kind in ("contiguous", "zigzag", "striped", "skewed")]
 LAYOUTS.append(Layout("striped", 2, 256))
 
 

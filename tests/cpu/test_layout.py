@@ -57,6 +57,16 @@ def test_functional_forms(seed):
     assert torch.equal(unshard(parts, "striped"), x), f"seed={seed}"
 
 
+def test_skewed_layout_turns_each_round_by_one_rank():
+    """Run c on rank (c + c // W) mod W: rank 1 of W = 4 holds runs 1, 4, 11, 14 (one per round, ascending)."""
+    layout = Layout("skewed", 4, 16)
+    runs = layout.global_positions(256, 1)[::16] // 16
+    assert runs.tolist() == [1, 4, 11, 14]
+    owners = [int(layout.to_local(torch.tensor([16 * c]), 256)[0]) for c in range(16)]
+    assert owners == [(c + c // 4) % 4 for c in range(16)]
+    assert Layout("skewed", 2).global_blocks(128 * 8, 0).tolist() == [0, 3, 4, 7]
+
+
 def test_global_blocks_striped_and_zigzag():
     assert Layout("striped", 4).global_blocks(128 * 8, 1).tolist() == [1, 5]
     assert Layout("zigzag", 2).global_blocks(128 * 8, 0).tolist() == [0, 1, 6, 7]

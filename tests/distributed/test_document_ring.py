@@ -55,8 +55,14 @@ def _ring_rank(rank, world_size, kind, seq_len, seed, inner_size=None):
 
 @pytest.mark.parametrize(
     "world, kind, seq_len, inner_size",
-    [(2, "striped", 512, None), (2, "zigzag", 512, None), (3, "striped", 768, None), (4, "striped", 1024, 2)],
-    ids=["striped-W2", "zigzag-W2", "striped-W3", "striped-hierarchical-2x2"],
+    [
+        (2, "striped", 512, None),
+        (2, "zigzag", 512, None),
+        (3, "striped", 768, None),
+        (3, "skewed", 768, None),
+        (4, "striped", 1024, 2),
+    ],
+    ids=["striped-W2", "zigzag-W2", "striped-W3", "skewed-W3", "striped-hierarchical-2x2"],
 )
 def test_packed_ring_equals_the_reference(distributed, seed, world, kind, seq_len, inner_size):
     parts = distributed(_ring_rank, world, kind, seq_len, seed, inner_size)

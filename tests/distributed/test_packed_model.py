@@ -33,7 +33,7 @@ MIN_SPARSE_LENGTH = 128
 SPARSE_SETTINGS = dict(budget="static", vertical_size=12, slash_size=2, sink_tokens=4, local_window=1, last_q=64)
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
-LAYOUTS = ("striped", "zigzag", "contiguous")
+LAYOUTS = ("striped", "skewed", "zigzag", "contiguous")
 
 
 def _mtraining(kind: str, layout: str = "striped", backend: str = "torch", **extra):
@@ -310,9 +310,10 @@ def test_packed_model_matches_reference_backend(packed_report, kind):
     assert isinstance(result, dict), f"the run failed (seed={seed}):\n{result}"
     for name, value in result["reference backend"].items():
         assert value <= GRAD_RTOL, f"{kind}: {name} differs from the reference oracle by {value:.2e} (seed={seed})"
-    unmasked = result["unmasked"]  # the same batch without the documents: far beyond the tolerances
-    assert unmasked["loss"] > 10 * LOSS_RTOL, f"{kind}: the document mask left the loss as it was (seed={seed})"
-    assert max(unmasked.values()) > 10 * GRAD_RTOL, f"{kind}: the document mask left the gradients (seed={seed})"
+    # the same batch without the documents: the gradients move by ~1 (relative), far beyond the tolerances; the
+    # summed loss of a randomly initialised model moves by as little as 4e-6, too close to LOSS_RTOL to test
+    gradients = {name: value for name, value in result["unmasked"].items() if name != "loss"}
+    assert max(gradients.values()) > 1e3 * GRAD_RTOL, f"{kind}: the document mask left the gradients (seed={seed})"
 
 
 def test_one_document_is_bitwise_the_unpacked_path(packed_report):

@@ -74,6 +74,7 @@ CASES = [
     (2, "flat", "striped", (1, 1024, 4, 1, 64)),
     (2, "flat", "zigzag", (1, 1024, 2, 2, 32)),
     (3, "flat", "striped", (1, 1152, 5, 5, 16)),  # 3 blocks per rank, odd head count
+    (3, "flat", "skewed", (1, 1152, 4, 2, 16)),
     (4, "flat", "contiguous", (2, 1024, 8, 1, 16)),  # GQA 8:1
     (2, "flat", "striped", (1, 512, 4, 1, 128)),  # head dim 128
     (4, "hier2x2", "striped", (1, 2048, 4, 1, 32)),
