@@ -38,6 +38,7 @@ from triton_cases import (
 
 from mtraining_kernels import torch_backend, triton_backend, triton_bwd, triton_fwd
 from mtraining_kernels.document_conversion import convert_document_index
+from mtraining_kernels.documents import Documents
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import sparse_attention
 from mtraining_kernels.layout import Layout
@@ -111,6 +112,24 @@ def test_packed_documents_through_sparse_attention_match_the_torch_backend(seed)
     for name, ours, theirs in zip(("out", "dq", "dk", "dv"), results["triton"], results["torch_blocksparse"]):
         error = (ours.double() - theirs.double()).norm() / theirs.double().norm()
         assert error < 5e-3, f"seed={seed} {name}: relative RMSE {error:.2e} against torch_blocksparse"
+
+
+def test_one_packed_document_is_bitwise_the_unpacked_path(seed):
+    """One document per sample: the Triton kernels with document ids equal the unpacked path bitwise."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = 512
+    index = random_document_index(generator, Documents.single(2, seq_len), heads=2)
+    q, k, v, dout = make_qkv_dout(2, seq_len, 2, 1, 64, torch.float16, "cpu", generator)
+    results = []
+    for lists in (
+        convert_document_index(index, Layout("contiguous", 1), 0),
+        convert_index(index.v_idx[:, 0], index.s_idx[:, 0], Layout("contiguous", 1), 0, seq_len),
+    ):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = sparse_attention(*inputs, lists, backend="triton", return_lse=True)
+        results.append((out, lse, *torch.autograd.grad(out, inputs, dout)))
+    for name, packed, unpacked in zip(NAMES, *results):
+        assert torch.equal(packed, unpacked), f"seed={seed} {name}"
 
 
 def test_matches_torch_backend_per_step(seed):
