@@ -50,9 +50,9 @@ def random_index(
 
 @st.composite
 def conversion_cases(draw, max_blocks: int):
-    kind = draw(st.sampled_from(("contiguous", "zigzag", "striped")))
+    kind = draw(st.sampled_from(("contiguous", "zigzag", "striped", "skewed")))
     world = draw(st.integers(1, 4))
-    granularity = draw(st.sampled_from((128, 256))) if kind == "striped" else 128
+    granularity = draw(st.sampled_from((128, 256))) if kind in ("striped", "skewed") else 128
     layout = Layout(kind, world, granularity)
     unit = layout.unit(BLOCK_SIZE)
     seq_len = unit * draw(st.integers(1, max(1, max_blocks * BLOCK_SIZE // unit)))

@@ -22,8 +22,9 @@ FIELDS = ("v_idx", "s_idx", "v_cnt", "s_cnt")
 def _make_case(rng: random.Random, kind: str, world: int, mode: str) -> dict:
     """Random options for one estimation: layout, last_q that one rank holds, forced counts, budget, dtype."""
     local_len = SEQ_LEN // world
-    granularity = rng.choice([g for g in (16, 32, 64, 128) if local_len % g == 0]) if kind == "striped" else 128
-    last_run = {"contiguous": local_len, "zigzag": SEQ_LEN // (2 * world), "striped": granularity}[kind]
+    striped = kind in ("striped", "skewed")
+    granularity = rng.choice([g for g in (16, 32, 64, 128) if local_len % g == 0]) if striped else 128
+    last_run = granularity if striped else {"contiguous": local_len, "zigzag": SEQ_LEN // (2 * world)}[kind]
     most = min(64, last_run)
     last_q = rng.choice([most, rng.randint(1, most)])
     sinks, window = rng.choice([(30, 100), (rng.randint(0, 30), rng.randint(0, 100))])
