@@ -278,19 +278,26 @@ class _BarChunks:
         self.pair_ptr[1:] = torch.cumsum(pair_counts, 0)
 
 
-def _reduce_bar_partials(chunks: _BarChunks, scratch: torch.Tensor, grad: torch.Tensor, heads: int, group: int) -> None:
-    """grad[z, column, h // group] += scratch rows, one GQA member at a time (member order fixed).
+class _MemberTargets:
+    """Where the bar scratch rows go, grouped by GQA member g = h mod group in ascending order: per member the
+    scratch rows and their (z, column, KV head) targets in dk/dv. One host sync (the members' row counts)."""
 
-    Within one member the targets are distinct, so each element receives exactly one addition.
-    """
-    sample, head = chunks.row // heads, chunks.row % heads
-    member = head % group
-    for g in range(group):
-        pick = torch.nonzero(member == g).squeeze(1)
-        if pick.numel():
-            grad.index_put_(
-                (sample[pick], chunks.column[pick].long(), head[pick] // group), scratch[pick], accumulate=True
-            )
+    def __init__(self, chunks: _BarChunks, heads: int, group: int):
+        sample, head = chunks.row // heads, chunks.row % heads
+        order = torch.sort(head % group, stable=True)
+        counts = torch.bincount(order.values, minlength=group).tolist()
+        rows = order.indices.split(counts)
+        self.groups = [
+            (picked, (sample[picked], chunks.column[picked].long(), head[picked] // group))
+            for picked in rows
+            if picked.numel()
+        ]
+
+    def add(self, scratch: torch.Tensor, grad: torch.Tensor) -> None:
+        """grad[z, column, h // group] += scratch rows, one GQA member at a time (member order fixed). Within
+        one member the targets are distinct, so each element receives exactly one addition."""
+        for picked, targets in self.groups:
+            grad.index_put_(targets, scratch[picked], accumulate=True)
 
 
 def block_bar_backward(
@@ -453,5 +460,6 @@ def block_bar_backward(
         **tiles,
         **BAR_CHUNK_CONFIG,
     )
-    _reduce_bar_partials(chunks, scratch_dk, dk, heads, group)
-    _reduce_bar_partials(chunks, scratch_dv, dv, heads, group)
+    targets = _MemberTargets(chunks, heads, group)
+    targets.add(scratch_dk, dk)
+    targets.add(scratch_dv, dv)
