@@ -5,7 +5,8 @@ The kernels' launch configs (``num_warps``, ``num_stages``) are constants in
 This tool times candidates on this GPU, causal, bf16, ``[1, N, Hq, d]``:
 
 * ``forward`` candidates replace ``_forward_config`` and are timed on the forward;
-* ``backward`` candidates replace ``QUERY_MAJOR_CONFIG`` and are timed on the default (atomic) backward;
+* ``backward`` candidates replace ``QUERY_MAJOR_CONFIG`` (the dq pass) and ``key_major`` candidates
+  ``KEY_MAJOR_CONFIG`` (the blocks' dk/dv pass), each timed on the default backward;
 
 each on the full causal pattern (our dense mode) and on a pattern calibrated to ``--sparsity``, next to
 torch SDPA cuDNN in the same run. Every candidate's output and gradients are compared with those of the
@@ -34,7 +35,15 @@ from mtraining_kernels.vertical_slash import full_index
 
 FORWARD_CANDIDATES = tuple({"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3, 4))
 BACKWARD_CANDIDATES = tuple({"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (1, 2, 3))
-KERNELS = ("forward", "backward")
+KEY_MAJOR_CANDIDATES = tuple(
+    {"num_warps": warps, "num_stages": stages, "QUERY_ROWS": rows}
+    for warps in (4, 8)
+    for stages in (2, 3, 4)
+    for rows in (32, 64)
+)
+KERNELS = ("forward", "backward", "key_major")
+# the module-level launch config that each backward kernel's candidates replace
+BACKWARD_CONFIGS = {"backward": "QUERY_MAJOR_CONFIG", "key_major": "KEY_MAJOR_CONFIG"}
 
 
 @contextlib.contextmanager
@@ -43,15 +52,17 @@ def patched(kernel: str, config: dict):
     if kernel == "forward":
         with mock.patch.object(triton_backend, "_forward_config", lambda dim: dict(config)):
             yield
-    elif kernel == "backward":
-        with mock.patch.dict(triton_backend.QUERY_MAJOR_CONFIG, config, clear=True):
+    elif kernel in BACKWARD_CONFIGS:
+        with mock.patch.dict(getattr(triton_backend, BACKWARD_CONFIGS[kernel]), config, clear=True):
             yield
     else:
         raise ValueError(f"kernel={kernel!r} is unknown; use one of {KERNELS}")
 
 
 def current_config(kernel: str, dim: int) -> dict:
-    return triton_backend._forward_config(dim) if kernel == "forward" else dict(triton_backend.QUERY_MAJOR_CONFIG)
+    if kernel == "forward":
+        return triton_backend._forward_config(dim)
+    return dict(getattr(triton_backend, BACKWARD_CONFIGS[kernel]))
 
 
 def relative_rmse(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -80,7 +91,11 @@ def worst_rmse(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
 def sweep_pattern(pattern: str, q, k, v, dout, index, density: float, options, record) -> None:
     """Time every candidate of both kernels on one pattern; ``record(**row)`` each result."""
     baseline = attention_outputs(q, k, v, dout, index)
-    for kernel, candidates in (("forward", FORWARD_CANDIDATES), ("backward", BACKWARD_CANDIDATES)):
+    for kernel, candidates in (
+        ("forward", FORWARD_CANDIDATES),
+        ("backward", BACKWARD_CANDIDATES),
+        ("key_major", KEY_MAJOR_CANDIDATES),
+    ):
         current = current_config(kernel, q.shape[-1])
         for config in candidates:
             row = dict(pattern=pattern, density=density, kernel=kernel, config=config, current=config == current)
@@ -153,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     def record(**fields) -> None:
         row = {**meta, **fields}
         if "ms" in row:
-            flops = causal_fwd_flops * row["density"] * (2.5 if row["kernel"] == "backward" else 1.0)
+            flops = causal_fwd_flops * row["density"] * (1.0 if row["kernel"] == "forward" else 2.5)
             row["tflops_actual"] = flops / row["ms"] / 1e9
         rows.append(row)
         if options.jsonl:
@@ -163,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
         config = row.get("config", {})
         print(
             f"{row['pattern']:8s} {row['kernel']:8s} warps={config.get('num_warps', '-')} "
-            f"stages={config.get('num_stages', '-')}{' (current)' if row.get('current') else ''}: "
+            f"stages={config.get('num_stages', '-')}"
+            + (f" rows={config['QUERY_ROWS']}" if "QUERY_ROWS" in config else "")
+            + f"{' (current)' if row.get('current') else ''}: "
             f"{row.get('ms', float('nan')):9.2f} ms {row.get('tflops_actual', float('nan')):6.1f} TFLOP/s "
             f"{row['status']}",
             flush=True,
@@ -198,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     cudnn = {row["kernel"]: row["tflops_actual"] for row in rows if row["config"].get("impl") == "sdpa_cudnn"}
     for row in rows:
-        share = f"{row['tflops_actual'] / cudnn[row['kernel']]:.0%}" if "tflops_actual" in row else "–"
+        pass_of = "forward" if row["kernel"] == "forward" else "backward"  # a key_major row times the backward
+        share = f"{row['tflops_actual'] / cudnn[pass_of]:.0%}" if "tflops_actual" in row else "–"
         ms = f"{row['ms']:.2f}" if "ms" in row else "–"
         tflops = f"{row['tflops_actual']:.1f}" if "tflops_actual" in row else "–"
         config = ", ".join(f"{key}={value}" for key, value in row["config"].items())

@@ -37,6 +37,15 @@ def test_the_current_configs_are_among_the_candidates():
     for dim in (64, 128):
         assert tune_triton.current_config("forward", dim) in tune_triton.FORWARD_CANDIDATES
     assert tune_triton.current_config("backward", 128) in tune_triton.BACKWARD_CANDIDATES
+    assert tune_triton.current_config("key_major", 128) in tune_triton.KEY_MAJOR_CANDIDATES
+
+
+def test_key_major_patch_applies_inside_and_restores_after():
+    before = dict(triton_backend.KEY_MAJOR_CONFIG)
+    config = {"num_warps": 4, "num_stages": 2, "QUERY_ROWS": 32}
+    with tune_triton.patched("key_major", config):
+        assert triton_backend.KEY_MAJOR_CONFIG == config
+    assert triton_backend.KEY_MAJOR_CONFIG == before
 
 
 def test_worst_rmse_names_the_tensor_that_differs(seed):
