@@ -406,12 +406,7 @@ class MTrainingAttention(MegatronModule):
         """The packed index of a first forward: every document dense (dense layers) or estimated per document."""
         stopwatch, clamped = None, 0
         if self.dense:
-            batch, heads = q.shape[0], q.shape[2]
-            padding = torch.full(
-                (batch, documents.max_documents, heads, 1), documents.seq_len, dtype=torch.int32, device=q.device
-            )
-            sparse = torch.zeros(batch, documents.max_documents, dtype=torch.bool, device=q.device)
-            index = DocumentIndex(documents, sparse, padding, padding)
+            index = DocumentIndex.dense(documents, q.shape[2])
         else:
             stopwatch = Stopwatch(q.device)
             with torch.no_grad():

@@ -55,8 +55,7 @@ def _full_pattern_balance(layout: Layout, seq_len: int) -> BalanceReport:
 def document_work_density(doc_index: DocumentIndex, layout: Layout) -> float:
     """Packed documents: the ring work of their listed tiles and bars (``document_source_work``, bars at
     ``BAR_COST`` of a tile) over that of the same documents all attended densely-causally."""
-    padding = torch.full_like(doc_index.v_idx[..., :1], doc_index.documents.seq_len)
-    dense = DocumentIndex(doc_index.documents, torch.zeros_like(doc_index.sparse), padding, padding)
+    dense = DocumentIndex.dense(doc_index.documents, doc_index.num_heads)
 
     def work(index: DocumentIndex) -> float:
         blocks, bars = document_source_work(index, layout)

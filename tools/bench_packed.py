@@ -34,7 +34,7 @@ import json
 import os
 
 import torch
-from bench_attention import FLEX_REL_RMSE, SHAPES, git_commit, measure, median_ms, time_sdpa
+from bench_attention import FLEX_REL_RMSE, SHAPES, git_commit, grads_of, measure, median_ms, time_sdpa
 from document_mixtures import MIXTURES, realistic_document_index
 from flex_peer import document_causal_block_mask, flex_forward, flex_fwd_bwd, heads_first
 from torch.nn.attention import SDPBackend
@@ -49,12 +49,6 @@ from mtraining_kernels.documents import Documents
 SINGLE = Layout("contiguous", 1)
 
 
-def all_dense(index: DocumentIndex) -> DocumentIndex:
-    """The same documents, every one attended densely-causally."""
-    padding = torch.full_like(index.v_idx[..., :1], index.documents.seq_len)
-    return DocumentIndex(index.documents, torch.zeros_like(index.sparse), padding, padding)
-
-
 def to_device(index: DocumentIndex, device: torch.device) -> DocumentIndex:
     documents = Documents(index.documents.starts.to(device), index.documents.seq_len)
     return DocumentIndex(documents, *(x.to(device) for x in (index.sparse, index.v_idx, index.s_idx)))
@@ -62,10 +56,6 @@ def to_device(index: DocumentIndex, device: torch.device) -> DocumentIndex:
 
 def ours(q, k, v, lists, backend: str):
     return lambda: sparse_attention(q, k, v, lists, backend=backend)
-
-
-def grads_of(inputs, dout):
-    return lambda out: torch.autograd.grad(out, inputs, dout)
 
 
 def relative_rmse(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -178,7 +168,7 @@ def main(argv=None) -> None:
             )
             index = to_device(index, device)
             common = dict(mixture=mixture, seq_len=seq_len, documents=int(documents.num_documents[0]))
-            dense = all_dense(index)
+            dense = DocumentIndex.dense(index.documents, index.num_heads)
             for impl, doc_index in (("mtraining_packed", index), ("mtraining_packed_dense", dense)):
                 lists = convert_document_index(doc_index, SINGLE, 0)
                 convert = median_ms(lambda: convert_document_index(doc_index, SINGLE, 0).blocks_by_key, 3)

@@ -119,6 +119,14 @@ class DocumentIndex:
     def num_heads(self) -> int:
         return self.v_idx.shape[2]
 
+    @classmethod
+    def dense(cls, documents: Documents, heads: int) -> DocumentIndex:
+        """Every document attended densely-causally (no document sparse), on the documents' device."""
+        slots = (documents.batch_size, documents.max_documents)
+        device = documents.starts.device
+        padding = torch.full((*slots, heads, 1), documents.seq_len, dtype=torch.int32, device=device)
+        return cls(documents, torch.zeros(slots, dtype=torch.bool, device=device), padding, padding)
+
 
 def check_min_sparse_length(min_sparse_length, last_q: int, sink_tokens: int, local_window: int) -> None:
     """Raise unless a document of ``min_sparse_length`` tokens holds its estimation rows and forced entries."""

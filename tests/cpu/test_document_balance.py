@@ -155,8 +155,7 @@ def test_work_density_is_the_lists_work_over_all_documents_dense(seed):
     generator = torch.Generator().manual_seed(seed)
     seq_len, layout = 16 * BLOCK_SIZE, Layout("striped", 2)
     doc_index = random_document_index(generator, random_documents(generator, 3, seq_len), 2)
-    padding = torch.full_like(doc_index.v_idx[..., :1], seq_len)
-    dense = DocumentIndex(doc_index.documents, torch.zeros_like(doc_index.sparse), padding, padding)
+    dense = DocumentIndex.dense(doc_index.documents, doc_index.num_heads)
 
     def listed_work(index: DocumentIndex) -> float:
         lists = [convert_document_index(index, layout, rank) for rank in range(layout.world_size)]

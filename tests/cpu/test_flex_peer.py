@@ -87,8 +87,7 @@ def test_document_causal_block_mask_is_exactly_the_dense_packed_mask(seed):
     generator = torch.Generator().manual_seed(seed)
     seq_len = 1024
     documents = packed_documents([random_lengths(generator, seq_len), [BLOCK_SIZE, 3 * BLOCK_SIZE, 512]], seq_len)
-    padding = torch.full((2, documents.max_documents, 1, 1), seq_len, dtype=torch.int32)
-    dense = DocumentIndex(documents, torch.zeros(2, documents.max_documents, dtype=torch.bool), padding, padding)
+    dense = DocumentIndex.dense(documents, heads=1)
     block_mask = flex_peer.document_causal_block_mask(documents.doc_id)
     expected = packed_vertical_slash_mask(dense)  # [b, 1, N, N]
     assert torch.equal(kernel_mask(block_mask, 2, 1, seq_len), expected)
