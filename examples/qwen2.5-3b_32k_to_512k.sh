@@ -27,6 +27,13 @@
 #                                 Qwen/Qwen2.5-3B; a checkpoint: the Hugging Face directory it was converted from)
 #   DATA_PREFIX, MOCK_DATA (0)    training data, or MOCK_DATA=1 for synthetic data (one is required for a run)
 #   SPLIT (98,2,0)                train,valid,test percentages of DATA_PREFIX's documents (integers, sum 100)
+#   PACKED_DOCUMENTS (0)          1: packed documents, each sequence's documents kept apart (--reset-attention-mask
+#                                 --reset-position-ids --no-rope-fusion --eod-mask-loss): a document ends at each
+#                                 end-of-document token (tools/preprocess_data.py appends one to every document),
+#                                 attends only within itself, its RoPE positions restart at 0, its EOD has no loss
+#   MIN_SPARSE_LENGTH             with PACKED_DOCUMENTS=1: documents of at least this many tokens get their own
+#                                 sparse index, shorter ones are attended densely (--mtraining-min-sparse-length;
+#                                 unset: the launcher's default)
 #   EVAL_INTERVAL (100), EVAL_ITERS (1)   validation every EVAL_INTERVAL iterations, EVAL_ITERS batches each
 #                                 (EVAL_ITERS=0: no validation)
 #   SEQ_LEN (524288), GLOBAL_BATCH_SIZE (8), TRAIN_ITERS (1000), LR (1e-5), MIN_LR (1e-6), WARMUP_ITERS (20)
@@ -99,6 +106,7 @@ SPLIT=${SPLIT:-98,2,0}
 BUDGET=${BUDGET:-top-p}
 LOSS_CHUNK_SIZE=${LOSS_CHUNK_SIZE:-8192}
 MOCK_DATA=${MOCK_DATA:-0}
+PACKED_DOCUMENTS=${PACKED_DOCUMENTS:-0}
 PYTHON=${PYTHON:-python}
 
 for name in SEQ_LEN GPUS_PER_NODE NNODES TP PP GLOBAL_BATCH_SIZE TRAIN_ITERS SAVE_INTERVAL EVAL_INTERVAL \
@@ -112,6 +120,13 @@ SAVE_DIR=${SAVE_DIR:-checkpoints/$MODEL-$(( SEQ_LEN / 1024 ))k}     # after SEQ_
 require_number LR
 require_number MIN_LR
 [[ "$MOCK_DATA" == [01] ]] || fail "MOCK_DATA=$MOCK_DATA must be 0 or 1"
+[[ "$PACKED_DOCUMENTS" == [01] ]] || fail "PACKED_DOCUMENTS=$PACKED_DOCUMENTS must be 0 or 1"
+if [[ -n "${MIN_SPARSE_LENGTH:-}" ]]; then
+  [[ "$PACKED_DOCUMENTS" == 1 ]] ||
+    fail "MIN_SPARSE_LENGTH=$MIN_SPARSE_LENGTH is a packed-documents setting, but PACKED_DOCUMENTS=$PACKED_DOCUMENTS;" \
+         "add PACKED_DOCUMENTS=1 or unset MIN_SPARSE_LENGTH"
+  require_integer MIN_SPARSE_LENGTH 1
+fi
 (( NODE_RANK < NNODES )) || fail "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
 
 # ------------------------------------------------------------------------------------------ model
@@ -241,6 +256,14 @@ elif (( PRINT_ONLY )); then
 else
   fail "set DATA_PREFIX to the --output-prefix of tools/preprocess_data.py (or MOCK_DATA=1 for synthetic data)"
 fi
+DOCUMENT_ARGS=()
+if [[ "$PACKED_DOCUMENTS" == 1 ]]; then
+  DOCUMENT_ARGS=(--reset-attention-mask --reset-position-ids --no-rope-fusion --eod-mask-loss)
+  if [[ -n "${MIN_SPARSE_LENGTH:-}" ]]; then
+    DOCUMENT_ARGS+=(--mtraining-min-sparse-length "$MIN_SPARSE_LENGTH")
+  fi
+  DATA_SOURCE+="; packed documents (attention within each document)"
+fi
 
 # ------------------------------------------------------------------------------------------ command
 TRAINING_ARGS=(
@@ -264,7 +287,7 @@ MTRAINING_ARGS=(
 )
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 LAUNCHER_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}"
-               "${MTRAINING_ARGS[@]}" "${EXTRA[@]}")
+               "${DOCUMENT_ARGS[@]}" "${MTRAINING_ARGS[@]}" "${EXTRA[@]}")
 
 COMMAND=(
   "$PYTHON" -m torch.distributed.run

@@ -4,10 +4,10 @@ Every script passes ``bash -n``. Each dry run (``--dry-run`` or ``DRY_RUN=1``, w
 checkpoint) prints the full command: ``torch.distributed.run``'s own parser reads it, and the flags after
 ``-m megatron_mtraining.pretrain`` are parsed by Megatron's parser with ``add_mtraining_args`` (an unknown or
 malformed flag fails) and pass :func:`validate_mtraining_args`. The settings (budget, TP/PP/CP/DP, evaluation,
-split, model, tokenizer) reach their flags; every bad setting stops the script with exit status 2 and a message
-naming it; a template's dry run calls no ``srun``, ``scontrol``, ``torchrun`` or Python (fake ones on PATH
-record every call). Each preset's ``MODEL_ARGS`` is the converter's ``megatron_flags`` of the public Hugging
-Face config. The check mode (``--check``) runs the launcher's ``--mtraining-check`` on this machine.
+split, packed documents, model, tokenizer) reach their flags; every bad setting stops the script with exit
+status 2 and a message naming it; a template's dry run calls no ``srun``, ``scontrol``, ``torchrun`` or Python
+(fake ones on PATH record every call). Each preset's ``MODEL_ARGS`` is the converter's ``megatron_flags`` of
+the public Hugging Face config. The check mode (``--check``) runs the launcher's ``--mtraining-check`` on this machine.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mtraining.config import DEFAULT_MIN_SPARSE_LENGTH
 from megatron_mtraining.conversion.architecture import MODEL_ARGS_FILE, QwenArchitecture, write_model_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -358,6 +359,44 @@ def test_budget_settings(parser, settings, expected):
     assert {name: getattr(args, name) for name in expected} == expected
 
 
+PACKED_FLAGS = ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+
+
+@pytest.mark.parametrize(
+    "settings, packed, min_sparse_length",
+    [
+        ({}, False, DEFAULT_MIN_SPARSE_LENGTH),
+        ({"PACKED_DOCUMENTS": "0"}, False, DEFAULT_MIN_SPARSE_LENGTH),
+        ({"PACKED_DOCUMENTS": "1"}, True, DEFAULT_MIN_SPARSE_LENGTH),
+        ({"PACKED_DOCUMENTS": "1", "MIN_SPARSE_LENGTH": "1024"}, True, 1024),
+    ],
+    ids=["default", "unpacked", "packed", "packed-min-sparse-length"],
+)
+@pytest.mark.parametrize("script", LAUNCHING, ids=lambda script: Path(script).name)
+def test_packed_document_settings(parser, script, settings, packed, min_sparse_length):
+    """PACKED_DOCUMENTS=1: Megatron's document flags, and --no-rope-fusion (per-token RoPE runs unfused only);
+    MIN_SPARSE_LENGTH: --mtraining-min-sparse-length. The demo and the templates pass them on."""
+    result = _dry_run(script, settings)
+    flags = _launch_command(result.stdout)[1]
+    args = _parsed(parser, flags)
+    assert {name: getattr(args, name) for name in PACKED_FLAGS} == dict.fromkeys(PACKED_FLAGS, packed)
+    assert args.apply_rope_fusion is not packed, "Megatron's default, fused RoPE, unless the documents need per-token"
+    assert args.mtraining_min_sparse_length == min_sparse_length
+    assert ("--mtraining-min-sparse-length" in flags) == ("MIN_SPARSE_LENGTH" in settings)
+    packed_comment = "; packed documents (attention within each document)"
+    assert _comment(result.stdout, "data").endswith(packed_comment) == packed
+
+
+def test_documented_packed_flags_are_the_settings_flags():
+    """docs/user_journey.md's launcher flags for packed documents are what its script line's settings add."""
+    journey = (REPO / "docs" / "user_journey.md").read_text()
+    documented = "--reset-attention-mask --reset-position-ids --no-rope-fusion --eod-mask-loss"
+    documented += " --mtraining-min-sparse-length 4096"
+    assert documented in journey and "PACKED_DOCUMENTS=1 MIN_SPARSE_LENGTH=4096 " in journey
+    flags = _launch_command(_dry_run(TRAIN, {"PACKED_DOCUMENTS": "1", "MIN_SPARSE_LENGTH": "4096"}).stdout)[1]
+    assert documented in shlex.join(flags)
+
+
 @pytest.mark.parametrize(
     "settings, tp, pp, cp, dp, ring, inner_ring",
     [
@@ -507,15 +546,31 @@ def test_real_run_executes_the_printed_command(fake_bin, tmp_path):
         (TRAIN, {"SPLIT": "0,50,50"}, "SPLIT=0,50,50 leaves no training data"),
         (TRAIN, {"SPLIT": "100,0,0"}, "SPLIT=100,0,0 has no validation share but EVAL_ITERS=1"),
         (TRAIN, {"MOCK_DATA": "yes"}, "MOCK_DATA=yes must be 0 or 1"),
+        (TRAIN, {"PACKED_DOCUMENTS": "yes"}, "PACKED_DOCUMENTS=yes must be 0 or 1"),
+        (TRAIN, {"PACKED_DOCUMENTS": "1", "MIN_SPARSE_LENGTH": "4k"}, "MIN_SPARSE_LENGTH=4k must be an integer >= 1"),
+        (TRAIN, {"PACKED_DOCUMENTS": "1", "MIN_SPARSE_LENGTH": "0"}, "MIN_SPARSE_LENGTH=0 must be an integer >= 1"),
+        (
+            TRAIN,
+            {"MIN_SPARSE_LENGTH": "1024"},
+            "MIN_SPARSE_LENGTH=1024 is a packed-documents setting, but PACKED_DOCUMENTS=0; add PACKED_DOCUMENTS=1",
+        ),
+        (
+            TRAIN,
+            {"PACKED_DOCUMENTS": "0", "MIN_SPARSE_LENGTH": "1024"},
+            "MIN_SPARSE_LENGTH=1024 is a packed-documents setting, but PACKED_DOCUMENTS=0",
+        ),
         (TRAIN, {"DRY_RUN": "yes"}, "DRY_RUN=yes must be 0 or 1"),
         (TRAIN, {"CHECK": "1"}, "--dry-run (DRY_RUN=1) and --check (CHECK=1) together"),
         (TRAIN, {"CHECKPOINT": "/nonexistent"}, "CHECKPOINT=/nonexistent has no megatron_model_args.sh"),
         (DEMO, {"NGPUS": "2", "GPUS_PER_NODE": "4"}, "NGPUS=2 and GPUS_PER_NODE=4 disagree"),
         (DEMO, {"BUDGET": "topp"}, "BUDGET=topp is not a budget"),
+        (DEMO, {"MIN_SPARSE_LENGTH": "1024"}, "MIN_SPARSE_LENGTH=1024 is a packed-documents setting"),
         (ONE_NODE, {"TP": "3"}, "TP=3 must divide GPUS_PER_NODE=8"),
         (ONE_NODE, {"CHECK": "1"}, "--dry-run (DRY_RUN=1) and --check (CHECK=1) together"),
+        (ONE_NODE, {"PACKED_DOCUMENTS": "2"}, "PACKED_DOCUMENTS=2 must be 0 or 1"),
         (MULTI_NODE, {"CP": "12"}, "CP=12 must divide GPUs / (TP x PP)"),
         (MULTI_NODE, {"DRY_RUN": "yes"}, "DRY_RUN=yes must be 0 or 1"),
+        (MULTI_NODE, {"MIN_SPARSE_LENGTH": "1024"}, "MIN_SPARSE_LENGTH=1024 is a packed-documents setting"),
     ],
 )
 def test_bad_setting_stops_before_anything_runs(fake_bin, script, settings, message):
@@ -591,17 +646,32 @@ def test_check_mode_accepts_every_scripts_command(tmp_path, script):
     assert f"tokenizer    HuggingFaceTokenizer /models/Qwen2.5-{size}" in result.stdout
 
 
+@pytest.mark.parametrize("script", [TRAIN, DEMO], ids=lambda script: Path(script).name)
+def test_check_mode_accepts_packed_documents(script):
+    settings = {"PYTHON": sys.executable, "PACKED_DOCUMENTS": "1", "MIN_SPARSE_LENGTH": "1024"}
+    result = _run(script, settings, "--check", timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert {"--reset-attention-mask", "--mtraining-min-sparse-length"} <= set(_command_words(result.stdout))
+    assert "the command is valid for WORLD_SIZE=" in result.stdout
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
         ({"SEQ_LEN": "100000"}, "--seq-length=100000 is not divisible"),
         ({"PP": "8"}, "Number of layers should be divisible by the pipeline-model-parallel size"),
+        (
+            {"PACKED_DOCUMENTS": "1", "PP": "2"},
+            "--reset-attention-mask, --reset-position-ids need the micro-batch's tokens and position ids",
+        ),
+        ({"PACKED_DOCUMENTS": "1", "MIN_SPARSE_LENGTH": "32"}, "--mtraining-min-sparse-length=32 must be an integer"),
     ],
-    ids=["mtraining-seq-length", "megatron-pipeline"],
+    ids=["mtraining-seq-length", "megatron-pipeline", "packed-pipeline", "packed-min-sparse-length"],
 )
 def test_check_mode_rejects_a_command_the_launcher_cannot_run(settings, message):
-    """Settings the script accepts but MTraining (SEQ_LEN: CP x stripe granularity) or Megatron (36 layers over PP 8)
-    does not: the check exits non-zero with the launcher's message."""
+    """Settings the script accepts but MTraining (SEQ_LEN: CP x stripe granularity; packed documents with PP > 1 or
+    a MIN_SPARSE_LENGTH below the estimation's 64 queries) or Megatron (36 layers over PP 8) does not: the check
+    exits non-zero with the launcher's message."""
     result = _run(TRAIN, {"PYTHON": sys.executable, **settings}, "--check", timeout=300)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-3000:]
