@@ -3,8 +3,9 @@
 For a Qwen2.5-shaped and a Qwen3-shaped random model (tiny: 2 layers, head dim 64) with a tokenizer
 trained here: Hugging Face folder → ``tools/convert_qwen2_hf_to_megatron.py`` → ``tools/preprocess_data.py``
 on JSONL documents → each example script for a few iterations on the real preprocessed data (the demo
-script with evaluation on a validation split, a ``torch_dist`` save and a resume; the 512K recipe at a
-short length with the static budget; the single-node SLURM template through a stand-in ``srun``) →
+script with evaluation on a validation split, a ``torch_dist`` save and a resume; the demo on the same data
+as packed documents, ``PACKED_DOCUMENTS=1``; the 512K recipe at a short length with the static budget; the
+SLURM templates through a stand-in ``srun``) →
 ``tools/convert_megatron_to_qwen2_hf.py`` → ``transformers`` loads the trained model, and its logits
 equal those of the launcher's Megatron model loaded from the same training checkpoint.
 """
@@ -12,6 +13,7 @@ equal those of the launcher's Megatron model loaded from the same training check
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -38,6 +40,19 @@ WORDS = (
     "attention sparse ring stripe token vertical slash budget kernel block query key value gradient "
     "layer model context length sequence document data train loss step head group rank device"
 ).split()
+# The demo on packed documents: every 8,192-token sequence holds pieces of 2 to 6 of the journey's documents (at
+# most 6,001 tokens each, each ended by the EOD that tools/preprocess_data.py appends); documents of 2,048 tokens
+# or more get their own sparse index, shorter ones are attended densely.
+PACKED_RUN = dict(
+    PACKED_DOCUMENTS="1",
+    MIN_SPARSE_LENGTH="2048",
+    TRAIN_ITERS="3",
+    SAVE_INTERVAL="3",
+    EVAL_INTERVAL="3",
+    EVAL_ITERS="1",
+    SPLIT="90,10,0",
+    EXTRA_ARGS="--mtraining-stats-interval 1",
+)
 SHAPES = {
     "qwen2.5": dict(model_type="qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(model_type="qwen3", hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
@@ -303,6 +318,36 @@ def test_demo_script_trains_evaluates_saves_resumes_and_converts_back(journey):
     assert megatron_logits.shape == hf_logits.shape
     error = (megatron_logits - hf_logits).abs().max().item()
     assert error <= LOGITS_ATOL, f"max |Δlogits| {error:.2e} (logit std {hf_logits.std():.3f})"
+
+
+def test_demo_script_trains_on_packed_documents(journey):
+    """``PACKED_DOCUMENTS=1`` on the real preprocessed data: Megatron's ``GPTDataset`` packs several documents into
+    each sequence, the launcher finds their boundaries at the EOD tokens and keeps each document's attention and
+    RoPE positions to itself. 3 iterations with a finite loss, and every ``mtraining`` line (one per iteration)
+    reports more than one document per sequence."""
+    if journey["name"] != "qwen2.5":
+        pytest.skip("one model shape is enough for the packed-document flags")
+    root = journey["root"]
+    log = _run(
+        ["bash", "examples/qwen2.5-0.5b_1gpu_demo.sh"],
+        root / "packed.log",
+        _script_env(journey, root / "packed-run", **PACKED_RUN),
+    )
+    for name, value in [
+        ("reset_attention_mask", "True"),
+        ("reset_position_ids", "True"),
+        ("eod_mask_loss", "True"),
+        ("mtraining_min_sparse_length", PACKED_RUN["MIN_SPARSE_LENGTH"]),
+    ]:
+        assert re.search(rf" {name} \.+ {value}\s*$", log, re.MULTILINE), f"Megatron's arguments lack {name} {value}"
+    assert _iterations(log) == [1, 2, 3]
+    losses = [float(value) for value in re.findall(r" lm loss: (\S+) \|", log)]
+    assert len(losses) == 3 and all(math.isfinite(value) for value in losses), losses
+    documents = [
+        float(value)
+        for value in re.findall(r"mtraining \| iteration +\d+ \| density .* \| documents/sequence ([0-9.]+) \|", log)
+    ]
+    assert len(documents) == 3 and all(value > 1 for value in documents), documents
 
 
 def test_512k_recipe_runs_a_few_iterations_with_the_static_budget(journey):
