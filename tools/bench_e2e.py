@@ -1,13 +1,26 @@
-"""End-to-end training throughput of MTraining against the dense ring: Qwen2.5 shapes, CP ranks of one host.
+"""End-to-end training throughput of MTraining against the dense baseline: Qwen2.5 shapes, CP ranks of one host.
 
     python tools/bench_e2e.py --models 0.5b,1.5b,3b --seq-lens 131072,262144,524288   # on 2 GPUs
+    python tools/bench_e2e.py --cp 1 --models 0.5b --seq-lens 65536 --mixtures none,prolong,uniform4k  # one GPU
     python tools/bench_e2e.py --dry-run        # print the launcher commands (no GPU needed)
     python tools/bench_e2e.py --plot-only      # table and chart from the JSONL
     python tools/bench_e2e.py --compare-runs   # configurations measured twice: the latest run vs the one before
 
 Each configuration (model shape x sequence length x attention variant) trains with the real launcher through
-``tools/train_probe.py`` (``torchrun --nproc-per-node CP``): random weights, Megatron's mock data, bf16, local
-(non-TE) layers, CP = ``--cp``, TP = PP = DP = 1, one sequence per iteration, chunked output layer and loss.
+``tools/train_probe.py`` (``torchrun --nproc-per-node CP``): random weights, bf16, local (non-TE) layers,
+CP = ``--cp`` (1: one GPU, no ring), TP = PP = DP = 1, one sequence per iteration, chunked output layer and loss.
+
+**Data** (``--mixtures``, the JSON's ``mixture``; every mixture is measured with every variant in the same
+invocation). ``none``: Megatron's mock data, one unpacked sequence. ``prolong``, ``uniform4k``, ``single``: the
+packed mixtures of ``document_mixtures.MIXTURES`` (PACKED.md; one draw, seed ``--mixture-seed``, the same
+document lengths in every sequence, recorded as ``document_lengths``), written before the runs as a Megatron
+indexed dataset whose entries are exactly one sequence each (``packed_dataset.py``: every document ends with the
+NullTokenizer's EOD, so Megatron's samples hold exactly those documents) and trained with ``--data-path``,
+``--reset-attention-mask``, ``--reset-position-ids`` and ``--eod-mask-loss``: every document attends only
+within itself, sparse variants estimate one index per document of at least ``--min-sparse-length`` tokens.
+The dense baseline applies the same document mask, so it runs our Triton kernels (``--dense-kernel triton``,
+the default with a packed mixture: the SDPA dense impls have no document mask and are refused there).
+
 Variants (``--variants``; the JSON's ``attention`` / ``sparsity_setting``):
 
 * ``mtraining``: striped sparse ring, top-P 0.9 budgets (``mtraining`` / ``top_p=0.9``);
@@ -15,8 +28,9 @@ Variants (``--variants``; the JSON's ``attention`` / ``sparsity_setting``):
 * ``mtraining-zigzag``: Megatron's zigzag split with top-P 0.9, the layout ablation (``mtraining_zigzag``);
 * ``mtraining-zigzag-static``: the zigzag split with the fixed 95 % sparsity, the ablation of
   ``mtraining-static`` (random weights make top-P nearly dense, so this is the pair that shows the layout);
-* ``dense``: the dense ring baseline (``dense`` / ``dense``), with ``--dense-kernel`` sdpa_cudnn (default) or
-  sdpa_flash over the zigzag layout, or triton (our dense kernels over the striped layout).
+* ``dense``: the dense baseline (``dense`` / ``dense``; at CP > 1 the dense ring), with ``--dense-kernel``
+  sdpa_cudnn (the default unpacked) or sdpa_flash over the zigzag layout (at CP = 1 a plain SDPA call), or
+  triton (our dense kernels over the striped layout; the default, and the only one, for packed mixtures).
 
 **Timing by reduced depth.** A configuration is trained at each layer count of ``--layers`` (default 2 and 4
 of the real shape): ``--warmup`` iterations, ``--iters`` timed ones (their median; an iteration's time is the
@@ -31,17 +45,20 @@ measured at ``peak_mem_layers`` layers, not extrapolated.
 
 **FLOPs** (:func:`iteration_flops`) of one iteration, counted as model FLOPs (forward + backward = 3 x forward,
 no recomputation): per layer the QKV and output projections, the SwiGLU MLP (3 matrices) and the causal
-attention (scores and values over half the N^2 area, 2·N²·Hq·d per forward); plus the output layer.
-``dense_equiv`` counts the attention at density 1; ``actual`` multiplies it by the measured density;
+attention (scores and values over half the N^2 area, 2·N²·Hq·d per forward; packed: over the document-causal
+area, 2·Σ L_d²·Hq·d, the row's ``mask_area`` = Σ L_d² / N² of the unpacked one); plus the output layer.
+``dense_equiv`` counts the attention at density 1 (the dense baseline's mask); ``actual`` multiplies it by the
+measured density (packed: the work listed over that of every document dense);
 ``hardware`` is ``actual`` plus the recomputed forwards (full activation recompute, chunked loss).
 MFU = TFLOP/s per GPU / ``--peak-tflops`` (H200 bf16 dense: 989).
 
 Output: one JSON object per configuration appended to ``--jsonl`` as soon as it is measured, its ``command``
 the shell line of each timed run (a failed run — OOM, crash, timeout, unusable fit — is recorded with
 ``status: "failed"``, its ``error`` and the points measured before); a markdown table on stdout; the chart
-``--plot`` (tokens/s speedup over the fastest dense row of the same model, length, GPU and method, against
-sequence length) rebuilt from the whole JSONL. Every run is killed after ``--run-timeout-s``; with
-``--time-budget-s`` a configuration whose estimated time exceeds what is left is skipped and reported.
+``--plot`` (tokens/s speedup over the fastest dense row of the same model, length, mixture, GPU and method,
+against sequence length) rebuilt from the whole JSONL; rows written before mixtures existed read as ``none``.
+Every run is killed after ``--run-timeout-s``; with ``--time-budget-s`` a configuration whose estimated time
+exceeds what is left is skipped and reported.
 """
 
 from __future__ import annotations
@@ -73,6 +90,10 @@ STATIC_SPARSITY = 0.95
 LOSS_CHUNK_SIZE = 8192
 ROTARY_BASE = 10_000_000  # 10 x Qwen2.5's 1e6 for 128K-512K contexts (ABF-style, DESIGN.md §4)
 DENSE_KERNELS = ("sdpa_cudnn", "sdpa_flash", "triton")
+DOCUMENT_DENSE_KERNELS = ("triton",)  # dense kernels with a document mask (the SDPA dense impls have none)
+UNPACKED = "none"  # the mixture of unpacked mock data
+# packed mixtures: documents end at each EOD, attend within themselves, positions restart, no loss on EOD
+PACKED_FLAGS = ("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss")
 # Megatron's local layers without Transformer Engine or Apex fusions (as examples/quickstart.py LOCAL_IMPL_FLAGS)
 LOCAL_IMPL_FLAGS = (
     "--transformer-impl",
@@ -227,11 +248,33 @@ class Config:
     model: ModelShape
     seq_len: int
     variant: Variant
+    mixture: str = UNPACKED
+    document_lengths: tuple[int, ...] = ()  # of every sequence of a packed mixture; () unpacked
+
+    def __post_init__(self) -> None:
+        if (self.mixture == UNPACKED) != (not self.document_lengths):
+            raise ValueError(f"mixture {self.mixture!r} needs document lengths exactly when it is packed")
+        if self.document_lengths and sum(self.document_lengths) != self.seq_len:
+            raise ValueError(f"document lengths sum to {sum(self.document_lengths)}, not seq_len={self.seq_len}")
+
+    @property
+    def packed(self) -> bool:
+        return self.mixture != UNPACKED
+
+    @property
+    def mask_area(self) -> float:
+        """The dense baseline's attention area over the unpacked causal one: Σ L_d² / N² (1 unpacked)."""
+        if not self.packed:
+            return 1.0
+        from packed_dataset import mask_area
+
+        return mask_area(list(self.document_lengths))
 
     @property
     def name(self) -> str:
         kernel = f"-{self.variant.dense_kernel}" if self.variant.dense_kernel else ""
-        return f"qwen2.5-{self.model.name}_{self.seq_len // 1024}k_{self.variant.key}{kernel}"
+        mixture = f"_{self.mixture}" if self.packed else ""
+        return f"qwen2.5-{self.model.name}_{self.seq_len // 1024}k{mixture}_{self.variant.key}{kernel}"
 
 
 @dataclass(frozen=True)
@@ -270,10 +313,11 @@ def layer_linear_flops(shape: ModelShape, seq_len: int) -> float:
     return float(qkv + out + mlp)
 
 
-def layer_attention_flops(shape: ModelShape, seq_len: int, density: float = 1.0) -> float:
+def layer_attention_flops(shape: ModelShape, seq_len: int, density: float = 1.0, area: float = 1.0) -> float:
     """Forward FLOPs of one layer's causal attention: Q·Kᵀ and P·V (2 x 2·N²·Hq·d) over half the N² area,
-    times ``density`` (the computed fraction of that area)."""
-    return density * 2.0 * seq_len * seq_len * shape.heads * shape.head_dim
+    times ``area`` (the mask's area over that, Σ L_d² / N² for packed documents) and ``density`` (the computed
+    fraction of the mask)."""
+    return density * area * 2.0 * seq_len * seq_len * shape.heads * shape.head_dim
 
 
 def output_layer_flops(shape: ModelShape, seq_len: int) -> float:
@@ -287,6 +331,7 @@ def iteration_flops(
     num_layers: int,
     density: float = 1.0,
     *,
+    area: float = 1.0,
     recompute_layers: bool = False,
     recompute_attention: bool = True,
     recompute_output: bool = False,
@@ -296,9 +341,9 @@ def iteration_flops(
     Forward + backward = 3 x forward. With ``recompute_layers`` (full activation recompute) every layer's
     forward runs once more (without attention's when not ``recompute_attention``: the kept attention
     output), with ``recompute_output`` (chunked loss) the output layer's: hardware FLOPs. Without both:
-    model FLOPs, what MFU counts.
+    model FLOPs, what MFU counts. ``area``: the attention mask's area over the causal one (packed documents).
     """
-    attention = layer_attention_flops(shape, seq_len, density)
+    attention = layer_attention_flops(shape, seq_len, density, area)
     layer = layer_linear_flops(shape, seq_len) + attention
     output = output_layer_flops(shape, seq_len)
     total = 3 * (num_layers * layer + output)
@@ -318,21 +363,24 @@ def throughput(
     peak_tflops: float,
     recompute: str,
     loss_chunked: bool,
+    area: float = 1.0,
 ) -> dict:
-    """Tokens/s, TFLOP/s per GPU (dense-equivalent, actually computed, hardware) and MFU of one iteration time."""
+    """Tokens/s, TFLOP/s per GPU (dense-equivalent, actually computed, hardware) and MFU of one iteration time;
+    ``area``: the dense mask's area over the causal one (packed documents)."""
     seconds = iter_ms / 1e3
 
     def per_gpu_tflops(flops: float) -> float:
         return flops / gpus / seconds / 1e12
 
-    dense = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers))
-    actual = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density))
+    dense = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, area=area))
+    actual = per_gpu_tflops(iteration_flops(shape, seq_len, shape.num_layers, density, area=area))
     hardware = per_gpu_tflops(
         iteration_flops(
             shape,
             seq_len,
             shape.num_layers,
             density,
+            area=area,
             recompute_layers=recompute != "none",
             recompute_attention=recompute == "full",
             recompute_output=loss_chunked,
@@ -349,9 +397,64 @@ def throughput(
 
 
 # ---------------------------------------------------------------------------------------- commands
-def launcher_flags(config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace) -> list[str]:
-    """The launcher's flags of one run of ``config`` at ``num_layers`` layers."""
+def dataset_prefix(config: Config, run_dir: Path) -> Path:
+    """The indexed dataset (``.bin``/``.idx`` prefix) of a packed ``config`` under ``run_dir``."""
+    return run_dir / "datasets" / f"{config.mixture}_{config.seq_len}_v{config.model.vocab}"
+
+
+def dataset_sequences(options: argparse.Namespace) -> int:
+    """Sequences of each packed dataset: one epoch of every run's iterations (``GPTDataset`` makes one sample
+    fewer than there are sequences of N tokens: each sample reads one token past its N)."""
+    return Schedule(options.warmup, options.iters, log_density=True).train_iters + 1
+
+
+def eod_token(vocab: int) -> int:
+    """The EOD id of the runs' tokenizer (``--tokenizer-type NullTokenizer --vocab-size vocab``)."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return NullTokenizer(vocab).eod
+
+
+def data_flags(config: Config, options: argparse.Namespace, run_dir: Path) -> list[str]:
+    """Mock data, or a packed mixture's dataset with the document flags."""
+    if not config.packed:
+        return ["--mock-data"]
+    sparse_length = [] if options.min_sparse_length is None else ["--mtraining-min-sparse-length"]
+    sparse_length += [str(options.min_sparse_length)] if sparse_length else []
+    return [
+        "--data-path",
+        str(dataset_prefix(config, run_dir)),
+        "--split",
+        "100,0,0",
+        *PACKED_FLAGS,
+        *sparse_length,
+    ]
+
+
+def write_datasets(configs: list[Config], options: argparse.Namespace, run_dir: Path) -> None:
+    """Write (and read back) the indexed dataset of every packed mixture and length of ``configs``."""
+    from packed_dataset import read_document_lengths, write_mixture_dataset
+
+    sequences = dataset_sequences(options)
+    for config in {dataset_prefix(c, run_dir): c for c in configs if c.packed}.values():
+        prefix, eod = dataset_prefix(config, run_dir), eod_token(config.model.vocab)
+        write_mixture_dataset(prefix, list(config.document_lengths), sequences, eod, seed=options.mixture_seed)
+        if read_document_lengths(prefix, eod) != [list(config.document_lengths)] * sequences:
+            raise SystemExit(f"bench_e2e: {prefix}: the documents read back are not the mixture's")
+        print(
+            f"# dataset {prefix}: {sequences} sequences of {len(config.document_lengths)} documents "
+            f"({config.mixture}, N = {config.seq_len})",
+            flush=True,
+        )
+
+
+def launcher_flags(
+    config: Config, num_layers: int, schedule: Schedule, options: argparse.Namespace, run_dir: Path | None = None
+) -> list[str]:
+    """The launcher's flags of one run of ``config`` at ``num_layers`` layers (a packed mixture's dataset under
+    ``run_dir``, by default ``--out-dir``/<run>, the placeholder of ``--dry-run``)."""
     seq = str(config.seq_len)
+    run_dir = options.out_dir / "<run>" if run_dir is None else run_dir
     return [
         *config.model.flags(num_layers),
         "--rotary-base",
@@ -360,7 +463,7 @@ def launcher_flags(config: Config, num_layers: int, schedule: Schedule, options:
         seq,
         "--max-position-embeddings",
         seq,
-        "--mock-data",
+        *data_flags(config, options, run_dir),
         "--micro-batch-size",
         "1",
         "--global-batch-size",
@@ -557,6 +660,7 @@ def estimate_run_seconds(config: Config, num_layers: int, schedule: Schedule, op
         config.seq_len,
         num_layers,
         density,
+        area=config.mask_area,
         recompute_layers=options.recompute != "none",
         recompute_attention=options.recompute == "full",
         recompute_output=options.loss_chunk_size > 0,
@@ -573,7 +677,7 @@ def run_point(
 
     probe_dir = run_dir / f"{config.name}_L{num_layers}"
     probe_dir.mkdir(parents=True, exist_ok=False)
-    command = run_command(launcher_flags(config, num_layers, schedule, options), options.cp)
+    command = run_command(launcher_flags(config, num_layers, schedule, options, run_dir), options.cp)
     env = run_environment(probe_dir, schedule)
     line = shell_line(command, env)
     print(f"# {config.name}, {num_layers} layers: {line}", flush=True)
@@ -597,6 +701,13 @@ def base_row(config: Config, options: argparse.Namespace, meta: dict, layers: li
         **meta,
         "model": f"qwen2.5-{config.model.name}",
         "seq_len": config.seq_len,
+        "mixture": config.mixture,
+        "data": "packed" if config.packed else "mock",
+        "document_lengths": list(config.document_lengths) if config.packed else None,
+        "documents_per_sequence": len(config.document_lengths) if config.packed else 1,
+        "mask_area": config.mask_area,
+        "mixture_seed": options.mixture_seed if config.packed else None,
+        "min_sparse_length": options.min_sparse_length if config.packed else None,
         "tp": 1,
         "cp": options.cp,
         "pp": 1,
@@ -642,6 +753,7 @@ def measured_row(
             options.peak_tflops,
             options.recompute,
             options.loss_chunk_size > 0,
+            config.mask_area,
         ),
         peak_mem_gb=deepest["peak_mem_gb"],
         reserved_mem_gb=deepest["reserved_mem_gb"],
@@ -693,9 +805,15 @@ def measure_config(
 
 
 # ---------------------------------------------------------------------------------------- report
+def mixture_of(row: dict) -> str:
+    """The row's document mixture; rows written before mixtures existed are unpacked."""
+    return row.get("mixture", UNPACKED)
+
+
 def comparison_key(row: dict) -> tuple:
-    """Rows compared with each other (speed-up over dense): same GPU, CP, model, length, recompute and method."""
-    return row["gpu"], row["cp"], row["model"], row["seq_len"], row["recompute"], row["extrapolated"]
+    """Rows compared with each other (speed-up over dense): same GPU, CP, model, length, mixture, recompute and
+    method."""
+    return row["gpu"], row["cp"], row["model"], row["seq_len"], mixture_of(row), row["recompute"], row["extrapolated"]
 
 
 def configuration_key(row: dict) -> tuple:
@@ -739,7 +857,7 @@ def _number(value, spec: str) -> str:
 def format_table(rows: list[dict], baselines: dict[tuple, dict], skipped: list[str] = ()) -> str:
     """A markdown table of ``rows`` (measured and failed), then the skipped configurations."""
     header = (
-        "| model | N | attention | setting | layers timed | iter ms | tokens/s | TFLOP/s/GPU dense-eq | "
+        "| model | N | mixture | attention | setting | layers timed | iter ms | tokens/s | TFLOP/s/GPU dense-eq | "
         "actual | MFU dense-eq | peak GB (layers) | density | attention share | × dense | status |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -751,7 +869,8 @@ def format_table(rows: list[dict], baselines: dict[tuple, dict], skipped: list[s
         lines.append(
             " ".join(
                 [
-                    f"| {row['model']} | {row['seq_len'] // 1024}K | {row['attention']} | {setting} | {timed} |",
+                    f"| {row['model']} | {row['seq_len'] // 1024}K | {mixture_of(row)} | {row['attention']} |",
+                    f"{setting} | {timed} |",
                     f"{_number(row['iter_ms'], '.1f')} | {_number(row['tokens_per_s'], '.0f')} |",
                     f"{_number(row.get('tflops_per_gpu_dense_equiv'), '.1f')} |",
                     f"{_number(row.get('tflops_per_gpu_actual'), '.1f')} |",
@@ -776,7 +895,8 @@ def speedup_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
         method = ("" if row["extrapolated"] else ", full depth") + (
             "" if row["recompute"] == "full" else f", recompute {row['recompute']}"
         )
-        label = f"{row['model']} {row['attention']} {row['sparsity_setting']}{method}"
+        mixture = "" if mixture_of(row) == UNPACKED else f", {mixture_of(row)}"
+        label = f"{row['model']} {row['attention']} {row['sparsity_setting']}{mixture}{method}"
         series.setdefault(label, []).append((row["seq_len"], value))
     return {label: sorted(points) for label, points in sorted(series.items())}
 
@@ -801,7 +921,7 @@ def write_plot(rows: list[dict], path: Path) -> None:
     axes.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
     axes.axhline(1.0, color="grey", linewidth=0.8)
     axes.set_xlabel("sequence length (tokens)")
-    axes.set_ylabel("training tokens/s over the dense ring")
+    axes.set_ylabel("training tokens/s over the dense baseline")
     gpus = sorted({row["gpu"] for row in rows if row.get("status") == "ok"})
     cps = sorted({row["cp"] for row in rows if row.get("status") == "ok"})
     axes.set_title(f"End-to-end speed-up, CP = {','.join(map(str, cps))}, {', '.join(gpus)}", fontsize=10)
@@ -836,9 +956,9 @@ def run_to_run(rows: list[dict]) -> str:
         return text if before is None or now is None else f"{text} ({100 * (now / before - 1):+.1f} %)"
 
     lines = [
-        "| model | N | attention | setting | recompute | runs (before → now) | per layer ms | fixed ms | "
+        "| model | N | mixture | attention | setting | recompute | runs (before → now) | per layer ms | fixed ms | "
         "tokens/s | × dense (same run) |",
-        "|" + "---|" * 10,
+        "|" + "---|" * 11,
     ]
     for key, measured in runs.items():
         if len(measured) < 2:
@@ -850,6 +970,7 @@ def run_to_run(rows: list[dict]) -> str:
                 [
                     f"| {now['model']}",
                     f"{now['seq_len'] // 1024}K",
+                    mixture_of(now),
                     now["attention"],
                     now["sparsity_setting"],
                     now["recompute"],
@@ -920,10 +1041,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dense-kernel",
         choices=DENSE_KERNELS,
-        default="sdpa_cudnn",
-        help="dense baseline kernel: SDPA cuDNN/flash (zigzag layout) or our Triton kernels (striped)",
+        default=None,
+        help="dense baseline kernel: SDPA cuDNN/flash (zigzag layout) or our Triton kernels (striped); default "
+        "sdpa_cudnn unpacked, triton (the dense kernel with a document mask) for packed mixtures",
     )
-    parser.add_argument("--cp", type=int, default=2, help="context-parallel size = GPUs")
+    parser.add_argument(
+        "--mixtures",
+        type=_name_list,
+        default=[UNPACKED],
+        help=f"document mixtures: {UNPACKED} (unpacked mock data) and those of tools/document_mixtures.py "
+        "(prolong, uniform4k, single), trained on packed datasets with per-document masks",
+    )
+    parser.add_argument("--mixture-seed", type=int, default=0, help="seed of the mixtures' document lengths")
+    parser.add_argument(
+        "--min-sparse-length",
+        type=int,
+        default=None,
+        help="--mtraining-min-sparse-length of packed runs (default: the launcher's)",
+    )
+    parser.add_argument("--cp", type=int, default=2, help="context-parallel size = GPUs (1: one GPU, no ring)")
     parser.add_argument("--layers", type=_int_list, default=[2, 4], help="layer counts to time and extrapolate from")
     parser.add_argument("--full-depth", action="store_true", help="time the real layer count instead (memory fit)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per run")
@@ -982,7 +1118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_options(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
-    for name in ("models", "seq_lens", "variants", "layers"):
+    for name in ("models", "seq_lens", "variants", "layers", "mixtures"):
         values = getattr(options, name)
         if len(set(values)) != len(values):
             parser.error(f"--{name.replace('_', '-')} {values} lists a value twice")
@@ -992,6 +1128,19 @@ def _check_options(parser: argparse.ArgumentParser, options: argparse.Namespace)
     unknown = [key for key in options.variants if key not in VARIANT_KEYS]
     if unknown:
         parser.error(f"--variants: {unknown} unknown; use some of {', '.join(VARIANT_KEYS)}")
+    from packed_dataset import mixture_names
+
+    unknown = [name for name in options.mixtures if name not in mixture_names()]
+    if unknown:
+        parser.error(f"--mixtures: {unknown} unknown; use some of {', '.join(mixture_names())}")
+    packed = [name for name in options.mixtures if name != UNPACKED]
+    if packed and options.dense_kernel not in (None, *DOCUMENT_DENSE_KERNELS) and "dense" in options.variants:
+        parser.error(
+            f"--dense-kernel {options.dense_kernel} has no document mask, so it cannot be the dense baseline of "
+            f"--mixtures {','.join(packed)}; use --dense-kernel {' or '.join(DOCUMENT_DENSE_KERNELS)} (or leave it out)"
+        )
+    if options.min_sparse_length is not None and options.min_sparse_length < 1:
+        parser.error(f"--min-sparse-length={options.min_sparse_length} must be >= 1")
     for name in ("warmup", "iters", "cp"):
         if getattr(options, name) < 1:
             parser.error(f"--{name}={getattr(options, name)} must be >= 1")
@@ -1007,12 +1156,26 @@ def _check_options(parser: argparse.ArgumentParser, options: argparse.Namespace)
             parser.error(f"--{name.replace('_', '-')}={getattr(options, name)} must be > 0")
 
 
+def dense_kernel_for(mixture: str, options: argparse.Namespace) -> str:
+    """``--dense-kernel``, or its default: cuDNN SDPA unpacked, our Triton kernels (document mask) packed."""
+    if options.dense_kernel is not None:
+        return options.dense_kernel
+    return "sdpa_cudnn" if mixture == UNPACKED else DOCUMENT_DENSE_KERNELS[0]
+
+
 def configurations(options: argparse.Namespace) -> list[Config]:
-    """The matrix in run order: sequence lengths outermost, then models, then variants."""
+    """The matrix in run order: sequence lengths outermost, then models, then mixtures, then variants."""
+    from packed_dataset import mixture_lengths
+
+    def lengths(mixture: str, seq_len: int) -> tuple[int, ...]:
+        return () if mixture == UNPACKED else tuple(mixture_lengths(mixture, seq_len, options.mixture_seed))
+
     return [
-        Config(QWEN25[model], seq_len, variant_for(key, options.dense_kernel))
+        Config(QWEN25[model], seq_len, variant_for(key, dense_kernel_for(mixture, options)), mixture, documents)
         for seq_len in options.seq_lens
         for model in options.models
+        for mixture in options.mixtures
+        for documents in [lengths(mixture, seq_len)]
         for key in options.variants
     ]
 
@@ -1026,9 +1189,15 @@ def config_estimate_s(config: Config, options: argparse.Namespace) -> float:
 
 
 def dry_run(options: argparse.Namespace) -> None:
-    """Print every run's shell line with its estimated time."""
+    """Print every packed dataset, then every run's shell line with its estimated time."""
     total = 0.0
-    for config in configurations(options):
+    configs = configurations(options)
+    for config in {dataset_prefix(c, options.out_dir / "<run>"): c for c in configs if c.packed}.values():
+        print(
+            f"# dataset {dataset_prefix(config, options.out_dir / '<run>')}: {dataset_sequences(options)} sequences, "
+            f"documents {list(config.document_lengths)}"
+        )
+    for config in configs:
         schedule = Schedule(options.warmup, options.iters, log_density=config.variant.sparse)
         for layers in layer_counts(config.model, options):
             probe_dir = options.out_dir / "<run>" / f"{config.name}_L{layers}"
@@ -1055,8 +1224,10 @@ def run_matrix(options: argparse.Namespace) -> None:
         "torch": importlib.metadata.version("torch"),
     }
     run_dir = options.out_dir / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    configs = configurations(options)
+    write_datasets(configs, options, run_dir)
     rows, skipped = [], []
-    for config in configurations(options):
+    for config in configs:
         estimate = config_estimate_s(config, options)
         if deadline is not None and estimate > deadline - time.monotonic():
             skipped.append(

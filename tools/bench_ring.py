@@ -16,7 +16,15 @@ consecutive ranks (a hierarchical ring's nodes are its inner rings) and every tr
 between nodes is ``--outer-slowdown`` times slower than the intra-node bandwidth measured at the start;
 rows then carry ``emulated_node_size``, ``outer_slowdown``, ``inner_gbps`` and ``model_fwd_bwd_ms``, the analytic
 model's time (``ring_model.py``) from the measured compute and bandwidth.
-Rank 0 prints a table and appends one JSON object per configuration to ``--jsonl``.
+``--mixtures`` (PACKED.md; default ``none``, unpacked) also times packed sequences of the mixtures of
+``document_mixtures.MIXTURES`` (one draw per N, seed ``--mixture-seed``): the sparse pattern is
+``realistic_document_index`` (every document of at least ``--min-sparse-length`` tokens its own realistic
+pattern with the far-line count of the unpacked sparse pattern, scaled to its length; shorter ones dense) and
+the baseline, in the same run, is the dense ring with the same document mask (``DocumentIndex.dense`` through
+the same ring and kernels, pattern ``dense``); the SDPA ring has no document mask, so its rows are unpacked
+only. A packed row's ``density`` is its ring work over that of every document dense.
+Rank 0 prints a table and appends one JSON object per configuration to ``--jsonl`` (``mixture``: ``none`` or
+the mixture's name, ``documents``: per sequence).
 """
 
 from __future__ import annotations
@@ -31,23 +39,31 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from document_mixtures import MIXTURES, realistic_document_index
 from realistic_pattern import realistic_pattern
 from ring_model import CellCosts, flat_ring, hierarchical_ring, hop_bytes
 from slow_link import SlowLink, SlowLinkRingGroups
 
-from megatron_mtraining.balance import balance_report
+from megatron_mtraining.attention_stats import document_work_density
+from megatron_mtraining.balance import balance_report, document_balance_report
+from megatron_mtraining.config import DEFAULT_MIN_SPARSE_LENGTH
 from megatron_mtraining.ring.comm import RingExchange
 from megatron_mtraining.ring.dense_ring import dense_ring_attention, dense_ring_backward, dense_ring_forward
 from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
 from megatron_mtraining.ring.sparse_ring import ring_attention, sparse_ring_backward, sparse_ring_forward
-from mtraining_kernels.index import convert_index, count_work
+from mtraining_kernels.document_conversion import convert_document_index
+from mtraining_kernels.document_index import DocumentIndex
+from mtraining_kernels.documents import Documents
+from mtraining_kernels.index import BlockBarIndex, convert_index, count_work
 from mtraining_kernels.interface import get_backend
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.sdpa_backend import IMPLS
 from mtraining_kernels.vertical_slash import full_index, slash_block_hits
 
+UNPACKED = "none"
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 262144, 524288])
     parser.add_argument("--layouts", nargs="+", default=["striped", "zigzag"])
@@ -79,11 +95,25 @@ def parse_args() -> argparse.Namespace:
         "--outer-slowdown times slower than the measured intra-node bandwidth (0: off)",
     )
     parser.add_argument("--outer-slowdown", type=float, default=10.0)
+    parser.add_argument(
+        "--mixtures",
+        nargs="+",
+        choices=[UNPACKED, *MIXTURES],
+        default=[UNPACKED],
+        help="document mixtures: none (unpacked) and the packed ones of tools/document_mixtures.py",
+    )
+    parser.add_argument("--mixture-seed", type=int, default=0, help="seed of the mixtures' document lengths")
+    parser.add_argument(
+        "--min-sparse-length",
+        type=int,
+        default=DEFAULT_MIN_SPARSE_LENGTH,
+        help="packed documents at least this long get a sparse pattern, shorter ones are dense",
+    )
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--jsonl", default="docs/benchmarks/ring.jsonl")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def block_density(s_idx, seq_len: int) -> float:
@@ -94,17 +124,90 @@ def block_density(s_idx, seq_len: int) -> float:
     return float((hit * blocks_at_distance).sum() / (hit.shape[0] * hit.shape[1] * num_blocks * (num_blocks + 1) / 2))
 
 
-def pattern_with_density(seq_len: int, heads: int, density: float, seed: int):
-    """A realistic pattern whose computed fraction of the causal area is close to ``density``."""
+def far_lines_for_density(seq_len: int, heads: int, density: float, seed: int) -> int:
+    """The smallest far-line count (slashes = verticals) of a realistic pattern reaching the block ``density``."""
     lo, hi = 0, seq_len // BLOCK_SIZE
-    while lo < hi:  # smallest far-line count reaching the block density
+    while lo < hi:
         lines = (lo + hi) // 2
         _, s_idx = realistic_pattern(seq_len, heads, far_slashes=lines, far_verticals=lines, seed=seed)
         lo, hi = (lines + 1, hi) if block_density(s_idx, seq_len) < density else (lo, lines)
+    return lo
+
+
+def pattern_with_density(seq_len: int, heads: int, density: float, seed: int):
+    """A realistic pattern whose computed fraction of the causal area is close to ``density``."""
+    lo = far_lines_for_density(seq_len, heads, density, seed)
     v_idx, s_idx = realistic_pattern(seq_len, heads, far_slashes=lo, far_verticals=lo, seed=seed)
     report = balance_report(v_idx, s_idx, Layout("contiguous", 1), seq_len)
     computed = report.blocks.sum().item() * BLOCK_SIZE**2 + report.bars.sum().item() * BLOCK_SIZE
     return v_idx, s_idx, computed / (heads * seq_len * (seq_len + 1) / 2)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One timed pattern of one sequence: unpacked (``v_idx``/``s_idx``) or packed (``documents``, a
+    :class:`DocumentIndex`), ``sparse`` or the dense baseline of the same mask."""
+
+    name: str
+    seq_len: int
+    sparse: bool
+    v_idx: torch.Tensor | None = None
+    s_idx: torch.Tensor | None = None
+    documents: DocumentIndex | None = None
+    unpacked_density: float = 1.0
+
+    @property
+    def num_documents(self) -> int:
+        return 1 if self.documents is None else int(self.documents.documents.num_documents[0])
+
+    def lists(self, layout: Layout, rank: int, device) -> BlockBarIndex:
+        """This rank's block and bar lists (with the documents, packed) for the ring."""
+        if self.documents is None:
+            return convert_index(self.v_idx.to(device), self.s_idx.to(device), layout, rank, self.seq_len)
+        index = self.documents
+        documents = Documents(index.documents.starts.to(device), self.seq_len)
+        moved = DocumentIndex(documents, *(x.to(device) for x in (index.sparse, index.v_idx, index.s_idx)))
+        return convert_document_index(moved, layout, rank)
+
+    def density(self, layout: Layout) -> float:
+        """Computed fraction of the mask: of the causal area unpacked, of every document dense packed."""
+        return self.unpacked_density if self.documents is None else document_work_density(self.documents, layout)
+
+    def report(self, layout: Layout):
+        """The sparse pattern's analytic balance (None for the dense baseline)."""
+        if not self.sparse:
+            return None
+        if self.documents is None:
+            return balance_report(self.v_idx, self.s_idx, layout, self.seq_len)
+        return document_balance_report(self.documents, layout)
+
+
+def mixture_patterns(args, mixture: str, seq_len: int, far_lines: int, unpacked: tuple | None = None) -> list[Pattern]:
+    """The sparse pattern of ``mixture`` at ``seq_len`` (and its dense baseline where timed).
+
+    Unpacked: ``unpacked`` = (v_idx, s_idx, density) of :func:`pattern_with_density`, the full causal pattern as
+    baseline for N ≤ ``--dense-max-len``. Packed: one draw of the mixture, every long document its own realistic
+    pattern with ``far_lines`` scaled to its length, and always the dense baseline of the same document mask.
+    """
+    if mixture == UNPACKED:
+        v_idx, s_idx, density = unpacked
+        patterns = [Pattern("sparse", seq_len, True, v_idx, s_idx, unpacked_density=density)]
+        if seq_len <= args.dense_max_len:
+            patterns.append(Pattern("dense", seq_len, False, *full_index(1, args.heads, seq_len)))
+        return patterns
+    documents = MIXTURES[mixture](seq_len, args.mixture_seed)
+    sparse = realistic_document_index(
+        documents,
+        args.heads,
+        min_sparse_length=args.min_sparse_length,
+        far_slashes=far_lines,
+        far_verticals=far_lines,
+        seed=seq_len,
+    )
+    return [
+        Pattern("sparse", seq_len, True, documents=sparse),
+        Pattern("dense", seq_len, False, documents=DocumentIndex.dense(documents, args.heads)),
+    ]
 
 
 def timed(fn, warmup: int, repeats: int, group) -> float:
@@ -257,6 +360,8 @@ def result_row(
     report,
     device,
     topology: dict | None = None,
+    mixture: str = UNPACKED,
+    documents: int = 1,
 ) -> dict:
     """One JSON row; collective (gathers every rank's compute time). ``report`` is the sparse pattern's balance."""
     per_rank = torch.tensor([timing["comp_ms"]], device=device)
@@ -271,6 +376,8 @@ def result_row(
         world_size=world,
         **(topology or dict(inner=world, outer=1)),
         seq_len=seq_len,
+        mixture=mixture,
+        documents=documents,
         layout=layout,
         pattern=pattern,
         heads_q=args.heads,
@@ -313,41 +420,55 @@ def main() -> None:
             if rank == 0:
                 print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
-        v_sparse, s_sparse, density = pattern_with_density(seq_len, args.heads, args.density, seed=seq_len)
-        patterns = [("sparse", v_sparse, s_sparse, density)]
-        if seq_len <= args.dense_max_len:
-            patterns.append(("dense", *full_index(1, args.heads, seq_len), 1.0))
-        for kind in args.layouts:
-            layout = Layout(kind, world)
-            for pattern, v_idx, s_idx, dens in patterns:
-                index = convert_index(v_idx.to(device), s_idx.to(device), layout, rank, seq_len)
-                scale = args.head_dim**-0.5
-                ring_ms, comp_ms = time_ring_and_compute(
-                    lambda q, k, v: ring_attention(q, k, v, index, groups, backend=args.backend),
-                    lambda q, k, v, dout: compute_only(backend, q, k, v, dout, index, groups, scale),
-                    ring_inputs(seq_len // world, args, device),
-                    args,
-                    groups,
-                )
-                report = balance_report(v_idx, s_idx, layout, seq_len) if pattern == "sparse" else None
-                timing = dict(ring_ms=ring_ms, comp_ms=comp_ms, blocks=int(count_work(index)[0].sum()))
-                row = result_row(args, commit, world, seq_len, kind, pattern, dens, timing, report, device, topology)
-                rows.append(row)
-                if rank == 0:
-                    print(json.dumps(row), flush=True)
-                torch.cuda.empty_cache()
+        far_lines = far_lines_for_density(seq_len, args.heads, args.density, seed=seq_len)
+        unpacked = pattern_with_density(seq_len, args.heads, args.density, seed=seq_len)
+        for mixture in args.mixtures:
+            patterns = mixture_patterns(args, mixture, seq_len, far_lines, unpacked)
+            for kind in args.layouts:
+                layout = Layout(kind, world)
+                for pattern in patterns:
+                    index = pattern.lists(layout, rank, device)
+                    scale = args.head_dim**-0.5
+                    ring_ms, comp_ms = time_ring_and_compute(
+                        lambda q, k, v: ring_attention(q, k, v, index, groups, backend=args.backend),
+                        lambda q, k, v, dout: compute_only(backend, q, k, v, dout, index, groups, scale),
+                        ring_inputs(seq_len // world, args, device),
+                        args,
+                        groups,
+                    )
+                    timing = dict(ring_ms=ring_ms, comp_ms=comp_ms, blocks=int(count_work(index)[0].sum()))
+                    row = result_row(
+                        args,
+                        commit,
+                        world,
+                        seq_len,
+                        kind,
+                        pattern.name,
+                        pattern.density(layout),
+                        timing,
+                        pattern.report(layout),
+                        device,
+                        topology,
+                        mixture=mixture,
+                        documents=pattern.num_documents,
+                    )
+                    rows.append(row)
+                    if rank == 0:
+                        print(json.dumps(row), flush=True)
+                    torch.cuda.empty_cache()
     if rank == 0:
         os.makedirs(os.path.dirname(args.jsonl) or ".", exist_ok=True)
         with open(args.jsonl, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         print(
-            f"{'N':>8} {'layout':>8} {'pattern':>10} {'LxO':>5} {'density':>7} {'fwd+bwd ms':>10} {'compute ms':>10} "
-            f"{'exposed':>7} {'imb.w':>6}"
+            f"{'N':>8} {'mixture':>9} {'layout':>8} {'pattern':>10} {'LxO':>5} {'density':>7} {'fwd+bwd ms':>10} "
+            f"{'compute ms':>10} {'exposed':>7} {'imb.w':>6}"
         )
         for r in rows:
             print(
-                f"{r['seq_len']:>8} {r['layout']:>8} {r['pattern']:>10} {r['inner']:>2}x{r['outer']:<2} "
+                f"{r['seq_len']:>8} {r['mixture']:>9} {r['layout']:>8} {r['pattern']:>10} "
+                f"{r['inner']:>2}x{r['outer']:<2} "
                 f"{r['density']:>7.3f} {r['fwd_bwd_ms']:>10.2f} {r['compute_ms']:>10.2f} "
                 f"{r['exposed_comm_frac']:>7.3f} {r['imbalance_worker']:>6.3f}"
             )

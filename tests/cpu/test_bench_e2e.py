@@ -67,6 +67,10 @@ def test_flops_of_a_tiny_shape_by_hand():
     # with the attention output kept the recomputation skips attention's 288 per layer
     assert bench.iteration_flops(TINY, n, 3, recompute_layers=True, recompute_attention=False) == 19584 + 3 * 1728
     assert bench.iteration_flops(TINY, n, 2) == 3 * (2 * 2016 + 480)
+    # packed documents: the attention over the document-causal area, here half the causal one (two of 3 tokens)
+    assert bench.layer_attention_flops(TINY, n, area=0.5) == 144
+    assert bench.layer_attention_flops(TINY, n, density=0.5, area=0.5) == 72
+    assert bench.iteration_flops(TINY, n, 3, area=0.5) == 3 * (3 * (1728 + 144) + 480)
 
 
 @pytest.mark.parametrize("name", list(bench.QWEN25))
@@ -129,7 +133,7 @@ def dry_run_commands(*argv: str) -> list[tuple[str, dict[str, str], argparse.Nam
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         bench.main(["--dry-run", *argv])
-    lines = out.getvalue().splitlines()
+    lines = [line for line in out.getvalue().splitlines() if not line.startswith("# dataset ")]
     assert lines[-1].startswith("# estimated total")
     runs = []
     for comment, line in zip(lines[:-1:2], lines[1:-1:2]):
@@ -233,6 +237,95 @@ def test_dense_baseline_commands(megatron_parser, kernel):
     assert args.mtraining_layout == ("striped" if kernel == "triton" else "zigzag")
 
 
+ONE_GPU_MIXTURES = (
+    "--cp",
+    "1",
+    "--models",
+    "0.5b",
+    "--seq-lens",
+    "65536",
+    "--mixtures",
+    "none,prolong,uniform4k",
+    "--variants",
+    "dense,mtraining-static,mtraining",
+    "--layers",
+    "1,2",
+)
+
+
+def test_one_gpu_mixture_commands(megatron_parser, capsys):
+    """CP = 1 on three mixtures: one process, no ring; unpacked runs on mock data with the cuDNN dense baseline,
+    packed ones on their dataset with the document flags and our dense kernels as the baseline (same mask)."""
+    runs = dry_run_commands(*ONE_GPU_MIXTURES)
+    assert len(runs) == 3 * 3 * 2
+    seen = set()
+    for comment, env, torchrun in runs:
+        assert torchrun.nproc_per_node == "1"
+        args = launcher_args(megatron_parser, torchrun)
+        assert args.context_parallel_size == 1 and args.seq_length == 65536
+        mixture = next((m for m in ("prolong", "uniform4k") if f"_64k_{m}_" in comment), "none")
+        if mixture == "none":
+            assert args.mock_data and args.data_path is None
+            assert not (args.reset_attention_mask or args.reset_position_ids or args.eod_mask_loss)
+        else:
+            assert not args.mock_data and args.split == "100,0,0"
+            assert args.data_path == [f"/tmp/bench_e2e/<run>/datasets/{mixture}_65536_v151936"]
+            assert args.reset_attention_mask and args.reset_position_ids and args.eod_mask_loss
+            assert not args.apply_rope_fusion  # --reset-position-ids needs unfused RoPE
+        if args.mtraining_dense:
+            kernel, impl = ("sdpa_cudnn", "sdpa_cudnn") if mixture == "none" else ("triton", "mtraining")
+            assert args.mtraining_dense_impl == impl and f"_dense-{kernel}," in comment
+            assert impl != "mtraining" or args.mtraining_backend == "triton"
+        budget = None if args.mtraining_dense else (args.mtraining_top_p, args.mtraining_sparsity)
+        seen.add((mixture, budget))
+    assert seen == {(m, b) for m in ("none", "prolong", "uniform4k") for b in (None, (0.9, None), (None, 0.95))}
+
+
+def test_dry_run_lists_each_packed_dataset_with_its_documents(capsys):
+    from packed_dataset import mixture_lengths
+
+    bench.main(["--dry-run", *ONE_GPU_MIXTURES, "--warmup", "1", "--iters", "2"])  # 5 iterations: 6 sequences
+    datasets = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# dataset ")]
+    assert datasets == [
+        f"# dataset /tmp/bench_e2e/<run>/datasets/{m}_65536_v151936: 6 sequences, documents {mixture_lengths(m, 65536)}"
+        for m in ("prolong", "uniform4k")
+    ]
+
+
+def test_dense_kernel_default_follows_the_mixture():
+    opts = options("--mixtures", "none,single", "--variants", "dense", "--models", "0.5b", "--seq-lens", "131072")
+    unpacked, single = bench.configurations(opts)
+    assert (unpacked.variant.dense_kernel, unpacked.variant.layout, unpacked.mixture) == (
+        "sdpa_cudnn",
+        "zigzag",
+        "none",
+    )
+    assert (single.variant.dense_kernel, single.variant.layout, single.document_lengths) == (
+        "triton",
+        "striped",
+        (131072,),
+    )
+    assert single.name == "qwen2.5-0.5b_128k_single_dense-triton" and single.mask_area == 1.0
+    triton = options("--mixtures", "none,prolong", "--variants", "dense", "--dense-kernel", "triton")
+    assert {c.variant.dense_kernel for c in bench.configurations(triton)} == {"triton"}
+    with pytest.raises(ValueError, match="needs document lengths"):
+        bench.Config(bench.QWEN25["0.5b"], 8, bench.dense_variant("triton"), "prolong")
+    with pytest.raises(ValueError, match="sum to 7"):
+        bench.Config(bench.QWEN25["0.5b"], 8, bench.dense_variant("triton"), "prolong", (3, 4))
+
+
+@pytest.mark.parametrize("variant", ["mtraining", "dense"])
+def test_megatron_validates_packed_one_gpu_runs(variant, tmp_path):
+    """Megatron's own ``validate_args`` accepts a packed run at CP = 1 (data path, document flags, bf16)."""
+    from quickstart import cpu_args
+
+    opts = options("--cp", "1", "--mixtures", "prolong", "--min-sparse-length", "2048")
+    config = bench.Config(bench.QWEN25["0.5b"], 65536, bench.variant_for(variant, "triton"), "prolong", (32768, 32768))
+    args = cpu_args(bench.launcher_flags(config, 2, bench.Schedule(1, 2, log_density=True), opts, tmp_path))
+    assert args.context_parallel_size == 1 and args.reset_attention_mask and args.mtraining_min_sparse_length == 2048
+    assert args.data_path == [str(tmp_path / "datasets" / "prolong_65536_v151936")]
+
+
 @pytest.mark.parametrize(
     "variant", ["mtraining", "mtraining-static", "mtraining-zigzag", "mtraining-zigzag-static", "dense"]
 )
@@ -323,6 +416,10 @@ def test_schedule_iteration_numbers():
         (["--seq-lens", "128k"], "integers"),
         (["--run-timeout-s", "0"], "--run-timeout-s"),
         (["--dry-run", "--plot-only"], "not allowed with"),
+        (["--mixtures", "books"], "--mixtures: ['books'] unknown"),
+        (["--mixtures", "none,none"], "twice"),
+        (["--mixtures", "prolong", "--dense-kernel", "sdpa_cudnn"], "has no document mask"),
+        (["--min-sparse-length", "0"], "--min-sparse-length"),
     ],
 )
 def test_bad_options_are_refused(argv, message, capsys):
@@ -641,6 +738,68 @@ def test_run_matrix_skips_what_does_not_fit_the_budget(monkeypatch, tmp_path, ca
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_one_gpu_mixture_matrix_writes_datasets_and_rows(monkeypatch, tmp_path, capsys):
+    """CP = 1 on mock data and a packed mixture, trained by the fake launcher: the packed runs read a dataset
+    written before them, the rows carry their mixture and its mask area, each sparse row is compared with the
+    dense row of its own mixture, and the chart's lines say the mixture."""
+    from packed_dataset import mask_area, mixture_lengths, read_document_lengths
+
+    fake = FakeLauncher()
+    monkeypatch.setattr(bench, "launch", fake)
+    monkeypatch.setattr(bench, "gpu_name", lambda cp: "NVIDIA H200")
+    jsonl, chart = tmp_path / "e2e.jsonl", tmp_path / "chart.png"
+    argv = ["--cp", "1", "--models", "0.5b", "--seq-lens", "65536", "--mixtures", "none,prolong"]
+    argv += ["--variants", "mtraining-static,dense", "--warmup", "1", "--iters", "3", "--commit", "abc1234"]
+    bench.main([*argv, "--jsonl", str(jsonl), "--plot", str(chart), "--out-dir", str(tmp_path / "runs")])
+    output = capsys.readouterr().out
+    rows = bench.read_jsonl(jsonl)
+    assert [(r["mixture"], r["attention"], r["dense_kernel"]) for r in rows] == [
+        ("none", "mtraining", None),
+        ("none", "dense", "sdpa_cudnn"),
+        ("prolong", "mtraining", None),
+        ("prolong", "dense", "triton"),
+    ]
+    lengths = mixture_lengths("prolong", 65536)
+    for r in rows:
+        assert r["status"] == "ok" and r["cp"] == 1 and len(r["command"]) == 2
+        packed = r["mixture"] == "prolong"
+        assert r["data"] == ("packed" if packed else "mock")
+        assert r["document_lengths"] == (lengths if packed else None)
+        assert r["mask_area"] == (mask_area(lengths) if packed else 1.0) and (r["mask_area"] < 0.5) == packed
+        dense_flops = bench.iteration_flops(bench.QWEN25["0.5b"], 65536, 24, area=r["mask_area"])
+        assert r["tflops_per_gpu_dense_equiv"] == pytest.approx(dense_flops / (r["iter_ms"] / 1e3) / 1e12)
+        assert ("--reset-attention-mask" in r["command"][0]) == packed and ("--mock-data" in r["command"][0]) != packed
+    data_paths = set()
+    for r in rows[2:]:
+        for command in r["command"]:
+            words = shlex.split(command)
+            data_paths.add(words[words.index("--data-path") + 1])
+    (prefix,) = map(Path, data_paths)  # one dataset per mixture and length, shared by its runs
+    assert prefix.with_suffix(".bin").exists() and prefix.with_suffix(".idx").exists()
+    assert read_document_lengths(prefix, bench.QWEN25_VOCAB - 1) == [lengths] * 7  # 6 iterations + 1
+    assert f"# dataset {prefix}: 7 sequences of {len(lengths)} documents (prolong, N = 65536)" in output
+    # the fake times every run alike, so each sparse row runs at the speed of its own mixture's dense row
+    baselines = bench.dense_baselines(rows)
+    assert [bench.speedup(r, baselines) for r in rows] == [1.0, 1.0, 1.0, 1.0]
+    assert {baseline["mixture"] for baseline in baselines.values()} == {"none", "prolong"}
+    table = output.split("| model |", 1)[1].splitlines()
+    assert "| 64K | none | mtraining |" in table[2] and "| 64K | prolong | dense |" in table[5]
+    assert set(bench.speedup_series(rows)) == {
+        "qwen2.5-0.5b mtraining sparsity=0.95",
+        "qwen2.5-0.5b mtraining sparsity=0.95, prolong",
+    }
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rows_without_a_mixture_are_unpacked_and_not_compared_with_packed_ones():
+    old = row(attention="dense", setting="dense", kernel="sdpa_cudnn", tokens_per_s=100.0)  # no "mixture" key
+    packed_sparse = {**row(tokens_per_s=300.0), "mixture": "prolong"}
+    unpacked_sparse = {**row(tokens_per_s=500.0), "mixture": "none"}
+    baselines = bench.dense_baselines([old, packed_sparse, unpacked_sparse])
+    assert bench.speedup(unpacked_sparse, baselines) == 5.0
+    assert bench.speedup(packed_sparse, baselines) is None  # no dense row with the prolong mask
+
+
 def test_launch_kills_the_whole_process_group_after_the_timeout(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     command = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"]
@@ -770,10 +929,11 @@ def test_compare_runs_puts_each_configurations_latest_run_next_to_the_one_before
     lines = bench.run_to_run(rows).splitlines()
     assert len(lines) == 3, lines  # header, rule, the one repeated config
     cells = lines[2].split(" | ")
-    assert cells[2] == "mtraining" and "c1 2026-01-01T00:00 → c2 2026-01-02T00:00" in cells[5]
-    assert cells[6] == "5 → 4 (-20.0 %)"  # per layer ms
-    assert cells[8] == "200 → 250 (+25.0 %)"
-    assert cells[9] == "– → 2.50 |"
+    assert cells[2] == "none" and cells[3] == "mtraining"  # rows without a mixture are unpacked
+    assert "c1 2026-01-01T00:00 → c2 2026-01-02T00:00" in cells[6]
+    assert cells[7] == "5 → 4 (-20.0 %)"  # per layer ms
+    assert cells[9] == "200 → 250 (+25.0 %)"
+    assert cells[10] == "– → 2.50 |"
 
 
 def test_table_shows_measured_failed_and_skipped_rows():
