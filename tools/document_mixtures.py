@@ -1,18 +1,22 @@
 """Packed document mixtures and their per-document vertical-slash indices, benchmark inputs (PACKED.md).
 
 Generators of :class:`mtraining_kernels.documents.Documents` for ``b`` samples of N tokens, and
-:func:`realistic_document_index`, the §2.3 simulation pattern of ``realistic_pattern`` drawn per document.
+:func:`realistic_document_index`, the §2.3 simulation pattern of ``realistic_pattern`` drawn per document, and
+:func:`budget_document_index`, the attention benchmark's fixed-sparsity pattern drawn per document.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+from bench_attention import budget_pattern
 from realistic_pattern import realistic_pattern
 
 from mtraining_kernels.document_index import DocumentIndex
 from mtraining_kernels.documents import Documents
+from mtraining_kernels.layout import BLOCK_SIZE
 
 PROLONG_REFERENCE_LENGTH = 128 * 1024
 PROLONG_LONG_MIN = 64 * 1024
@@ -90,6 +94,39 @@ MIXTURES = {
 }
 
 
+def per_document_index(
+    documents: Documents,
+    heads: int,
+    min_sparse_length: int,
+    pattern: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+) -> DocumentIndex:
+    """A :class:`DocumentIndex` with ``Hq = heads`` from one pattern per document of ≥ ``min_sparse_length`` tokens.
+
+    ``pattern(length, ordinal)`` gives the k-th sparse document (sample-major, ``ordinal`` = k) its lists in
+    document coordinates, ``v_idx [1, heads, V]`` and ``s_idx [1, heads, S]`` padded with ``length``; its
+    verticals move by the document's start. Shorter documents are dense.
+    """
+    seq_len = documents.seq_len
+    sparse = documents.lengths >= min_sparse_length
+    patterns = {}  # (sample, document) → (v_idx [heads, V_d], s_idx [heads, S_d]) in global coordinates
+    for ordinal, (sample, document) in enumerate(sparse.nonzero().tolist()):
+        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
+        v_idx, s_idx = (x.cpu() for x in pattern(length, ordinal))
+        patterns[sample, document] = (
+            torch.where(v_idx[0] < length, v_idx[0] + start, seq_len),
+            torch.where(s_idx[0] < length, s_idx[0], seq_len),
+        )
+    slots = (documents.batch_size, documents.max_documents, heads)
+    v_width = max((v.shape[-1] for v, _ in patterns.values()), default=1)
+    s_width = max((s.shape[-1] for _, s in patterns.values()), default=1)
+    v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32)
+    s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32)
+    for (sample, document), (verticals, slashes) in patterns.items():
+        v_idx[sample, document, :, : verticals.shape[-1]] = verticals
+        s_idx[sample, document, :, : slashes.shape[-1]] = slashes
+    return DocumentIndex(documents, sparse, v_idx, s_idx)
+
+
 def realistic_document_index(
     documents: Documents,
     heads: int,
@@ -116,11 +153,9 @@ def realistic_document_index(
             "document holds its sinks and its window offsets"
         )
     seq_len = documents.seq_len
-    sparse = documents.lengths >= min_sparse_length
-    patterns = {}  # (sample, document) → (v_idx [heads, V_d], s_idx [heads, S_d]) in global coordinates
-    for ordinal, (sample, document) in enumerate(sparse.nonzero().tolist()):
-        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
-        v_idx, s_idx = realistic_pattern(
+
+    def pattern(length: int, ordinal: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return realistic_pattern(
             length,
             heads,
             sinks=sinks,
@@ -129,16 +164,26 @@ def realistic_document_index(
             far_verticals=min(round(far_verticals * length / seq_len), length - sinks),
             seed=seed + ordinal,
         )
-        patterns[sample, document] = (
-            torch.where(v_idx[0] < length, v_idx[0] + start, seq_len),
-            torch.where(s_idx[0] < length, s_idx[0], seq_len),
-        )
-    slots = (documents.batch_size, documents.max_documents, heads)
-    v_width = max((v.shape[-1] for v, _ in patterns.values()), default=1)
-    s_width = max((s.shape[-1] for _, s in patterns.values()), default=1)
-    v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32)
-    s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32)
-    for (sample, document), (verticals, slashes) in patterns.items():
-        v_idx[sample, document, :, : verticals.shape[-1]] = verticals
-        s_idx[sample, document, :, : slashes.shape[-1]] = slashes
-    return DocumentIndex(documents, sparse, v_idx, s_idx)
+
+    return per_document_index(documents, heads, min_sparse_length, pattern)
+
+
+def budget_document_index(
+    documents: Documents, heads: int, *, sparsity: float, min_sparse_length: int, seed: int = 0, device="cpu"
+) -> DocumentIndex:
+    """``bench_attention.budget_pattern`` per document: a :class:`DocumentIndex` with ``Hq = heads``.
+
+    A document of L ≥ ``min_sparse_length`` tokens gets the attention benchmark's pattern of L tokens
+    (30 sinks, L/128 random verticals up to 4096, the 100-offset window and as many random slashes as keep
+    its mask sparsity ≥ ``sparsity``; a short document's forced entries alone may be denser); shorter ones
+    are dense. The k-th sparse document draws from seed ``seed + k``, so one document spanning the sequence
+    is the attention benchmark's pattern of N tokens. ``device`` runs the calibration; the index is on the CPU.
+    """
+
+    def pattern(length: int, ordinal: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed + ordinal)
+        whole_blocks = -(-length // BLOCK_SIZE) * BLOCK_SIZE  # the pattern's calibration needs whole blocks
+        v_idx, s_idx, _ = budget_pattern(1, heads, whole_blocks, sparsity, device, generator)
+        return v_idx, s_idx  # entries >= length are padding to per_document_index
+
+    return per_document_index(documents, heads, min_sparse_length, pattern)

@@ -27,7 +27,15 @@ def _median_ms(fn, reps):
     return (time.perf_counter() - start) * 1e3
 
 
-def test_smoke_run_on_cpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        ["--pattern", "budget", "--sparsity", "0.9"],
+        ["--pattern", "realistic", "--far-slashes", "20", "--far-verticals", "20"],
+    ],
+    ids=["budget", "realistic"],
+)
+def test_smoke_run_on_cpu(tmp_path, monkeypatch, pattern):
     monkeypatch.setattr(bench_packed, "SHAPES", {"tiny": (4, 2, 64)})
     monkeypatch.setattr(bench_packed, "measure", _once)
     monkeypatch.setattr(bench_packed, "median_ms", _median_ms)
@@ -42,10 +50,7 @@ def test_smoke_run_on_cpu(tmp_path, monkeypatch):
             "2048",
             "--min-sparse-length",
             "256",
-            "--far-slashes",
-            "20",
-            "--far-verticals",
-            "20",
+            *pattern,
             "--jsonl",
             str(jsonl),
             "--table",
@@ -66,6 +71,8 @@ def test_smoke_run_on_cpu(tmp_path, monkeypatch):
     assert by_key["single", "mtraining_packed"]["documents"] == 1
     assert by_key["uniform4k", "mtraining_packed"]["documents"] == 1  # 4K documents: one at N = 2048
     assert by_key["prolong", "mtraining_packed"]["documents"] > 1
+    assert all(row["pattern"] == pattern[1] for row in rows)
     text = table.read_text()
+    assert ("budget 0.90 pattern" if pattern[1] == "budget" else "realistic pattern") in text
     assert text.count("\n| ") == len(rows) + 1  # header and one line per row
     assert "| prolong | 2048 |" in text and "mtraining_packed" in text

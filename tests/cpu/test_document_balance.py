@@ -245,3 +245,28 @@ def test_realistic_document_index_scales_counts_per_document(seed):
     assert bool((doc_index.v_idx[0, 2:] == seq_len).all() and (doc_index.s_idx[0, 2:] == seq_len).all()), "dense"
     with pytest.raises(ValueError, match="min_sparse_length"):
         mixtures.realistic_document_index(documents, heads, min_sparse_length=64)
+
+
+def test_budget_document_index_is_the_attention_benchmarks_pattern_per_document(seed):
+    """One document spanning the sequence is ``budget_pattern`` of N tokens; a document of a partial block keeps
+    only entries inside it; every sparse document reaches the target sparsity (its forced entries allowing)."""
+    seq_len, heads, sparsity = 32 * BLOCK_SIZE, 2, 0.9
+    budget_pattern = load_tool("bench_attention").budget_pattern
+    whole = mixtures.budget_document_index(
+        Documents.single(1, seq_len), heads, sparsity=sparsity, min_sparse_length=256, seed=seed
+    )
+    v_idx, s_idx, _ = budget_pattern(1, heads, seq_len, sparsity, "cpu", torch.Generator().manual_seed(seed))
+    assert torch.equal(whole.v_idx[:, 0], v_idx) and torch.equal(whole.s_idx[:, 0], s_idx), f"seed={seed}"
+
+    documents = Documents(torch.tensor([[0, 2000, 2000 + 1500]]), seq_len)  # 2000, 1500 and 596 tokens
+    packed = mixtures.budget_document_index(documents, heads, sparsity=sparsity, min_sparse_length=1000, seed=seed)
+    assert packed.sparse.tolist() == [[True, True, False]]
+    for document, (start, length) in enumerate(((0, 2000), (2000, 1500))):
+        verticals, slashes = packed.v_idx[0, document], packed.s_idx[0, document]
+        real_v = verticals[verticals < seq_len]
+        assert bool(((real_v >= start) & (real_v < start + length)).all()), f"seed={seed} document {document}"
+        assert bool((slashes[slashes < seq_len] < length).all()), f"seed={seed} document {document}"
+        assert bool((verticals[:, :30] == torch.arange(start, start + 30)).all()), f"sinks: seed={seed}"
+    assert bool((packed.v_idx[0, 2] == seq_len).all() and (packed.s_idx[0, 2] == seq_len).all()), "dense"
+    layout = Layout("contiguous", 1)
+    assert document_work_density(whole, layout) < 1.0 - sparsity + 0.05, f"seed={seed}"
