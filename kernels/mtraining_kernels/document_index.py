@@ -6,7 +6,7 @@ to global coordinates: verticals are global key positions inside the document, s
 i − j. Shorter documents are attended densely-causally. The mask is
 :func:`mtraining_kernels.reference.packed_vertical_slash_mask`; the same index over a context-parallel
 group is :func:`megatron_mtraining.ring.document_estimation.estimate_document_index_distributed`, built from
-this module's checks, :func:`sparse_documents` and :func:`assemble_document_index`.
+this module's checks, :func:`sparse_documents`, :func:`same_length_groups` and :func:`assemble_document_index`.
 """
 
 from __future__ import annotations
@@ -194,18 +194,28 @@ def sparse_documents(
     return sparse, chosen, clamped_documents
 
 
+def same_length_groups(parts: list[SparseDocument]) -> list[list[SparseDocument]]:
+    """``parts`` grouped by length, in order of first appearance; a group shares its budget (static sizes are
+    clamped to the length), so one batched estimation computes every member's own index."""
+    groups: dict[int, list[SparseDocument]] = {}
+    for part in parts:
+        groups.setdefault(part.length, []).append(part)
+    return list(groups.values())
+
+
 def assemble_document_index(
     documents: Documents,
     sparse: torch.Tensor,
-    estimated: list[tuple[SparseDocument, VerticalSlashIndex]],
+    estimated: list[tuple[list[SparseDocument], VerticalSlashIndex]],
     budget: StaticHeadBudgets | TopPBudget,
     q_heads: int,
 ) -> DocumentIndex:
-    """The :class:`DocumentIndex` from each sparse document's own index.
+    """The :class:`DocumentIndex` from the sparse documents' own indices.
 
-    ``estimated`` pairs each sparse document with the index of that document alone (batch 1, document
-    coordinates, padded with its length). Verticals move to global positions; every list is padded with
-    N to the width of the whole sequence's budget, ``list_widths(budget, N)``, whatever the documents.
+    ``estimated`` pairs each group of :func:`same_length_groups` with the index of its documents alone (batch
+    = the group's size in its order, document coordinates, padded with their length). Verticals move to
+    global positions; every list is padded with N to the width of the whole sequence's budget,
+    ``list_widths(budget, N)``, whatever the documents.
     """
     seq_len = documents.seq_len
     v_width, s_width = list_widths(budget, seq_len)
@@ -213,11 +223,16 @@ def assemble_document_index(
     device = documents.starts.device
     v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=device)
     s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
-    for part, own in estimated:
-        verticals = torch.where(own.v_idx[0] < part.length, own.v_idx[0] + part.start, seq_len)
-        slashes = torch.where(own.s_idx[0] < part.length, own.s_idx[0], seq_len)
-        v_idx[part.sample, part.document, :, : verticals.shape[-1]] = verticals
-        s_idx[part.sample, part.document, :, : slashes.shape[-1]] = slashes
+    for group, own in estimated:
+        length = group[0].length
+        samples, members, starts = (
+            torch.tensor([getattr(part, name) for part in group], device=device)
+            for name in ("sample", "document", "start")
+        )
+        verticals = torch.where(own.v_idx < length, own.v_idx + starts[:, None, None], seq_len)
+        slashes = torch.where(own.s_idx < length, own.s_idx, seq_len)
+        v_idx[samples, members, :, : verticals.shape[-1]] = verticals.to(torch.int32)
+        s_idx[samples, members, :, : slashes.shape[-1]] = slashes.to(torch.int32)
     return DocumentIndex(documents, sparse, v_idx, s_idx)
 
 
@@ -237,7 +252,8 @@ def estimate_document_index(
 
     A document of L ≥ ``min_sparse_length`` tokens starting at o is estimated by
     :func:`mtraining_kernels.estimation.estimate_vertical_slash` on ``q[:, o : o + L]``, ``k[:, o : o + L]``
-    with static sizes clamped to L, and its verticals are shifted by o. The budget must fit the whole
+    with static sizes clamped to L (documents of one length in one batched call: each batch row's index is
+    computed on its own, so it is the same bits), and its verticals are shifted by o. The budget must fit the whole
     sequence (as unpacked), and the lists are as wide as the whole sequence's (``list_widths(budget, N)``),
     so their shapes do not depend on the documents. Returns the index and the number of documents whose
     static budget was clamped.
@@ -249,16 +265,16 @@ def estimate_document_index(
 
     sparse, parts, clamped_documents = sparse_documents(documents, min_sparse_length, budget)
     estimated = []
-    for part in parts:
-        rows = slice(part.start, part.start + part.length)
+    for group in same_length_groups(parts):
+        length = group[0].length
         own = estimate_vertical_slash(
-            q[part.sample : part.sample + 1, rows],
-            k[part.sample : part.sample + 1, rows],
-            part.budget,
+            torch.stack([q[part.sample, part.start : part.start + length] for part in group]),
+            torch.stack([k[part.sample, part.start : part.start + length] for part in group]),
+            group[0].budget,
             softmax_scale=softmax_scale,
             last_q=last_q,
             sink_tokens=sink_tokens,
             local_window=local_window,
         )
-        estimated.append((part, own))
+        estimated.append((group, own))
     return assemble_document_index(documents, sparse, estimated, budget, q_heads), clamped_documents

@@ -20,6 +20,7 @@ from mtraining_kernels.document_index import (
     SparseDocument,
     assemble_document_index,
     check_document_estimation,
+    same_length_groups,
     sparse_documents,
 )
 from mtraining_kernels.documents import Documents
@@ -275,14 +276,16 @@ def estimate_document_index_distributed(
     vertical_sums = layout.unshard(gathered_verticals.chunk(layout.world_size, dim=-1), dim=-1)  # [b, Hq, N]
 
     estimated = []
-    for part in parts:
-        span = slice(part.start, part.start + part.length)
-        v_scores = vertical_sums[part.sample : part.sample + 1, :, span]
-        s_scores = slash_sums[part.sample : part.sample + 1, :, span]
-        candidates = torch.arange(part.length, device=device).expand(v_scores.shape)
+    for group in same_length_groups(parts):
+        length = group[0].length
+        v_scores, s_scores = (
+            torch.stack([sums[part.sample, :, part.start : part.start + length] for part in group])
+            for sums in (vertical_sums, slash_sums)
+        )
+        candidates = torch.arange(length, device=device).expand(v_scores.shape)
         total_mass = v_scores.sum(dim=-1) if top_p else None
         own = select_index(
-            v_scores, candidates, s_scores, candidates, part.budget, total_mass, part.length, sink_tokens, local_window
+            v_scores, candidates, s_scores, candidates, group[0].budget, total_mass, length, sink_tokens, local_window
         )
-        estimated.append((part, own))
+        estimated.append((group, own))
     return assemble_document_index(documents, sparse, estimated, budget, q_heads), clamped_documents

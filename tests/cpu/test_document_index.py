@@ -12,8 +12,9 @@ from mtraining_kernels.reference import packed_vertical_slash_mask, reference_sp
 SEQ_LEN, Q_HEADS, KV_HEADS, DIM = 512, 4, 2, 16
 MIN_SPARSE = 100  # max(last_q 64, sink_tokens 30, local_window 100)
 # sample 0: a long document, a short one, two that straddle blocks and are shorter than the static budget
-# below, and one of exactly MIN_SPARSE; sample 1: one dense document of MIN_SPARSE − 1 and two sparse ones
-LENGTHS = [[200, 40, 150, 22, MIN_SPARSE], [MIN_SPARSE - 1, 250, 163]]
+# below, and one of exactly MIN_SPARSE; sample 1: one dense document of MIN_SPARSE − 1 and three sparse ones, two
+# as long as sample 0's third (one batched estimation holds the documents of one length)
+LENGTHS = [[200, 40, 150, 22, MIN_SPARSE], [MIN_SPARSE - 1, 150, 150, 113]]
 BUDGETS = {
     "static": StaticBudget(v_size=160, s_size=180),
     "per-head static": StaticHeadBudgets(torch.tensor([64, 160, 300, 100]), torch.tensor([100, 200, 120, 400])),
@@ -88,8 +89,8 @@ def test_short_documents_are_dense_and_static_clamping_is_counted(seed):
     index, clamped = estimate_document_index(
         q, k, packed_documents(LENGTHS), BUDGETS["static"], min_sparse_length=MIN_SPARSE
     )
-    assert index.sparse.tolist() == [[True, False, True, False, True], [False, True, True, False, False]]
-    assert clamped == 3, f"seed={seed}: the documents of 150, 100 and 163 tokens are shorter than the budget (160, 180)"
+    assert index.sparse.tolist() == [[True, False, True, False, True], [False, True, True, True, False]]
+    assert clamped == 5, f"seed={seed}: the documents of 150 (three), 100 and 113 tokens are shorter than (160, 180)"
     dense = ~index.sparse
     assert index.v_idx[dense].eq(SEQ_LEN).all() and index.s_idx[dense].eq(SEQ_LEN).all(), f"seed={seed}"
     _, top_p_clamped = estimate_document_index(

@@ -20,7 +20,7 @@ BATCH, Q_HEADS, KV_HEADS, DIM = 2, 4, 2, 16
 MIN_SPARSE = 128
 # sample 0: documents straddling 128-token blocks and rank boundaries, dense ones of 40, 1 and 63 tokens
 # among them, one of exactly MIN_SPARSE; sample 1 is drawn per case
-FIXED_LENGTHS = [300, 40, 517, 1, 63, MIN_SPARSE, 487]
+FIXED_LENGTHS = [300, 40, 300, 217, 1, 63, MIN_SPARSE, 487]  # two of 300: one batched estimation
 COLLECTIVE_TIMEOUT = 20.0  # seconds a gloo collective waits in the agreement test
 PROMPT_SECONDS = 10.0  # an agreed error takes milliseconds; a stuck collective takes COLLECTIVE_TIMEOUT
 
