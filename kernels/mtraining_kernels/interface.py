@@ -161,7 +161,7 @@ def sparse_attention(
     """Causal vertical-slash sparse attention on one device, differentiable in q, k, v.
 
     ``index`` is ``convert_index(v_idx, s_idx, Layout(kind, 1), 0, N)``, or for packed documents
-    ``convert_document_index(document_index, Layout(kind, 1), 0)`` (``torch_blocksparse`` only). Returns out
+    ``convert_document_index(document_index, Layout(kind, 1), 0)``. Returns out
     ``[b, N, Hq, d]`` in q's dtype and, with ``return_lse``, lse ``[b, Hq, N]`` (fp32; fp64 for fp64
     inputs; not differentiable). ``deterministic`` makes the backward bitwise repeatable.
     ``replay_output``: (out, lse) of an earlier forward of the same q, k, v and index (activation

@@ -49,8 +49,12 @@ def _check_against_reference(seed, layout, seq_len, heads, kv_heads, dim, dtype,
         assert_close_fa(name, a, r, lo, dtype, context)
 
 
-def test_one_packed_document_is_bitwise_the_unpacked_path(seed):
-    """One document per sample: the kernels' document variant equals the unpacked path bitwise (bf16, GQA 8:1)."""
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_one_packed_document_is_bitwise_the_unpacked_path(seed, deterministic):
+    """One document per sample: the kernels' document variant equals the unpacked path (bf16, GQA 8:1).
+
+    Deterministic: all five tensors bitwise. Atomic: out, lse and dq bitwise; dk and dv take the bars' fp32
+    atomics in no fixed order, so two unpacked runs differ too: within bf16 rounding of each other."""
     gen = torch.Generator().manual_seed(seed)
     seq_len = 8192
     v_idx, s_idx = make_index(2, 8, seq_len, "mixed", gen)
@@ -65,10 +69,13 @@ def test_one_packed_document_is_bitwise_the_unpacked_path(seed):
         convert_index(v_idx.to(DEVICE), s_idx.to(DEVICE), Layout("contiguous", 1), 0, seq_len),
     ):
         inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-        out, lse = sparse_attention(*inputs, lists, backend="triton", return_lse=True)
+        out, lse = sparse_attention(*inputs, lists, backend="triton", return_lse=True, deterministic=deterministic)
         results.append((out, lse, *torch.autograd.grad(out, inputs, dout)))
     for name, packed, unpacked in zip(NAMES, *results):
-        assert torch.equal(packed, unpacked), f"seed={seed} {name}"
+        if deterministic or name in ("out", "lse", "dq"):
+            assert torch.equal(packed, unpacked), f"seed={seed} {name}"
+        else:
+            torch.testing.assert_close(packed, unpacked, rtol=1.6e-2, atol=1e-3, msg=f"seed={seed} {name}")
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
