@@ -1,25 +1,32 @@
 """One run of the quality study: train a small Qwen2-shaped GPTModel on the retrieval task, evaluate, measure recall.
 
-    python examples/quality/train.py --run dense  --attention dense          --device cuda:0 --out results/
-    python examples/quality/train.py --run p0.9   --attention mtraining --top-p 0.9  --device cuda:1 --out results/
+    python examples/quality/train.py --run dense  --attention dense                   --device cuda:0 --out results/
+    python examples/quality/train.py --run p0.9   --attention mtraining --top-p 0.9   --device cuda:0 --out results/
+    python examples/quality/train.py --run s0.95  --attention mtraining --sparsity 0.95 --device cuda:0 --out results/
 
 The model is Megatron-Core's ``GPTModel`` with MTraining's layer spec (local implementation) on one
 device (TP = CP = 1): ``--attention dense`` sets ``MTrainingConfig(dense=True)`` (full causal
 attention; on a GPU on torch's cuDNN SDPA kernels, ``dense_impl="sdpa_cudnn"``), ``--attention
-mtraining`` the top-P budget (Triton kernels). Training follows ``--phases``, a length curriculum
-``SEQ_LENxBATCHxSTEPS[xNEEDLES],...``;
+mtraining`` the top-P budget (``--top-p``) or the static one (``--sparsity``, a target sparsity, or a
+schedule of them by sequence length such as ``0.8:16384,0.9:32768,0.95``), on the Triton kernels.
+Training follows ``--phases``, a length curriculum ``SEQ_LENxBATCHxSTEPS[xNEEDLES],...``;
 AdamW with warm-up, a constant rate and a final cosine decay, grad clipping; on a GPU the model is in
 bf16 with fp32 master weights (as Megatron's ``--bf16``).
 Every run with the same ``--seed`` and phases sees the same batches and starts from the same weights.
 
 ``<out>/<run>.json`` is rewritten as the run goes (atomically): the settings, one record per step
-(loss, LM loss, answer loss and accuracy, attention density), then the evaluation grid (retrieval
-accuracy by length and needle depth, LM loss by length) and the per-layer pattern recall.
-``--time-budget-s`` ends training early (recorded as ``stopped_early``) so that evaluation still fits.
+(loss, LM loss, answer loss and accuracy, per-layer attention density every ``--log-interval`` steps),
+one record per phase (its wall-clock training time, CUDA-synchronised, and the time spent in the
+attention modules, from CUDA events around their forward and backward), the pattern recall at the end
+of each ``--recall-lengths`` phase, then the evaluation grid (retrieval accuracy by length and needle
+depth, LM loss by length). ``--time-budget-s`` ends training early (recorded as ``stopped_early``) so
+that evaluation still fits.
 
-Branching: one run with ``--stop-after-phase K`` trains the first K phases and saves ``<out>/<run>.pt``;
-runs with ``--resume <that file>`` continue from it, so dense and MTraining runs share the short-context
-training and differ only in the attention of the later phases (their records start with the shared ones).
+Branching and stages: a run with ``--stop-after-phase K`` trains through phase K and saves
+``<out>/<run>.phase<K>.pt``; runs with ``--resume <that file>`` continue from it (and may stop after a
+later phase in turn), so dense and MTraining runs share the short-context training and differ only in
+the attention of the later phases (their records start with the shared ones). ``study.py`` drives the
+whole study in such stages.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -73,6 +81,35 @@ def parse_phases(text: str) -> list[tuple[int, int, int, int | None]]:
     return phases
 
 
+def parse_sparsity(text: str) -> tuple[tuple[float, int | None], ...]:
+    """``"0.95"`` → ((0.95, None),); ``"0.8:16384,0.9:32768,0.95"`` → sparsity 0.8 up to 16384 tokens, 0.9 up
+    to 32768, 0.95 beyond (a static budget schedule by sequence length)."""
+    entries = []
+    for part in text.split(","):
+        value, _, limit = part.partition(":")
+        try:
+            entry = (float(value), int(limit) if limit else None)
+        except ValueError:
+            entry = None
+        if entry is None or not 0 <= entry[0] < 1 or (entry[1] is not None and entry[1] < 1):
+            raise argparse.ArgumentTypeError(
+                f"sparsity {part!r} must be S or S:MAX_LEN with S in [0, 1), e.g. 0.95 or 0.8:16384"
+            )
+        entries.append(entry)
+    limits = [limit for _, limit in entries[:-1]]
+    if None in limits or entries[-1][1] is not None or limits != sorted(set(limits)):
+        raise argparse.ArgumentTypeError(
+            f"sparsity schedule {text!r}: every entry but the last needs an ascending :MAX_LEN and the last "
+            "none (it applies beyond), e.g. 0.8:16384,0.9:32768,0.95"
+        )
+    return tuple(entries)
+
+
+def sparsity_at(schedule: tuple[tuple[float, int | None], ...], seq_len: int) -> float:
+    """The schedule's sparsity at ``seq_len``: the first entry whose MAX_LEN is at least ``seq_len``."""
+    return next(sparsity for sparsity, limit in schedule if limit is None or seq_len <= limit)
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -88,8 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, required=True, help="results folder")
     run.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     run.add_argument("--attention", choices=("dense", "mtraining"), required=True)
-    run.add_argument("--top-p", type=float, default=0.9, help="MTraining top-P budget (mtraining runs)")
-    run.add_argument("--cap", type=int, default=None, help="MTraining cap (default: MTrainingConfig's)")
+    run.add_argument(
+        "--top-p", type=float, default=None, help="MTraining top-P budget (mtraining runs; the default, 0.9)"
+    )
+    run.add_argument("--cap", type=int, default=None, help="MTraining top-P cap (default: MTrainingConfig's)")
+    run.add_argument(
+        "--sparsity",
+        type=parse_sparsity,
+        default=None,
+        help="MTraining static budget instead of top-P: a target sparsity (0.95) or a schedule by sequence "
+        "length (0.8:16384,0.9:32768,0.95 = 0.8 up to 16K tokens, 0.9 up to 32K, 0.95 beyond)",
+    )
     run.add_argument("--sink-tokens", type=int, default=30)
     run.add_argument("--local-window", type=int, default=100)
     run.add_argument(
@@ -106,14 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="wall-clock budget of the whole run; training stops --eval-reserve-s before it",
     )
     run.add_argument("--eval-reserve-s", type=float, default=60.0)
-    run.add_argument("--log-interval", type=int, default=10, help="steps between attention-density records")
+    run.add_argument(
+        "--log-interval", type=int, default=10, help="steps between attention-density records (and phase ends)"
+    )
     run.add_argument(
         "--stop-after-phase",
         type=int,
         default=None,
         metavar="K",
-        help="train phases 1..K, write the checkpoint <out>/<run>.pt and exit without evaluating: the "
-        "shared start that --resume branches from",
+        help="train through phase K, write the checkpoint <out>/<run>.phase<K>.pt and exit without "
+        "evaluating: the shared start that --resume branches from, or one stage of a staged run",
     )
     run.add_argument(
         "--resume",
@@ -187,15 +235,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: the phases' lengths from 1024 on (all of them if none is that long)",
     )
     evaluation.add_argument("--eval-depths", type=float_list, default=[i / 10 for i in range(11)])
-    evaluation.add_argument("--eval-samples", type=int, default=16, help="sequences per (length, depth) cell")
+    evaluation.add_argument(
+        "--eval-samples",
+        type=int_list,
+        default=[16],
+        help="sequences per (length, depth) cell: one number, or one per --eval-lengths entry (e.g. 16,16,8,8)",
+    )
     evaluation.add_argument("--eval-tokens", type=int, default=65536, help="tokens per evaluation forward")
-    evaluation.add_argument("--recall-lengths", type=int_list, default=None, help="default: the longest phase")
+    evaluation.add_argument(
+        "--recall-lengths",
+        type=int_list,
+        default=None,
+        help="phase lengths after whose (last) phase the pattern recall is measured; default: the longest phase",
+    )
     evaluation.add_argument("--recall-samples", type=int, default=1)
     evaluation.add_argument(
         "--recall-top-p",
         type=float_list,
         default=None,
-        help="top-P budgets whose pattern recall is measured (default: the run's own; dense runs: 0.9,0.95)",
+        help="top-P budgets whose pattern recall is measured (default: the run's own budget; dense runs: 0.9,0.95)",
+    )
+    evaluation.add_argument(
+        "--recall-sparsity",
+        type=float_list,
+        default=None,
+        help="static sparsities whose pattern recall is measured (as --recall-top-p; both may be given)",
     )
     evaluation.add_argument("--recall-row-chunk", type=int, default=1024)
     return parser
@@ -210,25 +274,85 @@ def resolve_kernel(requested: str, attention: str, device: torch.device) -> str:
     return "sdpa_cudnn" if attention == "dense" else "triton"
 
 
-def mtraining_settings(args, kernel: str):
-    from megatron_mtraining.config import MTrainingConfig
+class Budget:
+    """The run's MTraining settings at each sequence length (one ``MTrainingConfig`` per length under a
+    ``--sparsity`` schedule, the same one otherwise), their names, and the pattern-recall settings."""
 
-    common = dict(**KERNEL_SETTINGS[kernel], sink_tokens=args.sink_tokens, local_window=args.local_window)
-    if args.attention == "dense":
-        return MTrainingConfig(dense=True, **common)
-    return MTrainingConfig(top_p=args.top_p, cap=args.cap, **common)
+    def __init__(self, args, kernel: str):
+        self.args, self.kernel = args, kernel
+        self._configs: dict[int, object] = {}
 
+    def config(self, seq_len: int):
+        from megatron_mtraining.config import MTrainingConfig
 
-def recall_settings(args, top_ps: list[float]) -> dict:
-    """The MTraining settings whose estimated pattern the recall measures, by name."""
-    from megatron_mtraining.config import MTrainingConfig
+        if seq_len not in self._configs:
+            args = self.args
+            common = dict(**KERNEL_SETTINGS[self.kernel], sink_tokens=args.sink_tokens, local_window=args.local_window)
+            if args.attention == "dense":
+                config = MTrainingConfig(dense=True, **common)
+            elif args.sparsity is not None:
+                config = MTrainingConfig(budget="static", sparsity=sparsity_at(args.sparsity, seq_len), **common)
+            else:
+                config = MTrainingConfig(top_p=args.top_p, cap=args.cap, **common)
+            self._configs[seq_len] = config
+        return self._configs[seq_len]
 
-    return {
-        f"top-p {p:g}": MTrainingConfig(
-            top_p=p, cap=args.cap, backend="torch", sink_tokens=args.sink_tokens, local_window=args.local_window
+    def name(self, seq_len: int | None = None) -> str:
+        """``dense``, ``top-p 0.9``, ``static 0.95``; a schedule without ``seq_len``: ``static 0.8 to 16384, …``."""
+        args = self.args
+        if args.attention == "dense":
+            return "dense"
+        if args.sparsity is None:
+            return f"top-p {args.top_p:g}"
+        if seq_len is not None:
+            return f"static {sparsity_at(args.sparsity, seq_len):g}"
+        return "static " + ", ".join(
+            f"{sparsity:g}" + (f" to {limit}" if limit else (" beyond" if len(args.sparsity) > 1 else ""))
+            for sparsity, limit in args.sparsity
         )
-        for p in top_ps
-    }
+
+    def use(self, model, seq_len: int) -> None:
+        """Give every attention module the settings for ``seq_len`` before a forward at that length.
+
+        Only a schedule changes them; the module caches its per-layer budgets by sequence length, which
+        stays right because the settings are a function of the length."""
+        if self.args.attention == "mtraining" and self.args.sparsity is not None and len(self.args.sparsity) > 1:
+            from megatron_mtraining.attention import MTrainingAttention
+
+            for module in model.modules():
+                if isinstance(module, MTrainingAttention):
+                    module.mtraining = self.config(seq_len)
+
+    def check(self, lengths, recall_lengths) -> None:
+        """Raise ``ValueError`` (e.g. a sparsity the forced entries cannot reach) before any work."""
+        shape = dict(num_layers=self.args.layers, num_heads=self.args.heads)
+        for seq_len in sorted(set(lengths)):
+            config = self.config(seq_len)
+            if not config.dense:
+                config.budget_table(**shape, seq_length=seq_len)
+        for seq_len in sorted(set(recall_lengths)):
+            for config in self.recall_settings(seq_len)[0].values():
+                config.budget_table(**shape, seq_length=seq_len)
+
+    def recall_settings(self, seq_len: int) -> tuple[dict, str | None]:
+        """({name: MTrainingConfig} whose estimated pattern the recall measures at ``seq_len``, the name of
+        the run's own budget among them or None)."""
+        from megatron_mtraining.config import MTrainingConfig
+
+        args = self.args
+        top_ps, sparsities = args.recall_top_p, args.recall_sparsity
+        if top_ps is None and sparsities is None:
+            if args.attention == "dense":
+                top_ps = [0.9, 0.95]
+            elif args.sparsity is None:
+                top_ps = [args.top_p]
+            else:
+                sparsities = [sparsity_at(args.sparsity, seq_len)]
+        common = dict(backend="torch", sink_tokens=args.sink_tokens, local_window=args.local_window)
+        settings = {f"top-p {p:g}": MTrainingConfig(top_p=p, cap=args.cap, **common) for p in top_ps or []}
+        settings |= {f"static {x:g}": MTrainingConfig(budget="static", sparsity=x, **common) for x in sparsities or []}
+        own = self.name(seq_len)
+        return settings, (own if own in settings else None)
 
 
 def init_megatron(device: torch.device) -> None:
@@ -394,17 +518,25 @@ def trajectory_settings(args) -> dict:
     return {name: getattr(args, name) for name in TRAJECTORY_SETTINGS}
 
 
-def save_checkpoint(path: Path, model, optimizer: MasterWeightAdamW, args, step: int, records: list) -> None:
+# What a checkpoint carries of the run's JSON, so that a resumed run's JSON continues the one that wrote it.
+CARRIED_RESULTS = ("train", "phases", "recall", "resumed_from")
+
+
+def save_checkpoint(path: Path, model, optimizer: MasterWeightAdamW, args, step: int, results: dict) -> None:
+    """Write atomically (a killed save leaves no checkpoint that looks complete)."""
+    scratch = path.with_suffix(".pt.tmp")
     torch.save(
         {
             "step": step,
+            "run": args.run,
             "settings": trajectory_settings(args),
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "train": records,
+            "results": {key: results[key] for key in CARRIED_RESULTS},
         },
-        path,
+        scratch,
     )
+    os.replace(scratch, path)
 
 
 def load_checkpoint(path: Path, model, optimizer: MasterWeightAdamW, args) -> dict:
@@ -442,6 +574,93 @@ def mean_density(model) -> list[float] | None:
     return [s.density for s in stats] or None
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class AttentionTimer:
+    """Time spent in every MTraining attention module (index estimation included) during training steps:
+    CUDA events (wall clock on a CPU) from the module's forward entry to its exit, and in backward from the
+    gradient of its output to that of its query (the attention's own backward, which yields dq, dk and dv
+    together). :meth:`collect` reads them after a step has synchronised."""
+
+    def __init__(self, model, device: torch.device):
+        from megatron_mtraining.attention import MTrainingAttention
+
+        self.cuda = device.type == "cuda"
+        self.active = True
+        self.marks: list[tuple[str, object, object]] = []
+        self._open: dict[int, tuple] = {}
+        self.handles = []
+        for module in model.modules():
+            if isinstance(module, MTrainingAttention):
+                self.handles.append(module.register_forward_pre_hook(self._enter))
+                self.handles.append(module.register_forward_hook(self._exit))
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _timing(self, module) -> bool:
+        return self.active and module.training and torch.is_grad_enabled()
+
+    def _enter(self, module, args):
+        if not self._timing(module):
+            return
+        backward = None
+        if args[0].requires_grad:  # the query
+            backward = {}
+
+            def gradient_of_query(grad):
+                backward["end"] = self._now()
+
+            args[0].register_hook(gradient_of_query)
+        self._open[id(module)] = (self._now(), backward)
+
+    def _exit(self, module, args, output):
+        if not self._timing(module):
+            return
+        start, backward = self._open.pop(id(module))
+        self.marks.append(("fwd", start, self._now()))
+        if backward is not None and output.requires_grad:
+
+            def gradient_of_output(grad):
+                backward["start"] = self._now()
+
+            output.register_hook(gradient_of_output)
+            self.marks.append(("bwd", backward, None))
+
+    def collect(self) -> tuple[float, float]:
+        """(forward seconds, backward seconds) since the last call; the GPU must have finished the step."""
+        seconds = {"fwd": 0.0, "bwd": 0.0}
+        for kind, start, end in self.marks:
+            if kind == "bwd":
+                if "start" not in start or "end" not in start:
+                    continue
+                start, end = start["start"], start["end"]
+            seconds[kind] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
+        self.marks.clear()
+        return seconds["fwd"], seconds["bwd"]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def warm_up(model, task, args, device, step: int, batch_size: int, seq_len: int) -> None:
+    """One untimed forward and backward on the phase's first batch (Triton compilation, cuDNN plans, allocator
+    growth happen here, not in the timed steps); the gradients are dropped, so weights and optimizer stay."""
+    batch = task.batch(args.seed, TRAIN_STREAM, step, batch_size, seq_len).to(device)
+    losses, _ = token_losses(model, batch)
+    (masked_mean(losses, batch.loss_mask) + args.answer_weight * masked_mean(losses, batch.answer_mask)).backward()
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+
+
 def train(
     model,
     optimizer: MasterWeightAdamW,
@@ -449,55 +668,108 @@ def train(
     args,
     device,
     results: Results,
+    budget: Budget,
     deadline: float | None,
     start_step: int = 0,
 ) -> int:
-    """Train from step ``start_step`` through the phases (the first ``--stop-after-phase`` ones when set); returns
-    the number of steps done."""
+    """Train from step ``start_step`` through the phases (through ``--stop-after-phase`` when set); returns the
+    number of steps done. Appends one record per phase: ``train_s``, the sum of its steps' wall-clock times
+    (each from drawing the batch to the synchronised end of the optimizer step; logging and saving
+    excluded), and ``attention_fwd_s``/``attention_bwd_s`` from :class:`AttentionTimer`."""
     total = sum(phase[2] for phase in args.phases)
-    phases = args.phases[: args.stop_after_phase] if args.stop_after_phase else args.phases
-    records = results.data["train"]
-    step = 0
+    last_phase = args.stop_after_phase or len(args.phases)
+    last_of_length = {phase[0]: number for number, phase in enumerate(args.phases[:last_phase], start=1)}
+    records, data = results.data["train"], results.data
+    timer = AttentionTimer(model, device)
     started = time.perf_counter()
-    for seq_len, batch_size, steps, pairs in phases:
-        phase_task = task if pairs is None else dataclasses.replace(task, num_pairs=pairs)
-        for _ in range(steps):
-            if step < start_step:  # done by the checkpoint's run
-                step += 1
+    end = 0
+    try:
+        for number, (seq_len, batch_size, steps, pairs) in enumerate(args.phases[:last_phase], start=1):
+            first, end = end, end + steps
+            if end <= start_step:  # done by the checkpoint's run
                 continue
-            if deadline is not None and time.perf_counter() > deadline:
-                results.data["stopped_early"] = True
-                return step
-            lr = learning_rate(step, total, args)
-            batch = phase_task.batch(args.seed, TRAIN_STREAM, step, batch_size, seq_len).to(device)
-            losses, predictions = token_losses(model, batch)
-            lm_loss, answer_loss = masked_mean(losses, batch.loss_mask), masked_mean(losses, batch.answer_mask)
-            objective = lm_loss + args.answer_weight * answer_loss
-            objective.backward()
-            grad_norm = optimizer.step(lr)
-            step += 1
-            accuracy = query_correct(predictions, batch.labels, batch.answer_slots).float().mean()
-            values = torch.stack([objective, lm_loss, answer_loss, accuracy, grad_norm]).detach().tolist()
-            record = dict(zip(("loss", "lm_loss", "answer_loss", "answer_accuracy", "grad_norm"), values))
-            record.update(
-                step=step, seq_len=seq_len, batch=batch_size, lr=lr, elapsed_s=round(time.perf_counter() - started, 3)
+            if first < start_step:
+                raise ValueError(f"checkpoint step {start_step} lies inside phase {number}; resume at a phase end")
+            phase_task = task if pairs is None else dataclasses.replace(task, num_pairs=pairs)
+            budget.use(model, seq_len)
+            timer.active = False
+            warm_up(model, phase_task, args, device, first, batch_size, seq_len)
+            timer.active = True
+            phase = dict(
+                phase=number,
+                seq_len=seq_len,
+                batch=batch_size,
+                steps=0,
+                first_step=first + 1,
+                run=args.run,
+                budget=budget.name(seq_len),
+                train_s=0.0,
+                attention_fwd_s=0.0,
+                attention_bwd_s=0.0,
             )
-            records.append(record)
-            results.data["steps_done"] = step
-            if step % args.log_interval == 0 or step == total:
-                record["density"] = mean_density(model)
-                print(
-                    f"[{args.run}] step {step}/{total} len {seq_len} | loss {record['loss']:.4f} | lm "
-                    f"{record['lm_loss']:.4f} | answer {record['answer_loss']:.4f} acc "
-                    f"{record['answer_accuracy']:.2f} | {record['elapsed_s']:.0f} s",
-                    flush=True,
+            densities = []
+            for step in range(first, end):
+                if deadline is not None and time.perf_counter() > deadline:
+                    data["stopped_early"] = True
+                    break
+                tick = time.perf_counter()
+                lr = learning_rate(step, total, args)
+                batch = phase_task.batch(args.seed, TRAIN_STREAM, step, batch_size, seq_len).to(device)
+                losses, predictions = token_losses(model, batch)
+                lm_loss, answer_loss = masked_mean(losses, batch.loss_mask), masked_mean(losses, batch.answer_mask)
+                objective = lm_loss + args.answer_weight * answer_loss
+                objective.backward()
+                grad_norm = optimizer.step(lr)
+                accuracy = query_correct(predictions, batch.labels, batch.answer_slots).float().mean()
+                values = torch.stack([objective, lm_loss, answer_loss, accuracy, grad_norm]).detach().tolist()  # sync
+                step_s = time.perf_counter() - tick
+                forward_s, backward_s = timer.collect()
+                phase["train_s"] += step_s
+                phase["attention_fwd_s"] += forward_s
+                phase["attention_bwd_s"] += backward_s
+                phase["steps"] += 1
+                record = dict(zip(("loss", "lm_loss", "answer_loss", "answer_accuracy", "grad_norm"), values))
+                record.update(
+                    step=step + 1,
+                    seq_len=seq_len,
+                    batch=batch_size,
+                    lr=lr,
+                    step_s=round(step_s, 5),
+                    elapsed_s=round(time.perf_counter() - started, 3),
                 )
-                results.save()
-    return step
+                records.append(record)
+                data["steps_done"] = step + 1
+                if (step + 1) % args.log_interval == 0 or step + 1 in (end, total):
+                    record["density"] = mean_density(model)
+                    if record["density"]:
+                        densities.append(record["density"])
+                    print(
+                        f"[{args.run}] step {step + 1}/{total} len {seq_len} | loss {record['loss']:.4f} | lm "
+                        f"{record['lm_loss']:.4f} | answer {record['answer_loss']:.4f} acc "
+                        f"{record['answer_accuracy']:.2f} | {record['step_s'] * 1e3:.0f} ms/step",
+                        flush=True,
+                    )
+                    results.save()
+            phase["attention_s"] = phase["attention_fwd_s"] + phase["attention_bwd_s"]
+            phase["density"] = np.mean(densities, axis=0).tolist() if densities else None
+            data["phases"].append(phase)
+            print(
+                f"[{args.run}] phase {number} ({seq_len} tokens, {phase['budget']}): {phase['steps']} steps in "
+                f"{phase['train_s']:.1f} s, attention {phase['attention_s']:.1f} s",
+                flush=True,
+            )
+            results.save()
+            if data["stopped_early"]:
+                break
+            if seq_len in args.recall_lengths and last_of_length[seq_len] == number:
+                measure_recall(model, task, args, device, results, budget, seq_len, step=end)
+    finally:
+        timer.remove()
+    return data["steps_done"]
 
 
 @torch.no_grad()
-def evaluate(model, task, args, device, results: Results) -> None:
+def evaluate(model, task, args, device, results: Results, budget: Budget) -> None:
     """Retrieval accuracy of the depth-controlled query per (length, depth), and LM/answer loss per length.
 
     ``correct[length][depth]`` keeps each sequence's 0/1 (the same sequences for every run of a seed), so that
@@ -512,15 +784,18 @@ def evaluate(model, task, args, device, results: Results) -> None:
         "correct": [],
         "lm_loss": [],
         "answer_loss": [],
+        "seconds": [],
     }
     results.data["eval"] = evaluation
-    for seq_len in lengths:
-        per_forward = max(1, min(args.eval_samples, args.eval_tokens // seq_len))
+    for seq_len, samples in zip(lengths, args.eval_samples):
+        started = time.perf_counter()
+        budget.use(model, seq_len)
+        per_forward = max(1, min(samples, args.eval_tokens // seq_len))
         row, per_sequence, loss_sum, answer_sum, token_count, answer_count = [], [], 0.0, 0.0, 0.0, 0.0
         for depth in depths:
             correct = []
-            for first in range(0, args.eval_samples, per_forward):
-                size = min(per_forward, args.eval_samples - first)
+            for first in range(0, samples, per_forward):
+                size = min(per_forward, samples - first)
                 batch = task.batch(args.seed, EVAL_STREAM, first, size, seq_len, target_depth=depth).to(device)
                 losses, predictions = token_losses(model, batch)
                 correct += query_correct(predictions, batch.labels, batch.answer_slots)[:, batch.target].int().tolist()
@@ -528,12 +803,13 @@ def evaluate(model, task, args, device, results: Results) -> None:
                 token_count += float(batch.loss_mask.sum())
                 answer_sum += float((losses * batch.answer_mask).sum())
                 answer_count += float(batch.answer_mask.sum())
-            row.append(sum(correct) / args.eval_samples)
+            row.append(sum(correct) / samples)
             per_sequence.append(correct)
         evaluation["accuracy"].append(row)
         evaluation["correct"].append(per_sequence)
         evaluation["lm_loss"].append(loss_sum / token_count)
         evaluation["answer_loss"].append(answer_sum / answer_count)
+        evaluation["seconds"].append(round(time.perf_counter() - started, 2))
         print(
             f"[{args.run}] eval len {seq_len}: accuracy {sum(row) / len(row):.3f} by depth "
             f"{[round(a, 2) for a in row]} | lm loss {evaluation['lm_loss'][-1]:.4f}",
@@ -544,29 +820,28 @@ def evaluate(model, task, args, device, results: Results) -> None:
 
 
 @torch.no_grad()
-def measure_recall(model, task, args, device, results: Results) -> None:
+def measure_recall(model, task, args, device, results: Results, budget: Budget, seq_len: int, step: int) -> None:
+    """Pattern recall of real sequences at ``seq_len`` on the model as it is now (after ``step`` steps)."""
     model.eval()
-    top_ps = args.recall_top_p or ([0.9, 0.95] if args.attention == "dense" else [args.top_p])
-    settings = recall_settings(args, top_ps)
-    results.data["recall"] = []
-    for seq_len in args.recall_lengths:
-        batch = task.batch(args.seed, RECALL_STREAM, 0, args.recall_samples, seq_len).to(device)
-        by_setting = pattern_recall(model, batch.tokens, settings, args.recall_row_chunk)
-        results.data["recall"].append({"seq_len": seq_len, "samples": args.recall_samples, "by_setting": by_setting})
-        for name, layers in by_setting.items():
-            print(
-                f"[{args.run}] recall len {seq_len} {name}: per layer mean/min over heads "
-                + " ".join(f"{sum(x['recall']) / len(x['recall']):.3f}/{min(x['recall']):.3f}" for x in layers),
-                flush=True,
-            )
-        results.save()
+    budget.use(model, seq_len)
+    settings, own = budget.recall_settings(seq_len)
+    batch = task.batch(args.seed, RECALL_STREAM, 0, args.recall_samples, seq_len).to(device)
+    by_setting = pattern_recall(model, batch.tokens, settings, args.recall_row_chunk)
+    results.data["recall"].append(
+        {"seq_len": seq_len, "step": step, "samples": args.recall_samples, "own": own, "by_setting": by_setting}
+    )
+    for name, layers in by_setting.items():
+        print(
+            f"[{args.run}] recall len {seq_len} {name}: per layer mean/min over heads "
+            + " ".join(f"{sum(x['recall']) / len(x['recall']):.3f}/{min(x['recall']):.3f}" for x in layers),
+            flush=True,
+        )
+    results.save()
     model.train()
 
 
 # ------------------------------------------------------------------------------------------ main
-def main(argv: list[str] | None = None) -> dict:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
     if args.time_budget_s is not None and args.time_budget_s <= args.eval_reserve_s:
         parser.error(
             f"--time-budget-s={args.time_budget_s} leaves no training time after --eval-reserve-s="
@@ -574,29 +849,45 @@ def main(argv: list[str] | None = None) -> dict:
         )
     if not args.eval_depths or not all(0.0 <= depth <= 1.0 for depth in args.eval_depths):
         parser.error(f"--eval-depths={args.eval_depths} must be fractions in [0, 1], e.g. 0,0.5,1")
-    if args.eval_samples < 1 or args.recall_samples < 1:
+    if not args.eval_samples or min(args.eval_samples) < 1 or args.recall_samples < 1:
         parser.error("--eval-samples and --recall-samples must be >= 1")
     if args.stop_after_phase is not None and not 1 <= args.stop_after_phase < len(args.phases):
         parser.error(
             f"--stop-after-phase={args.stop_after_phase} must leave phases to branch into: use 1 .. "
             f"{len(args.phases) - 1} for {len(args.phases)} phases"
         )
-    if args.stop_after_phase is not None and args.resume is not None:
-        parser.error(
-            "--stop-after-phase and --resume exclude each other: one run writes the checkpoint, the "
-            "others resume from it"
-        )
     if args.resume is not None and not args.resume.is_file():
         parser.error(f"--resume {args.resume}: no such checkpoint; run train.py --stop-after-phase K first")
+    if args.sparsity is not None and (args.top_p is not None or args.cap is not None):
+        parser.error("--sparsity (a static budget) excludes --top-p and --cap (the top-P budget); give one")
+    lengths = [phase[0] for phase in args.phases]
+    args.eval_lengths = args.eval_lengths or sorted({n for n in lengths if n >= 1024} or set(lengths))
+    if len(args.eval_samples) == 1:
+        args.eval_samples = args.eval_samples * len(args.eval_lengths)
+    if len(args.eval_samples) != len(args.eval_lengths):
+        parser.error(
+            f"--eval-samples has {len(args.eval_samples)} entries for {len(args.eval_lengths)} --eval-lengths; "
+            "give one number or one per length"
+        )
+    args.recall_lengths = args.recall_lengths or [max(lengths)]
+    untrained = sorted(set(args.recall_lengths) - set(lengths))
+    if untrained:
+        parser.error(f"--recall-lengths {untrained} are not phase lengths; recall is measured at the end of a phase")
+    if args.attention == "mtraining" and args.sparsity is None and args.top_p is None:
+        args.top_p = 0.9
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
     start = time.perf_counter()
     deadline = None if args.time_budget_s is None else start + args.time_budget_s - args.eval_reserve_s
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     lengths = [phase[0] for phase in args.phases]
-    args.eval_lengths = args.eval_lengths or sorted({n for n in lengths if n >= 1024} or set(lengths))
-    args.recall_lengths = args.recall_lengths or [max(lengths)]
-    max_len = max(lengths + args.eval_lengths + args.recall_lengths)
+    max_len = max(lengths + args.eval_lengths)
     task = RetrievalTask(
         vocab_size=args.vocab,
         key_alphabet=args.key_alphabet,
@@ -612,33 +903,41 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for seq_len, _, _, pairs in args.phases:
         (task if pairs is None else dataclasses.replace(task, num_pairs=pairs)).check_length(seq_len)
-    for seq_len in set(args.eval_lengths + args.recall_lengths):
+    for seq_len in args.eval_lengths:
         task.check_length(seq_len)
     kernel = resolve_kernel(args.kernel, args.attention, device)
-    mtraining = mtraining_settings(args, kernel)
+    budget = Budget(args, kernel)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
     init_megatron(device)
-    model = build_model(args, mtraining, max_len).to(device, torch.bfloat16 if bf16 else torch.float32)
+    model = build_model(args, budget.config(lengths[-1]), max_len).to(device, torch.bfloat16 if bf16 else torch.float32)
     settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    last_phase = args.stop_after_phase or len(args.phases)
     results = Results(
         args.out / f"{args.run}.json",
         {
             "run": args.run,
             "attention": args.attention,
+            "budget": budget.name(),
             "top_p": args.top_p if args.attention == "mtraining" else None,
+            "sparsity": args.sparsity if args.attention == "mtraining" else None,
             "kernel": kernel,
             "precision": "bf16" if bf16 else "fp32",
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "torch": torch.__version__,
             "parameters": sum(p.numel() for p in model.parameters()),
             "settings": settings,
-            "mtraining": {k: v for k, v in vars(mtraining).items()},
+            "mtraining": {k: v for k, v in vars(budget.config(lengths[-1])).items()},
             "task": dataclasses.asdict(task),
-            "steps_planned": sum(phase[2] for phase in args.phases[: args.stop_after_phase or len(args.phases)]),
+            "steps_planned": sum(phase[2] for phase in args.phases[:last_phase]),
             "steps_done": 0,
             "stopped_early": False,
             "status": "training",
             "train": [],
+            "phases": [],
+            "recall": [],
+            "resumed_from": [],
         },
     )
     optimizer = MasterWeightAdamW(model, args)
@@ -646,20 +945,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume is not None:
         checkpoint = load_checkpoint(args.resume, model, optimizer, args)
         start_step = checkpoint["step"]
-        results.data.update(
-            resumed_from={"path": str(args.resume), "step": start_step},
-            steps_done=start_step,
-            train=checkpoint["train"],
-        )
+        if start_step >= results.data["steps_planned"]:
+            parser.error(
+                f"--resume {args.resume} is at step {start_step}, not before the end of phase {last_phase}; "
+                "resume from an earlier checkpoint or stop after a later phase"
+            )
+        results.data.update(checkpoint["results"], steps_done=start_step)
+        results.data["resumed_from"] = [
+            *checkpoint["results"]["resumed_from"],
+            {"path": str(args.resume), "step": start_step, "run": checkpoint["run"]},
+        ]
+    ahead = lengths[_phase_index(args.phases, start_step) : last_phase]
+    budget.check(ahead + args.eval_lengths, [n for n in ahead if n in args.recall_lengths])
     results.save()
     print(
-        f"[{args.run}] {results.data['parameters'] / 1e6:.1f}M parameters, attention {args.attention}, kernel "
+        f"[{args.run}] {results.data['parameters'] / 1e6:.1f}M parameters, attention {budget.name()}, kernel "
         f"{kernel}, {results.data['precision']}, device {device}",
         flush=True,
     )
     timings = results.data.setdefault("timing_s", {})
     with rope_tables_on(device):
-        steps_done = train(model, optimizer, task, args, device, results, deadline, start_step)
+        steps_done = train(model, optimizer, task, args, device, results, budget, deadline, start_step)
         timings["train"] = round(time.perf_counter() - start, 1)
         if args.stop_after_phase is not None:
             if results.data["stopped_early"]:
@@ -667,19 +973,30 @@ def main(argv: list[str] | None = None) -> dict:
                     f"[{args.run}] the time budget ended training at step {steps_done} of "
                     f"{results.data['steps_planned']}: no checkpoint written; raise --time-budget-s"
                 )
-            save_checkpoint(args.out / f"{args.run}.pt", model, optimizer, args, steps_done, results.data["train"])
+            path = args.out / f"{args.run}.phase{args.stop_after_phase}.pt"
+            save_checkpoint(path, model, optimizer, args, steps_done, results.data)
             results.data["status"] = "checkpointed"
+            results.data["checkpoint"] = str(path)
             results.save()
             return results.data
         results.data["status"] = "evaluating"
         results.save()
-        evaluate(model, task, args, device, results)
+        evaluate(model, task, args, device, results, budget)
         timings["eval"] = round(time.perf_counter() - start - timings["train"], 1)
-        measure_recall(model, task, args, device, results)
         timings["total"] = round(time.perf_counter() - start, 1)
     results.data["status"] = "done"
     results.save()
     return results.data
+
+
+def _phase_index(phases, step: int) -> int:
+    """Index of the phase that step ``step`` (0-based) belongs to."""
+    end = 0
+    for index, phase in enumerate(phases):
+        end += phase[2]
+        if step < end:
+            return index
+    return len(phases)
 
 
 if __name__ == "__main__":
