@@ -885,7 +885,8 @@ def format_table(rows: list[dict], baselines: dict[tuple, dict], skipped: list[s
 
 
 def speedup_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """{line label: [(N, tokens/s speed-up over the fastest dense row)]}: one line per model, variant and method."""
+    """{line label: [(N, tokens/s speed-up over the fastest dense row)]}: one line per model, CP, variant, mixture and
+    method."""
     baselines = dense_baselines(rows)
     series: dict[str, list[tuple[int, float]]] = {}
     for row in latest_rows(rows):
@@ -896,7 +897,7 @@ def speedup_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
             "" if row["recompute"] == "full" else f", recompute {row['recompute']}"
         )
         mixture = "" if mixture_of(row) == UNPACKED else f", {mixture_of(row)}"
-        label = f"{row['model']} {row['attention']} {row['sparsity_setting']}{mixture}{method}"
+        label = f"{row['model']} CP {row['cp']} {row['attention']} {row['sparsity_setting']}{mixture}{method}"
         series.setdefault(label, []).append((row["seq_len"], value))
     return {label: sorted(points) for label, points in sorted(series.items())}
 

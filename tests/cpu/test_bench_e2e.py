@@ -785,8 +785,8 @@ def test_one_gpu_mixture_matrix_writes_datasets_and_rows(monkeypatch, tmp_path, 
     table = output.split("| model |", 1)[1].splitlines()
     assert "| 64K | none | mtraining |" in table[2] and "| 64K | prolong | dense |" in table[5]
     assert set(bench.speedup_series(rows)) == {
-        "qwen2.5-0.5b mtraining sparsity=0.95",
-        "qwen2.5-0.5b mtraining sparsity=0.95, prolong",
+        "qwen2.5-0.5b CP 1 mtraining sparsity=0.95",
+        "qwen2.5-0.5b CP 1 mtraining sparsity=0.95, prolong",
     }
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -903,10 +903,10 @@ def test_speedup_series_one_line_per_model_variant_and_method():
     for r in kept:
         r["recompute"] = "full-keep-attention"
     assert bench.speedup_series(rows + kept) == {
-        "qwen2.5-3b mtraining sparsity=0.95": [(524288, 5.0)],
-        "qwen2.5-3b mtraining top_p=0.9": [(131072, 1.5), (524288, 3.0)],
-        "qwen2.5-3b mtraining top_p=0.9, full depth": [(524288, 4.0)],
-        "qwen2.5-3b mtraining top_p=0.9, recompute full-keep-attention": [(131072, 2.0)],
+        "qwen2.5-3b CP 2 mtraining sparsity=0.95": [(524288, 5.0)],
+        "qwen2.5-3b CP 2 mtraining top_p=0.9": [(131072, 1.5), (524288, 3.0)],
+        "qwen2.5-3b CP 2 mtraining top_p=0.9, full depth": [(524288, 4.0)],
+        "qwen2.5-3b CP 2 mtraining top_p=0.9, recompute full-keep-attention": [(131072, 2.0)],
     }
 
 
