@@ -48,7 +48,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 from typing import Callable
 
@@ -62,6 +61,7 @@ from flex_peer import (
     heads_first,
     vertical_slash_block_mask,
 )
+from provenance import git_commit
 from structured_qk import structured_qk
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -242,15 +242,6 @@ def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, ti
 
 
 # ---------------------------------------------------------------------------------------- main
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, float]:
     """(conversion ms, static-budget estimation ms) of the pattern's counts."""
     # with the block lists by key, which the Triton backward builds once per index

@@ -79,6 +79,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from provenance import git_commit
+
 REPO = Path(__file__).resolve().parents[1]
 PROBE = "tools/train_probe.py"
 DEFAULT_JSONL = REPO / "docs" / "benchmarks" / "e2e.jsonl"
@@ -997,17 +999,6 @@ def append_jsonl(path: Path, row: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------- main
-def git_commit() -> str:
-    """Short commit hash, with ``+dirty`` when tracked files differ from it."""
-
-    def git(*arguments: str) -> str:
-        return subprocess.run(["git", *arguments], cwd=REPO, capture_output=True, text=True, check=True).stdout
-
-    return git("rev-parse", "--short", "HEAD").strip() + (
-        "+dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else ""
-    )
-
-
 def gpu_name(cp: int) -> str:
     """The name of GPU 0, asked in a child process (this one never initialises CUDA); needs ``cp`` GPUs."""
     probe = "import torch; n = torch.cuda.device_count(); print(n, torch.cuda.get_device_name(0) if n else '')"

@@ -37,9 +37,10 @@ import json
 import os
 
 import torch
-from bench_attention import FLEX_REL_RMSE, SHAPES, git_commit, grads_of, measure, median_ms, time_sdpa
+from bench_attention import FLEX_REL_RMSE, SHAPES, grads_of, measure, median_ms, time_sdpa
 from document_mixtures import MIXTURES, budget_document_index, realistic_document_index
 from flex_peer import document_causal_block_mask, flex_forward, flex_fwd_bwd, heads_first
+from provenance import git_commit
 from torch.nn.attention import SDPBackend
 
 from megatron_mtraining.attention_stats import document_work_density
@@ -124,6 +125,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jsonl", default="docs/benchmarks/packed.jsonl")
     parser.add_argument("--table", default="docs/benchmarks/packed.md")
+    parser.add_argument("--commit", default=None, help="recorded commit (default: the checkout's, +dirty if changed)")
     parser.add_argument("--report-only", action="store_true", help="rebuild --table from the latest run in --jsonl")
     parser.add_argument(
         "--backend",
@@ -145,7 +147,7 @@ def main(argv=None) -> None:
     scale = dim**-0.5
     base = {
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "commit": git_commit(),
+        "commit": args.commit or git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "shape": args.shape,

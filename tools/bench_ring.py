@@ -34,12 +34,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from document_mixtures import MIXTURES, realistic_document_index
+from provenance import git_commit
 from realistic_pattern import realistic_pattern
 from ring_model import CellCosts, flat_ring, hierarchical_ring, hop_bytes
 from slow_link import SlowLink, SlowLinkRingGroups
@@ -408,7 +408,7 @@ def main() -> None:
     flat_groups = RingGroups.flat(dist.group.WORLD)
     sparse_groups = build_hierarchical_groups(args.inner_size) if args.inner_size else flat_groups
     backend = get_backend(args.backend)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     rows = []
     for seq_len in args.seq_lens:
         groups, topology = ring_groups(args, sparse_groups, seq_len, device)

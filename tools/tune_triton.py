@@ -27,7 +27,8 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from bench_attention import SHAPES, budget_pattern, git_commit, mask_density, measure, time_sdpa
+from bench_attention import SHAPES, budget_pattern, mask_density, measure, time_sdpa
+from provenance import git_commit
 from torch.nn.attention import SDPBackend
 
 from mtraining_kernels import Layout, convert_index, sparse_attention, triton_backend
