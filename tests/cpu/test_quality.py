@@ -16,8 +16,8 @@
   uninterrupted dense run step for step; the schedule run switches its static budget by length; the
   report writes its figures, the summary (targets, recommendation; also with an unfinished run) and
   quality.jsonl (delta = accuracy − dense accuracy inside its interval, stage_train_s > 0).
-* The paired interval (Newcombe's): contains the difference, keeps a width with no differing sequence,
-  flips sign with the runs, equals the normal approximation on large samples.
+* The paired interval (Newcombe's): equals two published worked examples, contains the difference, keeps a
+  width with no differing sequence, flips sign with the runs, equals the normal approximation on large samples.
 """
 
 from __future__ import annotations
@@ -553,6 +553,30 @@ def _table(a: int, b: int, c: int, d: int) -> tuple[np.ndarray, np.ndarray]:
     first = np.array([1] * a + [1] * b + [0] * c + [0] * d)
     second = np.array([1] * a + [0] * b + [1] * c + [0] * d)
     return first, second
+
+
+@pytest.mark.parametrize(
+    "table, interval",
+    [
+        # Newcombe, Statistics in Medicine 17 (1998) 2635-2650, Table II example (a), method 10
+        ((36, 12, 2, 0), (0.0569, 0.3404)),
+        # Fagerland, Lydersen & Laake, Statistical Analysis of Contingency Tables (2017), ch. 8: complete response
+        # before and after consolidation therapy (Cavo et al. 2012), Newcombe square-and-add interval
+        ((59, 6, 16, 80), (-0.1186, -0.0046)),
+    ],
+)
+def test_paired_interval_matches_published_worked_examples(table, interval):
+    """Newcombe's paired interval by hand for (a, b, c, d) = (36, 12, 2, 0), n = 50: p₁ = 48/50, p₂ = 38/50,
+    Δ = 0.2; Wilson (0.8654, 0.9890) and (0.6259, 0.8570); ad − bc = −24 < 0, so φ = −24 / √(48·2·38·12) =
+    −0.1147 (no correction); L = 0.2 − √(0.0946² + 2·0.1147·0.0946·0.0970 + 0.0970²) = 0.0569 and
+    U = 0.2 + √(0.1341² + 2·0.1147·0.1341·0.0290 + 0.0290²) = 0.3404."""
+    import report
+
+    assert report.wilson(48, 50) == pytest.approx((0.8654, 0.9890), abs=5e-5)  # the docstring's Wilson intervals
+    assert report.wilson(38, 50) == pytest.approx((0.6259, 0.8570), abs=5e-5)
+    got = report.paired_difference(*_table(*table))
+    assert got["delta"] == pytest.approx((table[1] - table[2]) / sum(table))
+    assert (got["ci_low"], got["ci_high"]) == pytest.approx(interval, abs=5e-5)
 
 
 def test_paired_interval_properties():
