@@ -84,7 +84,9 @@ def _block_lists(
 
 def _bar_lists(index: DocumentIndex, hit: Tensor, query_blocks: Tensor, layout: Layout) -> tuple[Tensor, Tensor]:
     """CSR bar lists: vertical v of document d is a bar of qb iff kb(v) < qb, d has rows in qb and d is off at
-    (qb, kb(v)). Transient: int64 ``[T, nb]`` over the T valid verticals of all documents and heads."""
+    (qb, kb(v)). Only the query blocks after kb(v) inside d are candidates: transient int64 ``[T, J]`` over the
+    T valid verticals of all documents and heads, J ≤ nb the most such blocks of any vertical on this rank (one
+    host sync), so short documents cost their own length, not the sequence's."""
     documents = index.documents
     seq_len = documents.seq_len
     batch, slots, heads, _ = index.v_idx.shape
@@ -92,12 +94,19 @@ def _bar_lists(index: DocumentIndex, hit: Tensor, query_blocks: Tensor, layout: 
     sample, document, head, slot = torch.nonzero(index.v_idx < seq_len, as_tuple=True)
     column = index.v_idx[sample, document, head, slot].long()  # [T]
     owner, local = layout.to_local(column, seq_len)
-    end = (documents.starts + documents.lengths)[sample, document]
-    distance = query_blocks[None, :] - (column // BLOCK_SIZE)[:, None]  # [T, nb]
-    hit_row = ((sample * slots + document) * heads + head) * num_blocks
-    on = hit.view(-1)[hit_row[:, None] + distance.clamp(min=0)]
-    has_rows = end[:, None] > query_blocks[None, :] * BLOCK_SIZE
-    vertical, block = torch.nonzero((distance > 0) & has_rows & ~on, as_tuple=True)
+    key_block = column // BLOCK_SIZE
+    last_block = ((documents.starts + documents.lengths)[sample, document] - 1) // BLOCK_SIZE
+    ascending, local_of_sorted = torch.sort(query_blocks)
+    first = torch.searchsorted(ascending, key_block, right=True)  # candidates: ascending[first : stop]
+    stop = torch.searchsorted(ascending, last_block, right=True)
+    width = int((stop - first).max()) if column.numel() else 0
+    position = first[:, None] + torch.arange(width, device=column.device)  # [T, J]
+    inside = position < stop[:, None]
+    position.clamp_(max=nb - 1)
+    hit_row = ((sample * slots + document) * heads + head) * num_blocks - key_block  # hit at distance qb − kb
+    on = hit.view(-1)[ascending[position].add_(hit_row[:, None]).clamp_(min=0)]  # right where inside
+    vertical, candidate = torch.nonzero(inside.logical_and_(~on), as_tuple=True)
+    block = local_of_sorted[position[vertical, candidate]]
     row = ((owner[vertical] * batch + sample[vertical]) * heads + head[vertical]) * nb + block  # over (w, b, h, i)
     return lists_of_bar_entries(row, local[vertical], (world, batch, heads, nb), seq_len // world)
 
