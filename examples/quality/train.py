@@ -583,14 +583,16 @@ class AttentionTimer:
     """Time spent in every MTraining attention module (index estimation included) during training steps:
     CUDA events (wall clock on a CPU) from the module's forward entry to its exit, and in backward from the
     gradient of its output to that of its query (the attention's own backward, which yields dq, dk and dv
-    together). :meth:`collect` reads them after a step has synchronised."""
+    together). The hooks only record events, they never synchronise; :meth:`collect` reads them once the
+    step's own synchronisation has made them complete."""
 
     def __init__(self, model, device: torch.device):
         from megatron_mtraining.attention import MTrainingAttention
 
         self.cuda = device.type == "cuda"
         self.active = True
-        self.marks: list[tuple[str, object, object]] = []
+        self.forward_marks: list[tuple] = []  # (start, end) per module call
+        self.backward_marks: list[dict] = []  # {"start": …, "end": …} per module call, filled during backward
         self._open: dict[int, tuple] = {}
         self.handles = []
         for module in model.modules():
@@ -625,26 +627,25 @@ class AttentionTimer:
         if not self._timing(module):
             return
         start, backward = self._open.pop(id(module))
-        self.marks.append(("fwd", start, self._now()))
+        self.forward_marks.append((start, self._now()))
         if backward is not None and output.requires_grad:
 
             def gradient_of_output(grad):
                 backward["start"] = self._now()
 
             output.register_hook(gradient_of_output)
-            self.marks.append(("bwd", backward, None))
+            self.backward_marks.append(backward)
+
+    def _seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
     def collect(self) -> tuple[float, float]:
-        """(forward seconds, backward seconds) since the last call; the GPU must have finished the step."""
-        seconds = {"fwd": 0.0, "bwd": 0.0}
-        for kind, start, end in self.marks:
-            if kind == "bwd":
-                if "start" not in start or "end" not in start:
-                    continue
-                start, end = start["start"], start["end"]
-            seconds[kind] += start.elapsed_time(end) / 1e3 if self.cuda else end - start
-        self.marks.clear()
-        return seconds["fwd"], seconds["bwd"]
+        """(forward seconds, backward seconds) since the last call; the step must have synchronised."""
+        forward = sum(self._seconds(start, end) for start, end in self.forward_marks)
+        backward = sum(self._seconds(m["start"], m["end"]) for m in self.backward_marks if len(m) == 2)
+        self.forward_marks.clear()
+        self.backward_marks.clear()
+        return forward, backward
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -674,8 +675,9 @@ def train(
 ) -> int:
     """Train from step ``start_step`` through the phases (through ``--stop-after-phase`` when set); returns the
     number of steps done. Appends one record per phase: ``train_s``, the sum of its steps' wall-clock times
-    (each from drawing the batch to the synchronised end of the optimizer step; logging and saving
-    excluded), and ``attention_fwd_s``/``attention_bwd_s`` from :class:`AttentionTimer`."""
+    (each from the batch on the device to the synchronised end of the optimizer step; drawing the synthetic
+    batch, logging, saving and the phase's untimed :func:`warm_up` excluded), and
+    ``attention_fwd_s``/``attention_bwd_s`` from :class:`AttentionTimer`."""
     total = sum(phase[2] for phase in args.phases)
     last_phase = args.stop_after_phase or len(args.phases)
     last_of_length = {phase[0]: number for number, phase in enumerate(args.phases[:last_phase], start=1)}
@@ -712,9 +714,9 @@ def train(
                 if deadline is not None and time.perf_counter() > deadline:
                     data["stopped_early"] = True
                     break
-                tick = time.perf_counter()
                 lr = learning_rate(step, total, args)
                 batch = phase_task.batch(args.seed, TRAIN_STREAM, step, batch_size, seq_len).to(device)
+                tick = time.perf_counter()  # the synthetic batch is drawn on the CPU first, as a loader would
                 losses, predictions = token_losses(model, batch)
                 lm_loss, answer_loss = masked_mean(losses, batch.loss_mask), masked_mean(losses, batch.answer_mask)
                 objective = lm_loss + args.answer_weight * answer_loss
