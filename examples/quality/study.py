@@ -1,7 +1,9 @@
 """The quality study in resumable stages, every run one after another on one device.
 
-    python examples/quality/study.py --stage A --out out/quality_long          # shared dense start
-    python examples/quality/study.py --stage B --out out/quality_long          # the branches, 16K–64K
+    export PYTHONPATH=$PWD:$PWD/kernels                                          # from the repository root
+    python examples/quality/study.py --stage all --check --out out/quality_long  # every run's checks, no training
+    python examples/quality/study.py --stage A --out out/quality_long            # shared dense start
+    python examples/quality/study.py --stage B --out out/quality_long            # the branches, 16K–64K
     python examples/quality/study.py --stage C --out out/quality_long --report-to docs/benchmarks
 
 A *plan* (``PLANS`` by name, or a JSON file of the same keys) fixes the curriculum, the stages and the
@@ -10,9 +12,10 @@ runs. Stage A trains the run ``shared`` (dense) through the first stage's phases
 before (the first branch stage from the shared one): a middle stage ends with ``<out>/runs/<run>.phase<K>.pt``,
 the last one evaluates the runs and writes the report (``report.py``: figures, ``<prefix>_summary.md`` and
 ``<prefix>.jsonl``) to ``--report-to``. A stage skips the runs it has already finished, so a stage that
-was cut short resumes where it stopped when run again; ``--stage all`` runs every stage in turn. The
-runs are calls of ``train.main`` in this process, with the plan's flags, the run's own flags and any
-unknown flags of this command line (e.g. ``--device cuda:0``), in that order.
+was cut short resumes at the run it stopped in when run again (that run starts the stage again from its
+checkpoint); ``--stage all`` runs every stage in turn, ``--check`` only checks them. The runs are calls
+of ``train.main`` in this process, with the plan's flags, the run's own flags and any unknown flags of
+this command line (e.g. ``--device cuda:0``), in that order.
 
 Plan keys: ``phases`` (``train.py --phases``), ``stages`` (the last phase of each stage, the last one
 ``len(phases)``), ``runs`` ({name: train.py flags}, e.g. ``["--attention", "mtraining", "--sparsity",
@@ -23,6 +26,7 @@ and ``prefix`` (of the report's file names).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -38,7 +42,7 @@ import train
 SHARED = "shared"
 LONG_RECALL = ["--recall-top-p", "0.9,0.95", "--recall-sparsity", "0.95"]
 PLANS = {
-    # 64K–128K (issue #22): a dense start to 8K, five branches through 16K, 32K, 64K and 128K.
+    # 64K–128K: a dense start to 8K, five branches through 16K, 32K, 64K and 128K.
     "long": {
         "phases": "128x64x2400x8,512x16x400x8,2048x8x300,8192x2x150,16384x1x100,32768x1x80,65536x1x60,131072x1x40",
         "stages": [4, 7, 8],
@@ -115,44 +119,83 @@ def run_train(argv: list[str]) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    print(f"[{data['run']}] {data['status']} after {time.perf_counter() - started:.0f} s in this stage", flush=True)
+    print(f"[{data['run']}] {data['status']} after {time.perf_counter() - started:.0f} s", flush=True)
     return data
 
 
-def run_stage(plan: dict, index: int, out: Path, runs: list[str], extra: list[str], report_to: Path | None) -> None:
-    """Stage ``index`` (0 = the shared start) of ``plan`` for ``runs``; skips what is already done."""
-    ends, phases = plan["stages"], ["--phases", plan["phases"]]
-    common = [*phases, *plan["flags"]]
-    shared_checkpoint = out / f"{SHARED}.phase{ends[0]}.pt"
+@dataclasses.dataclass(frozen=True)
+class StageRun:
+    """One run's part of a stage: its train.py flags, the checkpoint it continues (None for the shared start)
+    and the step that checkpoint ends at, and the file whose presence means this part is done (for the last
+    stage, the run JSON marked ``done``)."""
+
+    name: str
+    flags: list[str]
+    resume: Path | None
+    start_step: int
+    done_file: Path
+    last: bool
+
+    def argv(self) -> list[str]:
+        return self.flags if self.resume is None else [*self.flags, "--resume", str(self.resume)]
+
+    def done(self) -> bool:
+        if not self.done_file.is_file():
+            return False
+        return not self.last or json.loads(self.done_file.read_text())["status"] == "done"
+
+
+def stage_runs(plan: dict, index: int, out: Path, runs: list[str], extra: list[str]) -> list[StageRun]:
+    """The runs of stage ``index`` (0 = the shared start, ``SHARED`` only; later stages: ``runs``), in order."""
+    ends, common = plan["stages"], ["--phases", plan["phases"], *plan["flags"]]
     if index == 0:
-        if shared_checkpoint.is_file():
-            print(f"[{SHARED}] {shared_checkpoint} exists: stage A is done", flush=True)
-            return
         shared = ["--run", SHARED, "--out", str(out), "--attention", "dense", "--stop-after-phase", str(ends[0])]
-        run_train([*shared, *common, *extra])
-        return
+        return [StageRun(SHARED, [*shared, *common, *extra], None, 0, out / f"{SHARED}.phase{ends[0]}.pt", False)]
     last = index == len(ends) - 1
+    start_step = sum(phase[2] for phase in train.parse_phases(plan["phases"])[: ends[index - 1]])
+    jobs = []
     for name in runs:
-        results = out / "runs" / f"{name}.json"
-        checkpoint = out / "runs" / f"{name}.phase{ends[index]}.pt"
-        if (last and results.is_file() and json.loads(results.read_text())["status"] == "done") or (
-            not last and checkpoint.is_file()
-        ):
-            print(f"[{name}] stage {stage_names(plan)[index]} is done", flush=True)
-            continue
-        source = shared_checkpoint if index == 1 else out / "runs" / f"{name}.phase{ends[index - 1]}.pt"
-        if not source.is_file():
-            raise SystemExit(
-                f"[{name}] {source} is missing: run --stage {stage_names(plan)[index - 1]} first (with the same --out)"
-            )
-        argv = ["--run", name, "--out", str(out / "runs"), "--resume", str(source)]
+        source = out / f"{SHARED}.phase{ends[0]}.pt"
+        if index > 1:
+            source = out / "runs" / f"{name}.phase{ends[index - 1]}.pt"
+        flags = ["--run", name, "--out", str(out / "runs")]
         if not last:
-            argv += ["--stop-after-phase", str(ends[index])]
-        run_train([*argv, *plan["runs"][name], *common, *extra])
-    if last and report_to is not None:
+            flags += ["--stop-after-phase", str(ends[index])]
+        done = out / "runs" / (f"{name}.json" if last else f"{name}.phase{ends[index]}.pt")
+        jobs.append(StageRun(name, [*flags, *plan["runs"][name], *common, *extra], source, start_step, done, last))
+    return jobs
+
+
+def run_stage(plan: dict, index: int, out: Path, runs: list[str], extra: list[str], report_to: Path) -> None:
+    """Stage ``index`` of ``plan`` for ``runs``; skips the runs that finished it. A run cut short starts the stage
+    again from its checkpoint (its JSON is rewritten from that checkpoint's records, so nothing is counted
+    twice). The last stage ends with the report."""
+    names = stage_names(plan)
+    for job in stage_runs(plan, index, out, runs, extra):
+        if job.done():
+            print(f"[{job.name}] stage {names[index]} is done", flush=True)
+            continue
+        if job.resume is not None and not job.resume.is_file():
+            raise SystemExit(
+                f"[{job.name}] {job.resume} is missing: run --stage {names[index - 1]} first (with the same --out)"
+            )
+        run_train(job.argv())
+    if index == len(plan["stages"]) - 1:
         report.main(
             [str(out / "runs"), "--out", str(report_to), "--baseline", plan["baseline"], "--prefix", plan["prefix"]]
         )
+
+
+def check_stage(plan: dict, index: int, out: Path, runs: list[str], extra: list[str]) -> list[str]:
+    """train.py's checks of every run of stage ``index`` (flags; task and budget at every length it trains,
+    evaluates or measures recall at from its start), without training; returns the failures."""
+    failures = []
+    for job in stage_runs(plan, index, out, runs, extra):
+        try:
+            train.check(job.flags, job.start_step)
+        except ValueError as error:
+            failures.append(f"[{job.name}] stage {stage_names(plan)[index]}: {error}")
+    return failures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,6 +206,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", default=None, help="comma-separated subset of the plan's runs (default: all)")
     parser.add_argument(
         "--report-to", type=Path, default=None, help="folder of the report (default: <out>/figures); last stage only"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check every run of the stage(s) as train.py would before training (flags, task and budget at "
+        "every length), train nothing, and exit",
     )
     args, extra = parser.parse_known_args(argv)
     try:
@@ -178,7 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--runs {unknown} are not runs of this plan: {', '.join(plan['runs'])}")
     report_to = args.report_to or args.out / "figures"
-    for index in range(len(names)) if stage == "ALL" else [names.index(stage)]:
+    stages = range(len(names)) if stage == "ALL" else [names.index(stage)]
+    if args.check:
+        failures = [failure for index in stages for failure in check_stage(plan, index, args.out, runs, extra)]
+        if failures:
+            raise SystemExit("\n".join(failures))
+        print(f"stages {', '.join(names[index] for index in stages)}: every run passes train.py's checks", flush=True)
+        return
+    for index in stages:
         started = time.perf_counter()
         run_stage(plan, index, args.out, runs, extra, report_to)
         print(f"stage {names[index]} took {time.perf_counter() - started:.0f} s", flush=True)

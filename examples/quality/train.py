@@ -879,18 +879,8 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
         args.top_p = 0.9
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_arguments(parser, args)
-    start = time.perf_counter()
-    deadline = None if args.time_budget_s is None else start + args.time_budget_s - args.eval_reserve_s
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    lengths = [phase[0] for phase in args.phases]
-    max_len = max(lengths + args.eval_lengths)
-    task = RetrievalTask(
+def build_task(args) -> RetrievalTask:
+    return RetrievalTask(
         vocab_size=args.vocab,
         key_alphabet=args.key_alphabet,
         key_len=args.key_len,
@@ -903,10 +893,44 @@ def main(argv: list[str] | None = None) -> dict:
         phrases=args.phrases,
         phrase_len=args.phrase_len,
     )
+
+
+def check_lengths(args, task: RetrievalTask, budget: Budget, start_step: int) -> None:
+    """Raise ``ValueError`` unless every length fits: the task at every phase and evaluation length, the budget
+    at the phases from step ``start_step`` on (a branch need not fit the shared phases before it), at the
+    evaluation lengths and, for the recall settings, at the recall lengths among those phases."""
     for seq_len, _, _, pairs in args.phases:
         (task if pairs is None else dataclasses.replace(task, num_pairs=pairs)).check_length(seq_len)
     for seq_len in args.eval_lengths:
         task.check_length(seq_len)
+    last_phase = args.stop_after_phase or len(args.phases)
+    ahead = [phase[0] for phase in args.phases[_phase_index(args.phases, start_step) : last_phase]]
+    budget.check(ahead + args.eval_lengths, [n for n in ahead if n in args.recall_lengths])
+
+
+def check(argv: list[str], start_step: int = 0) -> None:
+    """The checks :func:`main` makes before training, for a run that starts at step ``start_step`` (a resumed
+    run: its checkpoint's step, ``--resume`` left out), without a model, a device or a checkpoint:
+    ``SystemExit`` for a bad flag, ``ValueError`` for a length the task or the budget cannot take."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    kernel = resolve_kernel(args.kernel, args.attention, torch.device(args.device))
+    check_lengths(args, build_task(args), Budget(args, kernel), start_step)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    start = time.perf_counter()
+    deadline = None if args.time_budget_s is None else start + args.time_budget_s - args.eval_reserve_s
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    lengths = [phase[0] for phase in args.phases]
+    max_len = max(lengths + args.eval_lengths)
+    task = build_task(args)
     kernel = resolve_kernel(args.kernel, args.attention, device)
     budget = Budget(args, kernel)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
@@ -957,8 +981,7 @@ def main(argv: list[str] | None = None) -> dict:
             *checkpoint["results"]["resumed_from"],
             {"path": str(args.resume), "step": start_step, "run": checkpoint["run"]},
         ]
-    ahead = lengths[_phase_index(args.phases, start_step) : last_phase]
-    budget.check(ahead + args.eval_lengths, [n for n in ahead if n in args.recall_lengths])
+    check_lengths(args, task, budget, start_step)
     results.save()
     print(
         f"[{args.run}] {results.data['parameters'] / 1e6:.1f}M parameters, attention {budget.name()}, kernel "

@@ -465,6 +465,20 @@ def test_study_report_and_quality_jsonl(study):
     assert {r["budget"] for r in records if r["run"] == "schedule"} == {"static 0.25", "static 0.5"}
 
 
+def test_study_check_passes_the_long_plan_and_names_a_budget_that_does_not_fit(tmp_path):
+    """``--check`` runs train.py's up-front checks of every run of every stage without training: the long plan
+    passes (static 0.95 first trains at 16K); branching it after the 2K phase puts static 0.95 at 8K, refused."""
+    import study as study_module
+
+    study_module.main(["--stage", "all", "--check", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(study_module.PLANS["long"], stages=[3, 7, 8])))
+    refused = r"^\[static0\.95\] stage B: .*sparsity=0\.95 cannot be guaranteed at seq_len=8192"
+    with pytest.raises(SystemExit, match=refused):
+        study_module.main(["--stage", "all", "--check", "--out", str(tmp_path / "out"), "--plan", str(bad)])
+
+
 def test_study_refuses_a_stage_before_its_predecessor_and_reports_an_unfinished_run(study, tmp_path):
     import report
     import study as study_module
