@@ -12,10 +12,12 @@
   them), the evaluation grid and the per-layer recall after each recall length's phase; a time budget
   stops training but not the evaluation; the lr schedule, the phase and sparsity-schedule syntax.
 * The staged study (study.py, a tiny plan): stages A, B, C run one after another, a finished stage is
-  skipped when run again, a stage whose predecessor is missing refuses; the dense branch repeats the
-  uninterrupted dense run step for step; the schedule run switches its static budget by length; the
-  report writes its figures, the summary (targets, recommendation; also with an unfinished run) and
-  quality.jsonl (delta = accuracy − dense accuracy inside its interval, stage_train_s > 0).
+  skipped when run again, a stage cut short (B before a run's checkpoint, C inside a run's evaluation)
+  resumes at that run with every step, phase, recall and evaluated length recorded once, a stage whose
+  predecessor is missing refuses, ``--check`` passes the long plan and refuses a budget that does not fit;
+  the dense branch repeats the uninterrupted dense run step for step; the schedule run switches its static
+  budget by length; the report writes its figures, the summary (targets, recommendation; also with an
+  unfinished run) and quality.jsonl (delta = accuracy − dense accuracy inside its interval, stage_train_s > 0).
 * The paired interval (Newcombe's): equals two published worked examples, contains the difference, keeps a
   width with no differing sequence, flips sign with the runs, equals the normal approximation on large samples.
 """
@@ -394,23 +396,82 @@ def _plan(path: Path) -> Path:
     return path
 
 
+class Killed(Exception):
+    """Stands for a run killed in the middle of a stage."""
+
+
+@contextmanager
+def killed_after_save(run: str, when):
+    """Kill run ``run`` right after the first write of its JSON at which ``when(data)`` holds."""
+    import train
+
+    save, fired = train.Results.save, []
+
+    def save_then_kill(results):
+        save(results)
+        if not fired and results.data["run"] == run and when(results.data):
+            fired.append(run)
+            raise Killed(run)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train.Results, "save", save_then_kill)
+        yield
+    assert fired, f"{run} was never killed"
+
+
+def _mtimes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+
+
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
-    """Stages A, B and C of a tiny plan, each one command; B once more (everything in it done: skipped)."""
+    """Stages A, B and C of a tiny plan, each one command; B is cut short in ``static`` (after its 512-token
+    phase, before its checkpoint) and run again, then once more (everything done: skipped); C is cut short in
+    ``topp0.9`` (after its first evaluated length) and run again."""
     import study as study_module
 
     root = tmp_path_factory.mktemp("study")
     plan, out, docs = _plan(root / "plan.json"), root / "out", root / "docs"
     command = ["--plan", str(plan), "--out", str(out), "--report-to", str(docs), "--device", "cpu"]
+    killed = {}
     with one_process_megatron():
-        for stage in ("A", "B"):
-            study_module.main(["--stage", stage, *command])
-        written = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
+        study_module.main(["--stage", "A", *command])
+        cut_b = killed_after_save("static", lambda data: data["phases"][-1]["run"] == "static")
+        with cut_b, pytest.raises(Killed):
+            study_module.main(["--stage", "B", *command])
+        killed["B"] = json.loads((out / "runs" / "static.json").read_text())
+        killed["B checkpoints"] = sorted(p.name for p in (out / "runs").glob("*.pt"))
+        before = _mtimes(out / "runs")
         study_module.main(["--stage", "B", *command])
-        assert {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()} == written
+        assert {name: t for name, t in _mtimes(out / "runs").items() if name in before and "dense" in name} == {
+            name: t for name, t in before.items() if "dense" in name
+        }  # the finished dense run was skipped
+        written = _mtimes(out / "runs")
+        study_module.main(["--stage", "B", *command])
+        assert _mtimes(out / "runs") == written
+        cut_c = killed_after_save("topp0.9", lambda data: len(data.get("eval", {}).get("accuracy", [])) == 1)
+        with cut_c, pytest.raises(Killed):
+            study_module.main(["--stage", "C", *command])
+        killed["C"] = json.loads((out / "runs" / "topp0.9.json").read_text())
         study_module.main(["--stage", "C", *command])
     runs = {name: json.loads((out / "runs" / f"{name}.json").read_text()) for name in STUDY_RUNS}
-    return {"root": root, "out": out, "docs": docs, "runs": runs, "command": command}
+    return {"root": root, "out": out, "docs": docs, "runs": runs, "command": command, "killed": killed}
+
+
+def test_stages_cut_short_resume_without_duplicate_records(study):
+    killed, runs = study["killed"], study["runs"]
+    # the cut left a run JSON in training with its records so far, and no checkpoint of that run
+    assert killed["B"]["status"] == "training" and killed["B"]["steps_done"] == 6
+    assert [(p["seq_len"], p["run"]) for p in killed["B"]["phases"]] == [(128, "shared"), (512, "static")]
+    assert killed["B checkpoints"] == ["dense.phase2.pt"]
+    assert killed["C"]["status"] == "evaluating" and len(killed["C"]["eval"]["accuracy"]) == 1
+    for name, run in runs.items():  # every step, phase, recall and evaluated length once
+        assert [r["step"] for r in run["train"]] == list(range(1, 10)), name
+        assert [p["seq_len"] for p in run["phases"]] == [128, 512, 1024]
+        assert [m["seq_len"] for m in run["recall"]] == [512, 1024]
+        assert run["eval"]["lengths"] == [512, 1024] and len(run["eval"]["accuracy"]) == 2
+    again, before = ([r["lm_loss"] for r in run["train"]] for run in (runs["topp0.9"], killed["C"]))
+    assert again == pytest.approx(before, rel=1e-6)  # stage C trained the same steps again
 
 
 def test_study_stages_write_checkpoints_and_branch(study, smoke_runs):
