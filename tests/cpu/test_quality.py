@@ -505,6 +505,7 @@ def test_study_report_and_quality_jsonl(study):
     text = (docs / "quality_summary.md").read_text()
     assert "Paired on the same sequences" in text and "Recommendation" in text and "one setting" in text
     assert "static: accuracy within 1 point of dense" in text and "phase trains >= 3x faster" in text
+    assert "- target: one MTraining setting within 1 point of dense at every evaluated length" in text
     records = [json.loads(line) for line in (docs / "quality.jsonl").read_text().splitlines()]
     assert sorted((r["run"], r["seq_len"]) for r in records) == sorted((n, k) for n in STUDY_RUNS for k in (512, 1024))
     dense = {r["seq_len"]: r for r in records if r["run"] == "dense"}
@@ -524,6 +525,50 @@ def test_study_report_and_quality_jsonl(study):
         assert record["speedup_vs_dense"] == pytest.approx(dense[record["seq_len"]]["stage_train_s"] / phase["train_s"])
     assert all(r["density"] == 1.0 and r["status"] == "baseline" for r in dense.values())
     assert {r["budget"] for r in records if r["run"] == "schedule"} == {"static 0.25", "static 0.5"}
+
+
+def test_target_needs_one_setting_not_worse_at_every_length_and_fast_enough(study):
+    """The summary's target line: MET only by a MTraining run not worse than dense at every length dense was
+    evaluated at and >= 3x faster in the longest phase."""
+    import report
+
+    runs, dense = list(study["runs"].values()), study["runs"]["dense"]
+    records = report.quality_records(runs, dense)
+
+    def verdict(edit) -> str:
+        edited = []
+        for record in map(dict, records):
+            if record["run"] != "dense":
+                record.update(status="worse", speedup_vs_dense=1.0)
+                if record["run"] == "static":
+                    record.update(status="matches", speedup_vs_dense=3.5)
+            edited += edit(record)
+        (line,) = [check for check in report.target_checks(runs, dense, edited) if check.startswith("target:")]
+        return line.rsplit(": ", 1)[1]
+
+    assert verdict(lambda r: [r]) == "MET by static"
+    slow = {"speedup_vs_dense": 2.9}
+    assert verdict(lambda r: [r | slow if r["run"] == "static" and r["seq_len"] == 1024 else r]) == "NOT MET"
+    worse = {"status": "worse"}
+    assert verdict(lambda r: [r | worse if r["run"] == "static" and r["seq_len"] == 512 else r]) == "NOT MET"
+    assert verdict(lambda r: [] if r["run"] == "static" and r["seq_len"] == 512 else [r]) == "NOT MET"  # missing
+
+
+def test_report_compares_only_like_with_like(study):
+    """No speed-up between phases of different step counts; no pairing of runs evaluated on other sequences."""
+    import copy
+
+    import report
+
+    dense, static = study["runs"]["dense"], study["runs"]["static"]
+    short = copy.deepcopy(static)
+    short["phases"][-1]["steps"] -= 1  # its 1024-token phase cut short
+    speedups = {r["seq_len"]: r["speedup_vs_dense"] for r in report.quality_records([dense, short], dense)}
+    assert speedups[512] is not None and speedups[1024] is None
+    assert report.paired_accuracy(static, dense)
+    other = copy.deepcopy(static)
+    other["settings"]["eval_tokens"] //= 2  # another --eval-tokens can draw other sequences: not paired
+    assert report.paired_accuracy(other, dense) == {}
 
 
 def test_study_check_passes_the_long_plan_and_names_a_budget_that_does_not_fit(tmp_path):
