@@ -1,8 +1,10 @@
 """One run of the quality study: train a small Qwen2-shaped GPTModel on the retrieval task, evaluate, measure recall.
 
+    export PYTHONPATH=$PWD:$PWD/kernels   # from the repository root
     python examples/quality/train.py --run dense  --attention dense                   --device cuda:0 --out results/
     python examples/quality/train.py --run p0.9   --attention mtraining --top-p 0.9   --device cuda:0 --out results/
-    python examples/quality/train.py --run s0.95  --attention mtraining --sparsity 0.95 --device cuda:0 --out results/
+    python examples/quality/train.py --run s0.95  --attention mtraining --sparsity 0.95 --device cuda:0 --out results/ \
+        --phases 16384x1x100,32768x1x80   # a static 0.95 budget needs >= 8832 tokens (30 sinks, 100-token window)
 
 The model is Megatron-Core's ``GPTModel`` with MTraining's layer spec (local implementation) on one
 device (TP = CP = 1): ``--attention dense`` sets ``MTrainingConfig(dense=True)`` (full causal
