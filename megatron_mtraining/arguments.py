@@ -24,6 +24,7 @@ from mtraining_kernels.layout import LAYOUT_KINDS
 from .config import BUDGET_MODES, DENSE_IMPLS, FLAG_BACKENDS, GRAD_WIRE_DTYPES, RINGS, MTrainingConfig, flag
 
 LOSS_CHUNK_SIZE_FLAG = "--mtraining-loss-chunk-size"
+INTER_DOCUMENT_FLAG = "--dataloader-inter-document-masking"  # the dataset's documents, as cu_seqlens
 CHECK_FLAG = "--mtraining-check"
 REMOVED_KERNEL_FLAG = "--mtraining-kernel"
 KERNEL_FLAG_REPLACEMENTS = {  # old --mtraining-kernel value → the flags that select the same kernels
@@ -274,19 +275,16 @@ def _check_megatron_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
             raise ValueError(
                 "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes L O; set it or use p2p"
             )
-    packed = [
+    thd = [
         name
-        for name, given in (
-            ("--sft", args.sft),
-            ("--dataloader-inter-document-masking", args.dataloader_inter_document_masking),
-            ("--hybrid-context-parallel", args.hybrid_context_parallel),
-        )
+        for name, given in (("--sft", args.sft), ("--hybrid-context-parallel", args.hybrid_context_parallel))
         if given
     ]
-    if packed:
+    if thd:
         raise ValueError(
-            f"{', '.join(packed)} need per-document attention masks or packed sequences, which "
-            "MTraining v1 does not support (causal attention over the whole sequence); drop them"
+            f"{', '.join(thd)} hand the attention THD packed sequences (cu_seqlens, Transformer Engine's own "
+            f"context-parallel split), which MTraining's attention does not take; drop them (for packed "
+            f"documents use --reset-attention-mask or {INTER_DOCUMENT_FLAG})"
         )
     _check_document_flags(args, config)
     if args.attention_dropout:
@@ -322,36 +320,54 @@ def _check_megatron_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
         )
 
 
+def document_source(args: argparse.Namespace) -> str | None:
+    """Where a micro-batch's document boundaries come from: ``"cu_seqlens"`` (``--dataloader-inter-document-masking``:
+    the dataset's own documents, as Megatron's ``GPTDataset`` hands them), ``"eod"`` (``--reset-attention-mask``:
+    a document ends at each EOD token) or None (unpacked)."""
+    if getattr(args, "dataloader_inter_document_masking", False):
+        return "cu_seqlens"
+    return "eod" if args.reset_attention_mask else None
+
+
+def per_document_positions(args: argparse.Namespace) -> bool:
+    """Whether RoPE positions restart per document (``--reset-position-ids``, or the dataset's own with
+    ``--dataloader-inter-document-masking``)."""
+    return bool(args.reset_position_ids or getattr(args, "dataloader_inter_document_masking", False))
+
+
 def _check_document_flags(args: argparse.Namespace, config: MTrainingConfig) -> None:
-    """``--reset-attention-mask`` (packed documents) and ``--reset-position-ids`` (per-document RoPE positions)."""
-    if args.reset_attention_mask:
+    """Packed documents (``--reset-attention-mask`` or ``--dataloader-inter-document-masking``) and per-document
+    RoPE positions (``--reset-position-ids``, or the dataset's with inter-document masking)."""
+    packing_flags = [
+        name
+        for name, given in (
+            ("--reset-attention-mask", args.reset_attention_mask),
+            (INTER_DOCUMENT_FLAG, getattr(args, "dataloader_inter_document_masking", False)),
+        )
+        if given
+    ]
+    if packing_flags:
+        packing = " and ".join(packing_flags)
         if config.sdpa_impl is not None:
             raise ValueError(
-                f"--reset-attention-mask needs a document mask, which {flag('dense_impl')}={config.dense_impl} "
+                f"{packing} needs a document mask, which {flag('dense_impl')}={config.dense_impl} "
                 f"does not have; use {flag('dense_impl')} mtraining"
             )
         if args.mtp_num_layers:
             raise ValueError(
                 f"--mtp-num-layers {args.mtp_num_layers} rolls packed sequences by THD cu_seqlens, which "
-                "MTraining's packed documents do not carry; drop --mtp-num-layers or --reset-attention-mask"
+                f"MTraining's packed documents do not carry; drop --mtp-num-layers or {packing}"
             )
-    documents = [
-        name
-        for name, given in (
-            ("--reset-attention-mask", args.reset_attention_mask),
-            ("--reset-position-ids", args.reset_position_ids),
-        )
-        if given
-    ]
+    documents = packing_flags + (["--reset-position-ids"] if args.reset_position_ids else [])
     if documents and args.pipeline_model_parallel_size > 1:
         raise ValueError(
             f"{', '.join(documents)} need the micro-batch's tokens and position ids on every pipeline stage, "
             f"which only the first and last stages read; use --pipeline-model-parallel-size 1 or drop them"
         )
-    if args.reset_position_ids and args.apply_rope_fusion and args.position_embedding_type in ("rope", "yarn"):
+    if per_document_positions(args) and args.apply_rope_fusion and args.position_embedding_type in ("rope", "yarn"):
         raise ValueError(
-            "--reset-position-ids gives every token its own RoPE position ([s, b, 1, dim] tables), which MTraining "
-            "runs on the unfused RoPE path only; add --no-rope-fusion"
+            f"{' and '.join(documents)} give every token its own RoPE position ([s, b, 1, dim] tables), which "
+            "MTraining runs on the unfused RoPE path only; add --no-rope-fusion"
         )
 
 

@@ -54,7 +54,13 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.layout import Layout
 
-from .arguments import add_mtraining_args, hierarchical_cp_sizes, validate_mtraining_args
+from .arguments import (
+    add_mtraining_args,
+    document_source,
+    hierarchical_cp_sizes,
+    per_document_positions,
+    validate_mtraining_args,
+)
 from .attention import PackedDocuments
 from .chunked_loss import ChunkedLossOutputProcessor
 from .config import MTrainingConfig
@@ -65,6 +71,7 @@ from .spec import get_gpt_layer_mtraining_spec
 from .step_metrics import MTrainingStepEnd
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+DOCUMENT_KEYS = ("cu_seqlens", "max_seqlen")  # GPTDataset's, with --dataloader-inter-document-masking
 SPIKY_LOSS_FACTOR = 10  # Megatron's pretrain_gpt.py: a loss 10x the largest seen so far is spiky
 
 
@@ -82,11 +89,12 @@ def _install_layout_rope(mtraining: MTrainingConfig, per_token_positions: bool, 
 def mtraining_model_config(args, mtraining: MTrainingConfig) -> GPTModelConfig:
     """Megatron's ``GPTModelConfig`` of ``args`` with MTraining's layer spec, layout RoPE and step end.
 
-    ``--reset-position-ids`` gives RoPE each token's position id (restarting per document) in every layout.
+    ``--reset-position-ids`` (or ``--dataloader-inter-document-masking``) gives RoPE each token's position id
+    (restarting per document) in every layout.
     """
     model_config = gpt_config_from_args(args)
     model_config.transformer_layer_spec = partial(get_gpt_layer_mtraining_spec, mtraining=mtraining)
-    per_token_positions = bool(args.reset_position_ids)
+    per_token_positions = per_document_positions(args)
     reorders = mtraining.layout != "zigzag" or per_token_positions
     if reorders and model_config.position_embedding_type in ("rope", "yarn"):
         model_config.pre_wrap_hooks.append(partial(_install_layout_rope, mtraining, per_token_positions))
@@ -95,13 +103,20 @@ def mtraining_model_config(args, mtraining: MTrainingConfig) -> GPTModelConfig:
 
 
 # ------------------------------------------------------------------------------------------ data
-def get_batch(data_iterator, vp_stage: int | None, layout: Layout, eod_token: int | None = None) -> tuple:
+def get_batch(
+    data_iterator,
+    vp_stage: int | None,
+    layout: Layout,
+    eod_token: int | None = None,
+    inter_document_masking: bool = False,
+) -> tuple:
     """``(tokens, labels, loss_mask, attention_mask, position_ids)`` of this rank, each ``[b, N/CP]`` (or None),
-    and the micro-batch's :class:`PackedDocuments` (None unless ``eod_token`` is given).
+    and the micro-batch's :class:`PackedDocuments` (None when unpacked).
 
-    TP rank 0 reads the micro-batch and Megatron broadcasts it over TP; with ``eod_token``
-    (``--reset-attention-mask``) every rank derives the document boundaries from the whole sequences'
-    tokens (``Documents.from_eod``); then this CP rank keeps its positions: ``layout``'s for
+    TP rank 0 reads the micro-batch and Megatron broadcasts it over TP. Every rank then derives the document
+    boundaries of the whole sequences: with ``inter_document_masking`` from the dataset's ``cu_seqlens``
+    (``Documents.from_padded_cu_seqlens``), else with ``eod_token`` (``--reset-attention-mask``) from the
+    tokens (``Documents.from_eod``). Then this CP rank keeps its positions: ``layout``'s for
     striped/contiguous, Megatron's own split for zigzag.
     """
     args = get_args()
@@ -112,11 +127,12 @@ def get_batch(data_iterator, vp_stage: int | None, layout: Layout, eod_token: in
     if tp_rank == 0:
         sample = next(data_iterator)
         batch = {
-            key: sample[key].cuda(non_blocking=True) if sample.get(key) is not None else None for key in BATCH_KEYS
+            key: sample[key].cuda(non_blocking=True) if sample.get(key) is not None else None
+            for key in (*BATCH_KEYS, *(DOCUMENT_KEYS if inter_document_masking else ()))
         }
     batch = get_batch_on_this_tp_rank(
         batch,
-        has_cu_seqlens=False,
+        has_cu_seqlens=inter_document_masking,
         is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
@@ -130,8 +146,13 @@ def get_batch(data_iterator, vp_stage: int | None, layout: Layout, eod_token: in
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
+    if inter_document_masking:
+        packed = PackedDocuments(Documents.from_padded_cu_seqlens(batch["cu_seqlens"], batch["tokens"].shape[1]))
+    elif eod_token is not None:
+        packed = PackedDocuments(Documents.from_eod(batch["tokens"], eod_token))
+    else:
+        packed = None
     batch = {key: batch[key] for key in BATCH_KEYS}
-    packed = None if eod_token is None else PackedDocuments(Documents.from_eod(batch["tokens"], eod_token))
     if layout.kind == "zigzag":
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     else:
@@ -180,9 +201,10 @@ class MTrainingForwardStep:
         timers = get_timers()
         timers("batch-generator", log_level=2).start()
         layout = self.mtraining.layout_for(mpu.get_context_parallel_world_size())
-        eod_token = get_tokenizer().eod if get_args().reset_attention_mask else None
+        source = document_source(get_args())
+        eod_token = get_tokenizer().eod if source == "eod" else None
         tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(
-            data_iterator, get_attr_wrapped_model(model, "vp_stage"), layout, eod_token
+            data_iterator, get_attr_wrapped_model(model, "vp_stage"), layout, eod_token, source == "cu_seqlens"
         )
         timers("batch-generator").stop()
         output = model(
@@ -223,6 +245,7 @@ def gpt_dataset_config_from_args(args, tokenizer) -> GPTDatasetConfig:
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
+        inter_document_masking=args.dataloader_inter_document_masking,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         object_storage_cache_path=args.object_storage_cache_path,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,

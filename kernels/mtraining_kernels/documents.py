@@ -153,6 +153,29 @@ class Documents:
         return cls(cu_seqlens[None, :-1], seq_len)
 
     @classmethod
+    def from_padded_cu_seqlens(cls, cu_seqlens: torch.Tensor, seq_len: int) -> Documents:
+        """Boundaries of ``b`` samples from Megatron's dataloader ``cu_seqlens [b, L]`` (GPTDataset with
+        ``--dataloader-inter-document-masking``): per row 0, the ascending document ends, then ``seq_len``
+        repeated as padding. One host sync (the most documents of a sample)."""
+        _check_positive_int("seq_len", seq_len, "the tokens of a sample")
+        _check_integer_tensor("cu_seqlens", cu_seqlens, 2, "[b, L]")
+        if cu_seqlens.shape[1] < 2:
+            raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} needs at least [0, seq_len] per sample")
+        ends = cu_seqlens[:, 1:]
+        steps = ends - cu_seqlens[:, :-1]
+        bad = (cu_seqlens[:, 0] != 0) | (cu_seqlens[:, -1] != seq_len) | ((steps <= 0) & (ends < seq_len)).any(1)
+        bad |= (steps < 0).any(1) | (cu_seqlens > seq_len).any(1)
+        if bad.any():
+            sample = int(bad.nonzero()[0])
+            raise ValueError(
+                f"cu_seqlens[{sample}]={cu_seqlens[sample].tolist()} must be 0, strictly increasing document ends "
+                f"and then {seq_len} (the sample's length) repeated"
+            )
+        is_start = torch.zeros(cu_seqlens.shape[0], seq_len + 1, dtype=torch.bool, device=cu_seqlens.device)
+        is_start.scatter_(1, cu_seqlens.long(), True)
+        return cls(_starts_from_flags(is_start[:, :seq_len]), seq_len)
+
+    @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> Documents:
         """Boundaries from per-document positions ``position_ids [b, N]`` (0, 1, 2, … restarting at 0 at every
         document start, as Megatron builds them with ``--reset-position-ids``)."""

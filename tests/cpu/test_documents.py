@@ -74,6 +74,14 @@ def test_constructors_agree(seq_len, seed):
         from_cu = Documents.from_cu_seqlens(cu_seqlens, seq_len)
         assert torch.equal(from_cu.starts[0], starts), f"seed={seed} sample={sample}"
         assert torch.equal(from_cu.position_ids[0], from_eod.position_ids[sample]), f"seed={seed} sample={sample}"
+    # the dataloader's batched form: every row padded with N to one width
+    width = int(from_eod.num_documents.max()) + 3
+    padded = torch.full((tokens.shape[0], width), seq_len, dtype=torch.int32)
+    for sample in range(tokens.shape[0]):
+        count = int(from_eod.num_documents[sample])
+        padded[sample, :count] = from_eod.starts[sample, :count]
+    from_padded = Documents.from_padded_cu_seqlens(padded, seq_len)
+    assert torch.equal(from_padded.starts, from_eod.starts), f"seed={seed}"
 
 
 def test_derived_views_equal_brute_force(seed):
@@ -148,6 +156,15 @@ def test_bad_starts_are_rejected(starts, seq_len, match):
         (lambda: Documents.from_cu_seqlens(torch.tensor([[0, 8]]), 8), r"cu_seqlens must be a 1-D integer tensor"),
         (lambda: Documents.from_cu_seqlens(torch.tensor([0.0, 8.0]), 8), "cu_seqlens must have an integer dtype"),
         (lambda: Documents.from_cu_seqlens(torch.tensor([0, 8]), -8), "seq_len=-8 must be a positive integer"),
+        (
+            lambda: Documents.from_padded_cu_seqlens(torch.tensor([[0, 3, 8, 8], [0, 5, 4, 8]]), 8),
+            r"cu_seqlens\[1\]=\[0, 5, 4, 8\] must be 0, strictly increasing document ends and then 8",
+        ),
+        (lambda: Documents.from_padded_cu_seqlens(torch.tensor([[0, 3, 3, 8]]), 8), "strictly increasing"),
+        (lambda: Documents.from_padded_cu_seqlens(torch.tensor([[0, 3, 6]]), 8), "and then 8"),
+        (lambda: Documents.from_padded_cu_seqlens(torch.tensor([[1, 3, 8]]), 8), "must be 0, strictly"),
+        (lambda: Documents.from_padded_cu_seqlens(torch.tensor([[0, 9, 8]]), 8), "must be 0, strictly"),
+        (lambda: Documents.from_padded_cu_seqlens(torch.tensor([0, 8]), 8), r"cu_seqlens must be a 2-D integer"),
         (
             lambda: Documents.from_position_ids(torch.tensor([[0, 1, 2], [1, 2, 3]])),
             r"position_ids\[1, 0\]=1 should be 0",

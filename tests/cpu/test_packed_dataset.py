@@ -122,3 +122,44 @@ def test_gpt_dataset_samples_hold_exactly_the_mixture(tmp_path, name):
         eod_positions = (item["tokens"] == tokenizer.eod).nonzero().flatten()
         assert eod_positions.tolist() == [*(starts[1:] - 1).tolist(), SEQ_LEN - 1]
         assert (item["loss_mask"][eod_positions] == 0).all() and item["loss_mask"].sum() == SEQ_LEN - len(lengths)
+
+
+def test_inter_document_masking_gives_the_documents_the_eod_tokens_give(tmp_path):
+    """``--dataloader-inter-document-masking``: GPTDataset's ``cu_seqlens`` (one indexed-dataset entry per document,
+    each ending with EOD, as tools/preprocess_data.py writes them) read by ``Documents.from_padded_cu_seqlens``
+    give the same documents as the EOD tokens, for samples that cut documents anywhere."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from quickstart import cpu_args
+
+    from megatron_mtraining.pretrain import gpt_dataset_config_from_args
+    from mtraining_kernels.documents import Documents
+
+    vocab, prefix = 1024, str(tmp_path / "documents")
+    eod = bench.eod_token(vocab)
+    rng = numpy.random.default_rng(0)
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=numpy.int32)
+    for length in rng.integers(1, 700, size=40):
+        tokens = rng.integers(0, eod, size=int(length), dtype=numpy.int32)
+        tokens[-1] = eod
+        builder.add_document(tokens, [tokens.size])
+    builder.finalize(get_idx_path(prefix))
+    flags = "--num-layers 1 --hidden-size 64 --num-attention-heads 2 --micro-batch-size 1 --global-batch-size 1"
+    flags += f" --seq-length 512 --max-position-embeddings 512 --train-iters 6 --lr 1e-4 --data-path {prefix}"
+    flags += f" --split 100,0,0 --tokenizer-type NullTokenizer --vocab-size {vocab} --no-rope-fusion"
+    flags += " --dataloader-inter-document-masking --reset-position-ids --eod-mask-loss --transformer-impl local"
+    args = cpu_args(flags.split())
+    with contextlib.redirect_stdout(io.StringIO()):
+        tokenizer = build_tokenizer(args)
+        dataset, _, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, [6, 0, 0], lambda: True, gpt_dataset_config_from_args(args, tokenizer)
+        ).build()
+    for sample in range(6):
+        item = dataset[sample]
+        from_dataset = Documents.from_padded_cu_seqlens(item["cu_seqlens"][None], 512)
+        from_eod = Documents.from_eod(item["tokens"][None], eod)
+        assert torch.equal(from_dataset.starts, from_eod.starts), sample
+        assert int(from_dataset.num_documents[0]) > 1, sample
+        assert torch.equal(item["position_ids"], from_dataset.position_ids[0]), sample

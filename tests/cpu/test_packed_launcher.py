@@ -35,6 +35,8 @@ def test_reset_attention_mask_is_accepted_with_both_backends(parser):  # noqa: F
             assert (config.backend, config.layout) == (backend, layout)
     positions_only = "--reset-position-ids --no-rope-fusion --mtraining-backend triton"
     assert validate_mtraining_args(_parse(parser, positions_only)).backend == "triton"
+    inter_document = "--dataloader-inter-document-masking --no-rope-fusion --mtraining-backend triton"
+    assert validate_mtraining_args(_parse(parser, inter_document)).backend == "triton"
 
 
 @pytest.mark.parametrize(
@@ -58,6 +60,16 @@ def test_reset_attention_mask_is_accepted_with_both_backends(parser):  # noqa: F
             "use --pipeline-model-parallel-size 1",
         ),
         ("--reset-position-ids --position-embedding-type rope", "add --no-rope-fusion"),
+        ("--dataloader-inter-document-masking --position-embedding-type rope", "add --no-rope-fusion"),
+        (
+            "--dataloader-inter-document-masking --no-rope-fusion --mtraining-dense --mtraining-dense-impl sdpa_cudnn "
+            "--mtraining-layout zigzag",
+            "--dataloader-inter-document-masking needs a document mask",
+        ),
+        (
+            "--dataloader-inter-document-masking --no-rope-fusion --pipeline-model-parallel-size 2",
+            "--dataloader-inter-document-masking need the micro-batch's tokens",
+        ),
     ],
 )
 def test_document_flags_are_refused_where_unsupported(parser, extra, message):  # noqa: F811
@@ -134,6 +146,27 @@ def test_get_batch_derives_the_documents_before_the_layout_permutation(launcher_
         assert isinstance(packed, PackedDocuments) and torch.equal(packed.documents.starts, expected.starts)
     *_, unpacked = pretrain.get_batch(iter([_sample(tokens)]), None, layout)
     assert unpacked is None
+
+
+def test_get_batch_takes_the_datasets_cu_seqlens_with_inter_document_masking(launcher_on_cpu, seed):
+    """``--dataloader-inter-document-masking``: the boundaries are the dataset's ``cu_seqlens`` (padded with N per
+    sample, as GPTDataset collates them), not the EOD tokens (these tokens have none where the documents end)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 64, (2, SEQ_LEN), generator=gen)
+    lengths = [[130, 1, 200, SEQ_LEN - 331], [SEQ_LEN]]
+    starts = [[sum(row[:d]) for d in range(len(row))] for row in lengths]
+    cu_seqlens = torch.full((2, 6), SEQ_LEN, dtype=torch.int32)
+    for sample, row in enumerate(starts):
+        cu_seqlens[sample, : len(row)] = torch.tensor(row)
+    expected = Documents(torch.tensor([starts[0], [0, SEQ_LEN, SEQ_LEN, SEQ_LEN]]), SEQ_LEN)
+    sample = {**_sample(tokens), "position_ids": expected.position_ids, "cu_seqlens": cu_seqlens}
+    sample["max_seqlen"] = torch.tensor([SEQ_LEN - 331, SEQ_LEN])
+    layout = Layout("striped", 2)
+    for rank in range(2):
+        launcher_on_cpu.cp_rank = rank
+        *local, packed = pretrain.get_batch(iter([sample]), None, layout, inter_document_masking=True)
+        assert torch.equal(packed.documents.starts, expected.starts), f"seed={seed} rank={rank}"
+        assert torch.equal(local[4], expected.position_ids[:, layout.global_positions(SEQ_LEN, rank)])
 
 
 def test_forward_step_hands_the_documents_to_the_model(launcher_on_cpu, seed):
