@@ -365,8 +365,9 @@ def _check_document_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
             f"which only the first and last stages read; use --pipeline-model-parallel-size 1 or drop them"
         )
     if per_document_positions(args) and args.apply_rope_fusion and args.position_embedding_type in ("rope", "yarn"):
+        positions = [name for name in documents if name != "--reset-attention-mask"]
         raise ValueError(
-            f"{' and '.join(documents)} give every token its own RoPE position ([s, b, 1, dim] tables), which "
+            f"{' and '.join(positions)} restart the RoPE positions per document ([s, b, 1, dim] tables), which "
             "MTraining runs on the unfused RoPE path only; add --no-rope-fusion"
         )
 
