@@ -221,18 +221,20 @@ def slash_partial_sums(
 
 # ------------------------------------------------------------------------------------------- selection
 def rank_candidates(
-    scores: torch.Tensor, indices: torch.Tensor, num_forced: int, limit: int
+    scores: torch.Tensor, indices: torch.Tensor, num_forced: int, limit: int, indices_ascending: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Order candidates and keep the first ``limit``: (ranked scores, ranked indices), int64 ``[..., limit]``.
 
-    ``scores``/``indices [..., m]`` int64, indices distinct along the last dim, in any order. The
+    ``scores``/``indices [..., m]`` int64, indices distinct along the last dim, in any order
+    (``indices_ascending``: already ascending, as all N of one sequence are, so they need no sort). The
     order is: indices below ``num_forced`` (the forced entries) first, by index; then the others by
     score descending, then index ascending. It is a strict total order, so ranking a union of per-rank
     results again gives the same list as ranking everything at once.
     """
-    by_index = indices.argsort(dim=-1, stable=True)
-    indices = indices.gather(-1, by_index)
-    scores = scores.gather(-1, by_index)
+    if not indices_ascending:
+        by_index = indices.argsort(dim=-1, stable=True)
+        indices = indices.gather(-1, by_index)
+        scores = scores.gather(-1, by_index)
     keys = torch.where(indices < num_forced, FORCED_KEY, scores)
     order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]  # ties keep index order
     return scores.gather(-1, order), indices.gather(-1, order)
@@ -391,6 +393,7 @@ def estimate_vertical_slash(
         seq_len,
         sink_tokens,
         local_window,
+        candidates_ascending=True,
     )
 
 
@@ -470,12 +473,14 @@ def select_index(
     seq_len: int,
     sink_tokens: int,
     local_window: int,
+    candidates_ascending: bool = False,
 ) -> VerticalSlashIndex:
     """The index from (score, global index) candidates ``[b, Hq, m]`` of verticals and of slashes.
 
     The candidates must contain every head's best Vmax (Smax) entries in the order of
     :func:`rank_candidates`: all of them, or the union of per-rank top lists. ``total_mass [b, Hq]``
-    (int64, top-P only) is the sum of all vertical masses.
+    (int64, top-P only) is the sum of all vertical masses. ``candidates_ascending``: both index lists are
+    ascending (all of them, 0 … m−1), so ranking skips its sort by index.
     """
     v_width, s_width = list_widths(budget, seq_len)
     v_sizes, s_sizes = (None, None) if isinstance(budget, TopPBudget) else (budget.v_size, budget.s_size)
@@ -484,7 +489,7 @@ def select_index(
         (v_scores, v_indices, sink_tokens, v_width, v_sizes),
         (s_scores, s_indices, local_window, s_width, s_sizes),
     ):
-        ranked_scores, ranked_indices = rank_candidates(scores, indices, num_forced, width)
+        ranked_scores, ranked_indices = rank_candidates(scores, indices, num_forced, width, candidates_ascending)
         if sizes is None:
             counts = top_p_counts(ranked_scores, num_forced, total_mass, budget.p, budget.effective_cap(seq_len))
         else:

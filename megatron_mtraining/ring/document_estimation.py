@@ -285,7 +285,16 @@ def estimate_document_index_distributed(
         candidates = torch.arange(length, device=device).expand(v_scores.shape)
         total_mass = v_scores.sum(dim=-1) if top_p else None
         own = select_index(
-            v_scores, candidates, s_scores, candidates, group[0].budget, total_mass, length, sink_tokens, local_window
+            v_scores,
+            candidates,
+            s_scores,
+            candidates,
+            group[0].budget,
+            total_mass,
+            length,
+            sink_tokens,
+            local_window,
+            candidates_ascending=True,
         )
         estimated.append((group, own))
     return assemble_document_index(documents, sparse, estimated, budget, q_heads), clamped_documents

@@ -252,6 +252,11 @@ def test_rank_candidates_orders_ties_by_index_and_merges_exactly(seed):
     local = [rank_candidates(scores[:, parts == r], indices[:, parts == r], forced, limit) for r in range(4)]
     merged = rank_candidates(torch.cat([s for s, _ in local], -1), torch.cat([i for _, i in local], -1), forced, limit)
     assert torch.equal(merged[0], ranked_scores) and torch.equal(merged[1], ranked_indices), f"seed={seed}"
+    # candidates already ascending (all N of a sequence) may skip the sort by index: the same ranking
+    ascending = indices.sort(dim=-1).values
+    in_order = scores.gather(-1, indices.argsort(dim=-1))
+    skipped = rank_candidates(in_order, ascending, forced, limit, indices_ascending=True)
+    assert torch.equal(skipped[0], ranked_scores) and torch.equal(skipped[1], ranked_indices), f"seed={seed}"
 
 
 def test_top_p_counts_and_index_list_edges():
