@@ -205,8 +205,14 @@ def estimate_vertical_slash_distributed(
     s_scores, s_offsets = complete_slash_sums(partials, layout, seq_len, last_q, group)
     del partials
 
-    v_scores_top, v_indices_top = rank_candidates(v_scores, k_positions.expand_as(v_scores), sink_tokens, v_width)
-    s_scores_top, s_indices_top = rank_candidates(s_scores, s_offsets.expand_as(s_scores), local_window, s_width)
+    # a rank's key positions ascend in every layout, so its owned offsets N − 1 − position descend: flipped,
+    # both candidate lists are ascending and their ranking needs no sort by index
+    v_scores_top, v_indices_top = rank_candidates(
+        v_scores, k_positions.expand_as(v_scores), sink_tokens, v_width, indices_ascending=True
+    )
+    s_scores_top, s_indices_top = rank_candidates(
+        s_scores.flip(-1), s_offsets.flip(-1).expand_as(s_scores), local_window, s_width, indices_ascending=True
+    )
     mass_shares = [v_scores.sum(dim=-1, keepdim=True)] if top_p else []
     v_scores_all, v_indices_all, s_scores_all, s_indices_all, *mass_all = all_gather_last_dim(
         [v_scores_top, v_indices_top.int(), s_scores_top, s_indices_top.int(), *mass_shares], group

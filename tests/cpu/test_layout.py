@@ -40,6 +40,9 @@ def test_positions_are_a_permutation_and_agree_with_shard(case):
         assert torch.equal(rank, torch.full_like(pos, r))
         assert torch.equal(local, torch.arange(n // layout.world_size))
         assert torch.equal(layout.to_global(r, local, n), pos)
+        # local order is ascending global order in every layout (the kernels' diagonal step, the conversion
+        # and the distributed estimator's candidate ranking rely on it)
+        assert bool((pos[1:] > pos[:-1]).all()), f"{layout} rank {r}"
 
 
 def test_formulas_match_design_table_examples():
