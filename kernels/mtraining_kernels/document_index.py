@@ -225,10 +225,9 @@ def assemble_document_index(
     s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
     for group, own in estimated:
         length = group[0].length
-        samples, members, starts = (
-            torch.tensor([getattr(part, name) for part in group], device=device)
-            for name in ("sample", "document", "start")
-        )
+        samples, members, starts = torch.tensor(
+            [(part.sample, part.document, part.start) for part in group], device=device
+        ).unbind(1)  # one host-to-device copy per group
         verticals = torch.where(own.v_idx < length, own.v_idx + starts[:, None, None], seq_len)
         slashes = torch.where(own.s_idx < length, own.s_idx, seq_len)
         v_idx[samples, members, :, : verticals.shape[-1]] = verticals.to(torch.int32)
