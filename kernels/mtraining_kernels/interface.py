@@ -81,9 +81,8 @@ class _SparseAttention(torch.autograd.Function):
     ):
         if replay_output is None:
             batch, seq_len, heads, _ = q.shape
-            acc = accumulator_dtype(q.dtype)
-            out = torch.zeros(q.shape, dtype=acc, device=q.device)
-            lse = torch.full((batch, heads, seq_len), float("-inf"), dtype=acc, device=q.device)
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            lse = torch.empty(batch, heads, seq_len, dtype=accumulator_dtype(q.dtype), device=q.device)
             backend.block_bar_forward(
                 q,
                 k,
@@ -93,9 +92,9 @@ class _SparseAttention(torch.autograd.Function):
                 lse,
                 causal_diag=True,
                 softmax_scale=softmax_scale,
+                fresh=True,
                 **index.step_doc_ids(0),
             )
-            out = out.to(q.dtype)
         else:
             out, lse = replay_output
         ctx.save_for_backward(q, k, v, out, lse)
@@ -108,8 +107,8 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         acc = lse.dtype
         dout = dout.contiguous()
-        delta = (out.to(acc) * dout.to(acc)).sum(dim=-1).transpose(1, 2).contiguous()  # [b, Hq, N]
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        delta = ctx.backend.output_delta(out, dout)  # [b, Hq, N]
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         ctx.backend.block_bar_backward(
@@ -127,9 +126,10 @@ class _SparseAttention(torch.autograd.Function):
             softmax_scale=ctx.softmax_scale,
             deterministic=ctx.deterministic,
             key_lists=ctx.index.key_lists(0),
+            fresh_dq=True,
             **ctx.index.step_doc_ids(0),
         )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _check_single_device(q: torch.Tensor, index: BlockBarIndex) -> None:

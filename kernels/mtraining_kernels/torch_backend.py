@@ -208,6 +208,12 @@ def _add_rows(buffer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) ->
 
 
 # ---------------------------------------------------------------------------------------- launchers
+def output_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta ``[b, Hq, N]`` = rowsum(out ⊙ dout) over d in the accumulator dtype, from ``[b, N, Hq, d]``."""
+    acc = accumulator_dtype(out.dtype)
+    return (out.to(acc) * dout.to(acc)).sum(dim=-1).transpose(1, 2).contiguous()
+
+
 def block_bar_forward(
     q,
     k,
@@ -223,6 +229,7 @@ def block_bar_forward(
     softmax_scale: float,
     query_doc_ids=None,
     key_doc_ids=None,
+    fresh: bool = False,
 ) -> None:
     """Attend one source chunk through one step's lists and merge into (out, lse) in place.
 
@@ -232,13 +239,18 @@ def block_bar_forward(
     inputs), contiguous. lse = −inf means "nothing yet"; rows without work stay bit-identical.
     ``causal_diag`` applies the token causal mask to query block i's sub-tiles 2i and 2i+1.
     ``query_doc_ids`` int32 ``[b, Nq]`` and ``key_doc_ids`` int32 ``[b, Nk]`` (packed documents, both or
-    neither): keep only the listed scores with doc(i) == doc(j).
+    neither): keep only the listed scores with doc(i) == doc(j). ``fresh``: out and lse hold nothing yet
+    and this is the only step; out may be in q's dtype (the values of merging into zeros and −inf, cast).
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
     check_doc_ids(query_doc_ids, key_doc_ids, batch, query_len, k.shape[1], q.device)
-    check_accumulator("out", out, tuple(q.shape), acc, q.device, "the running output [b, Nq, Hq, d]")
+    out_dtype = out.dtype if fresh and isinstance(out, torch.Tensor) and out.dtype == q.dtype else acc
+    check_accumulator("out", out, tuple(q.shape), out_dtype, q.device, "the running output [b, Nq, Hq, d]")
     check_accumulator("lse", lse, (batch, heads, query_len), acc, q.device, "the running lse [b, Hq, Nq]")
+    running_out = torch.zeros(q.shape, dtype=acc, device=q.device) if fresh else out
+    if fresh:
+        lse.fill_(float("-inf"))
     q = q.contiguous()
     group = heads // k.shape[2]
     num_blocks = query_len // BLOCK_SIZE
@@ -257,7 +269,7 @@ def block_bar_forward(
         rows_lse = torch.where(seen, row_max + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
         step_out[chunk.batch, chunk.qblock, :, chunk.head] = rows_out
         step_lse[chunk.batch, chunk.head, chunk.qblock] = rows_lse.squeeze(-1)
-    merged_out, merged_lse = merge_attention(out, lse, step_out.view_as(out), step_lse.view_as(lse))
+    merged_out, merged_lse = merge_attention(running_out, lse, step_out.view_as(running_out), step_lse.view_as(lse))
     out.copy_(merged_out)
     lse.copy_(merged_lse)
 
@@ -283,6 +295,7 @@ def block_bar_backward(
     query_doc_ids=None,
     key_doc_ids=None,
     key_lists=None,
+    fresh_dq: bool = False,
 ) -> None:
     """Accumulate one step's gradients in place.
 
@@ -293,7 +306,8 @@ def block_bar_backward(
     This backend's backward is always deterministic (bitwise repeatable); ``deterministic`` is
     accepted for signature parity with the Triton backend, and so is ``key_lists`` (the block lists by key
     that the Triton backward reads; this one walks the lists by query block). Document ids as in
-    :func:`block_bar_forward`.
+    :func:`block_bar_forward`. ``fresh_dq``: dq holds nothing yet and this is its only step; it is written,
+    in its own dtype (q's or the accumulator's).
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
@@ -304,15 +318,17 @@ def block_bar_backward(
         raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
     check_accumulator("lse", lse, (batch, heads, query_len), acc, q.device, "the final lse [b, Hq, Nq]")
     check_accumulator("delta", delta, (batch, heads, query_len), acc, q.device, "rowsum(out * dout) [b, Hq, Nq]")
-    check_accumulator("dq", dq, tuple(q.shape), acc, q.device, "the dq accumulator [b, Nq, Hq, d]")
+    dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else acc
+    check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
     check_accumulator("dk", dk, tuple(k.shape), acc, q.device, "the dk accumulator [b, Nk, Hkv, d]")
     check_accumulator("dv", dv, tuple(v.shape), acc, q.device, "the dv accumulator [b, Nk, Hkv, d]")
+    running_dq = torch.zeros(q.shape, dtype=acc, device=q.device) if fresh_dq else dq
     q, dout = q.contiguous(), dout.contiguous()
     key_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     num_blocks = query_len // BLOCK_SIZE
     dout_blocks = dout.view(batch, num_blocks, BLOCK_SIZE, heads, dim)
-    dq_blocks = dq.view(batch, num_blocks, BLOCK_SIZE, heads, dim)
+    dq_blocks = running_dq.view(batch, num_blocks, BLOCK_SIZE, heads, dim)
     lse_blocks = lse.view(batch, heads, num_blocks, BLOCK_SIZE)
     delta_blocks = delta.view(batch, heads, num_blocks, BLOCK_SIZE)
     dk_rows, dv_rows = dk.view(-1, dim), dv.view(-1, dim)
@@ -335,3 +351,5 @@ def block_bar_backward(
         target = target[chunk.valid]
         _add_rows(dk_rows, target, dk_part[chunk.valid])
         _add_rows(dv_rows, target, dv_part[chunk.valid])
+    if fresh_dq:
+        dq.copy_(running_dq)

@@ -30,7 +30,12 @@ import torch
 from .index import block_lists_by_key
 from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
-from .triton_bwd import bar_chunk_backward_kernel, key_major_backward_kernel, query_major_backward_kernel
+from .triton_bwd import (
+    bar_chunk_backward_kernel,
+    key_major_backward_kernel,
+    output_delta_kernel,
+    query_major_backward_kernel,
+)
 from .triton_fwd import block_bar_forward_kernel
 
 SUB_TILE = 64
@@ -160,12 +165,15 @@ def block_bar_forward(
     softmax_scale: float,
     query_doc_ids=None,
     key_doc_ids=None,
+    fresh: bool = False,
 ) -> None:
     """Attend one source chunk through one step's lists and merge into (out, lse) in place.
 
     q ``[b, Nq, Hq, d]``; k, v ``[b, Nk, Hkv, d]``; blk_ptr/bar_ptr int32 ``[b, Hq, nb+1]``
     (absolute offsets into blk_col/bar_col); out fp32 ``[b, Nq, Hq, d]`` and lse fp32 ``[b, Hq, Nq]``,
-    contiguous. lse = −inf means "nothing yet"; rows without work are not written.
+    contiguous. lse = −inf means "nothing yet"; rows without work are not written. ``fresh``: out and lse
+    hold nothing yet (uninitialised is fine) and this step is the only one: every row is written, out in its
+    own dtype (q's, or fp32) — the same values as merging into zeros and −inf, then casting.
     ``causal_diag`` applies the token causal mask to query block i's sub-tiles 2i and 2i+1.
     ``query_doc_ids`` int32 ``[b, Nq]`` and ``key_doc_ids`` int32 ``[b, Nk]`` (packed documents, both or
     neither; ``BlockBarIndex.step_doc_ids``): a listed score counts only where the two ids agree.
@@ -174,7 +182,8 @@ def block_bar_forward(
     batch, query_len, heads, dim = q.shape
     num_blocks = query_len // BLOCK_SIZE
     _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, q.device)
-    check_accumulator("out", out, tuple(q.shape), ACCUMULATOR_DTYPE, q.device, "the running output [b, Nq, Hq, d]")
+    out_dtype = out.dtype if fresh and isinstance(out, torch.Tensor) and out.dtype == q.dtype else ACCUMULATOR_DTYPE
+    check_accumulator("out", out, tuple(q.shape), out_dtype, q.device, "the running output [b, Nq, Hq, d]")
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the running lse [b, Hq, Nq]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
@@ -202,6 +211,7 @@ def block_bar_forward(
         heads // k.shape[2],
         softmax_scale * LOG2E,
         CAUSAL_DIAG=bool(causal_diag),
+        FRESH=bool(fresh),
         **document_flag,
         **_tiles(dim),
         **_forward_config(dim),
@@ -209,6 +219,22 @@ def block_bar_forward(
 
 
 # ---------------------------------------------------------------------------------------- backward
+def output_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta fp32 ``[b, Hq, N]`` = rowsum(out ⊙ dout) over d, from out and dout ``[b, N, Hq, d]`` (one pass, no
+    fp32 copies of either)."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[1] % BLOCK_SIZE:
+        raise ValueError(f"out must be a [b, N, Hq, d] tensor with N a multiple of {BLOCK_SIZE}, got {out.shape}")
+    if not isinstance(dout, torch.Tensor) or dout.shape != out.shape or dout.device != out.device:
+        raise ValueError(f"dout {getattr(dout, 'shape', None)} must match out {tuple(out.shape)} on {out.device}")
+    batch, seq_len, heads, dim = out.shape
+    out, dout = _unit_last_stride(out), _unit_last_stride(dout)
+    delta = torch.empty(batch, heads, seq_len, dtype=ACCUMULATOR_DTYPE, device=out.device)
+    output_delta_kernel[(seq_len // BLOCK_SIZE, heads, batch)](
+        out, dout, delta, *_bhs(out), *_bhs(dout), delta.stride(0), delta.stride(1), HEAD_DIM=dim, BLOCK_M=BLOCK_SIZE
+    )
+    return delta
+
+
 def _entry_range(ptr: torch.Tensor) -> tuple[int, int]:
     """(first, last) offset of one step's CSR slice ``[b, Hq, nb+1]``, checking that its rows lie back to
     back (DESIGN: ptr[b, h, nb] == ptr[b, h+1, 0]), as a bad slice would otherwise read the wrong entries
@@ -321,6 +347,7 @@ def block_bar_backward(
     query_doc_ids=None,
     key_doc_ids=None,
     key_lists=None,
+    fresh_dq: bool = False,
 ) -> None:
     """Accumulate one step's gradients in place.
 
@@ -331,6 +358,8 @@ def block_bar_backward(
     ``BlockBarIndex.key_lists(source)``; without it they are built here (one host sync).
     ``deterministic`` uses no atomics (and a few host syncs to regroup the bars by column); repeated
     calls on the same inputs are then bitwise equal. Document ids as in :func:`block_bar_forward`.
+    ``fresh_dq``: dq holds nothing yet and this step is its only one: it is written, not added to, in its
+    own dtype (q's, or fp32).
     """
     _check_inputs(q, k, v, softmax_scale)
     batch, query_len, heads, dim = q.shape
@@ -344,7 +373,8 @@ def block_bar_backward(
     check_accumulator(
         "delta", delta, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "rowsum(out * dout) [b, Hq, Nq]"
     )
-    check_accumulator("dq", dq, tuple(q.shape), ACCUMULATOR_DTYPE, q.device, "the dq accumulator [b, Nq, Hq, d]")
+    dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else ACCUMULATOR_DTYPE
+    check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
     check_accumulator("dk", dk, tuple(k.shape), ACCUMULATOR_DTYPE, q.device, "the dk accumulator [b, Nk, Hkv, d]")
     check_accumulator("dv", dv, tuple(v.shape), ACCUMULATOR_DTYPE, q.device, "the dv accumulator [b, Nk, Hkv, d]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
@@ -388,6 +418,7 @@ def block_bar_backward(
         qk_scale_log2,
         CAUSAL_DIAG=bool(causal_diag),
         ATOMIC_BAR_DKDV=not deterministic,
+        FRESH_DQ=bool(fresh_dq),
         **document_flag,
         **tiles,
         **QUERY_MAJOR_CONFIG,

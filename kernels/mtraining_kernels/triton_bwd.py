@@ -96,9 +96,11 @@ def query_major_backward_kernel(
     CAUSAL_DIAG: tl.constexpr,
     ATOMIC_BAR_DKDV: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    FRESH_DQ: tl.constexpr,
 ):
     """Grid (nb, Hq, b): the dq of one query block over its listed 64-key sub-tiles and its bars (the
-    longest lists, the last query blocks, first)."""
+    longest lists, the last query blocks, first). ``FRESH_DQ``: DQ holds nothing yet; every row is written
+    in DQ's dtype (rows without work: 0), not added to."""
     qblock = num_q_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
     sample = tl.program_id(2).to(tl.int64)
@@ -174,7 +176,10 @@ def query_major_backward_kernel(
 
     has_work = (blk_end > blk_start) | (bar_end > bar_start)
     dq_ptrs = DQ + sample * stride_gqb + head * stride_gqh + q_rows.to(tl.int64)[:, None] * stride_gqn + offs_d[None, :]
-    tl.store(dq_ptrs, tl.load(dq_ptrs) + dq * softmax_scale, mask=has_work)
+    if FRESH_DQ:
+        tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty))
+    else:
+        tl.store(dq_ptrs, tl.load(dq_ptrs) + dq * softmax_scale, mask=has_work)
 
 
 @triton.jit
@@ -392,3 +397,30 @@ def bar_chunk_backward_kernel(
     scratch_rows = (first + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(SCRATCH_DK + scratch_rows, dk * softmax_scale, mask=in_chunk[:, None])
     tl.store(SCRATCH_DV + scratch_rows, dv, mask=in_chunk[:, None])
+
+
+@triton.jit
+def output_delta_kernel(
+    OUT,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Grid (nb, Hq, b): DELTA[b, h, rows] = Σ_d OUT·DO in fp32 for one block of BLOCK_M rows."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    head = tl.program_id(1)
+    sample = tl.program_id(2).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    out = tl.load(OUT + sample * stride_ob + head * stride_oh + rows[:, None] * stride_on + offs_d[None, :])
+    dout = tl.load(DO + sample * stride_db + head * stride_dh + rows[:, None] * stride_dn + offs_d[None, :])
+    delta = tl.sum(out.to(tl.float32) * dout.to(tl.float32), axis=1)
+    tl.store(DELTA + sample * stride_lb + head * stride_lh + rows, delta)

@@ -131,9 +131,11 @@ def block_bar_forward_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL_DIAG: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    FRESH: tl.constexpr,
 ):
     """QUERY_DOCS / KEY_DOCS int32 ``[b, N]`` (batch stride ``stride_docb``): the document of every local
-    query row and source key column, read only with ``DOCUMENTS``."""
+    query row and source key column, read only with ``DOCUMENTS``. ``FRESH``: OUT and LSE hold nothing yet;
+    every row is written (rows without work: 0 and −inf), OUT in its own dtype, nothing is read."""
     # heavy query blocks (late in the sequence) start first
     qblock = num_q_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -234,6 +236,10 @@ def block_bar_forward_kernel(
 
     lse_ptrs = LSE + sample * stride_lb + head * stride_lh + q_rows
     out_ptrs = OUT + sample * stride_ob + head * stride_oh + q_rows.to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+    if FRESH:
+        tl.store(lse_ptrs, tl.where(has_work, step_lse, float("-inf")))
+        tl.store(out_ptrs, tl.where(has_work[:, None], step_out, 0.0).to(OUT.dtype.element_ty))
+        return
     old_lse = tl.load(lse_ptrs)
     old_out = tl.load(out_ptrs, mask=has_work[:, None], other=0.0)
     larger = tl.maximum(old_lse, step_lse)

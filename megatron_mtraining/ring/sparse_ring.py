@@ -204,7 +204,7 @@ def sparse_ring_forward(q, kv, index, groups, backend, scale):
 def sparse_ring_backward(q, kv, dout, out, lse, index, groups, backend, scale, deterministic, wire):
     """Returns (dq fp32, dkv fp32 ``[2, b, N_loc, Hkv, d]``) for this rank's own chunk; ``out`` is the
     forward's output in q's dtype, ``dout`` contiguous."""
-    delta = (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()  # [b, Hq, N_loc]
+    delta = backend.output_delta(out, dout)  # [b, Hq, N_loc]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
     def step(held, source, t):

@@ -72,6 +72,8 @@ def _compute_only_rank(rank, world_size, packed=False):
             calls.append(("backward", source(args[6]), causal_diag))
             torch_backend.block_bar_backward(*args, causal_diag=causal_diag, **kwargs)
 
+        output_delta = staticmethod(torch_backend.output_delta)
+
     bench_ring.compute_only(Recording(), q, k, v, dout, index, groups, 0.25)
     if not packed:
         bench_ring.sdpa_compute_only("flash", q, k, v, dout, groups, 0.25)

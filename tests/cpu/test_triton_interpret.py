@@ -227,6 +227,55 @@ def test_rows_without_work_are_untouched_and_empty_state_is_ignored(seed):
         assert not torch.equal(dq, dq0), f"seed={seed}: the busy rows got no gradient"
 
 
+@pytest.mark.parametrize("backend", [triton_backend, torch_backend], ids=["triton", "torch"])
+def test_a_fresh_step_writes_what_merging_into_an_empty_state_gives(seed, backend):
+    """``fresh`` / ``fresh_dq`` (the single-step path): uninitialised (NaN) buffers, out and dq in q's dtype or
+    fp32, give bitwise what zeros and −inf merged with the step and then cast give, idle rows included."""
+    gen = torch.Generator().manual_seed(seed)
+    layout, seq_len = Layout("contiguous", 2), 512
+    v_idx = torch.tensor([[[10], [seq_len]]], dtype=torch.int32)  # head 1 idle on this step: rows without work
+    s_idx = torch.tensor([[[300], [seq_len]]], dtype=torch.int32)
+    index = convert_index(v_idx, s_idx, layout, 1, seq_len)
+    lists = (index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col)
+    q, k, v, dout = make_qkv_dout(1, seq_len // 2, 2, 1, 64, torch.float16, "cpu", gen)
+    settings = dict(causal_diag=False, softmax_scale=0.125)
+    expected_out = torch.zeros(q.shape)
+    expected_lse = torch.full((1, 2, seq_len // 2), float("-inf"))
+    backend.block_bar_forward(q, k, v, *lists, expected_out, expected_lse, **settings)
+    for dtype in (q.dtype, torch.float32):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        lse = torch.full(expected_lse.shape, float("nan"))
+        backend.block_bar_forward(q, k, v, *lists, out, lse, fresh=True, **settings)
+        assert torch.equal(out, expected_out.to(dtype)), f"seed={seed} out {dtype}"
+        assert torch.equal(lse, expected_lse), f"seed={seed} lse"
+
+    delta = backend.output_delta(expected_out.to(q.dtype), dout)
+    grads = [torch.zeros(t.shape) for t in (q, k, v)]
+    backend.block_bar_backward(q, k, v, dout, expected_lse, delta, *lists, *grads, deterministic=True, **settings)
+    for dtype in (q.dtype, torch.float32):
+        dq = torch.full(q.shape, float("nan"), dtype=dtype)
+        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+        backend.block_bar_backward(
+            q, k, v, dout, expected_lse, delta, *lists, dq, dk, dv, deterministic=True, fresh_dq=True, **settings
+        )
+        assert torch.equal(dq, grads[0].to(dtype)), f"seed={seed} dq {dtype}"
+        assert torch.equal(dk, grads[1]) and torch.equal(dv, grads[2]), f"seed={seed} dk/dv"
+    assert grads[0][:, :, 1].eq(0).all() and grads[0][:, :, 0].ne(0).any(), f"seed={seed}: the idle head's dq"
+
+
+def test_output_delta_is_the_row_sum_of_out_times_dout(seed):
+    """The Triton delta kernel against the torch backend's, which is the fp32 product summed over d."""
+    gen = torch.Generator().manual_seed(seed)
+    out, dout = (torch.randn(2, 256, 3, 64, generator=gen).to(torch.float16) for _ in range(2))
+    expected = (out.float() * dout.float()).sum(-1).transpose(1, 2)
+    assert torch.equal(torch_backend.output_delta(out, dout), expected), f"seed={seed}"
+    got = triton_backend.output_delta(out, dout)
+    assert got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"seed={seed}")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        triton_backend.output_delta(out[:, :200], dout[:, :200])
+
+
 def test_merging_a_step_into_its_own_result_keeps_out_bitwise_at_large_logits(seed):
     """The epilogue's weights come from the lse difference (DESIGN.md §2.4's σ form): merging a step's
     (out, lse) into a copy of itself gives weights of exactly 1/2, so out keeps every bit and lse gains
