@@ -8,8 +8,8 @@ One program owns one (128-row local query block i, query head h, sample z). It w
    i — the list's last pair — with the token causal mask;
 2. the bar list: single key columns gathered by index, 64 at a time (the tail is masked);
 
-with an online softmax in base 2 (``qk_scale_log2 = softmax_scale · log2(e)`` folded into the
-scores) and fp32 accumulators, then merges the step's (out, lse) into the running fp32 buffers
+with an online softmax in base 2 (``qk_scale_log2 = softmax_scale · log2(e)``, applied with the row max in
+one FMA per score) and fp32 accumulators, then merges the step's (out, lse) into the running fp32 buffers
 in place with the stable log-sum-exp merge of DESIGN.md §2.4. Rows without work are not written.
 With ``DOCUMENTS`` (packed documents, DESIGN.md §2.7) a listed score (i, j) counts only where the query
 row's and the key's document ids agree.
@@ -27,13 +27,14 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _online_softmax_step(acc, row_max, row_sum, scores, values):
-    """Fold one tile of base-2 scores ``[M, N]`` (−inf = masked) and its values ``[N, D]`` in."""
+def _online_softmax_step(acc, row_max, row_sum, scores, values, qk_scale_log2):
+    """Fold one tile of raw scores q·kᵀ ``[M, N]`` (−inf = masked) and its values ``[N, D]`` in. ``row_max`` is
+    in raw units too, so a probability is exp2 of one FMA, scores · scale − max · scale."""
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     # a row that has seen only masked scores keeps max −inf; shift by 0 then, so exp2 gives 0, not NaN
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp2(row_max - shift)
-    probs = tl.exp2(scores - shift[:, None])
+    rescale = tl.exp2((row_max - shift) * qk_scale_log2)  # exactly 1 while the max holds
+    probs = tl.exp2(scores * qk_scale_log2 - (shift * qk_scale_log2)[:, None])
     row_sum = row_sum * rescale + tl.sum(probs, 1)
     acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values)
     return acc, new_max, row_sum
@@ -82,7 +83,7 @@ def _block_tile_step(
     k_rows = (first_key + offs_block).to(tl.int64)
     k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
     v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
-    scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+    scores = tl.dot(q, tl.trans(k))
     if CAUSAL_MASK:
         scores = tl.where(k_rows[None, :] <= q_rows[:, None], scores, float("-inf"))
     if DOCUMENTS:
@@ -90,7 +91,7 @@ def _block_tile_step(
         k_mixed = tl.load(key_docs_base + first_key) != tl.load(key_docs_base + first_key + key_block_size - 1)
         if q_mixed | k_mixed:
             scores = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], scores, float("-inf"))
-    return _online_softmax_step(acc, row_max, row_sum, scores, v)
+    return _online_softmax_step(acc, row_max, row_sum, scores, v, qk_scale_log2)
 
 
 @triton.jit
@@ -221,17 +222,16 @@ def block_bar_forward_kernel(
         cols = tl.load(BAR_COL + entry + offs_n, mask=listed, other=0).to(tl.int64)
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=listed[:, None], other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=listed[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
-        scores = tl.where(listed[None, :], scores, float("-inf"))
+        scores = tl.where(listed[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
         if DOCUMENTS:
             same_doc = q_docs[:, None] == tl.load(key_docs_base + cols, mask=listed, other=-1)[None, :]
             scores = tl.where(same_doc, scores, float("-inf"))
-        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v)
+        acc, row_max, row_sum = _online_softmax_step(acc, row_max, row_sum, scores, v, qk_scale_log2)
 
     # ---- epilogue: stable merge into the running (out, lse); rows without work stay untouched
     has_work = row_sum != 0.0  # 0: no key in this step; NaN (poisoned logits) is written, not dropped
     safe_sum = tl.where(has_work, row_sum, 1.0)
-    step_lse = (tl.where(has_work, row_max, 0.0) + tl.log2(safe_sum)) * LN2
+    step_lse = (tl.where(has_work, row_max * qk_scale_log2, 0.0) + tl.log2(safe_sum)) * LN2
     step_out = acc / safe_sum[:, None]
 
     lse_ptrs = LSE + sample * stride_lb + head * stride_lh + q_rows
