@@ -321,9 +321,10 @@ class _MemberTargets:
 
     def add(self, scratch: torch.Tensor, grad: torch.Tensor) -> None:
         """grad[z, column, h // group] += scratch rows, one GQA member at a time (member order fixed). Within
-        one member the targets are distinct, so each element receives exactly one addition."""
+        one member the targets are distinct, so each element receives exactly one addition: a gather, an add
+        and a scatter do it, with no accumulating (sorting) index_put."""
         for picked, targets in self.groups:
-            grad.index_put_(targets, scratch[picked], accumulate=True)
+            grad.index_put_(targets, grad[targets].add_(scratch[picked]))
 
 
 def block_bar_backward(
