@@ -239,18 +239,20 @@ def block_bar_forward_kernel(
     if FRESH:
         tl.store(lse_ptrs, tl.where(has_work, step_lse, float("-inf")))
         tl.store(out_ptrs, tl.where(has_work[:, None], step_out, 0.0).to(OUT.dtype.element_ty))
-        return
-    old_lse = tl.load(lse_ptrs)
-    old_out = tl.load(out_ptrs, mask=has_work[:, None], other=0.0)
-    larger = tl.maximum(old_lse, step_lse)
-    tail = tl.exp(-tl.abs(old_lse - step_lse))
-    merged_lse = larger + tl.log(1.0 + tail)
-    # weights relative to the larger side, not to the rounded merged_lse: at |lse| ~ 1e4 its fp32 ulp would
-    # scale even the dominant side by 1 ± 5e-4, which dq amplifies for rows that attend to one key
-    old_weight = tl.exp(old_lse - larger) / (1.0 + tail)
-    new_weight = tl.exp(step_lse - larger) / (1.0 + tail)
-    merged_out = tl.where(
-        (old_lse == float("-inf"))[:, None], step_out, old_weight[:, None] * old_out + new_weight[:, None] * step_out
-    )
-    tl.store(lse_ptrs, merged_lse, mask=has_work)
-    tl.store(out_ptrs, merged_out, mask=has_work[:, None])
+    else:
+        old_lse = tl.load(lse_ptrs)
+        old_out = tl.load(out_ptrs, mask=has_work[:, None], other=0.0)
+        larger = tl.maximum(old_lse, step_lse)
+        tail = tl.exp(-tl.abs(old_lse - step_lse))
+        merged_lse = larger + tl.log(1.0 + tail)
+        # weights relative to the larger side, not to the rounded merged_lse: at |lse| ~ 1e4 its fp32 ulp would
+        # scale even the dominant side by 1 ± 5e-4, which dq amplifies for rows that attend to one key
+        old_weight = tl.exp(old_lse - larger) / (1.0 + tail)
+        new_weight = tl.exp(step_lse - larger) / (1.0 + tail)
+        merged_out = tl.where(
+            (old_lse == float("-inf"))[:, None],
+            step_out,
+            old_weight[:, None] * old_out + new_weight[:, None] * step_out,
+        )
+        tl.store(lse_ptrs, merged_lse, mask=has_work)
+        tl.store(out_ptrs, merged_out, mask=has_work[:, None])
