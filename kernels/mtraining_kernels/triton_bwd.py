@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_fwd import query_block_documents
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -128,11 +130,7 @@ def query_major_backward_kernel(
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
     key_docs_base = KEY_DOCS + sample * stride_docb
-    q_docs = q_rows  # unused without DOCUMENTS
-    q_mixed = False
-    if DOCUMENTS:
-        q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
-        q_mixed = tl.min(q_docs, 0) != tl.max(q_docs, 0)
+    q_docs, q_mixed = query_block_documents(QUERY_DOCS + sample * stride_docb, q_rows, DOCUMENTS)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     for entry in range(blk_start, blk_end):

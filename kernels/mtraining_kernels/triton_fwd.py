@@ -41,6 +41,18 @@ def _online_softmax_step(acc, row_max, row_sum, scores, values, qk_scale_log2):
 
 
 @triton.jit
+def query_block_documents(query_docs_base, q_rows, DOCUMENTS: tl.constexpr):
+    """(the document of every query row ``[M]``, whether the block holds two documents) with ``DOCUMENTS``;
+    (q_rows, False), unused, without."""
+    q_docs = q_rows
+    q_mixed = False
+    if DOCUMENTS:
+        q_docs = tl.load(query_docs_base + q_rows)
+        q_mixed = tl.min(q_docs, 0) != tl.max(q_docs, 0)
+    return q_docs, q_mixed
+
+
+@triton.jit
 def _diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG: tl.constexpr):
     """Where a query block's diagonal pair (sub-tiles 2·qblock, 2·qblock + 1) starts in its ascending block
     list on a diagonal step: the last pair when the list reaches the diagonal (a causal step lists nothing
@@ -157,11 +169,7 @@ def block_bar_forward_kernel(
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
     key_docs_base = KEY_DOCS + sample * stride_docb
-    q_docs = q_rows  # unused without DOCUMENTS
-    q_mixed = False
-    if DOCUMENTS:
-        q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
-        q_mixed = tl.min(q_docs, 0) != tl.max(q_docs, 0)
+    q_docs, q_mixed = query_block_documents(QUERY_DOCS + sample * stride_docb, q_rows, DOCUMENTS)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
