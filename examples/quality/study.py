@@ -41,30 +41,49 @@ import train
 
 SHARED = "shared"
 LONG_RECALL = ["--recall-top-p", "0.9,0.95", "--recall-sparsity", "0.95"]
+LONG_PHASES = "128x64x2400x8,512x16x400x8,2048x8x300,8192x2x150,16384x1x100,32768x1x80,65536x1x60,131072x1x40"
+LONG_FLAGS = [
+    "--eval-lengths",
+    "16384,32768,65536,131072",
+    "--eval-samples",
+    "16,16,8,8",
+    "--recall-lengths",
+    "16384,32768,65536,131072",
+    "--log-interval",
+    "5",
+]
+DENSE_LONG = ["--attention", "dense", *LONG_RECALL]
+TOP_P_09 = ["--attention", "mtraining", "--top-p", "0.9"]
 PLANS = {
     # 64K–128K: a dense start to 8K, five branches through 16K, 32K, 64K and 128K.
     "long": {
-        "phases": "128x64x2400x8,512x16x400x8,2048x8x300,8192x2x150,16384x1x100,32768x1x80,65536x1x60,131072x1x40",
+        "phases": LONG_PHASES,
         "stages": [4, 7, 8],
         "runs": {
-            "dense": ["--attention", "dense", *LONG_RECALL],
+            "dense": DENSE_LONG,
             "static0.95": ["--attention", "mtraining", "--sparsity", "0.95"],
-            "topp0.9": ["--attention", "mtraining", "--top-p", "0.9"],
+            "topp0.9": TOP_P_09,
             "topp0.95": ["--attention", "mtraining", "--top-p", "0.95"],
             "schedule": ["--attention", "mtraining", "--sparsity", "0.8:16384,0.9:32768,0.95"],
         },
         "baseline": "dense",
-        "flags": [
-            "--eval-lengths",
-            "16384,32768,65536,131072",
-            "--eval-samples",
-            "16,16,8,8",
-            "--recall-lengths",
-            "16384,32768,65536,131072",
-            "--log-interval",
-            "5",
-        ],
+        "flags": LONG_FLAGS,
         "prefix": "quality",
+    },
+    # The same curriculum, top-P 0.9 with smaller per-head caps: in plan long its near-dense layer 1 set the
+    # 128K time. Its own dense run and top-P 0.9 again (the two runs repeat plan long's, seed for seed).
+    "long_cap": {
+        "phases": LONG_PHASES,
+        "stages": [4, 7, 8],
+        "runs": {
+            "dense": DENSE_LONG,
+            "topp0.9": TOP_P_09,
+            "topp0.9_cap1024": [*TOP_P_09, "--cap", "1024"],
+            "topp0.9_cap256": [*TOP_P_09, "--cap", "256"],
+        },
+        "baseline": "dense",
+        "flags": LONG_FLAGS,
+        "prefix": "quality_cap",
     },
     # The first study (2K–16K): branches after the 128-token phase, two dense kernels as the noise floor.
     "16k": {

@@ -571,12 +571,13 @@ def test_report_compares_only_like_with_like(study):
     assert report.paired_accuracy(other, dense) == {}
 
 
-def test_study_check_passes_the_long_plan_and_names_a_budget_that_does_not_fit(tmp_path):
-    """``--check`` runs train.py's up-front checks of every run of every stage without training: the long plan
-    passes (static 0.95 first trains at 16K); branching it after the 2K phase puts static 0.95 at 8K, refused."""
+def test_study_check_passes_the_long_plans_and_names_a_budget_that_does_not_fit(tmp_path):
+    """``--check`` runs train.py's up-front checks of every run of every stage without training: the long plans
+    pass (static 0.95 first trains at 16K); branching it after the 2K phase puts static 0.95 at 8K, refused."""
     import study as study_module
 
     study_module.main(["--stage", "all", "--check", "--out", str(tmp_path / "out")])
+    study_module.main(["--stage", "all", "--check", "--out", str(tmp_path / "out"), "--plan", "long_cap"])
     assert not (tmp_path / "out").exists()  # nothing trained, nothing written
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(dict(study_module.PLANS["long"], stages=[3, 7, 8])))
