@@ -14,7 +14,7 @@
 # launcher parses and validates the command as the run would, on CPU, and reads no checkpoint or data.
 #
 # The GPUs (GPUS_PER_NODE x NNODES) are split into TP x PP x CP x DP (Megatron's order tp-cp-ep-dp-pp). Each
-# SEQ_LEN-token sequence is split over the CP ranks in MTraining's striped layout. A CP group either fits in a
+# SEQ_LEN-token sequence is split over the CP ranks in MTraining's striped layout (LAYOUT). A CP group either fits in a
 # node (flat ring) or spans whole nodes (examples/slurm/*.sbatch sets NNODES, NODE_RANK and MASTER_ADDR): then
 # the ring is hierarchical, an inner ring over the CP ranks of a node inside an outer ring over the nodes.
 #
@@ -34,6 +34,9 @@
 #   MIN_SPARSE_LENGTH             with PACKED_DOCUMENTS=1: documents of at least this many tokens get their own
 #                                 sparse index, shorter ones are attended densely (--mtraining-min-sparse-length;
 #                                 unset: the launcher's default)
+#   LAYOUT (striped; skewed with PACKED_DOCUMENTS=1)   --mtraining-layout, how each sequence is split over the
+#                                 CP ranks: skewed also balances packed documents of one length (docs/benchmarks.md,
+#                                 "Skewed stripes"); zigzag and contiguous are accepted too
 #   EVAL_INTERVAL (100), EVAL_ITERS (1)   validation every EVAL_INTERVAL iterations, EVAL_ITERS batches each
 #                                 (EVAL_ITERS=0: no validation)
 #   SEQ_LEN (524288), GLOBAL_BATCH_SIZE (8), TRAIN_ITERS (1000), LR (1e-5), MIN_LR (1e-6), WARMUP_ITERS (20)
@@ -107,6 +110,7 @@ BUDGET=${BUDGET:-top-p}
 LOSS_CHUNK_SIZE=${LOSS_CHUNK_SIZE:-8192}
 MOCK_DATA=${MOCK_DATA:-0}
 PACKED_DOCUMENTS=${PACKED_DOCUMENTS:-0}
+if [[ "$PACKED_DOCUMENTS" == 1 ]]; then LAYOUT=${LAYOUT:-skewed}; else LAYOUT=${LAYOUT:-striped}; fi
 PYTHON=${PYTHON:-python}
 
 for name in SEQ_LEN GPUS_PER_NODE NNODES TP PP GLOBAL_BATCH_SIZE TRAIN_ITERS SAVE_INTERVAL EVAL_INTERVAL \
@@ -121,6 +125,8 @@ require_number LR
 require_number MIN_LR
 [[ "$MOCK_DATA" == [01] ]] || fail "MOCK_DATA=$MOCK_DATA must be 0 or 1"
 [[ "$PACKED_DOCUMENTS" == [01] ]] || fail "PACKED_DOCUMENTS=$PACKED_DOCUMENTS must be 0 or 1"
+[[ "$LAYOUT" =~ ^(striped|skewed|zigzag|contiguous)$ ]] ||
+  fail "LAYOUT=$LAYOUT must be striped, skewed, zigzag or contiguous"
 if [[ -n "${MIN_SPARSE_LENGTH:-}" ]]; then
   [[ "$PACKED_DOCUMENTS" == 1 ]] ||
     fail "MIN_SPARSE_LENGTH=$MIN_SPARSE_LENGTH is a packed-documents setting, but PACKED_DOCUMENTS=$PACKED_DOCUMENTS;" \
@@ -281,7 +287,7 @@ TRAINING_ARGS=(
   --distributed-timeout-minutes 60 --seed 1234
 )
 MTRAINING_ARGS=(
-  --mtraining-layout striped "${BUDGET_ARGS[@]}"
+  --mtraining-layout "$LAYOUT" "${BUDGET_ARGS[@]}"
   --mtraining-backend triton --mtraining-loss-chunk-size "$LOSS_CHUNK_SIZE" --mtraining-stats-interval 10
   "${MTRAINING_RING_ARGS[@]}"
 )

@@ -387,6 +387,23 @@ def test_packed_document_settings(parser, script, settings, packed, min_sparse_l
     assert _comment(result.stdout, "data").endswith(packed_comment) == packed
 
 
+@pytest.mark.parametrize(
+    "settings, layout",
+    [
+        ({}, "striped"),
+        ({"PACKED_DOCUMENTS": "1"}, "skewed"),
+        ({"PACKED_DOCUMENTS": "1", "LAYOUT": "striped"}, "striped"),
+        ({"LAYOUT": "zigzag"}, "zigzag"),
+    ],
+    ids=["default", "packed", "packed-striped", "zigzag"],
+)
+def test_recipe_layout(parser, settings, layout):
+    """The recipe's CP layout: striped, skewed for packed documents (it also balances documents of one
+    length), LAYOUT overriding either."""
+    args = _parsed(parser, _launch_command(_dry_run(TRAIN, settings).stdout)[1])
+    assert args.mtraining_layout == layout
+
+
 def test_documented_packed_flags_are_the_settings_flags():
     """docs/user_journey.md's launcher flags for packed documents are what its script line's settings add."""
     journey = (REPO / "docs" / "user_journey.md").read_text()
@@ -547,6 +564,7 @@ def test_real_run_executes_the_printed_command(fake_bin, tmp_path):
         (TRAIN, {"SPLIT": "100,0,0"}, "SPLIT=100,0,0 has no validation share but EVAL_ITERS=1"),
         (TRAIN, {"MOCK_DATA": "yes"}, "MOCK_DATA=yes must be 0 or 1"),
         (TRAIN, {"PACKED_DOCUMENTS": "yes"}, "PACKED_DOCUMENTS=yes must be 0 or 1"),
+        (TRAIN, {"LAYOUT": "ring"}, "LAYOUT=ring must be striped, skewed, zigzag or contiguous"),
         (TRAIN, {"PACKED_DOCUMENTS": "1", "MIN_SPARSE_LENGTH": "4k"}, "MIN_SPARSE_LENGTH=4k must be an integer >= 1"),
         (TRAIN, {"PACKED_DOCUMENTS": "1", "MIN_SPARSE_LENGTH": "0"}, "MIN_SPARSE_LENGTH=0 must be an integer >= 1"),
         (
