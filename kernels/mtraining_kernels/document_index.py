@@ -185,9 +185,10 @@ def sparse_documents(
     """(``sparse`` bool ``[b, m_max]``, the sparse documents in (sample, document) order, how many had their
     static budget clamped) for documents of at least ``min_sparse_length`` tokens and a resolved budget."""
     sparse = documents.lengths >= min_sparse_length
+    spans = documents.host_spans  # on the CPU: the loop below syncs nothing
     chosen, clamped_documents = [], 0
-    for sample, document in sparse.nonzero().tolist():
-        start, length = int(documents.starts[sample, document]), int(documents.lengths[sample, document])
+    for sample, document in (spans[..., 1] >= min_sparse_length).nonzero().tolist():
+        start, length = spans[sample, document].tolist()
         document_budget, clamped = _clamp_budget(budget, length)
         clamped_documents += clamped
         chosen.append(SparseDocument(sample, document, start, length, document_budget))
@@ -223,11 +224,14 @@ def assemble_document_index(
     device = documents.starts.device
     v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=device)
     s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
+    slots_of_parts = torch.tensor(
+        [(part.sample, part.document, part.start) for group, _ in estimated for part in group], device=device
+    )  # every group's (sample, document, start) rows in one host-to-device copy
+    first = 0
     for group, own in estimated:
         length = group[0].length
-        samples, members, starts = torch.tensor(
-            [(part.sample, part.document, part.start) for part in group], device=device
-        ).unbind(1)  # one host-to-device copy per group
+        samples, members, starts = slots_of_parts[first : first + len(group)].unbind(1)
+        first += len(group)
         verticals = torch.where(own.v_idx < length, own.v_idx + starts[:, None, None], seq_len)
         slashes = torch.where(own.s_idx < length, own.s_idx, seq_len)
         v_idx[samples, members, :, : verticals.shape[-1]] = verticals.to(torch.int32)

@@ -48,7 +48,9 @@ class Documents:
     * ``lengths`` int64 ``[b, m_max]``: document lengths, 0 in unused slots;
     * ``num_documents`` int64 ``[b]``;
     * ``position_ids`` int64 ``[b, N]``: position within the document, 0 at every start (RoPE with
-      Megatron's ``--reset-position-ids``).
+      Megatron's ``--reset-position-ids``);
+    * ``host_spans`` int64 ``[b, m_max, 2]`` on the CPU: (start, length) of every slot, copied once, so that
+      the per-layer code that loops over documents reads them without a device sync.
     """
 
     starts: torch.Tensor
@@ -57,6 +59,7 @@ class Documents:
     lengths: torch.Tensor = field(init=False, repr=False)
     num_documents: torch.Tensor = field(init=False, repr=False)
     position_ids: torch.Tensor = field(init=False, repr=False)
+    host_spans: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         seq_len = self.seq_len
@@ -95,6 +98,7 @@ class Documents:
         positions = torch.arange(seq_len, device=starts.device)
         object.__setattr__(self, "doc_id", doc_id)
         object.__setattr__(self, "lengths", ends - starts)
+        object.__setattr__(self, "host_spans", torch.stack([starts, self.lengths], dim=-1).cpu())
         object.__setattr__(self, "num_documents", (starts < seq_len).sum(dim=1))
         object.__setattr__(self, "position_ids", positions - starts.gather(1, doc_id.long()))
 

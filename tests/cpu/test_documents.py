@@ -99,6 +99,8 @@ def test_derived_views_equal_brute_force(seed):
         assert documents.position_ids[sample].tolist() == position_ids, message
         assert documents.lengths[sample].tolist() == lengths + [0] * (documents.max_documents - count), message
         assert int(documents.lengths[sample].sum()) == seq_len, message
+    assert documents.host_spans.device.type == "cpu"
+    assert torch.equal(documents.host_spans, torch.stack([documents.starts, documents.lengths], dim=-1))
 
 
 def test_single_is_one_document_per_sample():
