@@ -104,18 +104,23 @@ def _gather_rows(
     seq_len: int,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
-    """The query rows at (``row_samples``, ``row_positions``) (int64 ``[R]``, global) on every rank:
-    ``[R, Hq, d]`` in q's dtype, from one all-gather of each rank's own rows (padded to the most any rank holds).
+    """The query rows at (``row_samples``, ``row_positions``) (int64 ``[R]`` on the host, global) on every
+    rank: ``[R, Hq, d]`` in q's dtype, from one all-gather of each rank's own rows (padded to the most any
+    rank holds).
 
-    Every rank derives every rank's share from the layout, so no sizes travel.
+    Every rank derives every rank's share from the layout on the host, so no sizes travel and the only
+    transfer to the device is one copy of the gather indices.
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     owners, local_positions = layout.to_local(row_positions, seq_len)
-    by_owner = owners[:, None] == torch.arange(world_size, device=owners.device)  # [R, W]
+    by_owner = owners[:, None] == torch.arange(world_size)  # [R, W]
     slot = by_owner.long().cumsum(dim=0).gather(1, owners[:, None]).flatten() - 1  # place in its owner's share
     mine = owners == rank
+    mine_count, rows = int(mine.sum()), len(owners)
+    indices = torch.cat([row_samples[mine], local_positions[mine], owners, slot]).to(q_local.device)
+    mine_samples, mine_positions, owners, slot = indices.split([mine_count, mine_count, rows, rows])
     share = q_local.new_zeros(int(by_owner.sum(dim=0).max()), *q_local.shape[2:])
-    share[: int(mine.sum())] = q_local[row_samples[mine], local_positions[mine]]
+    share[:mine_count] = q_local[mine_samples, mine_positions]
     gathered = [torch.empty_like(share) for _ in range(world_size)]
     dist.all_gather(gathered, share, group=group)
     return torch.stack(gathered)[owners, slot]
@@ -163,21 +168,24 @@ def _local_scores(
     o + s).
 
     ``q_rows [P, L, Hq, d]`` are the estimation rows of the ``parts`` at ``row_positions [P, L]``; each
-    document's rows meet this rank's keys of the same document only.
+    document's rows meet this rank's keys of the same document only. A rank's key positions ascend in local
+    order in every layout, so a document's keys here are one local range, found on the host (no device sync).
     """
     batch, local_len = k_local.shape[:2]
     q_heads, last_q = q_rows.shape[2], q_rows.shape[1]
     seq_len, device = documents.seq_len, k_local.device
-    k_positions = layout.global_positions(seq_len, dist.get_rank(group), device=device)
-    local_documents = documents.doc_id[:, k_positions]  # [b, N_loc]
+    rank = dist.get_rank(group)
+    k_positions = layout.global_positions(seq_len, rank, device=device)
+    bounds = torch.tensor([(part.start, part.start + part.length) for part in parts])
+    ranges = torch.searchsorted(layout.global_positions(seq_len, rank), bounds).tolist()  # [P, 2] on the host
     columns, logits = [], []
-    for number, part in enumerate(parts):
-        own = (local_documents[part.sample] == part.document).nonzero().flatten()
-        keys = k_local[part.sample : part.sample + 1].index_select(1, own)
+    for number, (part, (first, last)) in enumerate(zip(parts, ranges)):
+        own = slice(first, last)
+        keys = k_local[part.sample : part.sample + 1, own]
         rows = q_rows[number : number + 1]
         columns.append(own)
         logits.append(
-            estimation_logits(rows, row_positions[number], keys, k_positions[own], scale) if len(own) else None
+            estimation_logits(rows, row_positions[number], keys, k_positions[own], scale) if last > first else None
         )
 
     terms = _score_terms(logits, top_p, (q_heads, last_q), group, device)
@@ -260,12 +268,13 @@ def estimate_document_index_distributed(
     sparse, parts, clamped_documents = sparse_documents(documents, min_sparse_length, budget)
     if not parts:
         return assemble_document_index(documents, sparse, [], budget, q_heads), 0
-    samples = torch.tensor([part.sample for part in parts], device=device)
-    ends = torch.tensor([part.start + part.length for part in parts], device=device)
-    row_positions = (ends - last_q)[:, None] + torch.arange(last_q, device=device)  # [P, last_q]
+    samples = torch.tensor([part.sample for part in parts])  # on the host, like the positions below
+    ends = torch.tensor([part.start + part.length for part in parts])
+    row_positions = (ends - last_q)[:, None] + torch.arange(last_q)  # [P, last_q]
     q_rows = _gather_rows(
         q_local, samples.repeat_interleave(last_q), row_positions.flatten(), layout, seq_len, group
     ).view(len(parts), last_q, q_heads, dim)
+    row_positions = row_positions.to(device)
 
     top_p = isinstance(budget, TopPBudget)
     local_verticals, slash_sums = _local_scores(
