@@ -241,15 +241,42 @@ def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, ti
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
 
 
-# ---------------------------------------------------------------------------------------- main
-def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, float]:
-    """(conversion ms, static-budget estimation ms) of the pattern's counts."""
-    # with the block lists by key, which the Triton backward builds once per index
-    convert = median_ms(lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key, reps)
+HOST_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+
+
+def index_steps(q, k, v_idx, s_idx, seq_len: int) -> tuple[Callable, Callable]:
+    """(conversion, static-budget estimation) of the pattern's counts, as calls; the conversion includes the
+    block lists by key, which the Triton backward builds once per index."""
     counts = ((v_idx < seq_len).sum(-1).max().item(), (s_idx < seq_len).sum(-1).max().item())
     budget = StaticBudget(int(counts[0]), int(counts[1]))
-    estimate = median_ms(lambda: estimate_vertical_slash(q, k, budget), reps)
-    return convert, estimate
+    return (
+        lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key,
+        lambda: estimate_vertical_slash(q, k, budget),
+    )
+
+
+def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, float]:
+    """(conversion ms, static-budget estimation ms) of the pattern's counts."""
+    return tuple(median_ms(step, reps) for step in index_steps(q, k, v_idx, s_idx, seq_len))
+
+
+def profile_index(steps: dict[str, Callable], title: str) -> None:
+    """Print, per named index step (after a warm-up call), the CUDA time per kernel and the host calls that
+    wait for the device (synchronisations and blocking copies)."""
+    on_gpu = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * on_gpu
+    for name, step in steps.items():
+        step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+            if on_gpu:
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        waits = {event.key: event.count for event in events if event.key in HOST_SYNC_EVENTS}
+        print(f"# index kernel times, {name}, {title}; host waits and copies per call: {waits or 'none'}")
+        print(events.table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main(argv=None) -> None:
@@ -287,7 +314,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="also print per-kernel CUDA times (torch.profiler) of one sparse fwd+bwd per N, default and deterministic",
+        help="also print per-kernel CUDA times (torch.profiler) of one sparse fwd+bwd per N, default and "
+        "deterministic, and of the index steps (conversion, estimation) with their host waits",
     )
     parser.add_argument(
         "--report-only",
@@ -382,6 +410,11 @@ def main(argv=None) -> None:
                 )
                 modes = [False, True] if args.deterministic else [False]
                 if args.profile and sparsity == args.sparsities[-1]:
+                    convert, estimate = index_steps(q.detach(), k.detach(), v_idx, s_idx, seq_len)
+                    profile_index(
+                        {"conversion": convert, "static estimation": estimate},
+                        f"{shape} N={seq_len} sparsity {sparsity}",
+                    )
                     for deterministic in modes:
                         profile_kernels(
                             q,
@@ -503,7 +536,10 @@ def main(argv=None) -> None:
                 )
             for budget in budgets:
                 v_idx, s_idx = estimate_vertical_slash(q.detach(), k.detach(), budget)[:2]
-                estimate_ms = median_ms(functools.partial(estimate_vertical_slash, q.detach(), k.detach(), budget), 3)
+                estimate = functools.partial(estimate_vertical_slash, q.detach(), k.detach(), budget)
+                if args.profile:
+                    profile_index({f"top-P {budget.p} estimation": estimate}, f"{shape} N={seq_len}, structured q/k")
+                estimate_ms = median_ms(estimate, 3)
                 convert_ms = median_ms(
                     lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key, 3
                 )

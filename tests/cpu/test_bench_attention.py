@@ -83,3 +83,19 @@ def test_plot_has_a_panel_per_shape_and_a_colour_per_pattern():
     assert lines["deterministic sparsity 0.95"].get_color() == lines["sparsity 0.95"].get_color()
     assert lines["top-P 0.90 (structured q/k)"].get_color() != lines["sparsity 0.95"].get_color()
     assert list(panels["mha"]["sparsity 0.95"].get_ydata()) == pytest.approx([8.0])
+
+
+def test_profile_index_prints_each_step_and_its_host_waits(capsys):
+    """--profile's index report: one table per named step, with the host waits it counted (none on a CPU)."""
+    import torch
+
+    seq_len = 1024
+    q, k = torch.randn(1, seq_len, 2, 32), torch.randn(1, seq_len, 1, 32)
+    v_idx = torch.arange(0, seq_len, 16, dtype=torch.int32).expand(1, 2, -1)  # 64 verticals per head
+    s_idx = torch.arange(128, dtype=torch.int32).expand(1, 2, -1)  # the 128 nearest diagonals
+    convert, estimate = bench_attention.index_steps(q, k, v_idx, s_idx, seq_len)
+    bench_attention.profile_index({"conversion": convert, "static estimation": estimate}, "tiny")
+    printed = capsys.readouterr().out
+    for name in ("conversion", "static estimation"):
+        assert f"# index kernel times, {name}, tiny; host waits and copies per call: none" in printed
+    assert printed.count("Self CPU") >= 2
