@@ -37,7 +37,7 @@ import json
 import os
 
 import torch
-from bench_attention import FLEX_REL_RMSE, SHAPES, grads_of, measure, median_ms, time_sdpa
+from bench_attention import FLEX_REL_RMSE, SHAPES, grads_of, measure, median_ms, profile_index, time_sdpa
 from document_mixtures import MIXTURES, budget_document_index, realistic_document_index
 from flex_peer import document_causal_block_mask, flex_forward, flex_fwd_bwd, heads_first
 from provenance import git_commit
@@ -80,12 +80,15 @@ def flex_check(q, k, v, dout, dense_lists, block_mask, scale: float, backend: st
     return errors
 
 
-def estimation_ms(q, k, index: DocumentIndex, min_sparse_length: int) -> float:
-    """The per-document estimation of a static budget as wide as the pattern's lists, on these q/k."""
+def conversion_step(doc_index: DocumentIndex):
+    """The conversion of ``doc_index`` to the single device's lists, with the block lists by key, as a call."""
+    return lambda: convert_document_index(doc_index, SINGLE, 0).blocks_by_key
+
+
+def estimation_step(q, k, index: DocumentIndex, min_sparse_length: int):
+    """The per-document estimation of a static budget as wide as the pattern's lists, on these q/k, as a call."""
     budget = StaticBudget(int(index.v_idx.shape[-1]), int(index.s_idx.shape[-1]))
-    return median_ms(
-        lambda: estimate_document_index(q, k, index.documents, budget, min_sparse_length=min_sparse_length), 3
-    )
+    return lambda: estimate_document_index(q, k, index.documents, budget, min_sparse_length=min_sparse_length)
 
 
 def document_pattern(documents: Documents, heads: int, args: argparse.Namespace, device) -> DocumentIndex:
@@ -126,6 +129,11 @@ def main(argv=None) -> None:
     parser.add_argument("--jsonl", default="docs/benchmarks/packed.jsonl")
     parser.add_argument("--table", default="docs/benchmarks/packed.md")
     parser.add_argument("--commit", default=None, help="recorded commit (default: the checkout's, +dirty if changed)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the kernel times and host waits of each sparse mixture's index steps (torch.profiler)",
+    )
     parser.add_argument("--report-only", action="store_true", help="rebuild --table from the latest run in --jsonl")
     parser.add_argument(
         "--backend",
@@ -193,10 +201,15 @@ def main(argv=None) -> None:
             dense = DocumentIndex.dense(index.documents, index.num_heads)
             for impl, doc_index in (("mtraining_packed", index), ("mtraining_packed_dense", dense)):
                 lists = convert_document_index(doc_index, SINGLE, 0)
-                convert = median_ms(lambda: convert_document_index(doc_index, SINGLE, 0).blocks_by_key, 3)
+                conversion = conversion_step(doc_index)
+                convert = median_ms(conversion, 3)
                 estimate = 0.0
                 if doc_index is index:
-                    estimate = estimation_ms(q.detach(), k.detach(), index, args.min_sparse_length)
+                    estimation = estimation_step(q.detach(), k.detach(), index, args.min_sparse_length)
+                    if args.profile:
+                        steps = {"conversion": conversion, "per-document estimation": estimation}
+                        profile_index(steps, f"{mixture} N={seq_len}, {common['documents']} documents")
+                    estimate = median_ms(estimation, 3)
                 forward = ours(q, k, v, lists, args.backend)
                 fwd_ms, bwd_ms = measure(forward, grads_of(inputs, dout), args.warmup, args.reps)
                 record(

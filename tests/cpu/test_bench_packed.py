@@ -30,12 +30,12 @@ def _median_ms(fn, reps):
 @pytest.mark.parametrize(
     "pattern",
     [
-        ["--pattern", "budget", "--sparsity", "0.9"],
+        ["--pattern", "budget", "--sparsity", "0.9", "--profile"],
         ["--pattern", "realistic", "--far-slashes", "20", "--far-verticals", "20"],
     ],
-    ids=["budget", "realistic"],
+    ids=["budget-profiled", "realistic"],
 )
-def test_smoke_run_on_cpu(tmp_path, monkeypatch, pattern):
+def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys, pattern):
     monkeypatch.setattr(bench_packed, "SHAPES", {"tiny": (4, 2, 64)})
     monkeypatch.setattr(bench_packed, "measure", _once)
     monkeypatch.setattr(bench_packed, "median_ms", _median_ms)
@@ -76,3 +76,7 @@ def test_smoke_run_on_cpu(tmp_path, monkeypatch, pattern):
     assert ("budget 0.90 pattern" if pattern[1] == "budget" else "realistic pattern") in text
     assert text.count("\n| ") == len(rows) + 1  # header and one line per row
     assert "| prolong | 2048 |" in text and "mtraining_packed" in text
+    printed = capsys.readouterr().out
+    profiled = "--profile" in pattern
+    for mixture in bench_packed.MIXTURES:
+        assert (f"# index kernel times, per-document estimation, {mixture} N=2048" in printed) == profiled
