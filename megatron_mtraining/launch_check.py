@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from .arguments import CHECK_FLAG, validate_mtraining_args
+from .arguments import CHECK_FLAG, document_source, validate_mtraining_args
 from .config import MTrainingConfig, flag
 from .conversion.checkpoint_dir import TRACKER_FILE
 
@@ -245,6 +245,19 @@ def _ring_text(args: argparse.Namespace, mtraining: MTrainingConfig) -> str:
     return f"{mtraining.layout} layout, {ring}"
 
 
+def layout_note(args: argparse.Namespace, mtraining: MTrainingConfig) -> str | None:
+    """Advice when packed documents meet the striped layout over CP > 1, or None.
+
+    Striped puts the same position of every document of one length on the same rank (simulated all-4K at
+    CP = 32: 2.3× the ideal ring time; skewed 1.03×, docs/benchmarks.md)."""
+    if args.context_parallel_size == 1 or document_source(args) is None or mtraining.layout != "striped":
+        return None
+    return (
+        f"packed documents in the striped layout: documents of one length unbalance the ring; "
+        f"{flag('layout')} skewed balances them"
+    )
+
+
 def resolved_configuration(args: argparse.Namespace, mtraining: MTrainingConfig) -> list[str]:
     """Lines describing what the run will do, from Megatron-validated ``args``."""
     tp, pp, cp, dp = (
@@ -283,7 +296,7 @@ def resolved_configuration(args: argparse.Namespace, mtraining: MTrainingConfig)
         f"checkpoints  pretrained {args.pretrained_checkpoint or '-'}; load {args.load or '-'}; "
         f"save {args.save or '-'} every {args.save_interval or '-'} ({args.ckpt_format})",
         f"tokenizer    {args.tokenizer_type} {args.tokenizer_model or ''}".rstrip(),
-    ]
+    ] + ([f"note         {note}"] if (note := layout_note(args, mtraining)) else [])
 
 
 def run_check(command_line: argparse.Namespace, model_config: Callable, report=print) -> int:

@@ -64,7 +64,7 @@ from .arguments import (
 from .attention import PackedDocuments
 from .chunked_loss import ChunkedLossOutputProcessor
 from .config import MTrainingConfig
-from .launch_check import check_launch_flags, check_resumed_schedule, run_check
+from .launch_check import check_launch_flags, check_resumed_schedule, layout_note, run_check
 from .layout import install_layout_rope, select_layout_positions
 from .megatron_compat import fill_optimizer_state_before_loading
 from .spec import get_gpt_layer_mtraining_spec
@@ -362,6 +362,8 @@ def main() -> None:
     args = parse_and_validate_args(extra_args_provider=launcher_args)
     mtraining = _validated_or_exit(validate_mtraining_args, args)
     _validated_or_exit(check_resumed_schedule, args)
+    if (note := layout_note(args, mtraining)) and args.rank == 0:
+        print(f"note: {note}", flush=True)
     args.hierarchical_context_parallel_sizes = hierarchical_cp_sizes(args, mtraining)
     config = pretrain_cfg_container_from_args(args, mtraining_model_config(args, mtraining))
     run_pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)

@@ -260,3 +260,22 @@ def test_a_resumed_run_with_another_schedule_fails_before_the_model_is_built(mon
     )
     _set_global_args(monkeypatch, overridden)
     check_resumed_schedule(overridden)
+
+
+@pytest.mark.parametrize(
+    "extra, noted",
+    [
+        ("--reset-attention-mask --reset-position-ids --no-rope-fusion", True),
+        ("--reset-attention-mask --reset-position-ids --no-rope-fusion --mtraining-layout skewed", False),
+        ("", False),
+    ],
+    ids=["packed-striped", "packed-skewed", "unpacked"],
+)
+def test_check_advises_skewed_stripes_for_packed_documents(monkeypatch, extra, noted):
+    lines = _check(monkeypatch, f"{QWEN25_3B} {RUN_512K} --context-parallel-size 16 --mock-data {extra}")
+    notes = [line.strip() for line in lines if line.strip().startswith("note")]
+    expected = [
+        "note         packed documents in the striped layout: documents of one length unbalance the ring; "
+        "--mtraining-layout skewed balances them"
+    ]
+    assert notes == (expected if noted else [])
