@@ -105,6 +105,12 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         flag("cap"), type=int, default=None, help="largest top-P budget per head and kind (default 4096)"
     )
     group.add_argument(
+        flag("block_slashes"),
+        action="store_true",
+        help="top-P: rank whole 128-token block diagonals by their mass, the work the kernels do for any slash, "
+        "instead of single slashes (the cap then counts block diagonals)",
+    )
+    group.add_argument(
         flag("vertical_size"), type=int, default=None, help="static budget: verticals per head (sinks included)"
     )
     group.add_argument(

@@ -142,6 +142,7 @@ class BudgetTable:
         num_heads: int,
         top_p: float | None = None,
         cap: int | None = None,
+        block_slashes: bool = False,
         v_size: int | None = None,
         s_size: int | None = None,
         pattern_file: str | os.PathLike | None = None,
@@ -150,14 +151,19 @@ class BudgetTable:
         ``-slash-size``/``-pattern-file`` flags (unset ones are ``None``).
 
         ``mode="static"`` takes either ``pattern_file`` or both ``v_size`` and ``s_size``;
-        ``mode="top-p"`` takes ``top_p`` and optionally ``cap``. Settings of the other mode raise.
+        ``mode="top-p"`` takes ``top_p`` and optionally ``cap`` and ``block_slashes``. Settings of the other
+        mode raise.
         """
         static_given = {
             name: value
             for name, value in (("v_size", v_size), ("s_size", s_size), ("pattern_file", pattern_file))
             if value is not None
         }
-        top_p_given = {name: value for name, value in (("top_p", top_p), ("cap", cap)) if value is not None}
+        top_p_given = {
+            name: value
+            for name, value in (("top_p", top_p), ("cap", cap), ("block_slashes", block_slashes or None))
+            if value is not None
+        }
         if static_given and top_p_given:
             raise ValueError(
                 f"top-P settings {top_p_given} and static settings {static_given} were given together; "
@@ -171,7 +177,9 @@ class BudgetTable:
             if top_p is None:
                 raise ValueError("budget mode 'top-p' needs top_p (e.g. 0.9 or 0.95)")
             return cls.uniform(
-                TopPBudget(top_p, DEFAULT_CAP if cap is None else cap), num_layers=num_layers, num_heads=num_heads
+                TopPBudget(top_p, DEFAULT_CAP if cap is None else cap, block_slashes),
+                num_layers=num_layers,
+                num_heads=num_heads,
             )
         if mode == "static":
             if top_p_given:

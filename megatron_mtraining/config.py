@@ -51,7 +51,8 @@ def _is_number(value: Any) -> bool:
 class MTrainingConfig:
     """Settings of MTraining's sparse attention; defaults follow DESIGN.md.
 
-    Budget: ``budget="top-p"`` takes ``top_p`` (default 0.9) and ``cap`` (default 4096);
+    Budget: ``budget="top-p"`` takes ``top_p`` (default 0.9), ``cap`` (default 4096) and ``block_slashes``
+    (rank whole 128-token block diagonals instead of single slashes);
     ``budget="static"`` takes exactly one of the pair ``vertical_size``/``slash_size``, a target
     ``sparsity`` (converted to a uniform pair per sequence length) or a per-(layer, head)
     ``pattern_file`` (JSON ``{layer: {head: [v, s]}}``, 0-based layers, global heads).
@@ -73,6 +74,7 @@ class MTrainingConfig:
     budget: str = "top-p"
     top_p: float | None = None
     cap: int | None = None
+    block_slashes: bool = False
     vertical_size: int | None = None
     slash_size: int | None = None
     sparsity: float | None = None
@@ -168,6 +170,10 @@ class MTrainingConfig:
             if getattr(self, name) is not None
         }
         top_p = {name: getattr(self, name) for name in ("top_p", "cap") if getattr(self, name) is not None}
+        if not isinstance(self.block_slashes, bool):
+            raise ValueError(f"{flag('block_slashes')}={self.block_slashes!r} must be True or False")
+        if self.block_slashes:
+            top_p["block_slashes"] = True
         if self.budget == "top-p" and static:
             raise ValueError(
                 f"{flag('budget')}=top-p does not take the static budget settings "
@@ -467,6 +473,7 @@ def _budget_table(config: MTrainingConfig, num_layers: int, num_heads: int, seq_
                 num_heads=num_heads,
                 top_p=config.effective_top_p if config.budget == "top-p" else None,
                 cap=config.effective_cap if config.budget == "top-p" else None,
+                block_slashes=config.block_slashes,
                 v_size=config.vertical_size,
                 s_size=config.slash_size,
                 pattern_file=config.pattern_file,

@@ -224,7 +224,8 @@ def _budget_text(mtraining: MTrainingConfig) -> str:
         from .config import DEFAULT_TOP_P
 
         top_p = mtraining.top_p if mtraining.top_p is not None else DEFAULT_TOP_P
-        budget = f"top-P {top_p} (cap {mtraining.cap or DEFAULT_CAP} verticals/slashes per head)"
+        slashes = "block diagonals" if mtraining.block_slashes else "slashes"
+        budget = f"top-P {top_p} (cap {mtraining.cap or DEFAULT_CAP} verticals/{slashes} per head)"
     elif mtraining.sparsity is not None:
         budget = f"static, target sparsity {mtraining.sparsity}"
     elif mtraining.pattern_file is not None:

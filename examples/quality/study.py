@@ -70,16 +70,17 @@ PLANS = {
         "flags": LONG_FLAGS,
         "prefix": "quality",
     },
-    # The same curriculum, top-P 0.9 with smaller per-head caps: in plan long its near-dense layer 1 set the
-    # 128K time. Its own dense run and top-P 0.9 again (the two runs repeat plan long's, seed for seed).
+    # The same curriculum, top-P 0.9 with a smaller per-head cap, over block diagonals, and both: in plan long
+    # its near-dense layer 1 set the 128K time. Its own dense run and top-P 0.9 again (plan long's, seed for seed).
     "long_cap": {
         "phases": LONG_PHASES,
         "stages": [4, 7, 8],
         "runs": {
             "dense": DENSE_LONG,
             "topp0.9": TOP_P_09,
-            "topp0.9_cap1024": [*TOP_P_09, "--cap", "1024"],
             "topp0.9_cap256": [*TOP_P_09, "--cap", "256"],
+            "topp0.9_blocks": [*TOP_P_09, "--block-slashes"],
+            "topp0.9_blocks_cap128": [*TOP_P_09, "--block-slashes", "--cap", "128"],
         },
         "baseline": "dense",
         "flags": LONG_FLAGS,

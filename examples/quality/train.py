@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--cap", type=int, default=None, help="MTraining top-P cap (default: MTrainingConfig's)")
     run.add_argument(
+        "--block-slashes",
+        action="store_true",
+        help="MTraining top-P over whole 128-token block diagonals (--mtraining-block-slashes)",
+    )
+    run.add_argument(
         "--sparsity",
         type=parse_sparsity,
         default=None,
@@ -295,7 +300,7 @@ class Budget:
             elif args.sparsity is not None:
                 config = MTrainingConfig(budget="static", sparsity=sparsity_at(args.sparsity, seq_len), **common)
             else:
-                config = MTrainingConfig(top_p=args.top_p, cap=args.cap, **common)
+                config = MTrainingConfig(top_p=args.top_p, cap=args.cap, block_slashes=args.block_slashes, **common)
             self._configs[seq_len] = config
         return self._configs[seq_len]
 
@@ -305,7 +310,7 @@ class Budget:
         if args.attention == "dense":
             return "dense"
         if args.sparsity is None:
-            return f"top-p {args.top_p:g}"
+            return f"top-p {args.top_p:g}" + (" blocks" if args.block_slashes else "")
         if seq_len is not None:
             return f"static {sparsity_at(args.sparsity, seq_len):g}"
         return "static " + ", ".join(
@@ -351,7 +356,11 @@ class Budget:
             else:
                 sparsities = [sparsity_at(args.sparsity, seq_len)]
         common = dict(backend="torch", sink_tokens=args.sink_tokens, local_window=args.local_window)
-        settings = {f"top-p {p:g}": MTrainingConfig(top_p=p, cap=args.cap, **common) for p in top_ps or []}
+        blocks = " blocks" if args.block_slashes else ""
+        settings = {
+            f"top-p {p:g}{blocks}": MTrainingConfig(top_p=p, cap=args.cap, block_slashes=args.block_slashes, **common)
+            for p in top_ps or []
+        }
         settings |= {f"static {x:g}": MTrainingConfig(budget="static", sparsity=x, **common) for x in sparsities or []}
         own = self.name(seq_len)
         return settings, (own if own in settings else None)
@@ -862,8 +871,10 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
         )
     if args.resume is not None and not args.resume.is_file():
         parser.error(f"--resume {args.resume}: no such checkpoint; run train.py --stop-after-phase K first")
-    if args.sparsity is not None and (args.top_p is not None or args.cap is not None):
-        parser.error("--sparsity (a static budget) excludes --top-p and --cap (the top-P budget); give one")
+    if args.sparsity is not None and (args.top_p is not None or args.cap is not None or args.block_slashes):
+        parser.error(
+            "--sparsity (a static budget) excludes --top-p, --cap and --block-slashes (the top-P budget); give one"
+        )
     lengths = [phase[0] for phase in args.phases]
     args.eval_lengths = args.eval_lengths or sorted({n for n in lengths if n >= 1024} or set(lengths))
     if len(args.eval_samples) == 1:

@@ -5,7 +5,8 @@ A budget says how many verticals and slashes one query head keeps. Two kinds exi
 * :class:`StaticBudget` — fixed counts ``v_size`` and ``s_size``. The forced entries (sinks, local
   window) are part of the count; :class:`StaticHeadBudgets` holds one such pair per query head.
 * :class:`TopPBudget` — per head, the smallest count whose softmax mass reaches ``p``, at most
-  ``cap``; verticals and slashes are counted independently.
+  ``cap``; verticals and slashes are counted independently. With ``block_slashes`` the slashes are whole
+  block diagonals, ranked by the mass of the 128 × 128 blocks they make the kernels compute.
 
 A whole model's budgets (one setting, or a static pair per layer and head from JSON) are
 ``megatron_mtraining.budget.BudgetTable``.
@@ -133,15 +134,22 @@ class TopPBudget:
     """Per head, the fewest entries whose softmax mass reaches ``p``, forced entries included, at most ``cap``.
 
     ``cap`` is a ceiling, not a request: on a sequence shorter than ``cap`` it is ``seq_len``.
+    ``block_slashes``: the slash candidates are the block diagonals δ = 0, 1, … (kept as slash offsets
+    128·δ, each of which covers exactly its block diagonal), their mass that of the estimation rows in the
+    key block δ blocks before the last; ``cap`` then counts block diagonals. The kernels compute whole
+    blocks for any slash, so this ranks what they compute.
     """
 
     p: float
     cap: int = DEFAULT_CAP
+    block_slashes: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 < self.p <= 1:
             raise ValueError(f"p={self.p!r} must be a number in (0, 1], e.g. 0.9 or 0.95")
         check_int("cap", self.cap, 1)
+        if not isinstance(self.block_slashes, bool):
+            raise ValueError(f"block_slashes={self.block_slashes!r} must be True or False")
 
     def validate_for(self, seq_len: int, sink_tokens: int, local_window: int) -> None:
         """Raise ``ValueError`` unless the cap leaves room for the forced entries."""

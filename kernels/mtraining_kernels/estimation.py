@@ -42,6 +42,7 @@ import torch
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from .launch_checks import uses_triton
+from .layout import BLOCK_SIZE
 
 FIXED_POINT_ONE = 2**32  # fixed point: value·2^32 rounded to int64
 STATIC_LOGIT_LIMIT = 2.0**24  # |logit| clamp: 64 rows · 2^24 · 2^32 = 2^62 cannot overflow
@@ -383,6 +384,8 @@ def estimate_vertical_slash(
     del logits
 
     total_mass = v_scores.sum(dim=-1) if isinstance(budget, TopPBudget) else None  # = s_scores.sum(-1) exactly
+    if isinstance(budget, TopPBudget) and budget.block_slashes:
+        s_scores = block_diagonal_scores(v_scores, k_positions, seq_len)
     return select_index(
         v_scores,
         _all_candidates(v_scores),
@@ -459,8 +462,52 @@ def list_widths(budget: StaticHeadBudgets | TopPBudget, seq_len: int) -> tuple[i
     """(Vmax, Smax) of a resolved budget on a sequence of ``seq_len``."""
     if isinstance(budget, TopPBudget):
         width = list_width(budget.effective_cap(seq_len), seq_len)
+        if budget.block_slashes:
+            return width, list_width(min(budget.cap, block_diagonals(seq_len)), seq_len)
         return width, width
     return list_width(int(budget.v_size.max()), seq_len), list_width(int(budget.s_size.max()), seq_len)
+
+
+def block_diagonals(seq_len: int) -> int:
+    """The block diagonals δ = 0 … ⌈N/128⌉ − 1 of a sequence (or document) of ``seq_len`` tokens."""
+    return -(-seq_len // BLOCK_SIZE)
+
+
+def forced_block_diagonals(local_window: int) -> int:
+    """How many block diagonals (δ = 0, 1, …) the local window's offsets 0 … local_window − 1 reach."""
+    return -(-(local_window - 1) // BLOCK_SIZE) + 1
+
+
+def block_diagonal_scores(v_scores: torch.Tensor, key_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Block-diagonal masses ``[b, Hq, ⌈N/128⌉]`` int64 from vertical masses ``v_scores [b, Hq, n]`` of the keys
+    at ``key_positions [n]`` (all of them, or one rank's: the sums over ranks then add up exactly).
+
+    Diagonal δ holds the keys j with (N − 1 − j) // 128 = δ: the estimation rows, which end the sequence,
+    meet those keys in the blocks δ below their own (exactly so when N is a multiple of 128).
+    """
+    diagonal = ((seq_len - 1 - key_positions.to(v_scores.device)) // BLOCK_SIZE).expand_as(v_scores)
+    sums = v_scores.new_zeros(*v_scores.shape[:-1], block_diagonals(seq_len))
+    return sums.scatter_add_(-1, diagonal, v_scores)
+
+
+def _block_slash_index(
+    scores: torch.Tensor, budget: TopPBudget, total_mass: torch.Tensor, seq_len: int, local_window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-P over block diagonals ``scores [b, Hq, ⌈N/128⌉]`` (all of them, δ ascending): the chosen δ as
+    slash offsets 128·δ, ascending, padded with N (int32 ``[b, Hq, Smax]``), and their counts."""
+    num_diagonals = scores.shape[-1]
+    forced = min(forced_block_diagonals(local_window), num_diagonals)
+    width = list_widths(budget, seq_len)[1]
+    limit = min(budget.cap, num_diagonals)
+    candidates = torch.arange(num_diagonals, device=scores.device).expand(scores.shape)
+    ranked_scores, ranked = rank_candidates(scores, candidates, forced, min(width, num_diagonals), True)
+    counts = top_p_counts(ranked_scores, forced, total_mass, budget.p, limit)
+    chosen, counts = index_list(ranked, counts, min(width, num_diagonals), num_diagonals)
+    offsets = torch.where(chosen < num_diagonals, chosen * BLOCK_SIZE, seq_len)
+    padding = torch.full(
+        (*offsets.shape[:-1], width - offsets.shape[-1]), seq_len, dtype=offsets.dtype, device=offsets.device
+    )
+    return torch.cat([offsets, padding], dim=-1), counts
 
 
 def select_index(
@@ -480,20 +527,24 @@ def select_index(
     The candidates must contain every head's best Vmax (Smax) entries in the order of
     :func:`rank_candidates`: all of them, or the union of per-rank top lists. ``total_mass [b, Hq]``
     (int64, top-P only) is the sum of all vertical masses. ``candidates_ascending``: both index lists are
-    ascending (all of them, 0 … m−1), so ranking skips its sort by index.
+    ascending (all of them, 0 … m−1), so ranking skips its sort by index. A budget with ``block_slashes``
+    takes every block diagonal's mass (:func:`block_diagonal_scores`) as ``s_scores`` (``s_indices`` unused).
     """
     v_width, s_width = list_widths(budget, seq_len)
     v_sizes, s_sizes = (None, None) if isinstance(budget, TopPBudget) else (budget.v_size, budget.s_size)
+    kinds = [(v_scores, v_indices, sink_tokens, v_width, v_sizes)]
+    block_slashes = isinstance(budget, TopPBudget) and budget.block_slashes
+    if not block_slashes:
+        kinds.append((s_scores, s_indices, local_window, s_width, s_sizes))
     lists = []
-    for scores, indices, num_forced, width, sizes in (
-        (v_scores, v_indices, sink_tokens, v_width, v_sizes),
-        (s_scores, s_indices, local_window, s_width, s_sizes),
-    ):
+    for scores, indices, num_forced, width, sizes in kinds:
         ranked_scores, ranked_indices = rank_candidates(scores, indices, num_forced, width, candidates_ascending)
         if sizes is None:
             counts = top_p_counts(ranked_scores, num_forced, total_mass, budget.p, budget.effective_cap(seq_len))
         else:
             counts = sizes.to(scores.device).expand(scores.shape[:-1])
         lists.append(index_list(ranked_indices, counts, width, seq_len))
+    if block_slashes:
+        lists.append(_block_slash_index(s_scores, budget, total_mass, seq_len, local_window))
     (v_idx, v_cnt), (s_idx, s_cnt) = lists
     return VerticalSlashIndex(v_idx, s_idx, v_cnt, s_cnt)

@@ -25,6 +25,7 @@ from mtraining_kernels.document_index import (
 )
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.estimation import (
+    block_diagonal_scores,
     estimation_logits,
     exp_fixed_point,
     probability_fixed_point,
@@ -58,6 +59,7 @@ _AGREED_FIELDS = (
     "top-P",
     "p",
     "cap",
+    "block_slashes",
     "v_size",
     "s_size",
     "document starts shape",
@@ -87,9 +89,9 @@ def _checked_inputs(
     )
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
     if isinstance(budget, TopPBudget):
-        budget_values = [True, float(budget.p), budget.cap, None, None]
+        budget_values = [True, float(budget.p), budget.cap, budget.block_slashes, None, None]
     else:
-        budget_values = [False, None, None, budget.v_size, budget.s_size]
+        budget_values = [False, None, None, None, budget.v_size, budget.s_size]
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
     values = [batch, local_len, q_heads, k_local.shape[2], dim, q_local.dtype, k_local.dtype, repr(layout), last_q]
     values += [sink_tokens, local_window, float(scale), min_sparse_length, *budget_values]
@@ -293,6 +295,8 @@ def estimate_document_index_distributed(
         )
         candidates = torch.arange(length, device=device).expand(v_scores.shape)
         total_mass = v_scores.sum(dim=-1) if top_p else None
+        if top_p and budget.block_slashes:  # the document's own block diagonals, as on one device
+            s_scores = block_diagonal_scores(v_scores, candidates[0, 0], length)
         own = select_index(
             v_scores,
             candidates,

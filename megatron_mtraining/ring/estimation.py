@@ -18,6 +18,7 @@ from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from mtraining_kernels.estimation import (
     MAX_LAST_Q,
     VerticalSlashIndex,
+    block_diagonal_scores,
     check_forced_entries,
     check_int,
     check_query_key,
@@ -101,6 +102,7 @@ _AGREED_FIELDS = (
     "Smax",
     "p",
     "cap",
+    "block_slashes",
     "v_size",
     "s_size",
 )
@@ -123,9 +125,9 @@ def _agreed_values(
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
     v_width, s_width = list_widths(budget, seq_len)
     if isinstance(budget, TopPBudget):
-        budget_values = [1, v_width, s_width, float(budget.p), budget.cap, None, None]
+        budget_values = [1, v_width, s_width, float(budget.p), budget.cap, budget.block_slashes, None, None]
     else:
-        budget_values = [0, v_width, s_width, None, None, budget.v_size, budget.s_size]
+        budget_values = [0, v_width, s_width, None, None, None, budget.v_size, budget.s_size]
     return [
         batch,
         local_len,
@@ -202,14 +204,29 @@ def estimate_vertical_slash_distributed(
     logits = estimation_logits(q_rows, q_positions, k_local, k_positions, scale)
     v_scores, partials = vertical_and_slash_scores(logits, top_p, q_positions, k_positions, seq_len, all_reduce)
     del logits
-    s_scores, s_offsets = complete_slash_sums(partials, layout, seq_len, last_q, group)
-    del partials
-
     # a rank's key positions ascend in every layout, so its owned offsets N − 1 − position descend: flipped,
     # both candidate lists are ascending and their ranking needs no sort by index
     v_scores_top, v_indices_top = rank_candidates(
         v_scores, k_positions.expand_as(v_scores), sink_tokens, v_width, indices_ascending=True
     )
+    if top_p and budget.block_slashes:  # every block diagonal's mass, its ranks' shares summed exactly
+        diagonals = all_reduce(block_diagonal_scores(v_scores, k_positions, seq_len), "sum")
+        (v_scores_all, v_indices_all, mass_all) = all_gather_last_dim(
+            [v_scores_top, v_indices_top.int(), v_scores.sum(dim=-1, keepdim=True)], group
+        )
+        return select_index(
+            v_scores_all,
+            v_indices_all.long(),
+            diagonals,
+            None,
+            budget,
+            mass_all.sum(dim=-1),
+            seq_len,
+            sink_tokens,
+            local_window,
+        )
+    s_scores, s_offsets = complete_slash_sums(partials, layout, seq_len, last_q, group)
+    del partials
     s_scores_top, s_indices_top = rank_candidates(
         s_scores.flip(-1), s_offsets.flip(-1).expand_as(s_scores), local_window, s_width, indices_ascending=True
     )

@@ -50,6 +50,17 @@ def test_defaults_are_valid_and_follow_the_design():
     assert table.resolve(1) == TopPBudget(0.9, 4096)
 
 
+def test_block_slashes_reach_the_top_p_budget_and_are_refused_with_static_budgets():
+    table = MTrainingConfig(block_slashes=True, cap=512).budget_table(num_layers=2, num_heads=4, seq_length=8192)
+    assert table.resolve(1) == TopPBudget(0.9, 512, block_slashes=True)
+    with pytest.raises(
+        ValueError, match="--mtraining-budget=static does not take the top-P settings --mtraining-block-slashes"
+    ):
+        MTrainingConfig(budget="static", sparsity=0.9, block_slashes=True)
+    with pytest.raises(ValueError, match="--mtraining-block-slashes='yes' must be True or False"):
+        MTrainingConfig(block_slashes="yes")
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [

@@ -11,6 +11,7 @@ from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from mtraining_kernels.estimation import (
     FIXED_POINT_ONE,
     INCOMPLETE_SCORE,
+    block_diagonal_scores,
     estimate_vertical_slash,
     estimation_logits,
     exp_fixed_point,
@@ -145,6 +146,50 @@ def test_top_p_selects_the_minimal_set_of_fp64_brute_force(kind, seed):
     selected_mass = masses[got].sum()
     weakest = masses[[g for g in got if g >= forced]].min()
     assert selected_mass >= p > selected_mass - weakest, f"seed={seed} p={p}"
+
+
+def test_block_slashes_select_the_heaviest_block_diagonals_of_fp64_brute_force(seed):
+    """``block_slashes``: slashes are 128·δ for the fewest block diagonals (δ = 0 and 1 forced by the window)
+    whose fp64 mass, the estimation rows' mass in key block NB − 1 − δ, reaches p; verticals as without it."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = 1024
+    q = torch.randn(1, seq_len, 1, 16, generator=generator)
+    k = torch.randn(1, seq_len, 1, 16, generator=generator)
+    k[0, : seq_len // 2] *= 0.2  # a far half of low mass, so p is reached before every diagonal
+    vertical = reference_masses(q, k, 1.0, LAST_Q)[0]
+    diagonals = vertical.view(-1, 128).sum(dim=-1).flip(0)  # δ = NB − 1 − key block
+    ranked, order = diagonals[2:].sort(descending=True)
+    cumulative = diagonals[:2].sum() + ranked.cumsum(0)
+    gaps = ((ranked[:-1] - ranked[1:] > 1e-4) & (cumulative[:-1] < 0.999)).nonzero().flatten()
+    assert len(gaps) > 0, f"seed={seed}: no clear boundary"
+    chosen = int(gaps[random.Random(seed).randrange(len(gaps))]) + 1
+    p = float(cumulative[chosen - 1] - ranked[chosen - 1] / 2)
+    expected = sorted([0, 128] + ((order[:chosen] + 2) * 128).tolist())
+
+    index = estimate_vertical_slash(q, k, TopPBudget(p, cap=seq_len, block_slashes=True), softmax_scale=1.0)
+    assert valid_entries(index.s_idx, index.s_cnt)[0][0] == expected, f"seed={seed} p={p}"
+    assert index.s_idx[0, 0, len(expected) :].eq(seq_len).all()
+    plain = estimate_vertical_slash(q, k, TopPBudget(p, cap=seq_len), softmax_scale=1.0)
+    assert torch.equal(index.v_idx, plain.v_idx) and torch.equal(index.v_cnt, plain.v_cnt)
+
+
+def test_block_diagonal_scores_add_up_over_key_subsets(seed):
+    """Block-diagonal masses of some keys plus those of the rest are those of all keys (ranks' shares)."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = 700  # not a multiple of 128: the first diagonal block is short
+    scores = torch.randint(0, 2**40, (2, 3, seq_len), generator=generator)
+    positions = torch.randperm(seq_len, generator=generator)
+    whole = block_diagonal_scores(scores, torch.arange(seq_len), seq_len)
+    expected = torch.stack(
+        [scores[..., max(seq_len - 128 * (d + 1), 0) : seq_len - 128 * d].sum(-1) for d in range(6)], -1
+    )
+    assert torch.equal(whole, expected)
+    part = positions[:300]
+    rest = positions[300:]
+    split = block_diagonal_scores(scores[..., part], part, seq_len) + block_diagonal_scores(
+        scores[..., rest], rest, seq_len
+    )
+    assert torch.equal(split, whole)
 
 
 def test_top_p_cap_limits_the_count_and_keeps_the_heaviest(seed):

@@ -25,6 +25,9 @@ COLLECTIVE_TIMEOUT = 20.0  # seconds a gloo collective waits in the agreement te
 PROMPT_SECONDS = 10.0  # an agreed error takes milliseconds; a stuck collective takes COLLECTIVE_TIMEOUT
 
 
+MODES = ("static", "top-p", "top-p-blocks")  # top-p-blocks: slashes as whole block diagonals
+
+
 def _random_lengths(rng: random.Random) -> list[int]:
     """Lengths summing to N: long documents and runs of short (dense) ones."""
     lengths, left = [], SEQ_LEN
@@ -52,7 +55,8 @@ def _make_case(rng: random.Random, kind: str, world: int, mode: str, one_documen
             [StaticBudget(v_sizes[0], s_sizes[0]), StaticHeadBudgets(torch.tensor(v_sizes), torch.tensor(s_sizes))]
         )
     else:
-        budget = TopPBudget(round(rng.uniform(0.5, 0.97), 3), rng.randint(max(sinks, window, 1), 400))
+        cap = rng.randint(max(sinks, window, 1), 400)
+        budget = TopPBudget(round(rng.uniform(0.5, 0.97), 3), cap, block_slashes=mode == "top-p-blocks")
     return dict(
         kind=kind,
         world=world,
@@ -138,8 +142,8 @@ def _check_bitwise(case: dict, per_rank: list, seed: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_document_index_is_bitwise_the_single_device_one(distributed, seed, world):
     rng = random.Random(seed)
-    cases = [_make_case(rng, kind, world, mode) for kind in LAYOUT_KINDS for mode in ("static", "top-p")]
-    one_document_cases = [_make_case(rng, kind, world, rng.choice(["static", "top-p"]), True) for kind in LAYOUT_KINDS]
+    cases = [_make_case(rng, kind, world, mode) for kind in LAYOUT_KINDS for mode in MODES]
+    one_document_cases = [_make_case(rng, kind, world, rng.choice(MODES), True) for kind in LAYOUT_KINDS]
     packed, unpacked = zip(*distributed(_estimate_on_world, world, cases, one_document_cases))
     for number, case in enumerate(cases):
         _check_bitwise(case, [by_rank[number] for by_rank in packed], seed)

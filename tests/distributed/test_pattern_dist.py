@@ -19,6 +19,9 @@ FIELDS = ("v_idx", "s_idx", "v_cnt", "s_cnt")
 
 
 # ------------------------------------------------------------------------------------------------ cases
+MODES = ("static", "top-p", "top-p-blocks")  # top-p-blocks: slashes as whole block diagonals
+
+
 def _make_case(rng: random.Random, kind: str, world: int, mode: str) -> dict:
     """Random options for one estimation: layout, last_q that one rank holds, forced counts, budget, dtype."""
     local_len = SEQ_LEN // world
@@ -35,7 +38,8 @@ def _make_case(rng: random.Random, kind: str, world: int, mode: str) -> dict:
             [StaticBudget(v_sizes[0], s_sizes[0]), StaticHeadBudgets(torch.tensor(v_sizes), torch.tensor(s_sizes))]
         )
     else:
-        budget = TopPBudget(round(rng.uniform(0.5, 0.97), 3), rng.randint(max(sinks, window, 1), 300))
+        cap = rng.randint(max(sinks, window, 1), 300)
+        budget = TopPBudget(round(rng.uniform(0.5, 0.97), 3), cap, block_slashes=mode == "top-p-blocks")
     return dict(
         kind=kind,
         world=world,
@@ -152,7 +156,7 @@ def _estimate_on_subgroups(rank, world_size, members, cases_by_group):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_distributed_index_is_bitwise_the_single_device_index(distributed, seed, world):
     rng = random.Random(seed)
-    cases = [_make_case(rng, kind, world, mode) for kind in LAYOUT_KINDS for mode in ("static", "top-p")]
+    cases = [_make_case(rng, kind, world, mode) for kind in LAYOUT_KINDS for mode in MODES]
     results = distributed(_estimate_on_world, world, cases)
     for number, case in enumerate(cases):
         _check_bitwise(case, [by_rank[number] for by_rank in results], seed)
@@ -162,9 +166,7 @@ def test_cp_groups_that_are_not_the_world_run_concurrently(distributed, seed):
     """Two CP groups of non-adjacent global ranks (as with TP = 2 inside), each with its own data."""
     rng = random.Random(seed)
     members = [[0, 2], [1, 3]]
-    cases_by_group = [
-        [_make_case(rng, rng.choice(LAYOUT_KINDS), 2, mode) for mode in ("static", "top-p")] for _ in members
-    ]
+    cases_by_group = [[_make_case(rng, rng.choice(LAYOUT_KINDS), 2, mode) for mode in MODES] for _ in members]
     results = distributed(_estimate_on_subgroups, 4, members, cases_by_group)
     for group_id, ranks in enumerate(members):
         assert [results[r][0] for r in ranks] == [group_id] * len(ranks)
