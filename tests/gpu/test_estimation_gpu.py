@@ -22,7 +22,11 @@ from mtraining_kernels.layout import Layout
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-BUDGETS = {"static": StaticBudget(2048, 4096), "top_p": TopPBudget(0.9, 4096)}
+BUDGETS = {
+    "static": StaticBudget(2048, 4096),
+    "top_p": TopPBudget(0.9, 4096),
+    "top_p_blocks": TopPBudget(0.9, 4096, block_slashes=True),
+}
 
 
 def draw_qk(seed, batch, seq_len, q_heads, kv_heads, dim, dtype, device=DEVICE):
@@ -100,7 +104,7 @@ def test_partial_slash_sums_of_a_striped_split_add_up(seed, mode):
     assert torch.equal(summed_s, expected_s), f"seed={seed} {mode}: the partial S do not add up"
 
 
-@pytest.mark.parametrize("mode", ["static", "top_p"])
+@pytest.mark.parametrize("mode", ["static", "top_p", "top_p_blocks"])
 @pytest.mark.parametrize("seq_len", [4096, 32768])
 def test_index_is_identical_to_the_pytorch_path(seed, mode, seq_len):
     q, k = draw_qk(seed, 1, seq_len, 16, 2, 128, torch.bfloat16)
