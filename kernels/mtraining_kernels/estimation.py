@@ -378,13 +378,15 @@ def estimate_vertical_slash(
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = torch.arange(seq_len, device=device)
     logits = estimation_logits(q[:, seq_len - last_q :], q_positions, k, k_positions, scale, implementation)
+    top_p = isinstance(budget, TopPBudget)
+    block_slashes = top_p and budget.block_slashes
     v_scores, s_scores = vertical_and_slash_scores(
-        logits, isinstance(budget, TopPBudget), q_positions, k_positions, seq_len, implementation=implementation
+        logits, top_p, q_positions, k_positions, seq_len, implementation=implementation, slashes=not block_slashes
     )
     del logits
 
-    total_mass = v_scores.sum(dim=-1) if isinstance(budget, TopPBudget) else None  # = s_scores.sum(-1) exactly
-    if isinstance(budget, TopPBudget) and budget.block_slashes:
+    total_mass = v_scores.sum(dim=-1) if top_p else None  # = s_scores.sum(-1) exactly
+    if block_slashes:
         s_scores = block_diagonal_scores(v_scores, k_positions, seq_len)
     return select_index(
         v_scores,
@@ -431,16 +433,17 @@ def vertical_and_slash_scores(
     seq_len: int,
     reduce_rows: RowReduction | None = None,
     implementation: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    slashes: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(V over the logits' columns ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64, from the logits.
 
     ``reduce_rows`` as in :func:`_values_and_vertical_scores`; ``implementation`` as in
     :func:`estimation_logits`. With Triton the terms are computed inside the kernels and never stored; the
-    integers are the same.
+    integers are the same. Without ``slashes`` (top-P over block diagonals needs V only) S is None.
     """
     if not uses_triton(implementation, logits):
         values, v_scores = _values_and_vertical_scores(logits, top_p, reduce_rows)
-        return v_scores, slash_partial_sums(values, q_positions, k_positions, seq_len)
+        return v_scores, slash_partial_sums(values, q_positions, k_positions, seq_len) if slashes else None
     kernels, rules = _triton_estimation(), _fixed_point_rules()
     if not top_p:
         return kernels.static_scores(logits, q_positions, k_positions, seq_len, rules)
@@ -450,7 +453,7 @@ def vertical_and_slash_scores(
     row_sums = kernels.exp_row_sums(logits, row_max, rules)
     if reduce_rows is not None:
         row_sums = reduce_rows(row_sums, "sum")
-    return kernels.top_p_scores(logits, q_positions, k_positions, seq_len, row_max, row_sums, rules)
+    return kernels.top_p_scores(logits, q_positions, k_positions, seq_len, row_max, row_sums, rules, slashes)
 
 
 def _all_candidates(scores: torch.Tensor) -> torch.Tensor:

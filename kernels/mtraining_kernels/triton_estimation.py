@@ -455,8 +455,9 @@ def exp_row_sums(logits: torch.Tensor, row_max: torch.Tensor, rules: FixedPointR
     return row_sums
 
 
-def _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denominators):
-    """(V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64; top-P when ``row_max`` is given."""
+def _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denominators, slashes=True):
+    """(V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without ``slashes``), int64; top-P when
+    ``row_max`` is given."""
     _check_logits(logits, q_positions, k_positions)
     _check_device(logits, q_positions, k_positions)
     batch, q_heads, num_rows, num_keys = logits.shape
@@ -465,7 +466,6 @@ def _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denom
         row_max = denominators = logits.new_zeros(1, 1, 1)
     constants = _constants(rules, logits.device)
     vertical = torch.empty(batch, q_heads, num_keys, dtype=torch.int64, device=logits.device)
-    slash = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=logits.device)
     shared = (logits.stride(0), logits.stride(1), logits.stride(2), row_max.stride(0), row_max.stride(1))
     meta = dict(
         TOP_P=top_p,
@@ -489,6 +489,9 @@ def _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denom
         BLOCK_N=SCORE_KEYS_PER_TILE,
         **meta,
     )
+    if not slashes:
+        return vertical, None
+    slash = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=logits.device)
     _slash_kernel[(triton.cdiv(num_keys + ROWS_PER_TILE - 1, SCORE_KEYS_PER_TILE), q_heads, batch)](
         logits,
         q_positions.long().contiguous(),
@@ -529,8 +532,10 @@ def top_p_scores(
     row_max: torch.Tensor,
     row_sums: torch.Tensor,
     rules: FixedPointRules,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-P scores of the logits' keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64.
+    slashes: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Top-P scores of the logits' keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without
+    ``slashes``), int64.
 
     Terms are the masses P = round(E·2^32 / (L·Z_i)) with ``row_max`` and ``row_sums`` (int64 Z_i·2^32)
     ``[b, Hq, L]`` over all keys of the sequence; V and S sum them as in :func:`static_scores`. Equal to
@@ -538,4 +543,4 @@ def top_p_scores(
     """
     row_max = _row_stats(logits, row_max, "row_max", torch.float32)
     denominators = _row_stats(logits, row_sums, "row_sums", torch.int64).double() * logits.shape[2]
-    return _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denominators)
+    return _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denominators, slashes)

@@ -164,10 +164,11 @@ def _local_scores(
     top_p: bool,
     scale: float,
     group: dist.ProcessGroup,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    slashes: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's share of every sparse document's scores, int64: (V of its columns ``[b, Hq, N_loc]``, 0
     outside sparse documents; slash partial sums ``[b, Hq, N]``, offset s of a document starting at o in slot
-    o + s).
+    o + s, or None without ``slashes``).
 
     ``q_rows [P, L, Hq, d]`` are the estimation rows of the ``parts`` at ``row_positions [P, L]``; each
     document's rows meet this rank's keys of the same document only. A rank's key positions ascend in local
@@ -192,16 +193,17 @@ def _local_scores(
 
     terms = _score_terms(logits, top_p, (q_heads, last_q), group, device)
     local_verticals = torch.zeros(batch, q_heads, local_len, dtype=torch.int64, device=device)
-    slash_sums = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=device)
+    slash_sums = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=device) if slashes else None
     for number, part in enumerate(parts):
         if terms[number] is None:
             continue
         document_terms, incomplete = terms[number]
         terms[number] = None
         local_verticals[part.sample, :, columns[number]] = vertical_scores(document_terms, incomplete)[0]
-        slash_sums[part.sample, :, part.start : part.start + part.length] += slash_partial_sums(
-            document_terms, row_positions[number], k_positions[columns[number]], part.length
-        )[0]
+        if slashes:
+            slash_sums[part.sample, :, part.start : part.start + part.length] += slash_partial_sums(
+                document_terms, row_positions[number], k_positions[columns[number]], part.length
+            )[0]
     return local_verticals, slash_sums
 
 
@@ -279,24 +281,25 @@ def estimate_document_index_distributed(
     row_positions = row_positions.to(device)
 
     top_p = isinstance(budget, TopPBudget)
+    block_slashes = top_p and budget.block_slashes  # then V alone makes every score
     local_verticals, slash_sums = _local_scores(
-        q_rows, row_positions, k_local, documents, parts, layout, top_p, scale, group
+        q_rows, row_positions, k_local, documents, parts, layout, top_p, scale, group, slashes=not block_slashes
     )
     (gathered_verticals,) = all_gather_last_dim([local_verticals], group)  # [b, Hq, W·N_loc] by rank
-    dist.all_reduce(slash_sums, op=dist.ReduceOp.SUM, group=group)
+    if not block_slashes:
+        dist.all_reduce(slash_sums, op=dist.ReduceOp.SUM, group=group)
     vertical_sums = layout.unshard(gathered_verticals.chunk(layout.world_size, dim=-1), dim=-1)  # [b, Hq, N]
 
     estimated = []
     for group in same_length_groups(parts):
         length = group[0].length
-        v_scores, s_scores = (
-            torch.stack([sums[part.sample, :, part.start : part.start + length] for part in group])
-            for sums in (vertical_sums, slash_sums)
-        )
+        v_scores = torch.stack([vertical_sums[part.sample, :, part.start : part.start + length] for part in group])
         candidates = torch.arange(length, device=device).expand(v_scores.shape)
         total_mass = v_scores.sum(dim=-1) if top_p else None
-        if top_p and budget.block_slashes:  # the document's own block diagonals, as on one device
+        if block_slashes:  # the document's own block diagonals, as on one device
             s_scores = block_diagonal_scores(v_scores, candidates[0, 0], length)
+        else:
+            s_scores = torch.stack([slash_sums[part.sample, :, part.start : part.start + length] for part in group])
         own = select_index(
             v_scores,
             candidates,

@@ -202,14 +202,17 @@ def estimate_vertical_slash_distributed(
     k_positions = layout.global_positions(seq_len, dist.get_rank(group), device=device)
     q_rows = broadcast_last_rows(q_local, layout, seq_len, last_q, group)
     logits = estimation_logits(q_rows, q_positions, k_local, k_positions, scale)
-    v_scores, partials = vertical_and_slash_scores(logits, top_p, q_positions, k_positions, seq_len, all_reduce)
+    block_slashes = top_p and budget.block_slashes
+    v_scores, partials = vertical_and_slash_scores(
+        logits, top_p, q_positions, k_positions, seq_len, all_reduce, slashes=not block_slashes
+    )
     del logits
     # a rank's key positions ascend in every layout, so its owned offsets N − 1 − position descend: flipped,
     # both candidate lists are ascending and their ranking needs no sort by index
     v_scores_top, v_indices_top = rank_candidates(
         v_scores, k_positions.expand_as(v_scores), sink_tokens, v_width, indices_ascending=True
     )
-    if top_p and budget.block_slashes:  # every block diagonal's mass, its ranks' shares summed exactly
+    if block_slashes:  # every block diagonal's mass, its ranks' shares summed exactly
         diagonals = all_reduce(block_diagonal_scores(v_scores, k_positions, seq_len), "sum")
         (v_scores_all, v_indices_all, mass_all) = all_gather_last_dim(
             [v_scores_top, v_indices_top.int(), v_scores.sum(dim=-1, keepdim=True)], group

@@ -170,8 +170,9 @@ def test_rounding_edge_cases_match(seed, top_p):
     [
         StaticHeadBudgets(torch.tensor([40, 64, 33, 90]), torch.tensor([110, 128, 101, 200])),
         TopPBudget(0.9, 128),
+        TopPBudget(0.9, 128, block_slashes=True),
     ],
-    ids=["static", "top_p"],
+    ids=["static", "top_p", "top_p_block_slashes"],
 )
 def test_estimated_index_is_identical(seed, budget):
     gen = torch.Generator().manual_seed(seed)
