@@ -212,37 +212,28 @@ def estimate_vertical_slash_distributed(
     v_scores_top, v_indices_top = rank_candidates(
         v_scores, k_positions.expand_as(v_scores), sink_tokens, v_width, indices_ascending=True
     )
-    if block_slashes:  # every block diagonal's mass, its ranks' shares summed exactly
-        diagonals = all_reduce(block_diagonal_scores(v_scores, k_positions, seq_len), "sum")
-        (v_scores_all, v_indices_all, mass_all) = all_gather_last_dim(
-            [v_scores_top, v_indices_top.int(), v_scores.sum(dim=-1, keepdim=True)], group
-        )
-        return select_index(
-            v_scores_all,
-            v_indices_all.long(),
-            diagonals,
-            None,
-            budget,
-            mass_all.sum(dim=-1),
-            seq_len,
-            sink_tokens,
-            local_window,
-        )
-    s_scores, s_offsets = complete_slash_sums(partials, layout, seq_len, last_q, group)
-    del partials
-    s_scores_top, s_indices_top = rank_candidates(
-        s_scores.flip(-1), s_offsets.flip(-1).expand_as(s_scores), local_window, s_width, indices_ascending=True
-    )
     mass_shares = [v_scores.sum(dim=-1, keepdim=True)] if top_p else []
-    v_scores_all, v_indices_all, s_scores_all, s_indices_all, *mass_all = all_gather_last_dim(
-        [v_scores_top, v_indices_top.int(), s_scores_top, s_indices_top.int(), *mass_shares], group
-    )
+    if block_slashes:  # every block diagonal's mass, its ranks' shares summed exactly: only verticals to gather
+        s_scores_all, s_indices_all = all_reduce(block_diagonal_scores(v_scores, k_positions, seq_len), "sum"), None
+        v_scores_all, v_indices_all, *mass_all = all_gather_last_dim(
+            [v_scores_top, v_indices_top.int(), *mass_shares], group
+        )
+    else:
+        s_scores, s_offsets = complete_slash_sums(partials, layout, seq_len, last_q, group)
+        del partials
+        s_scores_top, s_indices_top = rank_candidates(
+            s_scores.flip(-1), s_offsets.flip(-1).expand_as(s_scores), local_window, s_width, indices_ascending=True
+        )
+        v_scores_all, v_indices_all, s_scores_all, s_indices_all, *mass_all = all_gather_last_dim(
+            [v_scores_top, v_indices_top.int(), s_scores_top, s_indices_top.int(), *mass_shares], group
+        )
+        s_indices_all = s_indices_all.long()
     total_mass = mass_all[0].sum(dim=-1) if top_p else None
     return select_index(
         v_scores_all,
         v_indices_all.long(),
         s_scores_all,
-        s_indices_all.long(),
+        s_indices_all,
         budget,
         total_mass,
         seq_len,
