@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .bar_chunks import BarChunks, bar_chunks_by_column
 from .launch_checks import uses_triton
 from .layout import BLOCK_SIZE, Layout
 from .vertical_slash import slash_block_hits
@@ -77,6 +78,22 @@ class BlockBarIndex:
         launchers' ``key_lists`` keyword."""
         key_ptr, key_qblock = self.blocks_by_key
         return key_ptr[source], key_qblock
+
+    @functools.cached_property
+    def _bar_chunks_by_kv_heads(self) -> dict[int, BarChunks]:
+        return {}
+
+    def bar_chunks(self, source: int, kv_heads: int) -> BarChunks:
+        """The deterministic backward's bar lists by column of the step reading ``source``, for the Triton
+        launcher's ``bar_chunks`` keyword; built once per index and KV head count, for every step, with no
+        host sync (see :func:`mtraining_kernels.bar_chunks.bar_chunks_by_column`)."""
+        views = self._bar_chunks_by_kv_heads
+        if kv_heads not in views:
+            local_len = self.seq_len // self.world_size
+            views[kv_heads] = bar_chunks_by_column(
+                self.bar_ptr, self.bar_col, 0, self.bar_col.numel(), local_len, kv_heads
+            )
+        return views[kv_heads].for_source(source)
 
     def step_doc_ids(self, source: int) -> dict[str, Tensor]:
         """The launchers' document keywords for a step reading ``source``: ``query_doc_ids [b, N_loc]`` and

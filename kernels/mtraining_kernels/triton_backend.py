@@ -8,7 +8,7 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
   query-major, the block tiles' dk/dv key-block-major through a CSR-by-key copy of the block lists
   (registers, no atomics). The bars' dk/dv: by default fp32 atomics in the query-major pass;
   ``deterministic=True``: per chunk of distinct bar columns, reduced over the GQA group in a fixed
-  order, so repeated backwards are bitwise equal.
+  order, so repeated backwards are bitwise equal (lists from ``mtraining_kernels.bar_chunks``).
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
 head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
@@ -27,11 +27,13 @@ import os
 
 import torch
 
+from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
 from .index import block_lists_by_key
 from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
 from .triton_bwd import (
     bar_chunk_backward_kernel,
+    bar_member_sum_kernel,
     key_major_backward_kernel,
     output_delta_kernel,
     query_major_backward_kernel,
@@ -252,81 +254,6 @@ def _entry_range(ptr: torch.Tensor) -> tuple[int, int]:
     return first, last
 
 
-def _list_rows(ptr: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten one step's CSR slice: (row id (z·Hq + h)·nb + i, entry value), int64, in list order."""
-    first, last = _entry_range(ptr)
-    counts = (ptr[..., 1:] - ptr[..., :-1]).reshape(-1)
-    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts, output_size=last - first)
-    return rows, col[first:last].long()
-
-
-class _BarChunks:
-    """Bar lists regrouped by column for the deterministic bar pass.
-
-    ``column`` int32 ``[U]``: the distinct bar columns of every row z·Hq + h (``row`` int64 ``[U]``),
-    ascending within a row; chunk c covers ``column[first[c] : first[c] + length[c]]`` (≤ 64, one row
-    ``head_row[c]``); pairs ``pair_ptr[c] … pair_ptr[c+1]`` list query blocks (``pair_qblock``) and a
-    64-bit word (``pair_bits``) whose bit t marks column first[c] + t as a bar of that block.
-    """
-
-    def __init__(self, bar_ptr: torch.Tensor, bar_col: torch.Tensor, num_blocks: int, key_len: int):
-        device = bar_ptr.device
-        rows, cols = _list_rows(bar_ptr, bar_col)
-        sample_head, qblock = rows // num_blocks, rows % num_blocks
-        distinct, slot_of_entry = torch.unique(sample_head * key_len + cols, return_inverse=True)
-        self.row = distinct // key_len
-        self.column = (distinct % key_len).to(torch.int32)
-        per_row = torch.bincount(self.row, minlength=bar_ptr.shape[0] * bar_ptr.shape[1])
-        row_first = torch.cumsum(per_row, 0) - per_row
-        rank_in_row = torch.arange(distinct.numel(), device=device) - row_first[self.row]
-        chunks_per_row = (per_row + SUB_TILE - 1) // SUB_TILE
-        chunk_base = torch.cumsum(chunks_per_row, 0) - chunks_per_row
-        chunk_of_slot = chunk_base[self.row] + rank_in_row // SUB_TILE
-        bit_of_slot = rank_in_row % SUB_TILE
-        num_chunks = int(chunks_per_row.sum())
-        self.num_chunks = num_chunks
-        self.head_row = torch.repeat_interleave(
-            torch.arange(per_row.numel(), device=device), chunks_per_row, output_size=num_chunks
-        )
-        chunk_in_row = torch.arange(num_chunks, device=device) - chunk_base[self.head_row]
-        self.first = (row_first[self.head_row] + chunk_in_row * SUB_TILE).to(torch.int32)
-        self.length = torch.clamp(per_row[self.head_row] - chunk_in_row * SUB_TILE, max=SUB_TILE).to(torch.int32)
-        # (chunk, query block) pairs; distinct bits within a pair, so their int64 sum is their OR
-        pair_key = chunk_of_slot[slot_of_entry] * num_blocks + qblock
-        pairs, pair_of_entry = torch.unique(pair_key, return_inverse=True)
-        self.pair_bits = torch.zeros(pairs.numel(), dtype=torch.int64, device=device)
-        self.pair_bits.index_add_(
-            0, pair_of_entry, torch.bitwise_left_shift(torch.ones_like(bit_of_slot), bit_of_slot)[slot_of_entry]
-        )
-        self.pair_qblock = (pairs % num_blocks).to(torch.int32)
-        pair_counts = torch.bincount(pairs // num_blocks, minlength=num_chunks)
-        self.pair_ptr = torch.zeros(num_chunks + 1, dtype=torch.int32, device=device)
-        self.pair_ptr[1:] = torch.cumsum(pair_counts, 0)
-
-
-class _MemberTargets:
-    """Where the bar scratch rows go, grouped by GQA member g = h mod group in ascending order: per member the
-    scratch rows and their (z, column, KV head) targets in dk/dv. One host sync (the members' row counts)."""
-
-    def __init__(self, chunks: _BarChunks, heads: int, group: int):
-        sample, head = chunks.row // heads, chunks.row % heads
-        order = torch.sort(head % group, stable=True)
-        counts = torch.bincount(order.values, minlength=group).tolist()
-        rows = order.indices.split(counts)
-        self.groups = [
-            (picked, (sample[picked], chunks.column[picked].long(), head[picked] // group))
-            for picked in rows
-            if picked.numel()
-        ]
-
-    def add(self, scratch: torch.Tensor, grad: torch.Tensor) -> None:
-        """grad[z, column, h // group] += scratch rows, one GQA member at a time (member order fixed). Within
-        one member the targets are distinct, so each element receives exactly one addition: a gather, an add
-        and a scatter do it, with no accumulating (sorting) index_put."""
-        for picked, targets in self.groups:
-            grad.index_put_(targets, grad[targets].add_(scratch[picked]))
-
-
 def block_bar_backward(
     q,
     k,
@@ -348,6 +275,7 @@ def block_bar_backward(
     query_doc_ids=None,
     key_doc_ids=None,
     key_lists=None,
+    bar_chunks=None,
     fresh_dq: bool = False,
 ) -> None:
     """Accumulate one step's gradients in place.
@@ -357,8 +285,10 @@ def block_bar_backward(
     dq fp32 ``[b, Nq, Hq, d]`` += scale·dS·k, dk fp32 ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout.
     ``key_lists`` (key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32): this step's block lists by key,
     ``BlockBarIndex.key_lists(source)``; without it they are built here (one host sync).
-    ``deterministic`` uses no atomics (and a few host syncs to regroup the bars by column); repeated
-    calls on the same inputs are then bitwise equal. Document ids as in :func:`block_bar_forward`.
+    ``deterministic`` uses no atomics; repeated calls on the same inputs are then bitwise equal. It reads
+    the bars regrouped by column, ``bar_chunks`` (a :class:`~mtraining_kernels.bar_chunks.BarChunks`,
+    ``BlockBarIndex.bar_chunks(source, Hkv)``); without it they are built here (one host sync).
+    Document ids as in :func:`block_bar_forward`.
     ``fresh_dq``: dq holds nothing yet and this step is its only one: it is written, not added to, in its
     own dtype (q's, or fp32).
     """
@@ -458,12 +388,20 @@ def block_bar_backward(
     if not deterministic:
         return
 
-    chunks = _BarChunks(bar_ptr, bar_col, num_blocks, query_len)
-    if chunks.num_chunks == 0:
+    if bar_chunks is None:
+        bar_chunks = bar_chunks_by_column(bar_ptr[None], bar_col, *_entry_range(bar_ptr), query_len, kv_heads)
+    if bar_chunks.shape != (batch, heads, num_blocks) or bar_chunks.kv_heads != kv_heads:
+        raise ValueError(
+            f"bar_chunks were built for (b, Hq, nb) = {bar_chunks.shape} and {bar_chunks.kv_heads} KV heads, "
+            f"this step has {(batch, heads, num_blocks)} and {kv_heads}; pass index.bar_chunks(source, {kv_heads})"
+        )
+    if bar_chunks.max_chunks == 0:
         return
-    scratch_dk = torch.empty(chunks.column.numel(), dim, dtype=torch.float32, device=q.device)
+    source = bar_chunks.source
+    step_first_slot = bar_chunks.source_slots[source:]
+    scratch_dk = torch.empty(bar_chunks.max_slots, dim, dtype=torch.float32, device=q.device)
     scratch_dv = torch.empty_like(scratch_dk)
-    bar_chunk_backward_kernel[(chunks.num_chunks,)](
+    bar_chunk_backward_kernel[(bar_chunks.max_chunks,)](
         q,
         k,
         v,
@@ -472,13 +410,15 @@ def block_bar_backward(
         delta,
         scratch_dk,
         scratch_dv,
-        chunks.head_row,
-        chunks.first,
-        chunks.length,
-        chunks.column,
-        chunks.pair_ptr,
-        chunks.pair_qblock,
-        chunks.pair_bits,
+        bar_chunks.source_chunks[source:],
+        step_first_slot,
+        bar_chunks.chunk_head,
+        bar_chunks.chunk_first,
+        bar_chunks.chunk_length,
+        bar_chunks.column,
+        bar_chunks.pair_ptr,
+        bar_chunks.pair_qblock,
+        bar_chunks.pair_bits,
         *documents[:2],
         *operand_strides,
         lse.stride(0),
@@ -489,9 +429,22 @@ def block_bar_backward(
         softmax_scale,
         qk_scale_log2,
         **document_flag,
-        **tiles,
+        **{**tiles, "BLOCK_N": BAR_CHUNK_COLUMNS},
         **BAR_CHUNK_CONFIG,
     )
-    targets = _MemberTargets(chunks, heads, group)
-    targets.add(scratch_dk, dk)
-    targets.add(scratch_dv, dv)
+    bar_member_sum_kernel[(bar_chunks.max_targets,)](
+        scratch_dk,
+        scratch_dv,
+        dk,
+        dv,
+        bar_chunks.source_targets[source:],
+        step_first_slot,
+        bar_chunks.target_row,
+        bar_chunks.target_ptr,
+        bar_chunks.target_slot,
+        *_bhs(dk),
+        *_bhs(dv),
+        query_len,
+        kv_heads,
+        HEAD_DIM=dim,
+    )

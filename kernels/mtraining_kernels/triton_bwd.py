@@ -15,7 +15,12 @@ QUERY_DOCS / KEY_DOCS are int32 ``[b, N]`` with batch stride ``stride_docb``.
 * :func:`bar_chunk_backward_kernel` — deterministic dk/dv of the bars: one program per chunk of up
   to 64 distinct bar columns of one (sample, query head); it walks the query blocks that list any
   of them, with a 64-bit membership word per (chunk, query block), and writes the chunk's partial
-  dk/dv rows to a scratch buffer that the launcher reduces over the GQA group in a fixed order.
+  dk/dv rows to a scratch buffer;
+* :func:`bar_member_sum_kernel` — one program per dk/dv row (sample, key column, KV head) that the
+  bars reach: adds its scratch rows into dk/dv in ascending GQA member order (no atomics).
+
+Both bar kernels run on a grid sized by an upper bound of the step's work (``mtraining_kernels.bar_chunks``:
+no host sync); programs past the step's real count, read from the device, do nothing.
 """
 
 from __future__ import annotations
@@ -304,6 +309,8 @@ def bar_chunk_backward_kernel(
     DELTA,
     SCRATCH_DK,
     SCRATCH_DV,
+    STEP_CHUNKS,
+    STEP_FIRST_SLOT,
     CHUNK_HEAD,
     CHUNK_FIRST,
     CHUNK_LEN,
@@ -338,18 +345,21 @@ def bar_chunk_backward_kernel(
     QUERY_ROWS: tl.constexpr,
     DOCUMENTS: tl.constexpr,
 ):
-    """Chunk c covers BAR_COLUMN[first : first+len] (distinct local key columns of row CHUNK_HEAD[c] =
+    """Program p runs chunk c = STEP_CHUNKS[0] + p if c < STEP_CHUNKS[1] (this step's chunks), else nothing.
+    Chunk c covers BAR_COLUMN[first : first+len] (distinct local key columns of row CHUNK_HEAD[c] =
     z·Hq + h); pairs PAIR_PTR[c] … PAIR_PTR[c+1] give a query block and a 64-bit word whose bit t says
-    column first+t is a bar of that block. Writes scale·dSᵀq and Pᵀ·dO to scratch rows first … first+len.
+    column first+t is a bar of that block. Writes scale·dSᵀq and Pᵀ·dO to scratch rows first − s …
+    first − s + len, s = STEP_FIRST_SLOT[0] (the step's first column slot).
     Query blocks are visited in BLOCK_M // QUERY_ROWS slices, as in the key-major kernel."""
     SLICES: tl.constexpr = BLOCK_M // QUERY_ROWS
-    chunk = tl.program_id(0)
-    sample_head = tl.load(CHUNK_HEAD + chunk).to(tl.int64)
+    chunk = tl.load(STEP_CHUNKS) + tl.program_id(0)
+    live = chunk < tl.load(STEP_CHUNKS + 1)
+    sample_head = tl.load(CHUNK_HEAD + chunk, mask=live, other=0).to(tl.int64)
     sample = sample_head // heads_q
     head = sample_head % heads_q
     kv_head = head // group_size
-    first = tl.load(CHUNK_FIRST + chunk).to(tl.int64)
-    count = tl.load(CHUNK_LEN + chunk)
+    first = tl.load(CHUNK_FIRST + chunk, mask=live, other=0).to(tl.int64)
+    count = tl.load(CHUNK_LEN + chunk, mask=live, other=0)  # 0: no loads, no pairs, no stores
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -368,7 +378,9 @@ def bar_chunk_backward_kernel(
     do_base = DO + sample * stride_db + head * stride_dh
     lse_offset = sample * stride_lb + head * stride_lh
 
-    for step in range(tl.load(PAIR_PTR + chunk) * SLICES, tl.load(PAIR_PTR + chunk + 1) * SLICES):
+    pairs_start = tl.load(PAIR_PTR + chunk, mask=live, other=0)
+    pairs_end = tl.load(PAIR_PTR + chunk + 1, mask=live, other=0)
+    for step in range(pairs_start * SLICES, pairs_end * SLICES):
         qblock = tl.load(PAIR_QBLOCK + step // SLICES)
         bits = tl.load(PAIR_BITS + step // SLICES)
         listed = ((bits >> offs_n.to(tl.int64)) & 1) != 0
@@ -392,9 +404,57 @@ def bar_chunk_backward_kernel(
         dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(dscores_t.to(q.dtype), q)
 
-    scratch_rows = (first + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
+    scratch_rows = (first - tl.load(STEP_FIRST_SLOT) + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(SCRATCH_DK + scratch_rows, dk * softmax_scale, mask=in_chunk[:, None])
     tl.store(SCRATCH_DV + scratch_rows, dv, mask=in_chunk[:, None])
+
+
+@triton.jit
+def bar_member_sum_kernel(
+    SCRATCH_DK,
+    SCRATCH_DV,
+    DK,
+    DV,
+    STEP_TARGETS,
+    STEP_FIRST_SLOT,
+    TARGET_ROW,
+    TARGET_PTR,
+    TARGET_SLOT,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    key_len,
+    kv_heads,
+    HEAD_DIM: tl.constexpr,
+):
+    """Program p owns target t = STEP_TARGETS[0] + p if t < STEP_TARGETS[1], else does nothing: the dk/dv
+    row TARGET_ROW[t] = (z·Hkv + KV head)·key_len + column. It adds the scratch rows TARGET_SLOT[j] − s,
+    j = TARGET_PTR[t] … TARGET_PTR[t+1] (ascending GQA member, s = STEP_FIRST_SLOT[0]), one after the
+    other, to the row's fp32 value and stores it once."""
+    target = tl.load(STEP_TARGETS) + tl.program_id(0)
+    live = target < tl.load(STEP_TARGETS + 1)
+    row = tl.load(TARGET_ROW + target, mask=live, other=0).to(tl.int64)
+    column = row % key_len
+    kv_head = (row // key_len) % kv_heads
+    sample = row // key_len // kv_heads
+    offs_d = tl.arange(0, HEAD_DIM)
+    dk_ptrs = DK + sample * stride_kb + column * stride_kn + kv_head * stride_kh + offs_d
+    dv_ptrs = DV + sample * stride_vb + column * stride_vn + kv_head * stride_vh + offs_d
+    in_row = (offs_d < HEAD_DIM) & live
+    dk = tl.load(dk_ptrs, mask=in_row, other=0.0)
+    dv = tl.load(dv_ptrs, mask=in_row, other=0.0)
+    first_slot = tl.load(STEP_FIRST_SLOT)
+    members_start = tl.load(TARGET_PTR + target, mask=live, other=0)
+    members_end = tl.load(TARGET_PTR + target + 1, mask=live, other=0)
+    for member in range(members_start, members_end):
+        scratch_row = (tl.load(TARGET_SLOT + member) - first_slot).to(tl.int64) * HEAD_DIM + offs_d
+        dk += tl.load(SCRATCH_DK + scratch_row)
+        dv += tl.load(SCRATCH_DV + scratch_row)
+    tl.store(dk_ptrs, dk, mask=in_row)
+    tl.store(dv_ptrs, dv, mask=in_row)
 
 
 @triton.jit

@@ -1,0 +1,170 @@
+"""Bar lists regrouped by key column for the deterministic Triton backward (DESIGN.md §2.6).
+
+:func:`bar_chunks_by_column` builds, for every source step of a :class:`~mtraining_kernels.index.BlockBarIndex`
+at once, the chunks that ``triton_bwd.bar_chunk_backward_kernel`` reads and the CSR by dk/dv row that
+``triton_bwd.bar_member_sum_kernel`` reduces its scratch rows with. It runs on the lists' device with no
+host sync: every tensor has a size fixed by the shapes and the number of bar entries E (bounds of the
+distinct columns, chunks, pairs and targets), its unused tail padding, and the launch grids are the per-step
+bounds ``max_*``, whose surplus programs read the step's real counts from the ``source_*`` offsets and do
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+BAR_CHUNK_COLUMNS = 64  # columns per chunk: one 64-bit membership word per (chunk, query block)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BarChunks:
+    """The deterministic bar pass's work lists of all source steps; ``source`` picks the step launched.
+
+    A head is (w, z, h) of the lists ``[W, b, Hq, nb+1]``; a slot is a distinct (head, bar column), slots
+    ascending by head, then column. Of E bar entries, with bounds S = min(E, W·b·Hq·N_loc) slots,
+    C = min(E, W·b·Hq + E/64) chunks and P = min(E, C·nb) pairs (the rows past the real ones are padding):
+
+    * ``column`` int32 ``[S]``: each slot's local key column;
+    * chunks, int32 ``[C]``: ``chunk_head`` z·Hq + h, ``chunk_first`` its first slot and ``chunk_length``
+      (≤ 64): a head's slots in runs of 64, the last one shorter;
+    * pairs: ``pair_ptr`` int32 ``[C+1]`` CSR by chunk over ``pair_qblock`` int32 ``[P]`` (ascending) and
+      ``pair_bits`` int64 ``[P]``, whose bit t marks column ``chunk_first + t`` as a bar of that query block;
+    * targets, the dk/dv rows the slots add into: ``target_row`` int32 ``[S]`` = (z·Hkv + KV head)·N_loc +
+      column within its source, ``target_ptr`` int32 ``[S+1]`` CSR over ``target_slot`` int32 ``[S]``, the
+      target's slots in ascending GQA member order h mod (Hq / Hkv);
+    * ``source_slots`` / ``source_chunks`` / ``source_targets`` int32 ``[W+1]``: where source w's slots,
+      chunks and targets start (they are consecutive per source);
+    * ``max_slots`` / ``max_chunks`` / ``max_targets``: bounds of one source's counts (scratch rows, grids);
+      ``shape`` (b, Hq, nb) and ``kv_heads`` that the lists were built for.
+    """
+
+    column: Tensor
+    chunk_head: Tensor
+    chunk_first: Tensor
+    chunk_length: Tensor
+    pair_ptr: Tensor
+    pair_qblock: Tensor
+    pair_bits: Tensor
+    target_row: Tensor
+    target_ptr: Tensor
+    target_slot: Tensor
+    source_slots: Tensor
+    source_chunks: Tensor
+    source_targets: Tensor
+    max_slots: int
+    max_chunks: int
+    max_targets: int
+    shape: tuple[int, int, int]
+    kv_heads: int
+    source: int = 0
+
+    def for_source(self, source: int) -> BarChunks:
+        """The same lists, launched for the step reading ``source``."""
+        return dataclasses.replace(self, source=source)
+
+
+def _runs(sorted_keys: Tensor) -> tuple[Tensor, Tensor]:
+    """(run id of every position, number of runs before every position ``[E+1]``) of sorted keys ``[E]``."""
+    starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    runs_before = torch.zeros(sorted_keys.numel() + 1, dtype=torch.int64, device=sorted_keys.device)
+    runs_before[1:] = torch.cumsum(starts, 0)
+    return runs_before[1:] - 1, runs_before
+
+
+def _distinct(sorted_keys: Tensor, size: int, padding: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Dedup of sorted keys ``[E]`` with at most ``size`` distinct ones, without a host sync: (the distinct keys
+    ascending, then ``padding``, ``[size]``; the index of every position's key among them ``[E]``; the number of
+    distinct keys before every position ``[E+1]``)."""
+    run_of_position, runs_before = _runs(sorted_keys)
+    distinct = torch.full((size,), padding, dtype=sorted_keys.dtype, device=sorted_keys.device)
+    return distinct.scatter_(0, run_of_position, sorted_keys), run_of_position, runs_before
+
+
+def bar_chunks_by_column(
+    bar_ptr: Tensor, bar_col: Tensor, first: int, last: int, key_len: int, kv_heads: int
+) -> BarChunks:
+    """The :class:`BarChunks` of bar lists ``bar_ptr`` int32 ``[W, b, Hq, nb+1]`` (absolute offsets, rows back
+    to back in ``bar_col[first:last]``), local key columns in ``[0, key_len)``, for ``kv_heads`` KV heads.
+    No host sync."""
+    world, batch, heads, num_blocks = bar_ptr.shape[0], bar_ptr.shape[1], bar_ptr.shape[2], bar_ptr.shape[3] - 1
+    group = heads // kv_heads
+    device = bar_ptr.device
+    entries = last - first
+    num_heads = world * batch * heads
+    width = BAR_CHUNK_COLUMNS
+
+    def arange(n: int) -> Tensor:
+        return torch.arange(n, device=device)
+
+    counts = (bar_ptr[..., 1:] - bar_ptr[..., :-1]).reshape(-1)
+    list_row = torch.repeat_interleave(arange(counts.numel()), counts, output_size=entries)
+    entry_head, entry_qblock = list_row // num_blocks, list_row % num_blocks
+    # slots: the distinct (head, column), ascending
+    num_slot_rows = min(entries, num_heads * key_len)
+    sorted_slot_keys, entry_order = torch.sort(entry_head * key_len + bar_col[first:last].long())
+    slot_key, slot_of_sorted, _ = _distinct(sorted_slot_keys, num_slot_rows, num_heads * key_len)
+    slot_of_entry = torch.empty_like(slot_of_sorted).scatter_(0, entry_order, slot_of_sorted)
+    head_slots = torch.searchsorted(slot_key, arange(num_heads + 1) * key_len)  # [H+1]
+    slot_head = slot_key // key_len  # num_heads on padding
+    slot_column = slot_key % key_len
+    slot_rank = arange(num_slot_rows) - head_slots[slot_head]  # rank within its head
+    # chunks: each head's slots in runs of 64
+    slots_per_head = head_slots[1:] - head_slots[:-1]
+    head_chunks = torch.zeros(num_heads + 1, dtype=torch.int64, device=device)
+    head_chunks[1:] = torch.cumsum((slots_per_head + width - 1) // width, 0)
+    num_chunk_rows = min(entries, num_heads + entries // width)
+    chunk = arange(num_chunk_rows)
+    chunk_head = (torch.searchsorted(head_chunks, chunk, right=True) - 1).clamp(max=num_heads - 1)
+    chunk_offset = (chunk - head_chunks[chunk_head]) * width
+    chunk_length = (slots_per_head[chunk_head] - chunk_offset).clamp(0, width)
+    # pairs: the distinct (chunk, query block), ascending, and their membership words
+    slot_chunk = head_chunks[slot_head] + slot_rank // width
+    slot_bit = torch.bitwise_left_shift(torch.ones_like(slot_rank), slot_rank % width)
+    sorted_pair_keys, pair_order = torch.sort(slot_chunk[slot_of_entry] * num_blocks + entry_qblock)
+    num_pair_rows = min(entries, num_chunk_rows * num_blocks)
+    pair_key, pair_of_sorted, _ = _distinct(sorted_pair_keys, num_pair_rows, num_chunk_rows * num_blocks)
+    pair_bits = torch.zeros(num_pair_rows, dtype=torch.int64, device=device)  # distinct bits per pair: sum = OR
+    pair_bits.index_add_(0, pair_of_sorted, slot_bit[slot_of_entry[pair_order]])
+    pair_ptr = torch.searchsorted(pair_key, arange(num_chunk_rows + 1) * num_blocks)
+    # targets: the distinct (w, z, KV head, column) of the slots, each slot listed in GQA member order
+    targets_per_source = batch * kv_heads * key_len
+    slot_target = torch.where(
+        slot_head < num_heads,
+        (slot_head // heads * kv_heads + slot_head % heads // group) * key_len + slot_column,
+        world * targets_per_source,
+    )
+    sorted_member_keys, target_slot = torch.sort(slot_target * group + slot_head % heads % group)
+    target_key, target_of_sorted, targets_before = _distinct(
+        sorted_member_keys // group, num_slot_rows, world * targets_per_source
+    )
+    target_ptr = torch.searchsorted(target_of_sorted, arange(num_slot_rows + 1))
+    source_start = torch.searchsorted(sorted_member_keys, arange(world + 1) * targets_per_source * group)
+
+    def int32(t: Tensor) -> Tensor:
+        return t.to(torch.int32)
+
+    per_source = batch * heads
+    return BarChunks(
+        column=int32(slot_column),
+        chunk_head=int32(chunk_head % per_source),
+        chunk_first=int32(head_slots[chunk_head] + chunk_offset),
+        chunk_length=int32(chunk_length),
+        pair_ptr=int32(pair_ptr),
+        pair_qblock=int32(pair_key % num_blocks),
+        pair_bits=pair_bits,
+        target_row=int32(target_key % targets_per_source),
+        target_ptr=int32(target_ptr),
+        target_slot=int32(target_slot),
+        source_slots=int32(head_slots[::per_source]),
+        source_chunks=int32(head_chunks[::per_source]),
+        source_targets=int32(targets_before[source_start]),
+        max_slots=min(entries, per_source * key_len),
+        max_chunks=min(entries, per_source + entries // width, per_source * (key_len // width)),
+        max_targets=min(entries, targets_per_source),
+        shape=(batch, heads, num_blocks),
+        kv_heads=kv_heads,
+    )
