@@ -23,6 +23,7 @@ from mtraining_kernels import triton_backend
 from mtraining_kernels.bar_chunks import BarChunks, bar_chunks_by_column
 from mtraining_kernels.document_conversion import convert_document_index
 from mtraining_kernels.index import BlockBarIndex, convert_index
+from mtraining_kernels.interface import sparse_attention
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.triton_bwd import bar_chunk_backward_kernel
 
@@ -246,3 +247,19 @@ def test_the_view_is_built_without_reading_a_device_value():
     with pytest.raises((NotImplementedError, RuntimeError)):
         _OldBarChunks(meta.bar_ptr[1], meta.bar_col, meta.num_local_blocks, index.seq_len // index.world_size)
 
+
+def test_sparse_attention_deterministic_backward_reads_the_cached_view_and_repeats_bitwise(seed, monkeypatch):
+    indices, (q, k, v, dout) = CASES["packed-W1-gqa4"](seed)
+    index = indices[0]
+
+    def per_call_regrouping(*args):
+        raise AssertionError("the backward regrouped the bars itself instead of reading index.bar_chunks")
+
+    monkeypatch.setattr(triton_backend, "bar_chunks_by_column", per_call_regrouping)
+    results = []
+    for _ in range(2):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = sparse_attention(*inputs, index, backend="triton", deterministic=True)
+        results.append(torch.autograd.grad(out, inputs, dout))
+    for name, a, b in zip(("dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), f"seed={seed}: {name} differs between two deterministic backwards"
