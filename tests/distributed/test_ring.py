@@ -197,3 +197,36 @@ def _replay_rank(rank, world_size, seed):
 
 def test_replayed_output_gives_the_same_gradients_without_a_forward(distributed, seed):
     assert distributed(_replay_rank, 2, seed) == [True, True], f"seed={seed}"
+
+
+def _triton_deterministic_rank(rank, world_size, seed):
+    """The flat ring on the Triton backend (interpreted, fp16), deterministic twice, then on torch_blocksparse;
+    the per-call bar regrouping patched to fail, so every step must read the index's cached bar chunks."""
+    from unittest import mock
+
+    from megatron_mtraining.ring.groups import RingGroups
+    from megatron_mtraining.ring.sparse_ring import ring_attention
+    from mtraining_kernels import triton_backend
+
+    def per_call_regrouping(*args):
+        raise AssertionError("a ring step regrouped the bars itself instead of reading index.bar_chunks")
+
+    groups = RingGroups.flat(dist.group.WORLD)
+    n, layout = 512, Layout("striped", world_size)
+    q, k, v, dout, v_idx, s_idx = _inputs(seed, 1, n, 4, 1, 64, n // 4, 4, False)
+    index = convert_index(v_idx, s_idx, layout, rank, n)
+    grads = []
+    with mock.patch.object(triton_backend, "bar_chunks_by_column", per_call_regrouping):
+        for backend in ("triton", "triton", "torch_blocksparse"):
+            local = [layout.shard(t, rank, dim=1).half().requires_grad_(t is not dout) for t in (q, k, v, dout)]
+            out = ring_attention(*local[:3], index, groups, backend=backend, deterministic=True)
+            grads.append(torch.autograd.grad(out, local[:3], local[3]))
+    return grads
+
+
+def test_triton_deterministic_ring_reads_the_cached_bar_chunks_and_repeats_bitwise(distributed, seed):
+    for rank, (first, second, torch_blocksparse) in enumerate(distributed(_triton_deterministic_rank, 2, seed)):
+        for name, a, b, c in zip(("dq", "dk", "dv"), first, second, torch_blocksparse):
+            assert torch.equal(a, b), f"seed={seed} rank {rank}: {name} differs between two deterministic backwards"
+            error = (a.double() - c.double()).norm() / c.double().norm()
+            assert error < 5e-3, f"seed={seed} rank {rank} {name}: relative RMSE {error:.2e} against torch_blocksparse"
