@@ -420,12 +420,12 @@ def bar_member_sum_kernel(
     TARGET_ROW,
     TARGET_PTR,
     TARGET_SLOT,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
     key_len,
     kv_heads,
     HEAD_DIM: tl.constexpr,
@@ -441,11 +441,10 @@ def bar_member_sum_kernel(
     kv_head = (row // key_len) % kv_heads
     sample = row // key_len // kv_heads
     offs_d = tl.arange(0, HEAD_DIM)
-    dk_ptrs = DK + sample * stride_kb + column * stride_kn + kv_head * stride_kh + offs_d
-    dv_ptrs = DV + sample * stride_vb + column * stride_vn + kv_head * stride_vh + offs_d
-    in_row = (offs_d < HEAD_DIM) & live
-    dk = tl.load(dk_ptrs, mask=in_row, other=0.0)
-    dv = tl.load(dv_ptrs, mask=in_row, other=0.0)
+    dk_ptrs = DK + sample * stride_dkb + column * stride_dkn + kv_head * stride_dkh + offs_d
+    dv_ptrs = DV + sample * stride_dvb + column * stride_dvn + kv_head * stride_dvh + offs_d
+    dk = tl.load(dk_ptrs, mask=live, other=0.0)
+    dv = tl.load(dv_ptrs, mask=live, other=0.0)
     first_slot = tl.load(STEP_FIRST_SLOT)
     members_start = tl.load(TARGET_PTR + target, mask=live, other=0)
     members_end = tl.load(TARGET_PTR + target + 1, mask=live, other=0)
@@ -453,8 +452,8 @@ def bar_member_sum_kernel(
         scratch_row = (tl.load(TARGET_SLOT + member) - first_slot).to(tl.int64) * HEAD_DIM + offs_d
         dk += tl.load(SCRATCH_DK + scratch_row)
         dv += tl.load(SCRATCH_DV + scratch_row)
-    tl.store(dk_ptrs, dk, mask=in_row)
-    tl.store(dv_ptrs, dv, mask=in_row)
+    tl.store(dk_ptrs, dk, mask=live)
+    tl.store(dv_ptrs, dv, mask=live)
 
 
 @triton.jit
