@@ -3,10 +3,10 @@
 :func:`bar_chunks_by_column` builds, for every source step of a :class:`~mtraining_kernels.index.BlockBarIndex`
 at once, the chunks that ``triton_bwd.bar_chunk_backward_kernel`` reads and the CSR by dk/dv row that
 ``triton_bwd.bar_member_sum_kernel`` reduces its scratch rows with. It runs on the lists' device with no
-host sync: every tensor has a size fixed by the shapes and the number of bar entries E (bounds of the
-distinct columns, chunks, pairs and targets), its unused tail padding, and the launch grids are the per-step
-bounds ``max_*``, whose surplus programs read the step's real counts from the ``source_*`` offsets and do
-nothing.
+host sync: every tensor has a size fixed by the shapes, the vertical list width and the number of bar entries
+E (bounds of the distinct columns, chunks, pairs and targets), its unused tail padding, and the launch grids
+are the per-step bounds ``max_*``, whose surplus programs read the step's real counts from the ``source_*``
+offsets and do nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ class BarChunks:
     """The deterministic bar pass's work lists of all source steps; ``source`` picks the step launched.
 
     A head is (w, z, h) of the lists ``[W, b, Hq, nb+1]``; a slot is a distinct (head, bar column), slots
-    ascending by head, then column. Of E bar entries, with bounds S = min(E, W·b·Hq·N_loc) slots,
-    C = min(E, W·b·Hq + E/64) chunks and P = min(E, C·nb) pairs (the rows past the real ones are padding):
+    ascending by head, then column. A vertical has one source, so (z, h) has at most V = min(Vmax, W·N_loc)
+    slots over all its heads, Vmax the vertical list width, and at most V//64 + min(W, V) chunks (one partial
+    chunk per head with slots). Of E bar entries, with bounds S = min(E, b·Hq·V) slots,
+    C = min(E, W·b·Hq + E/64, b·Hq·(V//64 + min(W, V))) chunks and P = min(E, C·nb) pairs (the rows past the
+    real ones are padding):
 
     * ``column`` int32 ``[S]``: each slot's local key column;
     * chunks, int32 ``[C]``: ``chunk_head`` z·Hq + h, ``chunk_first`` its first slot and ``chunk_length``
@@ -37,7 +40,9 @@ class BarChunks:
       target's slots in ascending GQA member order h mod (Hq / Hkv);
     * ``source_slots`` / ``source_chunks`` / ``source_targets`` int32 ``[W+1]``: where source w's slots,
       chunks and targets start (they are consecutive per source);
-    * ``max_slots`` / ``max_chunks`` / ``max_targets``: bounds of one source's counts (scratch rows, grids);
+    * ``max_slots`` / ``max_chunks`` / ``max_targets``: bounds of one source's counts (scratch rows, grids):
+      with V_loc = min(Vmax, N_loc) columns per (z, h), min(E, b·Hq·V_loc) slots, min(E, b·Hq + E/64,
+      b·Hq·⌈V_loc/64⌉) chunks and min(slots, b·Hkv·N_loc) targets (a target has at least one slot);
       ``shape`` (b, Hq, nb) and ``kv_heads`` that the lists were built for.
     """
 
@@ -85,17 +90,20 @@ def _distinct(sorted_keys: Tensor, size: int, padding: int) -> tuple[Tensor, Ten
 
 
 def bar_chunks_by_column(
-    bar_ptr: Tensor, bar_col: Tensor, first: int, last: int, key_len: int, kv_heads: int
+    bar_ptr: Tensor, bar_col: Tensor, first: int, last: int, key_len: int, kv_heads: int, vertical_width: int
 ) -> BarChunks:
     """The :class:`BarChunks` of bar lists ``bar_ptr`` int32 ``[W, b, Hq, nb+1]`` (absolute offsets, rows back
-    to back in ``bar_col[first:last]``), local key columns in ``[0, key_len)``, for ``kv_heads`` KV heads.
-    No host sync."""
+    to back in ``bar_col[first:last]``), local key columns in ``[0, key_len)``, for ``kv_heads`` KV heads;
+    ``vertical_width`` bounds the distinct bar columns of one (z, h) over all W sources (Vmax). No host sync."""
     world, batch, heads, num_blocks = bar_ptr.shape[0], bar_ptr.shape[1], bar_ptr.shape[2], bar_ptr.shape[3] - 1
     group = heads // kv_heads
     device = bar_ptr.device
     entries = last - first
     num_heads = world * batch * heads
+    per_source = batch * heads
     width = BAR_CHUNK_COLUMNS
+    verticals = min(vertical_width, world * key_len)  # distinct columns of one (z, h), all sources
+    step_verticals = min(vertical_width, key_len)  # … of one source
 
     def arange(n: int) -> Tensor:
         return torch.arange(n, device=device)
@@ -104,7 +112,7 @@ def bar_chunks_by_column(
     list_row = torch.repeat_interleave(arange(counts.numel()), counts, output_size=entries)
     entry_head, entry_qblock = list_row // num_blocks, list_row % num_blocks
     # slots: the distinct (head, column), ascending
-    num_slot_rows = min(entries, num_heads * key_len)
+    num_slot_rows = min(entries, per_source * verticals)
     sorted_slot_keys, entry_order = torch.sort(entry_head * key_len + bar_col[first:last].long())
     slot_key, slot_of_sorted, _ = _distinct(sorted_slot_keys, num_slot_rows, num_heads * key_len)
     slot_of_entry = torch.empty_like(slot_of_sorted).scatter_(0, entry_order, slot_of_sorted)
@@ -116,7 +124,9 @@ def bar_chunks_by_column(
     slots_per_head = head_slots[1:] - head_slots[:-1]
     head_chunks = torch.zeros(num_heads + 1, dtype=torch.int64, device=device)
     head_chunks[1:] = torch.cumsum((slots_per_head + width - 1) // width, 0)
-    num_chunk_rows = min(entries, num_heads + entries // width)
+    num_chunk_rows = min(
+        entries, num_heads + entries // width, per_source * (verticals // width + min(world, verticals))
+    )
     chunk = arange(num_chunk_rows)
     chunk_head = (torch.searchsorted(head_chunks, chunk, right=True) - 1).clamp(max=num_heads - 1)
     chunk_offset = (chunk - head_chunks[chunk_head]) * width
@@ -147,7 +157,7 @@ def bar_chunks_by_column(
     def int32(t: Tensor) -> Tensor:
         return t.to(torch.int32)
 
-    per_source = batch * heads
+    max_slots = min(entries, per_source * step_verticals)
     return BarChunks(
         column=int32(slot_column),
         chunk_head=int32(chunk_head % per_source),
@@ -162,9 +172,9 @@ def bar_chunks_by_column(
         source_slots=int32(head_slots[::per_source]),
         source_chunks=int32(head_chunks[::per_source]),
         source_targets=int32(targets_before[source_start]),
-        max_slots=min(entries, per_source * key_len),
-        max_chunks=min(entries, per_source + entries // width, per_source * (key_len // width)),
-        max_targets=min(entries, targets_per_source),
+        max_slots=max_slots,
+        max_chunks=min(entries, per_source + entries // width, per_source * -(-step_verticals // width)),
+        max_targets=min(max_slots, targets_per_source),
         shape=(batch, heads, num_blocks),
         kv_heads=kv_heads,
     )

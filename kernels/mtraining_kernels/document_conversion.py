@@ -124,7 +124,8 @@ def convert_document_index(index: DocumentIndex, layout: Layout, rank: int) -> B
     blk_ptr, blk_col = _block_lists(documents, hit, query_blocks, source_blocks)
     bar_ptr, bar_col = _bar_lists(index, hit, query_blocks, layout)
     doc_ids = local_document_ids(documents, layout)
-    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout, doc_ids)
+    width = index.v_idx.shape[1] * index.v_idx.shape[3]
+    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout, width, doc_ids)
 
 
 def convert_document_index_slow(index: DocumentIndex, layout: Layout, rank: int) -> BlockBarIndex:
@@ -170,4 +171,5 @@ def convert_document_index_slow(index: DocumentIndex, layout: Layout, rank: int)
     blk_ptr, blk_col = lists_of_rows(blk_rows, shape, device)
     bar_ptr, bar_col = lists_of_rows(bar_rows, shape, device)
     doc_ids = local_document_ids(documents, layout)
-    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout, doc_ids)
+    width = index.v_idx.shape[1] * index.v_idx.shape[3]
+    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout, width, doc_ids)

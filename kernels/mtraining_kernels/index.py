@@ -41,6 +41,10 @@ class BlockBarIndex:
     bar_col int32 ``[total]``: local key columns of the source chunk (0 … N_loc−1), ascending per query
     block.
 
+    ``vertical_width``: the width of the vertical lists converted, Vmax of ``v_idx [b, Hq, Vmax]`` (m_max·Vmax
+    of a packed index's): no (sample, query head) has more distinct bar columns over all sources, which bounds
+    the deterministic backward's bar lists (:func:`~mtraining_kernels.bar_chunks.bar_chunks_by_column`).
+
     ``doc_ids`` int32 ``[W, b, N_loc]`` (packed documents, DESIGN.md §2.7; None for an unpacked index): the
     document of every position of each rank's chunk in local order, so a step reads this rank's query rows
     from ``doc_ids[rank]`` and the source's key columns from ``doc_ids[w]``. Every listed score (i, j), tile
@@ -56,6 +60,7 @@ class BlockBarIndex:
     world_size: int
     rank: int
     layout: Layout
+    vertical_width: int
     doc_ids: Tensor | None = None
 
     @property
@@ -91,7 +96,7 @@ class BlockBarIndex:
         if kv_heads not in views:
             local_len = self.seq_len // self.world_size
             views[kv_heads] = bar_chunks_by_column(
-                self.bar_ptr, self.bar_col, 0, self.bar_col.numel(), local_len, kv_heads
+                self.bar_ptr, self.bar_col, 0, self.bar_col.numel(), local_len, kv_heads, self.vertical_width
             )
         return views[kv_heads].for_source(source)
 
@@ -289,7 +294,7 @@ def convert_index(
     else:
         blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
         bar_ptr, bar_col = _bar_lists(v_idx, hit, query_blocks, layout, seq_len)
-    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout)
+    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout, v_idx.shape[-1])
 
 
 def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> BlockBarIndex:
@@ -333,7 +338,7 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
     shape = (world, batch, heads, nb)
     blk_ptr, blk_col = lists_of_rows(blk_rows, shape, v_idx.device)
     bar_ptr, bar_col = lists_of_rows(bar_rows, shape, v_idx.device)
-    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout)
+    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout, v_idx.shape[-1])
 
 
 def block_and_position_tables(

@@ -389,7 +389,8 @@ def block_bar_backward(
         return
 
     if bar_chunks is None:
-        bar_chunks = bar_chunks_by_column(bar_ptr[None], bar_col, *_entry_range(bar_ptr), query_len, kv_heads)
+        entry_range = _entry_range(bar_ptr)  # no vertical width here: N_loc bounds a head's bar columns
+        bar_chunks = bar_chunks_by_column(bar_ptr[None], bar_col, *entry_range, query_len, kv_heads, query_len)
     if bar_chunks.shape != (batch, heads, num_blocks) or bar_chunks.kv_heads != kv_heads:
         raise ValueError(
             f"bar_chunks were built for (b, Hq, nb) = {bar_chunks.shape} and {bar_chunks.kv_heads} KV heads, "

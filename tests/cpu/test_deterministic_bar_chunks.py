@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
 pytest.importorskip("triton")
 
 from document_cases import packed_index_with_cross_document_bars
+from tool_modules import load_tool
 from triton_cases import make_index, make_qkv_dout
 
 from mtraining_kernels import triton_backend
@@ -222,7 +223,9 @@ def test_the_view_built_once_equals_the_per_call_one_and_the_former_chunks(seed,
         bar_ptr = index.bar_ptr[source]
         once = _step_lists(index.bar_chunks(source, kv_heads))
         first_last = triton_backend._entry_range(bar_ptr)
-        per_call = _step_lists(bar_chunks_by_column(bar_ptr[None], index.bar_col, *first_last, key_len, kv_heads))
+        per_call = _step_lists(
+            bar_chunks_by_column(bar_ptr[None], index.bar_col, *first_last, key_len, kv_heads, key_len)
+        )
         old = _OldBarChunks(bar_ptr, index.bar_col, index.num_local_blocks, key_len)
         former = dict(column=old.column, chunk_head=old.head_row, chunk_first=old.first, chunk_length=old.length)
         former.update(pair_ptr=old.pair_ptr, pair_qblock=old.pair_qblock, pair_bits=old.pair_bits)
@@ -233,6 +236,53 @@ def test_the_view_built_once_equals_the_per_call_one_and_the_former_chunks(seed,
                 assert torch.equal(tensor.long(), former[name].long()), context
         slot_counts = torch.bincount(once["target_slot"].long(), minlength=once["column"].numel())
         assert slot_counts.eq(1).all(), f"seed={seed} {case}: every slot goes to exactly one dk/dv row"
+
+
+def _step_counts(view: BarChunks) -> tuple[int, int, int]:
+    """The real (slots, chunks, targets) of the view's step."""
+    offsets = (view.source_slots, view.source_chunks, view.source_targets)
+    return tuple(int(t[view.source + 1] - t[view.source]) for t in offsets)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_scratch_rows_and_grids_of_every_step_are_within_the_vertical_width_bound(case):
+    """With V_loc = min(Vmax, N_loc): real counts ≤ (max_slots, max_chunks, max_targets) ≤ (b·Hq·V_loc,
+    b·Hq·⌈V_loc/64⌉, min(b·Hq·V_loc, b·Hkv·N_loc)); the lists of all steps hold at most b·Hq·V slots and
+    b·Hq·(V//64 + min(W, V)) chunks, V = min(Vmax, N)."""
+    indices, (_, k, _, _) = CASES[case](0)
+    batch, key_len, kv_heads = k.shape[:3]
+    for rank, source, index in _steps(indices):
+        view = index.bar_chunks(source, kv_heads)
+        heads = view.shape[0] * view.shape[1]
+        step_width = min(index.vertical_width, key_len)
+        slots = heads * step_width
+        bound = (slots, heads * -(-step_width // 64), min(slots, batch * kv_heads * key_len))
+        real, maxima = _step_counts(view), (view.max_slots, view.max_chunks, view.max_targets)
+        context = f"{case} rank {rank} source {source}: real {real}, maxima {maxima}, bound {bound}"
+        assert all(a <= b <= c for a, b, c in zip(real, maxima, bound)), context
+        width = min(index.vertical_width, index.seq_len)
+        assert view.column.numel() <= heads * width, case
+        assert view.chunk_head.numel() <= heads * (width // 64 + min(index.world_size, width)), case
+
+
+@pytest.mark.parametrize("kind, world", [("contiguous", 1), ("striped", 2)])
+def test_the_bounds_are_near_the_real_counts_on_the_benchmark_pattern(kind, world):
+    """Qwen2.5-3B heads (Hq 16, Hkv 2) on ``bench_attention.budget_pattern`` at N = 8192, sparsity 0.9 (Vmax =
+    94): the lists of all steps hold at most 1.1× the real slots and 1.5× the real chunks; on one rank the step's
+    scratch rows and chunk grid are within 1.1× of its real slots and chunks, its member-sum grid within 1.5× of
+    its real targets (the 30 sinks, shared by the 8 query heads of a KV head, count once per head). A ring step's
+    bounds may be up to W× looser: its source holds only some of a head's verticals."""
+    seq_len, generator = 8192, torch.Generator().manual_seed(0)
+    v_idx, s_idx, _ = load_tool("bench_attention").budget_pattern(1, 16, seq_len, 0.9, "cpu", generator)
+    for rank in range(world):
+        index = convert_index(v_idx, s_idx, Layout(kind, world), rank, seq_len)
+        view = index.bar_chunks(0, 2)
+        assert view.column.numel() <= 1.1 * int(view.source_slots[-1]), (kind, rank)
+        assert view.chunk_head.numel() <= 1.5 * int(view.source_chunks[-1]), (kind, rank)
+        if world == 1:
+            slots, chunks, targets = _step_counts(view)
+            assert view.max_slots <= 1.1 * slots and view.max_chunks <= 1.1 * chunks, (slots, chunks)
+            assert view.max_targets <= 1.5 * targets, (view.max_targets, targets)
 
 
 def test_the_view_is_built_without_reading_a_device_value():
