@@ -669,13 +669,18 @@ def write_plot(rows: list[dict], path: str) -> None:
     except ImportError:
         print("# matplotlib missing: no plot (run --report-only on the JSONL elsewhere)", file=sys.stderr)
         return
-    speedup_figure(rows).savefig(path, dpi=120)
+    figure = speedup_figure(rows)
+    if figure is None:
+        print("# no sdpa_cudnn rows to compare with: no plot", file=sys.stderr)
+        return
+    figure.savefig(path, dpi=120)
     print(f"# plot written to {path}")
 
 
 def speedup_figure(rows: list[dict]):
     """A matplotlib figure of fwd+bwd speed-up over cuDNN against N: one panel per shape, one colour per
-    implementation and pattern (deterministic runs dashed in the colour of the default ones), Flex dotted."""
+    implementation and pattern (deterministic runs dashed in the colour of the default ones), Flex dotted;
+    None when no row has a cuDNN row to compare with."""
     import matplotlib.pyplot as plt
 
     series: dict[str, dict[str, list[tuple[int, float]]]] = {}  # shape -> label -> (N, speed-up)
@@ -684,6 +689,8 @@ def speedup_figure(rows: list[dict]):
             continue
         label = (IMPL_LABEL.get(r["impl"], "") + pattern_label(r)).strip() or "dense mode"
         series.setdefault(r["shape"], {}).setdefault(label, []).append((r["seq_len"], r["vs_sdpa_cudnn"]["fwd_bwd"]))
+    if not series:
+        return None
     labels = sorted({label for by_label in series.values() for label in by_label})
     colors = {
         label: plt.get_cmap("tab10")(i % 10)

@@ -99,3 +99,13 @@ def test_profile_index_prints_each_step_and_its_host_waits(capsys):
     for name in ("conversion", "static estimation"):
         assert f"# index kernel times, {name}, tiny; host waits and copies per call: none" in printed
     assert printed.count("Self CPU") >= 2
+
+
+def test_a_run_without_cudnn_rows_writes_no_plot_and_says_so(tmp_path, capsys):
+    """An A/B run with every baseline off (``--cudnn-max-len 0``) has nothing to plot against: no figure, a
+    note on stderr, no error after the timing."""
+    rows = [r for r in bench_attention.latest_run(ROWS) if r["impl"] != "sdpa_cudnn"]
+    plot = tmp_path / "speedup.png"
+    bench_attention.write_plot(rows, str(plot))
+    assert not plot.exists()
+    assert "no sdpa_cudnn rows" in capsys.readouterr().err
