@@ -130,16 +130,26 @@ def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
         raise ValueError(f"v_idx shape {tuple(v_idx.shape)} needs b >= 1 and Hq >= 1")
     if v_idx.device != s_idx.device:
         raise ValueError(f"v_idx is on {v_idx.device} but s_idx is on {s_idx.device}; move both to one device")
-    for name, idx in (("v_idx", v_idx), ("s_idx", s_idx)):
-        if idx.numel() == 0:
-            continue
-        out_of_range = bool(((idx < 0) | (idx > seq_len)).any())
+    checked = [(name, idx) for name, idx in (("v_idx", v_idx), ("s_idx", s_idx)) if idx.numel()]
+    if not checked:
+        return
+    # both conditions of both lists in one host read: on a GPU the checks cost one sync, not four
+    flags = torch.stack(
+        [
+            flag
+            for _, idx in checked
+            for flag in (
+                ((idx < 0) | (idx > seq_len)).any(),
+                ((idx[..., 1:] <= idx[..., :-1]) & (idx[..., 1:] < seq_len)).any(),
+            )
+        ]
+    ).tolist()
+    for (name, idx), out_of_range, not_ascending in zip(checked, flags[0::2], flags[1::2]):
         if out_of_range:
             raise ValueError(
                 f"{name} holds values outside [0, {seq_len}] (min {int(idx.min())}, max {int(idx.max())}); "
                 f"valid entries are in [0, N) and unused slots hold the sentinel N={seq_len}"
             )
-        not_ascending = bool(((idx[..., 1:] <= idx[..., :-1]) & (idx[..., 1:] < seq_len)).any())
         if not_ascending:
             raise ValueError(
                 f"{name} valid entries must be ascending and distinct per [b, h], "
@@ -184,14 +194,24 @@ def block_lists_by_key(blk_ptr: Tensor, blk_col: Tensor, first: int, last: int) 
     return key_ptr, qblock[order[:pairs]].to(torch.int32)
 
 
+def _check_list_total(total: int) -> None:
+    if total >= 2**31:
+        raise ValueError(f"{total} list entries overflow int32 offsets; split the batch or heads")
+
+
+def _offsets_from_ends(row_ends: Tensor, row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Inclusive row ends and row lengths ``[W·b·Hq·nb]`` → absolute row starts int32 ``[W, b, Hq, nb+1]``."""
+    ends = row_ends.view(shape)
+    starts = ends - row_counts.view(shape)
+    return torch.cat([starts, ends[..., -1:]], dim=-1).to(torch.int32)
+
+
 def _csr_offsets(row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Row lengths ``[W·b·Hq·nb]`` → absolute row starts int32 ``[W, b, Hq, nb+1]`` (last = next group start)."""
     ends = torch.cumsum(row_counts, 0)
-    if ends.numel() and int(ends[-1]) >= 2**31:
-        raise ValueError(f"{int(ends[-1])} list entries overflow int32 offsets; split the batch or heads")
-    ends = ends.view(shape)
-    starts = ends - row_counts.view(shape)
-    return torch.cat([starts, ends[..., -1:]], dim=-1).to(torch.int32)
+    if ends.numel():
+        _check_list_total(int(ends[-1]))
+    return _offsets_from_ends(ends, row_counts, shape)
 
 
 def _block_lists(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor) -> tuple[Tensor, Tensor]:
@@ -245,33 +265,38 @@ def lists_of_bar_entries(row: Tensor, column: Tensor, shape: tuple[int, ...], lo
     return _csr_offsets(row_starts[1:] - row_starts[:-1], shape), col
 
 
-def _lists_triton(candidates, shape: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
-    """CSR lists by the Triton kernels of ``triton_index``: a count pass, the offsets, a write pass."""
+def _lists_triton(candidates: list, shape: tuple[int, int, int, int]) -> list[tuple[Tensor, Tensor]]:
+    """CSR lists of each candidate set by the Triton kernels of ``triton_index``: a count pass each, their
+    offsets, one host read of every list's size (the only sync), a write pass each."""
     from . import triton_index  # Triton is imported only where its kernels run
 
-    counts = triton_index.count_rows(candidates)
-    ptr = _csr_offsets(counts.view(-1).long(), shape)
-    return ptr, triton_index.write_rows(candidates, ptr[..., :-1].reshape(-1), int(ptr[-1, -1, -1, -1]))
+    counts = [triton_index.count_rows(c).view(-1).long() for c in candidates]
+    ends = [torch.cumsum(count, 0) for count in counts]
+    totals = torch.stack([end[-1] for end in ends]).tolist()
+    for total in totals:
+        _check_list_total(total)
+    lists = []
+    for c, count, end, total in zip(candidates, counts, ends, totals):
+        ptr = _offsets_from_ends(end, count, shape)
+        lists.append((ptr, triton_index.write_rows(c, ptr[..., :-1].reshape(-1), total)))
+    return lists
 
 
-def _block_lists_triton(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`_block_lists` without the ``[W, b, Hq, nb, nb]`` mask."""
+def _block_candidates(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor):
+    """The Triton block-list candidates: :func:`_block_lists` without the ``[W, b, Hq, nb, nb]`` mask."""
     from .triton_index import block_candidates
 
-    shape = (source_blocks.shape[0], *hit.shape[:2], query_blocks.numel())
-    return _lists_triton(block_candidates(source_blocks, query_blocks, hit), shape)
+    return block_candidates(source_blocks, query_blocks, hit)
 
 
-def _bar_lists_triton(
-    v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout, seq_len: int
-) -> tuple[Tensor, Tensor]:
-    """:func:`_bar_lists` without the int64 ``[b, Hq, nb, Vmax]`` temporaries and the sort."""
+def _bar_candidates(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout, seq_len: int):
+    """The Triton bar-list candidates: :func:`_bar_lists` without the int64 ``[b, Hq, nb, Vmax]`` temporaries and
+    the sort."""
     from .triton_index import bar_candidates
 
     column = v_idx.long().clamp(max=seq_len - 1)
     owner, local = layout.to_local(column, seq_len)
-    candidates = bar_candidates(owner, local, column // BLOCK_SIZE, query_blocks, hit, layout.world_size)
-    return _lists_triton(candidates, (layout.world_size, *v_idx.shape[:2], query_blocks.numel()))
+    return bar_candidates(owner, local, column // BLOCK_SIZE, query_blocks, hit, layout.world_size)
 
 
 def convert_index(
@@ -282,15 +307,20 @@ def convert_index(
     Runs on ``v_idx``'s device with no loop over blocks, columns or ranks. ``implementation``: "auto"
     (Triton on CUDA), "torch" or "triton", the same lists either way. Transient memory: with the Triton
     kernels int32 candidates and row counts only; with PyTorch ops a bool block mask ``[W, b, Hq, nb, nb]``
-    and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list itself can be that large).
+    and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list itself can be that large). With the Triton
+    kernels it reads the host twice: the input checks, then both lists' sizes.
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
     use_triton = uses_triton(implementation, v_idx)  # the Triton list kernels are triton_index.py's
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
     query_blocks, source_blocks = block_tables(layout, rank, seq_len, v_idx.device)
     if use_triton:
-        blk_ptr, blk_col = _block_lists_triton(hit, query_blocks, source_blocks)
-        bar_ptr, bar_col = _bar_lists_triton(v_idx, hit, query_blocks, layout, seq_len)
+        shape = (layout.world_size, *v_idx.shape[:2], query_blocks.numel())
+        candidates = [
+            _block_candidates(hit, query_blocks, source_blocks),
+            _bar_candidates(v_idx, hit, query_blocks, layout, seq_len),
+        ]
+        (blk_ptr, blk_col), (bar_ptr, bar_col) = _lists_triton(candidates, shape)
     else:
         blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
         bar_ptr, bar_col = _bar_lists(v_idx, hit, query_blocks, layout, seq_len)

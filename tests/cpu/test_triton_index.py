@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("triton")
 
+from host_reads import HostReads
 from test_index import FIELDS, random_index
 
 from mtraining_kernels import index, triton_index
@@ -77,3 +78,15 @@ def test_rows_longer_than_one_loop_step_of_blocks(seed):
     assert longest > triton_index.CANDIDATES_PER_STEP, f"longest block row {longest}: the test checks one step only"
     for field in FIELDS:
         assert torch.equal(getattr(got, field), getattr(expected, field)), f"seed={seed}: {field} differs"
+
+
+def test_the_triton_conversion_reads_the_host_twice(seed):
+    """On a GPU each host read is a sync: the Triton conversion makes two, the input checks (all four
+    conditions at once) and every list's size (blocks and bars at once); it made eight."""
+    generator = torch.Generator().manual_seed(seed)
+    layout, seq_len = Layout("striped", 2), 2 * 2 * BLOCK_SIZE * 3
+    v_idx, s_idx = random_index(generator, 2, 3, seq_len, 24, 24)
+    with HostReads() as reads:
+        got = convert_with("triton", v_idx, s_idx, layout, 1, seq_len)
+    assert got.bar_col.numel() > 0 and got.blk_col.numel() > 0
+    assert [site.split(" ")[1] for site in reads.sites] == ["tolist", "tolist"], reads.sites

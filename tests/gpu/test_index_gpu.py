@@ -47,8 +47,8 @@ def test_triton_lists_equal_the_pytorch_lists(seed, seq_len, kind, world):
 
 def test_auto_uses_triton_on_cuda(seed, monkeypatch):
     calls = []
-    original = index._bar_lists_triton
-    monkeypatch.setattr(index, "_bar_lists_triton", lambda *args: calls.append(1) or original(*args))
+    original = index._bar_candidates
+    monkeypatch.setattr(index, "_bar_candidates", lambda *args: calls.append(1) or original(*args))
     v_idx, s_idx, _ = budget_pattern(1, 2, 8192, 0.9, "cuda", torch.Generator().manual_seed(seed))
     convert("auto", v_idx, s_idx, Layout("contiguous", 1), 0, 8192)
     assert calls == [1]
