@@ -1,4 +1,5 @@
-"""Counting the host reads of our code on a CPU: each one is a device synchronisation on a GPU.
+"""Counting the host reads of our code on a CPU (each one is a device synchronisation on a GPU), and the
+synchronisations themselves on a GPU.
 
 :class:`HostReads` is a ``TorchFunctionMode`` that records every tensor operation that hands a value to
 the host (``int()``, ``bool()``, ``float()``, ``item``, ``tolist``, ``nonzero``, ``cpu``, boolean-mask
@@ -8,7 +9,9 @@ indexing, ``repeat_interleave`` without ``output_size``, ``unique``) when it is 
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,3 +47,19 @@ class HostReads(TorchFunctionMode):
             if any(part in OUR_PACKAGES for part in Path(caller).parts):
                 self.sites.append(f"{Path(caller).name}:{sys._getframe(1).f_lineno} {name}")
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def device_syncs():
+    """``with device_syncs() as syncs: ...``: the synchronising CUDA calls made inside the block, as the
+    warnings of torch's sync debug mode (one per call; on a CUDA device only)."""
+    torch.cuda.synchronize()
+    syncs: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))

@@ -28,37 +28,43 @@ from .estimation import (
     list_widths,
     resolve_budget,
 )
+from .host_copies import to_device
 
 
-def _check_lists(
-    name: str, lists: torch.Tensor, low: torch.Tensor, high: torch.Tensor, sparse: torch.Tensor, seq_len: int
-) -> None:
-    """Raise unless every list ``[b, m_max, Hq, width]`` is ascending and distinct, padded with ``seq_len``, with
-    its entries in [low, high) of its document (``low``/``high`` ``[b, m_max]``) and none in a dense document."""
+def _list_violations(
+    lists: torch.Tensor, low: torch.Tensor, high: torch.Tensor, sparse: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool masks of a list ``[b, m_max, Hq, width]``: entries outside [low, high) of their document (``low``/
+    ``high`` ``[b, m_max]``), in a dense document, or padding other than ``seq_len``; and entries that do not
+    ascend strictly (``[..., width − 1]``, only padding may follow padding)."""
     valid = lists < seq_len
     outside = valid & ((lists < low[..., None, None]) | (lists >= high[..., None, None]) | ~sparse[..., None, None])
     outside |= ~valid & (lists != seq_len)
-    if outside.any():
-        where = tuple(int(x) for x in outside.nonzero()[0])
-        sample, document = where[:2]
-        if not sparse[sample, document]:
-            allowed = f"document {document} of sample {sample} is dense (sparse=False), so its lists hold only N"
-        else:
-            allowed = (
-                f"the entries of document {document} of sample {sample} lie in "
-                f"[{int(low[sample, document])}, {int(high[sample, document])})"
-            )
-        raise ValueError(
-            f"{name}{list(where)}={int(lists[where])} is not allowed: {allowed}; unused slots hold N={seq_len}"
-        )
     previous, following = lists[..., :-1], lists[..., 1:]
-    disordered = (following <= previous) & (following < seq_len)  # only padding may follow padding
-    if disordered.any():
-        where = tuple(int(x) for x in disordered.nonzero()[0])
-        raise ValueError(
-            f"{name}{list(where[:3])} = {lists[where[:3]].tolist()} is not strictly ascending at slot {where[3] + 1}; "
-            f"list each entry once, ascending, then pad with N={seq_len}"
+    return outside, (following <= previous) & (following < seq_len)
+
+
+def _raise_outside(name: str, lists: torch.Tensor, outside: torch.Tensor, low, high, sparse, seq_len: int) -> None:
+    where = tuple(int(x) for x in outside.nonzero()[0])
+    sample, document = where[:2]
+    if not sparse[sample, document]:
+        allowed = f"document {document} of sample {sample} is dense (sparse=False), so its lists hold only N"
+    else:
+        allowed = (
+            f"the entries of document {document} of sample {sample} lie in "
+            f"[{int(low[sample, document])}, {int(high[sample, document])})"
         )
+    raise ValueError(
+        f"{name}{list(where)}={int(lists[where])} is not allowed: {allowed}; unused slots hold N={seq_len}"
+    )
+
+
+def _raise_disordered(name: str, lists: torch.Tensor, disordered: torch.Tensor, seq_len: int) -> None:
+    where = tuple(int(x) for x in disordered.nonzero()[0])
+    raise ValueError(
+        f"{name}{list(where[:3])} = {lists[where[:3]].tolist()} is not strictly ascending at slot {where[3] + 1}; "
+        f"list each entry once, ascending, then pad with N={seq_len}"
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,16 +110,27 @@ class DocumentIndex:
                 )
         if self.v_idx.shape[2] != self.s_idx.shape[2]:
             raise ValueError(f"v_idx has Hq={self.v_idx.shape[2]} heads but s_idx has {self.s_idx.shape[2]}")
-        unused_sparse = self.sparse & (documents.lengths == 0)
-        if unused_sparse.any():
+        starts, lengths, seq_len = documents.starts, documents.lengths, documents.seq_len
+        unused_sparse = self.sparse & (lengths == 0)
+        bounds = {"v_idx": (starts, starts + lengths), "s_idx": (torch.zeros_like(lengths), lengths)}  # keys, offsets
+        masks = {
+            name: _list_violations(lists, *bounds[name], self.sparse, seq_len)
+            for name, lists in (("v_idx", self.v_idx), ("s_idx", self.s_idx))
+        }
+        # every condition in one host read: on a GPU the checks cost one sync, not five
+        flags = torch.stack([unused_sparse.any()] + [mask.any() for pair in masks.values() for mask in pair]).tolist()
+        if flags[0]:
             sample, slot = (int(x) for x in unused_sparse.nonzero()[0])
             raise ValueError(
                 f"sparse[{sample}, {slot}] is True but sample {sample} has only "
                 f"{int(documents.num_documents[sample])} documents; unused slots are not sparse"
             )
-        starts, lengths, seq_len = documents.starts, documents.lengths, documents.seq_len
-        _check_lists("v_idx", self.v_idx, starts, starts + lengths, self.sparse, seq_len)  # key positions
-        _check_lists("s_idx", self.s_idx, torch.zeros_like(lengths), lengths, self.sparse, seq_len)  # offsets
+        for (name, (outside, disordered)), is_outside, is_disordered in zip(masks.items(), flags[1::2], flags[2::2]):
+            lists = getattr(self, name)
+            if is_outside:
+                _raise_outside(name, lists, outside, *bounds[name], self.sparse, seq_len)
+            if is_disordered:
+                _raise_disordered(name, lists, disordered, seq_len)
 
     @property
     def num_heads(self) -> int:
@@ -224,9 +241,9 @@ def assemble_document_index(
     device = documents.starts.device
     v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=device)
     s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
-    slots_of_parts = torch.tensor(
-        [(part.sample, part.document, part.start) for group, _ in estimated for part in group], device=device
-    )  # every group's (sample, document, start) rows in one host-to-device copy
+    slots_of_parts = to_device(
+        torch.tensor([(part.sample, part.document, part.start) for group, _ in estimated for part in group]), device
+    )  # every group's (sample, document, start) rows in one host-to-device copy, which does not wait
     first = 0
     for group, own in estimated:
         length = group[0].length

@@ -41,6 +41,7 @@ from typing import Callable, Literal, NamedTuple
 import torch
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from .host_copies import to_device
 from .launch_checks import uses_triton
 from .layout import BLOCK_SIZE
 
@@ -545,7 +546,7 @@ def select_index(
         if sizes is None:
             counts = top_p_counts(ranked_scores, num_forced, total_mass, budget.p, budget.effective_cap(seq_len))
         else:
-            counts = sizes.to(scores.device).expand(scores.shape[:-1])
+            counts = to_device(sizes, scores.device).expand(scores.shape[:-1])
         lists.append(index_list(ranked_indices, counts, width, seq_len))
     if block_slashes:
         lists.append(_block_slash_index(s_scores, budget, total_mass, seq_len, local_window))

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_copies import to_device
+
 ROWS_PER_TILE = 64  # the estimation rows, L ≤ 64: one tile
 # Tile shapes and warps are the fastest of those timed at N = 512K (tests/gpu/test_estimation_gpu.py script
 # mode; the timings are in docs/benchmarks.md). They set the launch only, never a bit of the results.
@@ -64,7 +66,7 @@ class FixedPointRules(NamedTuple):
 
 def _constants(rules: FixedPointRules, device: torch.device) -> torch.Tensor:
     values = (float(rules.one), rules.static_logit_limit, rules.exp_input_floor, rules.log2_e, *rules.exp2_coefficients)
-    return torch.tensor(values, dtype=torch.float64, device=device)
+    return to_device(torch.tensor(values, dtype=torch.float64), device)
 
 
 # --------------------------------------------------------------------------------------------- kernels

@@ -15,9 +15,12 @@ from unittest import mock
 
 import pytest
 import torch
+from host_reads import device_syncs
 
 from mtraining_kernels import estimation, triton_estimation
 from mtraining_kernels.budget import StaticBudget, TopPBudget
+from mtraining_kernels.document_index import estimate_document_index
+from mtraining_kernels.documents import Documents
 from mtraining_kernels.layout import Layout
 
 pytestmark = pytest.mark.gpu
@@ -116,6 +119,32 @@ def test_index_is_identical_to_the_pytorch_path(seed, mode, seq_len):
     for backend in indexes:
         for name, got, expected in zip(estimation.VerticalSlashIndex._fields, indexes["auto"], indexes[backend]):
             assert torch.equal(got.cpu(), expected.cpu()), f"seed={seed} {mode} N={seq_len}: {name} vs {backend}"
+
+
+@pytest.mark.parametrize("mode", ["static", "top_p", "top_p_blocks"])
+def test_estimation_waits_on_the_host_nowhere(seed, mode):
+    """The index of one layer is queued without a host sync: the budget's sizes and the kernels' fp64 constants
+    reach the device from pinned memory (they were three syncs in the 128K profile, docs/benchmarks.md)."""
+    q, k = draw_qk(seed, 1, 4096, 16, 2, 128, torch.bfloat16)
+    estimation.estimate_vertical_slash(q, k, BUDGETS[mode])  # compiles the kernels
+    with device_syncs() as syncs:
+        estimation.estimate_vertical_slash(q, k, BUDGETS[mode])
+    assert syncs == [], f"seed={seed} {mode}: {len(syncs)} host syncs: {syncs[:3]}"
+
+
+def test_packed_estimation_syncs_do_not_grow_with_the_documents(seed):
+    """Per-document estimation runs one batched estimation per document length; its host syncs (the index's
+    input checks, read once) must not come once per length group (63 syncs at 512K ProLong-like before)."""
+    q, k = draw_qk(seed, 1, 16384, 16, 2, 128, torch.bfloat16)
+    counts = {}
+    for starts in ([0, 8192], [0, 4096, 6144, 10240, 12288, 14848]):
+        documents = Documents(torch.tensor([starts], device=DEVICE), 16384)
+        documents.host_spans  # the CPU copy of the spans, made once per batch
+        estimate_document_index(q, k, documents, BUDGETS["static"], min_sparse_length=1024)  # compiles
+        with device_syncs() as syncs:
+            estimate_document_index(q, k, documents, BUDGETS["static"], min_sparse_length=1024)
+        counts[len(starts)] = len(syncs)
+    assert counts[2] == counts[6] <= 1, f"seed={seed}: host syncs by document count {counts}"
 
 
 # ----------------------------------------------------------------------------------------------- timing

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from bench_attention import budget_pattern, median_ms
+from host_reads import device_syncs
 
 from mtraining_kernels import index
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
@@ -52,6 +53,16 @@ def test_auto_uses_triton_on_cuda(seed, monkeypatch):
     v_idx, s_idx, _ = budget_pattern(1, 2, 8192, 0.9, "cuda", torch.Generator().manual_seed(seed))
     convert("auto", v_idx, s_idx, Layout("contiguous", 1), 0, 8192)
     assert calls == [1]
+
+
+def test_the_triton_conversion_syncs_twice(seed):
+    """The input checks and the lists' sizes are the conversion's only host reads (eight before,
+    docs/benchmarks.md's 128K profile)."""
+    v_idx, s_idx, _ = budget_pattern(1, 16, 32768, 0.95, "cuda", torch.Generator().manual_seed(seed))
+    convert("triton", v_idx, s_idx, Layout("striped", 2), 1, 32768)  # compiles the kernels
+    with device_syncs() as syncs:
+        convert("triton", v_idx, s_idx, Layout("striped", 2), 1, 32768)
+    assert len(syncs) == 2, f"seed={seed}: {len(syncs)} host syncs: {syncs}"
 
 
 if __name__ == "__main__":
