@@ -9,13 +9,18 @@ With ``--mixture`` the sequence is a packed document mixture (PACKED.md) with th
 per document, counted by the §2.7 conversion rule::
 
     python tools/analyze_balance.py --seq-len 524288 --world-size 32 --heads 16 --mixture prolong
+
+``--document-orders K`` also packs the same documents in K random orders (each document keeping its own
+pattern) and prints the best, median and worst of each layout: how much of the imbalance is where the
+documents land, which a layout that knows the documents could choose.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from document_mixtures import MIXTURES, realistic_document_index
+import torch
+from document_mixtures import MIXTURES, realistic_document_index, reorder_documents
 from realistic_pattern import realistic_pattern
 
 from megatron_mtraining.balance import BalanceReport, balance_report, document_balance_report
@@ -43,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=4096,
         help="documents shorter than this are dense (default 4096 for this analysis); with --mixture only",
+    )
+    parser.add_argument(
+        "--document-orders",
+        type=int,
+        default=0,
+        help="with --mixture: also pack the documents in this many random orders (seeded) and summarise",
     )
     parser.add_argument("--out", default=None, help="PNG path for the rank × step heatmaps (none: no plot)")
     return parser.parse_args(argv)
@@ -107,11 +118,41 @@ def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport
     return {name: document_balance_report(doc_index, layout) for name, layout in layouts.items()}, title
 
 
+def document_order_spread(args: argparse.Namespace) -> str:
+    """Best / median / worst worker, step and critical-path ratios of the striped and skewed layouts over
+    ``--document-orders`` random orders of sample 0's documents, patterns fixed per document."""
+    documents = MIXTURES[args.mixture](args.seq_len, args.seed)
+    doc_index = realistic_document_index(
+        documents,
+        args.heads,
+        min_sparse_length=args.min_sparse_length,
+        far_slashes=args.far_slashes,
+        far_verticals=args.far_verticals,
+        seed=args.seed,
+    )
+    count = int(documents.num_documents[0])
+    generator = torch.Generator().manual_seed(args.seed)
+    orders = [torch.randperm(count, generator=generator).tolist() for _ in range(args.document_orders)]
+    lines = [f"{args.document_orders} random orders of the {count} documents: best / median / worst"]
+    for kind in ("striped", "skewed"):
+        layout = Layout(kind, args.world_size, args.granularity)
+        reports = [document_balance_report(reorder_documents(doc_index, 0, order), layout) for order in orders]
+        for metric in ("worker_imbalance", "step_imbalance", "critical_path_ratio"):
+            values = sorted(getattr(report, metric) for report in reports)
+            best, median, worst = values[0], values[len(values) // 2], values[-1]
+            lines.append(f"{kind:<8}{metric:<21}{best:.4f} / {median:.4f} / {worst:.4f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     reports, title = reports_and_title(args)
     print(title)
     print(format_table(reports))
+    if args.document_orders:
+        if args.mixture == "none":
+            raise SystemExit("--document-orders needs --mixture (the documents to reorder)")
+        print(document_order_spread(args))
     if args.out:
         plot_heatmaps(reports, title, args.out)
         print(f"heatmaps written to {args.out}")

@@ -187,3 +187,22 @@ def budget_document_index(
         return v_idx, s_idx  # entries >= length are padding to per_document_index
 
     return per_document_index(documents, heads, min_sparse_length, pattern)
+
+
+def reorder_documents(doc_index: DocumentIndex, sample: int, order: list[int]) -> DocumentIndex:
+    """Sample ``sample`` of ``doc_index`` with its documents packed in ``order`` (document slots), as a one-sample
+    index: each document keeps its own pattern, its verticals moved with its start (slashes are offsets and
+    do not move). For the balance analysis of where documents land, patterns held fixed."""
+    documents = doc_index.documents
+    count = int(documents.num_documents[sample])
+    if sorted(order) != list(range(count)):
+        raise ValueError(f"order {order} must be a permutation of the sample's {count} document slots")
+    seq_len = documents.seq_len
+    slots = torch.tensor(order)
+    lengths = documents.lengths[sample, slots]
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    shift = (starts - documents.starts[sample, slots]).to(torch.int32)[:, None, None]
+    v_idx = doc_index.v_idx[sample, slots]
+    moved = torch.where(v_idx < seq_len, v_idx + shift, seq_len).to(torch.int32)
+    sparse, s_idx = doc_index.sparse[sample, slots], doc_index.s_idx[sample, slots]
+    return DocumentIndex(Documents(starts[None], seq_len), sparse[None], moved[None], s_idx[None])

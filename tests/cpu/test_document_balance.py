@@ -270,3 +270,30 @@ def test_budget_document_index_is_the_attention_benchmarks_pattern_per_document(
     assert bool((packed.v_idx[0, 2] == seq_len).all() and (packed.s_idx[0, 2] == seq_len).all()), "dense"
     layout = Layout("contiguous", 1)
     assert document_work_density(whole, layout) < 1.0 - sparsity + 0.05, f"seed={seed}"
+
+
+def test_reordered_documents_keep_their_own_patterns(seed):
+    """``reorder_documents`` packs the same documents in another order: each keeps its length, its sparse flag,
+    its slashes and its verticals relative to its start; the identical order balances like the original."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = 16 * BLOCK_SIZE
+    documents = mixtures.prolong_like(seq_len, 1, seed)
+    doc_index = mixtures.realistic_document_index(documents, 2, min_sparse_length=256, seed=seed)
+    count = int(documents.num_documents[0])
+    assert count >= 3 and bool(doc_index.sparse.any()), "the mixture needs several documents, some sparse"
+    order = torch.randperm(count, generator=generator).tolist()
+    moved = mixtures.reorder_documents(doc_index, 0, order)
+    for new, old in enumerate(order):
+        assert int(moved.documents.lengths[0, new]) == int(documents.lengths[0, old])
+        assert bool(moved.sparse[0, new]) == bool(doc_index.sparse[0, old])
+        assert torch.equal(moved.s_idx[0, new], doc_index.s_idx[0, old])
+        relative = [
+            torch.where(index.v_idx[0, slot] < seq_len, index.v_idx[0, slot] - index.documents.starts[0, slot], -1)
+            for index, slot in ((moved, new), (doc_index, old))
+        ]
+        assert torch.equal(*relative), f"seed={seed}: document {old}'s verticals did not move with it"
+    same = mixtures.reorder_documents(doc_index, 0, list(range(count)))
+    layout = Layout("striped", 4)
+    assert torch.equal(document_balance_report(same, layout).cost, document_balance_report(doc_index, layout).cost)
+    with pytest.raises(ValueError, match="permutation"):
+        mixtures.reorder_documents(doc_index, 0, [0] * count)
