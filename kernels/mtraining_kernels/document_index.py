@@ -24,7 +24,7 @@ from .estimation import (
     check_forced_entries,
     check_int,
     check_query_key,
-    estimate_vertical_slash,
+    estimate_from_last_queries,
     list_widths,
     resolve_budget,
 )
@@ -273,10 +273,11 @@ def estimate_document_index(
     A document of L ≥ ``min_sparse_length`` tokens starting at o is estimated by
     :func:`mtraining_kernels.estimation.estimate_vertical_slash` on ``q[:, o : o + L]``, ``k[:, o : o + L]``
     with static sizes clamped to L (documents of one length in one batched call: each batch row's index is
-    computed on its own, so it is the same bits), and its verticals are shifted by o. The budget must fit the whole
-    sequence (as unpacked), and the lists are as wide as the whole sequence's (``list_widths(budget, N)``),
-    so their shapes do not depend on the documents. Returns the index and the number of documents whose
-    static budget was clamped.
+    computed on its own, so it is the same bits; only the last ``last_q`` queries are copied for it,
+    :func:`~mtraining_kernels.estimation.estimate_from_last_queries`), and its verticals are shifted by o.
+    The budget must fit the whole sequence (as unpacked), and the lists are as wide as the whole sequence's
+    (``list_widths(budget, N)``), so their shapes do not depend on the documents. Returns the index and the
+    number of documents whose static budget was clamped.
     """
     check_query_key(q, k, softmax_scale)
     batch, seq_len, q_heads = q.shape[:3]
@@ -287,12 +288,12 @@ def estimate_document_index(
     estimated = []
     for group in same_length_groups(parts):
         length = group[0].length
-        own = estimate_vertical_slash(
-            torch.stack([q[part.sample, part.start : part.start + length] for part in group]),
-            torch.stack([k[part.sample, part.start : part.start + length] for part in group]),
+        stops = [part.start + length for part in group]
+        own = estimate_from_last_queries(  # only the rows the estimation reads: no copy of the other queries
+            torch.stack([q[part.sample, stop - last_q : stop] for part, stop in zip(group, stops)]),
+            torch.stack([k[part.sample, part.start : stop] for part, stop in zip(group, stops)]),
             group[0].budget,
             softmax_scale=softmax_scale,
-            last_q=last_q,
             sink_tokens=sink_tokens,
             local_window=local_window,
         )

@@ -283,8 +283,9 @@ def check_int(name: str, value, low: int, high: int, why: str) -> None:
         raise ValueError(f"{name}={value!r} must be an integer in [{low}, {high}] ({why})")
 
 
-def check_query_key(q, k, softmax_scale) -> None:
-    """Shape, dtype, GQA and device checks of q/k (the whole sequence or one rank's shard) and the scale."""
+def check_query_key(q, k, softmax_scale, same_length: bool = True) -> None:
+    """Shape, dtype, GQA and device checks of q/k (the whole sequence or one rank's shard) and the scale;
+    ``same_length=False`` lets q hold fewer rows than k (the last queries only)."""
     for name, x in (("q", q), ("k", k)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
             raise ValueError(
@@ -292,8 +293,9 @@ def check_query_key(q, k, softmax_scale) -> None:
                 f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', '')}"
             )
     (batch, seq_len, q_heads, dim), (k_batch, k_len, kv_heads, k_dim) = q.shape, k.shape
-    if (batch, seq_len, dim) != (k_batch, k_len, k_dim):
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on [b, N, ·, d]")
+    if (batch, dim) != (k_batch, k_dim) or (same_length and seq_len != k_len):
+        agree = "[b, N, ·, d]" if same_length else "[b, ·, ·, d]"
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on {agree}")
     if 0 in q.shape or 0 in k.shape:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must not be empty")
     if q_heads % kv_heads:
@@ -370,15 +372,46 @@ def estimate_vertical_slash(
     ``implementation`` "auto" (Triton for CUDA tensors), "torch" or "triton": the same index either way.
     """
     _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window)
-    uses_triton(implementation, q)  # an unknown name is refused before any work
-    batch, seq_len, q_heads, dim = q.shape
+    seq_len = q.shape[1]
+    return estimate_from_last_queries(
+        q[:, seq_len - last_q :],
+        k,
+        budget,
+        softmax_scale=softmax_scale,
+        sink_tokens=sink_tokens,
+        local_window=local_window,
+        implementation=implementation,
+    )
+
+
+def estimate_from_last_queries(
+    q_last: torch.Tensor,
+    k: torch.Tensor,
+    budget: StaticBudget | StaticHeadBudgets | TopPBudget,
+    *,
+    softmax_scale: float | None = None,
+    sink_tokens: int = 30,
+    local_window: int = 100,
+    implementation: str = "auto",
+) -> VerticalSlashIndex:
+    """:func:`estimate_vertical_slash` from the only queries it reads, bit for bit the same index.
+
+    ``q_last [b, L, Hq, d]`` are the queries at positions N − L … N − 1 (L ≤ 64) of ``k [b, N, Hkv, d]``, so a
+    caller holding whole documents copies their last rows and no other query (``document_index``).
+    """
+    check_query_key(q_last, k, softmax_scale, same_length=False)
+    last_q, seq_len = q_last.shape[1], k.shape[1]
+    check_int("L", last_q, 1, min(MAX_LAST_Q, seq_len), f"the last queries of N={seq_len} keys, one tile at most")
+    check_forced_entries(sink_tokens, local_window, seq_len)
+    uses_triton(implementation, q_last)  # an unknown name is refused before any work
+    batch, _, q_heads, dim = q_last.shape
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
-    device = q.device
+    device = q_last.device
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = torch.arange(seq_len, device=device)
-    logits = estimation_logits(q[:, seq_len - last_q :], q_positions, k, k_positions, scale, implementation)
+    logits = estimation_logits(q_last, q_positions, k, k_positions, scale, implementation)
     top_p = isinstance(budget, TopPBudget)
     block_slashes = top_p and budget.block_slashes
     v_scores, s_scores = vertical_and_slash_scores(

@@ -12,6 +12,7 @@ from mtraining_kernels.estimation import (
     FIXED_POINT_ONE,
     INCOMPLETE_SCORE,
     block_diagonal_scores,
+    estimate_from_last_queries,
     estimate_vertical_slash,
     estimation_logits,
     exp_fixed_point,
@@ -337,6 +338,23 @@ def test_estimation_is_bitwise_invariant_to_batch_threads_and_strides(budget, se
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(strided, batched)), f"seed={seed}"
+
+
+@pytest.mark.parametrize("budget", [StaticBudget(97, 230), TopPBudget(0.9, 200)], ids=["static", "top-p"])
+def test_the_last_queries_alone_give_the_same_index(budget, seed):
+    """``estimate_from_last_queries`` (what the per-document estimation calls, copying only the last rows)
+    equals ``estimate_vertical_slash`` on the whole q bit for bit, for L = 64 and a shorter L."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 384, 4, 32, generator=generator).bfloat16()
+    k = torch.randn(2, 384, 2, 32, generator=generator).bfloat16()
+    for last_q in (64, 17):
+        whole = estimate_vertical_slash(q, k, budget, last_q=last_q)
+        rows = estimate_from_last_queries(q[:, 384 - last_q :].clone(), k, budget)
+        assert all(torch.equal(a, b) for a, b in zip(rows, whole)), f"seed={seed} L={last_q}"
+    with pytest.raises(ValueError, match="L=65 .*one tile"):
+        estimate_from_last_queries(torch.randn(2, 65, 4, 32), k, budget)
+    with pytest.raises(ValueError, match=r"must agree on \[b, ·, ·, d\]"):
+        estimate_from_last_queries(q[:, -64:, :, :16], k, budget)
 
 
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
