@@ -42,6 +42,10 @@
 #   SEQ_LEN (524288), GLOBAL_BATCH_SIZE (8), TRAIN_ITERS (1000), LR (1e-5), MIN_LR (1e-6), WARMUP_ITERS (20)
 #   BUDGET (top-p)                top-p: per-head budgets covering TOP_P (0.9) of the attention mass;
 #                                 static: SPARSITY (0.95, the benchmarks' budget) or VERTICAL_SIZE + SLASH_SIZE
+#   BLOCK_SLASHES (0), CAP        top-p only: BLOCK_SLASHES=1 ranks whole 128-token block diagonals
+#                                 (--mtraining-block-slashes); CAP caps each head's verticals and diagonals
+#                                 (--mtraining-cap; unset: the launcher's 4096). The quality study's choice from
+#                                 64K on: BLOCK_SLASHES=1 CAP=128 (docs/benchmarks.md, "Capped top-P")
 #   GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (6000)
 #   TP (1), PP (1), CP (GPUs / (TP x PP))   tensor, pipeline and context parallel sizes; TP divides
 #                                 GPUS_PER_NODE; DP = GPUs / (TP x PP x CP) must be a whole number
@@ -215,9 +219,20 @@ case "$BUDGET" in
     require_number TOP_P
     number_satisfies "$TOP_P" "x > 0 && x <= 1" || fail "TOP_P=$TOP_P must be in (0, 1], e.g. 0.9"
     BUDGET_ARGS=(--mtraining-budget top-p --mtraining-top-p "$TOP_P")
+    BLOCK_SLASHES=${BLOCK_SLASHES:-0}
+    [[ "$BLOCK_SLASHES" == [01] ]] || fail "BLOCK_SLASHES=$BLOCK_SLASHES must be 0 or 1"
+    if (( BLOCK_SLASHES )); then
+      BUDGET_ARGS+=(--mtraining-block-slashes)
+    fi
+    if [[ -n "${CAP:-}" ]]; then
+      require_integer CAP 1
+      BUDGET_ARGS+=(--mtraining-cap "$CAP")
+    fi
     ;;
   static)
-    [[ -z "${TOP_P:-}" ]] || fail "TOP_P=$TOP_P is a top-p setting, but BUDGET=static; unset TOP_P or use BUDGET=top-p"
+    for name in TOP_P BLOCK_SLASHES CAP; do
+      [[ -z "${!name:-}" ]] || fail "$name=${!name} is a top-p setting, but BUDGET=static; unset $name or use BUDGET=top-p"
+    done
     if [[ -n "${VERTICAL_SIZE:-}${SLASH_SIZE:-}" ]]; then
       [[ -z "${SPARSITY:-}" ]] || fail "SPARSITY=$SPARSITY and VERTICAL_SIZE/SLASH_SIZE both set a static budget;" \
                                        "give SPARSITY or VERTICAL_SIZE + SLASH_SIZE"

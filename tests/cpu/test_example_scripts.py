@@ -338,8 +338,21 @@ def test_real_data_and_evaluation_settings(parser):
 @pytest.mark.parametrize(
     "settings, expected",
     [
-        ({}, dict(mtraining_budget="top-p", mtraining_top_p=0.9, mtraining_sparsity=None)),
+        (
+            {},
+            dict(
+                mtraining_budget="top-p",
+                mtraining_top_p=0.9,
+                mtraining_sparsity=None,
+                mtraining_block_slashes=False,
+                mtraining_cap=None,
+            ),
+        ),
         ({"TOP_P": "0.95"}, dict(mtraining_budget="top-p", mtraining_top_p=0.95)),
+        (
+            {"BLOCK_SLASHES": "1", "CAP": "128"},
+            dict(mtraining_budget="top-p", mtraining_top_p=0.9, mtraining_block_slashes=True, mtraining_cap=128),
+        ),
         ({"BUDGET": "static"}, dict(mtraining_budget="static", mtraining_sparsity=0.95, mtraining_top_p=None)),
         ({"BUDGET": "static", "SPARSITY": "0.9"}, dict(mtraining_budget="static", mtraining_sparsity=0.9)),
         (
@@ -352,7 +365,7 @@ def test_real_data_and_evaluation_settings(parser):
             ),
         ),
     ],
-    ids=["top-p-default", "top-p", "static-default", "static-sparsity", "static-sizes"],
+    ids=["top-p-default", "top-p", "top-p-blocks-cap", "static-default", "static-sparsity", "static-sizes"],
 )
 def test_budget_settings(parser, settings, expected):
     args = _parsed(parser, _launch_command(_dry_run(TRAIN, settings).stdout)[1])
@@ -555,6 +568,10 @@ def test_real_run_executes_the_printed_command(fake_bin, tmp_path):
         (TRAIN, {"BUDGET": "static", "VERTICAL_SIZE": "1024"}, "needs both VERTICAL_SIZE and SLASH_SIZE"),
         (TRAIN, {"BUDGET": "static", "SPARSITY": "1"}, "SPARSITY=1 must be in [0, 1)"),
         (TRAIN, {"BUDGET": "static", "TOP_P": "0.9"}, "TOP_P=0.9 is a top-p setting"),
+        (TRAIN, {"BUDGET": "static", "BLOCK_SLASHES": "1"}, "BLOCK_SLASHES=1 is a top-p setting"),
+        (TRAIN, {"BUDGET": "static", "CAP": "128"}, "CAP=128 is a top-p setting"),
+        (TRAIN, {"BLOCK_SLASHES": "yes"}, "BLOCK_SLASHES=yes must be 0 or 1"),
+        (TRAIN, {"CAP": "0"}, "CAP=0 must be an integer >= 1"),
         (TRAIN, {"SPARSITY": "0.9"}, "SPARSITY=0.9 is a static-budget setting; add BUDGET=static"),
         (TRAIN, {"TOP_P": "0"}, "TOP_P=0 must be in (0, 1]"),
         (TRAIN, {"MODEL": "qwen2.5-70b"}, "MODEL=qwen2.5-70b is not a model preset"),

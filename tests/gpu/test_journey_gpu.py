@@ -377,6 +377,38 @@ def test_512k_recipe_runs_a_few_iterations_with_the_static_budget(journey):
     assert densities and all(value < 0.5 for value in densities), densities
 
 
+def test_512k_recipe_runs_with_the_recommended_top_p_budget(journey):
+    """The recipe with the quality study's budget from 64K on (``TOP_P=0.9 BLOCK_SLASHES=1 CAP=128``): the launcher
+    receives ``--mtraining-block-slashes --mtraining-cap 128`` and trains 3 iterations."""
+    if journey["name"] != "qwen2.5":
+        pytest.skip("one model shape is enough for the recipe's own flags")
+    root = journey["root"]
+    log = _run(
+        ["bash", "examples/qwen2.5-3b_32k_to_512k.sh"],
+        root / "recipe-top-p.log",
+        _script_env(
+            journey,
+            root / "recipe-top-p-run",
+            GPUS_PER_NODE="1",
+            TRAIN_ITERS="3",
+            SAVE_INTERVAL="3",
+            EVAL_INTERVAL="3",
+            EVAL_ITERS="1",
+            SPLIT="90,10,0",
+            TOP_P="0.9",
+            BLOCK_SLASHES="1",
+            CAP="128",
+            EXTRA_ARGS="--mtraining-stats-interval 1",
+        ),
+    )
+    # Megatron prints every argument at start: "  name ........ value"
+    passed = re.search(r"mtraining_block_slashes \.+ True", log) and re.search(r"mtraining_cap \.+ 128\b", log)
+    assert passed, "the recipe did not pass BLOCK_SLASHES=1 CAP=128 to the launcher"
+    assert _iterations(log)[-1] == 3
+    densities = [float(value) for value in re.findall(r"mtraining \| iteration +\d+ \| density ([0-9.]+)", log)]
+    assert densities and all(0 < value <= 1 for value in densities), densities
+
+
 @pytest.mark.parametrize("template", ["qwen2.5-3b_512k_1node.sbatch", "qwen2.5-3b_512k_multinode.sbatch"])
 def test_slurm_template_runs_through_srun(journey, tmp_path, template):
     """Each SLURM template of ``examples/slurm/`` in a one-node job of one GPU, with a stand-in ``srun`` that runs
