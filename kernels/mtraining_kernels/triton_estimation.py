@@ -26,6 +26,7 @@ rounds Python float literals to fp32.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -64,7 +65,9 @@ class FixedPointRules(NamedTuple):
     exp2_coefficients: tuple[float, ...]
 
 
+@functools.lru_cache(maxsize=16)
 def _constants(rules: FixedPointRules, device: torch.device) -> torch.Tensor:
+    """The rules' fp64 constants on ``device``, copied there once per process (read-only for the kernels)."""
     values = (float(rules.one), rules.static_logit_limit, rules.exp_input_floor, rules.log2_e, *rules.exp2_coefficients)
     return to_device(torch.tensor(values, dtype=torch.float64), device)
 

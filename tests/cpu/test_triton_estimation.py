@@ -233,3 +233,12 @@ def test_bad_score_input_raises_value_error_naming_it(call, word):
     logits = estimation._torch_estimation_logits(*args.values())
     with pytest.raises(ValueError, match=word):
         call(logits, args["q_positions"], args["k_positions"])
+
+
+def test_the_kernel_constants_reach_a_device_once():
+    """The fp64 constants of the rules are copied to a device once per process, not on every estimation call
+    (on a GPU each copy of a pageable tensor was a host sync), and they hold the rules' values."""
+    first = triton_estimation._constants(RULES, torch.device("cpu"))
+    assert triton_estimation._constants(RULES, torch.device("cpu")) is first
+    assert first.dtype == torch.float64
+    assert first.tolist()[:4] == [float(RULES.one), RULES.static_logit_limit, RULES.exp_input_floor, RULES.log2_e]
