@@ -88,6 +88,20 @@ def plot_heatmaps(reports: dict[str, BalanceReport], title: str, path: str) -> N
     plt.close(fig)
 
 
+def mixture_index(args: argparse.Namespace):
+    """The ``--mixture`` documents of ``--seed`` and their realistic per-document index."""
+    documents = MIXTURES[args.mixture](args.seq_len, args.seed)
+    doc_index = realistic_document_index(
+        documents,
+        args.heads,
+        min_sparse_length=args.min_sparse_length,
+        far_slashes=args.far_slashes,
+        far_verticals=args.far_verticals,
+        seed=args.seed,
+    )
+    return documents, doc_index
+
+
 def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport], str]:
     """One report per layout kind, and the title naming the pattern (and the mixture)."""
     names = {kind: f"{kind} g={args.granularity}" for kind in ("striped", "skewed")}
@@ -101,15 +115,7 @@ def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport
             args.seq_len, args.heads, far_slashes=args.far_slashes, far_verticals=args.far_verticals, seed=args.seed
         )
         return {name: balance_report(v_idx, s_idx, layout, args.seq_len) for name, layout in layouts.items()}, title
-    documents = MIXTURES[args.mixture](args.seq_len, args.seed)
-    doc_index = realistic_document_index(
-        documents,
-        args.heads,
-        min_sparse_length=args.min_sparse_length,
-        far_slashes=args.far_slashes,
-        far_verticals=args.far_verticals,
-        seed=args.seed,
-    )
+    documents, doc_index = mixture_index(args)
     sparse_tokens = int(documents.lengths[doc_index.sparse].sum())
     title += (
         f" (per N), mixture {args.mixture}: {int(documents.num_documents.sum())} documents, "
@@ -121,15 +127,7 @@ def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport
 def document_order_spread(args: argparse.Namespace) -> str:
     """Best / median / worst worker, step and critical-path ratios of the striped and skewed layouts over
     ``--document-orders`` random orders of sample 0's documents, patterns fixed per document."""
-    documents = MIXTURES[args.mixture](args.seq_len, args.seed)
-    doc_index = realistic_document_index(
-        documents,
-        args.heads,
-        min_sparse_length=args.min_sparse_length,
-        far_slashes=args.far_slashes,
-        far_verticals=args.far_verticals,
-        seed=args.seed,
-    )
+    documents, doc_index = mixture_index(args)
     count = int(documents.num_documents[0])
     generator = torch.Generator().manual_seed(args.seed)
     orders = [torch.randperm(count, generator=generator).tolist() for _ in range(args.document_orders)]

@@ -297,3 +297,23 @@ def test_reordered_documents_keep_their_own_patterns(seed):
     assert torch.equal(document_balance_report(same, layout).cost, document_balance_report(doc_index, layout).cost)
     with pytest.raises(ValueError, match="permutation"):
         mixtures.reorder_documents(doc_index, 0, [0] * count)
+
+
+def test_analyze_balance_prints_the_spread_over_document_orders(capsys):
+    """``tools/analyze_balance.py --document-orders`` runs and prints best <= median <= worst of each layout."""
+    analyze_balance = load_tool("analyze_balance")
+    analyze_balance.main(
+        ["--seq-len", "16384", "--world-size", "4", "--heads", "2", "--mixture", "prolong", "--document-orders", "3"]
+    )
+    printed = capsys.readouterr().out
+    assert "3 random orders of the" in printed, printed
+    metrics = ("worker_imbalance", "step_imbalance", "critical_path_ratio")
+    rows = [line.split() for line in printed.splitlines() if line.split()[1:2] and line.split()[1] in metrics]
+    assert [(row[0], row[1]) for row in rows] == [
+        (kind, metric) for kind in ("striped", "skewed") for metric in metrics
+    ], printed
+    for row in rows:
+        best, median, worst = float(row[2]), float(row[4]), float(row[6])
+        assert 1.0 <= best <= median <= worst, row
+    with pytest.raises(SystemExit, match="needs --mixture"):
+        analyze_balance.main(["--seq-len", "16384", "--world-size", "4", "--heads", "2", "--document-orders", "2"])

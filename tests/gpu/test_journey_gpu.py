@@ -350,28 +350,30 @@ def test_demo_script_trains_on_packed_documents(journey):
     assert len(documents) == 3 and all(value > 1 for value in documents), documents
 
 
+def _run_recipe(journey, name: str, **budget: str) -> str:
+    """``examples/qwen2.5-3b_32k_to_512k.sh`` on one GPU for 3 iterations (a save and a validation at the
+    third) with the ``budget`` settings; its log."""
+    root = journey["root"]
+    env = _script_env(
+        journey,
+        root / f"{name}-run",
+        GPUS_PER_NODE="1",
+        TRAIN_ITERS="3",
+        SAVE_INTERVAL="3",
+        EVAL_INTERVAL="3",
+        EVAL_ITERS="1",
+        SPLIT="90,10,0",
+        EXTRA_ARGS="--mtraining-stats-interval 1",
+        **budget,
+    )
+    return _run(["bash", "examples/qwen2.5-3b_32k_to_512k.sh"], root / f"{name}.log", env)
+
+
 def test_512k_recipe_runs_a_few_iterations_with_the_static_budget(journey):
     """``examples/qwen2.5-3b_32k_to_512k.sh`` on one GPU at a short length: static 90 % budget, 3 iterations."""
     if journey["name"] != "qwen2.5":
         pytest.skip("one model shape is enough for the recipe's own flags")
-    root = journey["root"]
-    log = _run(
-        ["bash", "examples/qwen2.5-3b_32k_to_512k.sh"],
-        root / "recipe.log",
-        _script_env(
-            journey,
-            root / "recipe-run",
-            GPUS_PER_NODE="1",
-            TRAIN_ITERS="3",
-            SAVE_INTERVAL="3",
-            EVAL_INTERVAL="3",
-            EVAL_ITERS="1",
-            SPLIT="90,10,0",
-            BUDGET="static",
-            SPARSITY="0.9",
-            EXTRA_ARGS="--mtraining-stats-interval 1",
-        ),
-    )
+    log = _run_recipe(journey, "recipe", BUDGET="static", SPARSITY="0.9")
     assert _iterations(log)[-1] == 3
     densities = [float(value) for value in re.findall(r"mtraining \| iteration +\d+ \| density ([0-9.]+)", log)]
     assert densities and all(value < 0.5 for value in densities), densities
@@ -382,25 +384,7 @@ def test_512k_recipe_runs_with_the_recommended_top_p_budget(journey):
     receives ``--mtraining-block-slashes --mtraining-cap 128`` and trains 3 iterations."""
     if journey["name"] != "qwen2.5":
         pytest.skip("one model shape is enough for the recipe's own flags")
-    root = journey["root"]
-    log = _run(
-        ["bash", "examples/qwen2.5-3b_32k_to_512k.sh"],
-        root / "recipe-top-p.log",
-        _script_env(
-            journey,
-            root / "recipe-top-p-run",
-            GPUS_PER_NODE="1",
-            TRAIN_ITERS="3",
-            SAVE_INTERVAL="3",
-            EVAL_INTERVAL="3",
-            EVAL_ITERS="1",
-            SPLIT="90,10,0",
-            TOP_P="0.9",
-            BLOCK_SLASHES="1",
-            CAP="128",
-            EXTRA_ARGS="--mtraining-stats-interval 1",
-        ),
-    )
+    log = _run_recipe(journey, "recipe-top-p", TOP_P="0.9", BLOCK_SLASHES="1", CAP="128")
     # Megatron prints every argument at start: "  name ........ value"
     passed = re.search(r"mtraining_block_slashes \.+ True", log) and re.search(r"mtraining_cap \.+ 128\b", log)
     assert passed, "the recipe did not pass BLOCK_SLASHES=1 CAP=128 to the launcher"
