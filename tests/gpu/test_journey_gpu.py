@@ -43,9 +43,7 @@ WORDS = (
 # The demo on packed documents: every 8,192-token sequence holds pieces of 2 to 6 of the journey's documents (at
 # most 6,001 tokens each, each ended by the EOD that tools/preprocess_data.py appends); documents of 2,048 tokens
 # or more get their own sparse index, shorter ones are attended densely.
-PACKED_RUN = dict(
-    PACKED_DOCUMENTS="1",
-    MIN_SPARSE_LENGTH="2048",
+SHORT_RUN = dict(  # 3 iterations, a save and a validation at the third, statistics every step
     TRAIN_ITERS="3",
     SAVE_INTERVAL="3",
     EVAL_INTERVAL="3",
@@ -53,6 +51,7 @@ PACKED_RUN = dict(
     SPLIT="90,10,0",
     EXTRA_ARGS="--mtraining-stats-interval 1",
 )
+PACKED_RUN = dict(SHORT_RUN, PACKED_DOCUMENTS="1", MIN_SPARSE_LENGTH="2048")
 SHAPES = {
     "qwen2.5": dict(model_type="qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(model_type="qwen3", hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
@@ -354,18 +353,7 @@ def _run_recipe(journey, name: str, **budget: str) -> str:
     """``examples/qwen2.5-3b_32k_to_512k.sh`` on one GPU for 3 iterations (a save and a validation at the
     third) with the ``budget`` settings; its log."""
     root = journey["root"]
-    env = _script_env(
-        journey,
-        root / f"{name}-run",
-        GPUS_PER_NODE="1",
-        TRAIN_ITERS="3",
-        SAVE_INTERVAL="3",
-        EVAL_INTERVAL="3",
-        EVAL_ITERS="1",
-        SPLIT="90,10,0",
-        EXTRA_ARGS="--mtraining-stats-interval 1",
-        **budget,
-    )
+    env = _script_env(journey, root / f"{name}-run", GPUS_PER_NODE="1", **SHORT_RUN, **budget)
     return _run(["bash", "examples/qwen2.5-3b_32k_to_512k.sh"], root / f"{name}.log", env)
 
 
