@@ -238,8 +238,31 @@ def rank_candidates(
         indices = indices.gather(-1, by_index)
         scores = scores.gather(-1, by_index)
     keys = torch.where(indices < num_forced, FORCED_KEY, scores)
-    order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]  # ties keep index order
+    order = _first_in_descending_order(keys, limit)
     return scores.gather(-1, order), indices.gather(-1, order)
+
+
+def _first_in_descending_order(keys: torch.Tensor, limit: int) -> torch.Tensor:
+    """Positions of the first ``limit`` entries of ``keys [..., m]`` (int64) by key descending, then position
+    ascending: ``argsort(-keys, stable=True)[..., :limit]`` without sorting all m.
+
+    The ``limit``-th largest key is found by selection; the entries above it and the first of its ties (by
+    position) are exactly the chosen ones, compacted in position order by a prefix sum, and only those are
+    sorted. No host sync.
+    """
+    length = keys.shape[-1]
+    if limit >= length or limit == 0:
+        return torch.argsort(-keys, dim=-1, stable=True)[..., :limit]
+    threshold = torch.topk(keys, limit, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = keys > threshold
+    tied = keys == threshold
+    tie_slots = limit - above.sum(dim=-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= tie_slots))
+    slot = torch.where(chosen, chosen.cumsum(dim=-1) - 1, limit)  # the others land in a spare slot
+    positions = torch.arange(length, device=keys.device).expand_as(keys)
+    compact = keys.new_empty(*keys.shape[:-1], limit + 1).scatter_(-1, slot, positions)[..., :limit]
+    ranked = torch.argsort(-keys.gather(-1, compact), dim=-1, stable=True)
+    return compact.gather(-1, ranked)
 
 
 def top_p_counts(
@@ -411,13 +434,19 @@ def estimate_from_last_queries(
     device = q_last.device
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = torch.arange(seq_len, device=device)
-    logits = estimation_logits(q_last, q_positions, k, k_positions, scale, implementation)
     top_p = isinstance(budget, TopPBudget)
     block_slashes = top_p and budget.block_slashes
-    v_scores, s_scores = vertical_and_slash_scores(
-        logits, top_p, q_positions, k_positions, seq_len, implementation=implementation, slashes=not block_slashes
+    v_scores, s_scores = scores_of_keys(
+        q_last,
+        q_positions,
+        k,
+        k_positions,
+        scale,
+        top_p,
+        seq_len,
+        implementation=implementation,
+        slashes=not block_slashes,
     )
-    del logits
 
     total_mass = v_scores.sum(dim=-1) if top_p else None  # = s_scores.sum(-1) exactly
     if block_slashes:
@@ -478,16 +507,47 @@ def vertical_and_slash_scores(
     if not uses_triton(implementation, logits):
         values, v_scores = _values_and_vertical_scores(logits, top_p, reduce_rows)
         return v_scores, slash_partial_sums(values, q_positions, k_positions, seq_len) if slashes else None
+    return _triton_scores(logits, top_p, q_positions, k_positions, seq_len, reduce_rows, slashes)
+
+
+def scores_of_keys(
+    q_rows: torch.Tensor,
+    q_positions: torch.Tensor,
+    k: torch.Tensor,
+    k_positions: torch.Tensor,
+    softmax_scale: float,
+    top_p: bool,
+    seq_len: int,
+    reduce_rows: RowReduction | None = None,
+    implementation: str = "auto",
+    slashes: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`vertical_and_slash_scores` of :func:`estimation_logits`, without storing the logits on Triton.
+
+    The arguments are those two functions'. With Triton every pass recomputes its tiles of logits on the
+    tensor cores (the same bits each time); with PyTorch ops the logits are built once, as defined above.
+    """
+    if not uses_triton(implementation, k):
+        logits = _torch_estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
+        return vertical_and_slash_scores(
+            logits, top_p, q_positions, k_positions, seq_len, reduce_rows, implementation, slashes
+        )
+    source = _triton_estimation().QueryKeyTiles(q_rows, k, softmax_scale)
+    return _triton_scores(source, top_p, q_positions, k_positions, seq_len, reduce_rows, slashes)
+
+
+def _triton_scores(source, top_p, q_positions, k_positions, seq_len, reduce_rows, slashes):
+    """The Triton passes over ``source`` (stored logits or ``QueryKeyTiles``): (V, partial S or None)."""
     kernels, rules = _triton_estimation(), _fixed_point_rules()
     if not top_p:
-        return kernels.static_scores(logits, q_positions, k_positions, seq_len, rules)
-    row_max = logits.amax(dim=-1)
+        return kernels.static_scores(source, q_positions, k_positions, seq_len, rules)
+    row_max = kernels.row_maxima(source, q_positions, k_positions)
     if reduce_rows is not None:
         row_max = reduce_rows(row_max, "max")
-    row_sums = kernels.exp_row_sums(logits, row_max, rules)
+    row_sums = kernels.exp_row_sums(source, q_positions, k_positions, row_max, rules)
     if reduce_rows is not None:
         row_sums = reduce_rows(row_sums, "sum")
-    return kernels.top_p_scores(logits, q_positions, k_positions, seq_len, row_max, row_sums, rules, slashes)
+    return kernels.top_p_scores(source, q_positions, k_positions, seq_len, row_max, row_sums, rules, slashes)
 
 
 def _all_candidates(scores: torch.Tensor) -> torch.Tensor:

@@ -1,32 +1,34 @@
-"""Triton kernels of online index estimation (DESIGN.md §2.2), bit-identical to the PyTorch definitions.
+"""Triton kernels of online index estimation (DESIGN.md §2.2): logits on tensor cores, integer scores.
 
-``mtraining_kernels.estimation`` defines the estimation arithmetic with PyTorch ops; these kernels compute
-the very same fp32 logits and int64 fixed-point scores on the GPU, without cuBLAS and without the
-PyTorch path's full-size temporaries:
+``mtraining_kernels.estimation`` defines the estimation with PyTorch ops; these kernels compute the same
+int64 fixed-point scores on the GPU from logits that are never stored:
 
-1. :func:`estimation_logits` — ℓ = scale·⟨q_i, k_j⟩ ``[b, Hq, L, n]``, −inf where j > i, written once.
-   Tiles of 64 rows × 128 keys (any tile shape gives the same bits); entry (i, j) is the fp32 sum over
-   t = 0 … d−1, in that order, of the fp32 products q[t]·k[t] (each product and each addition rounded
-   separately: the kernels are compiled with ``enable_fp_fusion=False``, so no FMA), then multiplied by
-   the fp32 scale.
-2. :func:`exp_row_sums` — top-P row sums Z_i of E = round(exp(ℓ − m_i)·2^32), with the same fp64
-   polynomial exponential (+, ×, floor, an exact power of two) as the PyTorch code.
-3. :func:`static_scores` / :func:`top_p_scores` — (V(j), partial S(s)) straight from the logits, reading
-   them once per score (the int64 terms are never stored): the vertical kernel reduces 64-row column
-   tiles, the slash kernel reads skewed tiles (row r at columns c₀ + r + u) so that each tile column is
-   one diagonal when the key positions are consecutive, and adds it with one int64 atomic; pairs whose
-   offset differs from their column's (runs of keys that are not consecutive, as in a rank's shard)
-   are added with their own atomics.
-   Integer atomics are exact in any order, so the sums do not depend on scheduling.
+* **Logits** ℓ = scale·⟨q_i, k_j⟩ are one ``tl.dot`` per 64-row × 64-key tile (fp16/bf16 inputs on tensor
+  cores with fp32 accumulation; other dtypes in fp32 with IEEE products), times the fp32 scale, −inf where
+  the key's position is after the row's. Every launch uses the same tile and warps, so entry (i, j) is a
+  fixed function of q_i and k_j: the same bits whichever keys share its tile, in every pass below and on
+  every rank of a context-parallel group. They are not the bits of the PyTorch definition (a sequential
+  fp32 sum): the two paths agree to fp32 rounding, each is bit-identical to its own distributed estimator.
+* **Passes** over key tiles (grid: query heads fastest, so the query heads of one KV head read a key tile
+  while it is in L2): the row maxima per tile (top-P), the row sums Z_i of E = round(exp(ℓ − m_i)·2^32)
+  (top-P; int64 atomics), then the scores: V(j) of a tile's columns (all rows are in the tile, a plain
+  store) and the partial slash sums S(s). With consecutive key and row positions (the whole sequence, a
+  document, a 128-token block of a shard) a tile's diagonals are gathered in registers and each is added
+  with one int64 atomic; otherwise every pair is added at its own offset.
+* The integer arithmetic is the PyTorch code's, step for step (fp64 clamp and rounding, the fp64 polynomial
+  exponential), so the scores of given logits are bit-equal to ``mtraining_kernels.estimation``'s; integer
+  atomics are exact in any order.
 
-The integer rules (fixed-point scale, static clamp, exponential coefficients, …) come from the caller as
-:class:`FixedPointRules`; fp64 constants reach the kernels through a small fp64 tensor, because Triton
-rounds Python float literals to fp32.
+Each pass also takes stored logits instead of q and k (:class:`QueryKeyTiles` or a logits tensor), which is
+how the tests hold the integer arithmetic to the PyTorch code on crafted values. The integer rules come from
+the caller as :class:`FixedPointRules`; fp64 constants reach the kernels through a small fp64 tensor, because
+Triton rounds Python float literals to fp32.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -36,16 +38,23 @@ import triton.language as tl
 from .host_copies import to_device
 
 ROWS_PER_TILE = 64  # the estimation rows, L ≤ 64: one tile
-# Tile shapes and warps are the fastest of those timed at N = 512K (tests/gpu/test_estimation_gpu.py script
-# mode; the timings are in docs/benchmarks.md). They set the launch only, never a bit of the results.
-LOGIT_KEYS_PER_TILE = 128  # keys per logits tile
-LOGIT_NUM_WARPS = 2
-LOGIT_UNROLL = 8  # head dimensions per logits-loop iteration (1 when d is not a multiple)
-SCORE_KEYS_PER_TILE = 128  # columns per vertical / slash score tile
-SCORE_NUM_WARPS = 8
-_KERNEL_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
+KEYS_PER_TILE = 64  # keys per tile; equal to the rows, so a tile's diagonals gather within its shape
+NUM_WARPS = 4  # every pass and the logits kernel: one dot code, hence one value per logit
+# the passes over key tiles
+_ROW_MAXIMA, _ROW_SUMS, _SCORES = (tl.constexpr(i) for i in range(3))
 # positions of the fp64 constants in the tensor built by _constants
 _ONE, _STATIC_LIMIT, _EXP_FLOOR, _LOG2_E, _FIRST_COEFFICIENT = (tl.constexpr(i) for i in range(5))
+
+
+class QueryKeyTiles(NamedTuple):
+    """The logits of the estimation rows against some keys, computed tile by tile and never stored.
+
+    ``q_rows [b, L, Hq, d]`` (L ≤ 64), ``k [b, n, Hkv, d]``; query head h reads KV head h // (Hq/Hkv).
+    """
+
+    q_rows: torch.Tensor
+    k: torch.Tensor
+    softmax_scale: float
 
 
 class FixedPointRules(NamedTuple):
@@ -73,64 +82,6 @@ def _constants(rules: FixedPointRules, device: torch.device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _logits_kernel(
-    Q_BY_DIM,
-    K,
-    Q_POS,
-    K_POS,
-    OUT,
-    stride_qb,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_kd,
-    stride_ob,
-    stride_oh,
-    stride_or,
-    num_rows,
-    num_keys,
-    group_size,
-    scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
-    """One tile of 64 rows × BLOCK_N keys of one (query head, sample); Q_BY_DIM is fp32 ``[b, Hq, d, L]``.
-
-    The d-loop runs UNROLL dimensions per iteration (their loads can be issued together); the additions stay
-    one per dimension in the order t = 0 … d−1, so the bits do not depend on UNROLL."""
-    head = tl.program_id(1)
-    sample = tl.program_id(2).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < num_rows
-    col_ok = cols < num_keys
-    q_ptrs = Q_BY_DIM + sample * stride_qb + head.to(tl.int64) * stride_qh + rows
-    k_ptrs = K + sample * stride_kb + (head // group_size).to(tl.int64) * stride_kh + cols * stride_kn
-    q_t = tl.load(q_ptrs, mask=row_ok, other=0.0)
-    k_t = tl.load(k_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-    acc = q_t[:, None] * k_t[None, :]
-    for u in tl.static_range(1, UNROLL):  # t = 1 … UNROLL − 1
-        q_t = tl.load(q_ptrs + u * stride_qd, mask=row_ok, other=0.0)
-        k_t = tl.load(k_ptrs + u * stride_kd, mask=col_ok, other=0.0).to(tl.float32)
-        acc = acc + q_t[:, None] * k_t[None, :]
-    for first in range(UNROLL, HEAD_DIM, UNROLL):  # then UNROLL at a time, in order
-        for u in tl.static_range(UNROLL):
-            q_t = tl.load(q_ptrs + (first + u) * stride_qd, mask=row_ok, other=0.0)
-            k_t = tl.load(k_ptrs + (first + u) * stride_kd, mask=col_ok, other=0.0).to(tl.float32)
-            acc = acc + q_t[:, None] * k_t[None, :]
-    logits = acc * scale
-    q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
-    k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
-    logits = tl.where(k_pos[None, :] > q_pos[:, None], float("-inf"), logits)
-    out_ptrs = OUT + sample * stride_ob + head.to(tl.int64) * stride_oh + rows[:, None].to(tl.int64) * stride_or
-    tl.store(out_ptrs + cols[None, :], logits, mask=row_ok[:, None] & col_ok[None, :])
-
-
 @triton.jit
 def _round_to_integer(x):
     """Round-half-to-even of fp64 ``x`` (as ``torch.round``), still fp64: |x| + 2^52 has unit spacing, and
@@ -178,157 +129,289 @@ def _score_terms(
 
 
 @triton.jit
-def _exp_row_sums_kernel(
-    LOGITS,
-    ROW_MAX,
-    CONSTANTS,
-    ROW_SUMS,
-    stride_lb,
-    stride_lh,
-    stride_lr,
-    stride_mb,
-    stride_mh,
-    num_rows,
-    num_keys,
-    NUM_COEFFICIENTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Adds Σ_j E(i, j) over one column tile into the int64 ROW_SUMS ``[b, Hq, L]`` (atomics)."""
-    head = tl.program_id(1).to(tl.int64)
-    sample = tl.program_id(2).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < num_rows
-    in_tile = row_ok[:, None] & (cols < num_keys)[None, :]
-    tile_ptrs = LOGITS + sample * stride_lb + head * stride_lh + rows[:, None].to(tl.int64) * stride_lr + cols[None, :]
-    logits = tl.load(tile_ptrs, mask=in_tile, other=0.0)
-    row_offset = sample * stride_mb + head * stride_mh
-    row_max = tl.load(ROW_MAX + row_offset + rows, mask=row_ok, other=0.0)
-    counted = in_tile & (logits != float("-inf"))
-    exp_values = _exp_fixed_point(logits, row_max[:, None], counted, CONSTANTS, NUM_COEFFICIENTS)
-    tl.atomic_add(ROW_SUMS + row_offset + rows, tl.sum(exp_values, axis=1), mask=row_ok, sem="relaxed")
-
-
-@triton.jit
-def _vertical_kernel(
-    LOGITS,
-    ROW_MAX,
-    DENOMINATOR,
-    CONSTANTS,
-    SCORES,
-    stride_lb,
-    stride_lh,
-    stride_lr,
-    stride_mb,
-    stride_mh,
-    stride_sb,
-    stride_sh,
-    num_rows,
-    num_keys,
-    incomplete_score,
-    TOP_P: tl.constexpr,
-    NUM_COEFFICIENTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """V(j) = Σ_i terms(i, j) of one column tile into int64 SCORES ``[b, Hq, n]``; static columns with a
-    masked (−inf) logit get ``incomplete_score``."""
-    head = tl.program_id(1).to(tl.int64)
-    sample = tl.program_id(2).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < num_rows
-    col_ok = cols < num_keys
-    in_tile = row_ok[:, None] & col_ok[None, :]
-    tile_ptrs = LOGITS + sample * stride_lb + head * stride_lh + rows[:, None].to(tl.int64) * stride_lr + cols[None, :]
-    logits = tl.load(tile_ptrs, mask=in_tile, other=0.0)
-    masked = in_tile & (logits == float("-inf"))
-    row_offset = sample * stride_mb + head * stride_mh
-    terms = _score_terms(
-        logits,
-        in_tile & ~masked,
-        ROW_MAX + row_offset,
-        DENOMINATOR + row_offset,
-        rows,
-        row_ok,
-        CONSTANTS,
-        TOP_P,
-        NUM_COEFFICIENTS,
-    )
-    scores = tl.sum(terms, axis=0)
-    if not TOP_P:
-        scores = tl.where(tl.max(masked.to(tl.int32), axis=0) > 0, incomplete_score, scores)
-    tl.store(SCORES + sample * stride_sb + head * stride_sh + cols, scores, mask=col_ok)
-
-
-@triton.jit
-def _slash_kernel(
+def _logit_tile(
+    Q,
+    K,
     LOGITS,
     Q_POS,
     K_POS,
-    ROW_MAX,
-    DENOMINATOR,
-    CONSTANTS,
-    SUMS,
+    sample,
+    head,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
     stride_lb,
     stride_lh,
     stride_lr,
-    stride_mb,
-    stride_mh,
-    stride_sb,
-    stride_sh,
+    group_size,
+    scale,
+    FROM_QK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """fp32 logits ``[rows, cols]`` of one tile, −inf where the key comes after the row; from q and k (one dot),
+    or loaded from LOGITS ``[b, Hq, L, n]``. Entries outside the tile are unspecified (the caller masks them)."""
+    if FROM_QK:
+        dims = tl.arange(0, DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        q_ptrs = Q + sample * stride_qb + head.to(tl.int64) * stride_qh + rows[:, None] * stride_ql
+        k_ptrs = K + sample * stride_kb + (head // group_size).to(tl.int64) * stride_kh + cols[:, None] * stride_kn
+        q = tl.load(q_ptrs + dims[None, :] * stride_qd, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        k = tl.load(k_ptrs + dims[None, :] * stride_kd, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        if IEEE:
+            products = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            products = tl.dot(q, tl.trans(k))
+        q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
+        k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
+        logits = tl.where(k_pos[None, :] > q_pos[:, None], float("-inf"), products * scale)
+    else:
+        ptrs = LOGITS + sample * stride_lb + head.to(tl.int64) * stride_lh + rows[:, None].to(tl.int64) * stride_lr
+        logits = tl.load(ptrs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return logits
+
+
+@triton.jit
+def _add_slash_sums(
+    terms, in_tile, rows, cols, first_col, row_ok, col_ok, Q_POS, K_POS, SUMS, seq_len, BLOCK: tl.constexpr
+):
+    """Adds the int64 ``terms [BLOCK, BLOCK]`` of one tile into SUMS ``[seq_len]`` at their offsets s = i − j
+    (terms of pairs with j > i are 0). Consecutive rows and keys: diagonal e = r − u + BLOCK − 1 of the tile
+    holds one offset, gathered in registers and added with one atomic; otherwise one atomic per pair."""
+    steps = tl.arange(0, BLOCK)
+    q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
+    k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
+    first_q = tl.load(Q_POS)
+    first_k = tl.load(K_POS + first_col)
+    broken = tl.sum((row_ok & (q_pos != first_q + rows)).to(tl.int32), axis=0) + tl.sum(
+        (col_ok & (k_pos != first_k + steps)).to(tl.int32), axis=0
+    )
+    if broken == 0:
+        lowest = first_q - first_k - (BLOCK - 1)  # the offset of diagonal e = 0
+        r = rows[:, None]
+        for half in tl.static_range(2):  # diagonals e = half·BLOCK + t, t = 0 … BLOCK − 1
+            column = r - steps[None, :] + (BLOCK - 1) - half * BLOCK
+            on_diagonal = (column >= 0) & (column < BLOCK)
+            picked = tl.gather(terms, tl.where(on_diagonal, column, 0), axis=1)
+            diagonal_offsets = lowest + half * BLOCK + steps
+            total = tl.sum(tl.where(on_diagonal, picked, 0), axis=0)
+            diagonal_kept = (diagonal_offsets >= 0) & (diagonal_offsets < seq_len)
+            tl.atomic_add(SUMS + diagonal_offsets, total, mask=diagonal_kept, sem="relaxed")
+    else:
+        pair_offsets = q_pos[:, None] - k_pos[None, :]
+        pair_kept = in_tile & (pair_offsets >= 0) & (pair_offsets < seq_len)
+        tl.atomic_add(SUMS + pair_offsets, terms, mask=pair_kept, sem="relaxed")
+
+
+@triton.jit
+def _key_tile_kernel(
+    Q,
+    K,
+    LOGITS,
+    Q_POS,
+    K_POS,
+    CONSTANTS,
+    ROW_MAX,
+    DENOMINATOR,
+    TILE_MAX,
+    ROW_SUMS,
+    VERTICAL,
+    SLASH,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_lb,
+    stride_lh,
+    stride_lr,
     num_rows,
     num_keys,
+    num_heads,
+    num_tiles,
+    seq_len,
+    group_size,
+    scale,
+    incomplete_score,
+    PASS: tl.constexpr,
+    FROM_QK: tl.constexpr,
     TOP_P: tl.constexpr,
+    SLASHES: tl.constexpr,
     NUM_COEFFICIENTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Adds the terms of one skewed tile (row r, column u at key c₀ + r + u) into int64 SUMS ``[b, Hq, N]``
-    at their offsets s = i − j; pairs with j > i are skipped.
+    """One pass over one key tile of one query head and sample: ``program_id(0)`` = tile·Hq + head (the heads
+    of a tile run together), ``program_id(1)`` = sample.
 
-    Per tile column, the pairs at its largest and at its smallest offset are summed first (one atomic
-    each; with consecutive key positions that is the whole column), the rest are added one by one.
+    Row statistics are ``[b, Hq, L]`` (contiguous); TILE_MAX ``[b, Hq, L, tiles]``; VERTICAL ``[b, Hq, n]``;
+    SLASH ``[b, Hq, seq_len]``. _ROW_MAXIMA stores the tile's row maxima; _ROW_SUMS adds Σ_j E(i, j) into
+    ROW_SUMS; _SCORES stores V(j) (static: ``incomplete_score`` for a column with a masked entry) and, with
+    SLASHES, adds the partial S(s). Top-P terms use ROW_MAX and DENOMINATOR = L·Z_i (fp64).
     """
-    head = tl.program_id(1).to(tl.int64)
-    sample = tl.program_id(2).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    first_col = tl.program_id(0).to(tl.int64) * BLOCK_S - (BLOCK_M - 1)
-    cols = first_col + rows[:, None] + tl.arange(0, BLOCK_S)[None, :]  # [BLOCK_M, BLOCK_S]
+    head = tl.program_id(0) % num_heads
+    tile = tl.program_id(0) // num_heads
+    sample = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, BLOCK)
+    cols = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < num_rows
-    in_tile = row_ok[:, None] & (cols >= 0) & (cols < num_keys)
-    tile_ptrs = LOGITS + sample * stride_lb + head * stride_lh + rows[:, None].to(tl.int64) * stride_lr + cols
-    logits = tl.load(tile_ptrs, mask=in_tile, other=0.0)
-    q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
-    offsets = q_pos[:, None] - tl.load(K_POS + cols, mask=in_tile, other=0)
-    counted = in_tile & (offsets >= 0) & (logits != float("-inf"))
-    row_offset = sample * stride_mb + head * stride_mh
-    terms = _score_terms(
-        logits,
-        counted,
-        ROW_MAX + row_offset,
-        DENOMINATOR + row_offset,
+    col_ok = cols < num_keys
+    in_tile = row_ok[:, None] & col_ok[None, :]
+    logits = _logit_tile(
+        Q,
+        K,
+        LOGITS,
+        Q_POS,
+        K_POS,
+        sample,
+        head,
         rows,
+        cols,
         row_ok,
-        CONSTANTS,
-        TOP_P,
-        NUM_COEFFICIENTS,
+        col_ok,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_qd,
+        stride_kb,
+        stride_kn,
+        stride_kh,
+        stride_kd,
+        stride_lb,
+        stride_lh,
+        stride_lr,
+        group_size,
+        scale,
+        FROM_QK,
+        HEAD_DIM,
+        DIM_PAD,
+        IEEE,
     )
-    largest = tl.max(tl.where(counted, offsets, -1), axis=0)
-    smallest = tl.min(tl.where(counted, offsets, 2**62), axis=0)  # above every offset
-    at_largest = counted & (offsets == largest[None, :])
-    at_smallest = counted & (offsets == smallest[None, :]) & ~at_largest
-    elsewhere = counted & ~at_largest & ~at_smallest
-    sums_ptr = SUMS + sample * stride_sb + head * stride_sh
-    tl.atomic_add(sums_ptr + largest, tl.sum(tl.where(at_largest, terms, 0), axis=0), mask=largest >= 0, sem="relaxed")
-    tl.atomic_add(
-        sums_ptr + smallest,
-        tl.sum(tl.where(at_smallest, terms, 0), axis=0),
-        mask=(smallest != largest) & (largest >= 0),
-        sem="relaxed",
+    row_stats = (sample * num_heads + head) * num_rows
+    if PASS == _ROW_MAXIMA:
+        tile_max = tl.max(tl.where(in_tile, logits, float("-inf")), axis=1)
+        tl.store(TILE_MAX + (row_stats + rows) * num_tiles + tile, tile_max, mask=row_ok)
+    elif PASS == _ROW_SUMS:
+        row_max = tl.load(ROW_MAX + row_stats + rows, mask=row_ok, other=0.0)
+        counted = in_tile & (logits != float("-inf"))
+        exp_values = _exp_fixed_point(logits, row_max[:, None], counted, CONSTANTS, NUM_COEFFICIENTS)
+        tl.atomic_add(ROW_SUMS + row_stats + rows, tl.sum(exp_values, axis=1), mask=row_ok, sem="relaxed")
+    else:
+        masked = in_tile & (logits == float("-inf"))
+        terms = _score_terms(
+            logits,
+            in_tile & ~masked,
+            ROW_MAX + row_stats,
+            DENOMINATOR + row_stats,
+            rows,
+            row_ok,
+            CONSTANTS,
+            TOP_P,
+            NUM_COEFFICIENTS,
+        )
+        scores = tl.sum(terms, axis=0)
+        if not TOP_P:
+            scores = tl.where(tl.max(masked.to(tl.int32), axis=0) > 0, incomplete_score, scores)
+        head_offset = sample * num_heads + head
+        tl.store(VERTICAL + head_offset * num_keys + cols, scores, mask=col_ok)
+        if SLASHES:
+            _add_slash_sums(
+                terms,
+                in_tile,
+                rows,
+                cols,
+                tile.to(tl.int64) * BLOCK,
+                row_ok,
+                col_ok,
+                Q_POS,
+                K_POS,
+                SLASH + head_offset * seq_len,
+                seq_len,
+                BLOCK,
+            )
+
+
+@triton.jit
+def _logits_kernel(
+    Q,
+    K,
+    Q_POS,
+    K_POS,
+    OUT,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    num_rows,
+    num_keys,
+    num_heads,
+    group_size,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Stores the logits of one tile (the grid of :func:`_key_tile_kernel`) into OUT ``[b, Hq, L, n]``."""
+    head = tl.program_id(0) % num_heads
+    sample = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, BLOCK)
+    cols = (tl.program_id(0) // num_heads).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < num_rows
+    col_ok = cols < num_keys
+    logits = _logit_tile(
+        Q,
+        K,
+        OUT,
+        Q_POS,
+        K_POS,
+        sample,
+        head,
+        rows,
+        cols,
+        row_ok,
+        col_ok,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_qd,
+        stride_kb,
+        stride_kn,
+        stride_kh,
+        stride_kd,
+        0,
+        0,
+        0,
+        group_size,
+        scale,
+        True,
+        HEAD_DIM,
+        DIM_PAD,
+        IEEE,
     )
-    tl.atomic_add(sums_ptr + offsets, terms, mask=elsewhere, sem="relaxed")
+    out_rows = (sample * num_heads + head) * num_rows + rows
+    tl.store(
+        OUT + out_rows[:, None].to(tl.int64) * num_keys + cols[None, :], logits, mask=row_ok[:, None] & col_ok[None, :]
+    )
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -355,30 +438,47 @@ def _check_logits(
         raise ValueError(f"k_positions {tuple(k_positions.shape)} must be [n={logits.shape[3]}]")
 
 
-def _row_stats(logits: torch.Tensor, row_tensor: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
-    if row_tensor.shape != logits.shape[:3]:
-        raise ValueError(f"{name} {tuple(row_tensor.shape)} must be [b, Hq, L] = {tuple(logits.shape[:3])}")
+def _row_stats(shape: tuple[int, ...], row_tensor: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``row_tensor`` as contiguous ``dtype`` after checking it is ``[b, Hq, L]`` of the source's ``shape``."""
+    if row_tensor.shape != tuple(shape[:3]):
+        raise ValueError(f"{name} {tuple(row_tensor.shape)} must be [b, Hq, L] = {tuple(shape[:3])}")
     return row_tensor.to(dtype).contiguous()
 
 
-def estimation_logits(
-    q_rows: torch.Tensor,
-    q_positions: torch.Tensor,
-    k: torch.Tensor,
-    k_positions: torch.Tensor,
-    softmax_scale: float,
-    *,
-    keys_per_tile: int = LOGIT_KEYS_PER_TILE,
-    num_warps: int = LOGIT_NUM_WARPS,
-) -> torch.Tensor:
-    """ℓ = scale·⟨q_i, k_j⟩: fp32 ``[b, Hq, L, n]``, −inf where k_positions[j] > q_positions[i].
+class _Tiles(NamedTuple):
+    """A logits source as kernel arguments: the pointers (Q, K, LOGITS), their 11 strides, the shape
+    (b, Hq, L, n), the GQA group size, the scale and the compile-time choices."""
 
-    ``q_rows [b, L, Hq, d]`` (L ≤ 64) and global positions ``q_positions [L]``; ``k [b, n, Hkv, d]``
-    and ``k_positions [n]`` in any order. Query head h reads KV head h // (Hq/Hkv). Bit-equal to
-    ``mtraining_kernels.estimation.estimation_logits``: sequential fp32 sum over d of separately rounded
-    products, times ``softmax_scale`` rounded to fp32. ``keys_per_tile`` (a power of two ≥ 16) and
-    ``num_warps`` set the launch only; every entry is computed alone, so they never change a bit.
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    strides: tuple[int, ...]
+    shape: tuple[int, int, int, int]
+    group_size: int
+    scale: float
+    meta: dict
+
+
+def _dot_operands(q_rows: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(q, k, ieee): fp16/bf16 pairs go to the tensor cores as they are, anything else in fp32 with IEEE products.
+
+    Triton's CPU interpreter multiplies 16-bit dot operands as raw bits, so there every pair goes through fp32.
     """
+    half = q_rows.dtype == k.dtype and q_rows.dtype in (torch.float16, torch.bfloat16)
+    if half and os.environ.get("TRITON_INTERPRET") != "1":
+        return q_rows, k, False
+    return q_rows.float(), k.float(), True
+
+
+def _tiles(source, q_positions: torch.Tensor, k_positions: torch.Tensor) -> _Tiles:
+    """Checks ``source`` (:class:`QueryKeyTiles` or fp32 logits ``[b, Hq, L, n]``) against the positions and
+    returns its kernel arguments; ``ValueError`` naming what does not fit."""
+    if not isinstance(source, QueryKeyTiles):
+        _check_logits(source, q_positions, k_positions)
+        _check_device(source, q_positions, k_positions)
+        no_qk = (source, source)
+        strides = (0,) * 8 + tuple(source.stride()[:3])
+        meta = dict(FROM_QK=False, HEAD_DIM=16, DIM_PAD=16, IEEE=True)
+        return _Tiles((*no_qk, source), strides, tuple(source.shape), 1, 1.0, meta)
+    q_rows, k, softmax_scale = source
     batch, num_rows, q_heads, dim = q_rows.shape
     k_batch, num_keys, kv_heads, k_dim = k.shape
     if (k_batch, k_dim) != (batch, dim) or q_heads % kv_heads or not 1 <= num_rows <= ROWS_PER_TILE:
@@ -391,146 +491,164 @@ def estimation_logits(
             f"positions {tuple(q_positions.shape)}, {tuple(k_positions.shape)} must be "
             f"[L={num_rows}] and [n={num_keys}]"
         )
-    if keys_per_tile < 16 or keys_per_tile & (keys_per_tile - 1):
-        raise ValueError(f"keys_per_tile={keys_per_tile} must be a power of two >= 16")
     _check_device(q_rows, q_positions, k, k_positions)
-    q_by_dim = q_rows.float().permute(0, 2, 3, 1).contiguous()  # [b, Hq, d, L]
-    logits = torch.empty(batch, q_heads, num_rows, num_keys, dtype=torch.float32, device=k.device)
+    q_rows, k, ieee = _dot_operands(q_rows, k)
     scale = torch.tensor(softmax_scale, dtype=torch.float32).item()  # exactly an fp32 value
-    grid = (triton.cdiv(num_keys, keys_per_tile), q_heads, batch)
-    _logits_kernel[grid](
-        q_by_dim,
-        k,
+    meta = dict(FROM_QK=True, HEAD_DIM=dim, DIM_PAD=max(16, triton.next_power_of_2(dim)), IEEE=ieee)
+    strides = (*q_rows.stride(), *k.stride(), 0, 0, 0)
+    return _Tiles((q_rows, k, k), strides, (batch, q_heads, num_rows, num_keys), q_heads // kv_heads, scale, meta)
+
+
+def _run_pass(
+    tiles: _Tiles,
+    pass_number: int,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    *,
+    rules: FixedPointRules | None = None,
+    row_max: torch.Tensor | None = None,
+    denominators: torch.Tensor | None = None,
+    tile_max: torch.Tensor | None = None,
+    row_sums: torch.Tensor | None = None,
+    vertical: torch.Tensor | None = None,
+    slash: torch.Tensor | None = None,
+    seq_len: int = 0,
+) -> None:
+    """Launches one pass of :func:`_key_tile_kernel`; unused buffers may be None (any tensor stands in)."""
+    batch, q_heads, num_rows, num_keys = tiles.shape
+    num_tiles = triton.cdiv(num_keys, KEYS_PER_TILE)
+    stand_in = tiles.tensors[2]
+    buffers = [row_max, denominators, tile_max, row_sums, vertical, slash]
+    constants = _constants(rules, stand_in.device) if rules is not None else stand_in
+    _key_tile_kernel[(num_tiles * q_heads, batch)](
+        *tiles.tensors,
+        q_positions.long().contiguous(),
+        k_positions.long().contiguous(),
+        constants,
+        *(stand_in if buffer is None else buffer for buffer in buffers),
+        *tiles.strides,
+        num_rows,
+        num_keys,
+        q_heads,
+        num_tiles,
+        seq_len,
+        tiles.group_size,
+        tiles.scale,
+        rules.incomplete_score if rules is not None else 0,
+        PASS=pass_number,
+        TOP_P=row_max is not None and pass_number == 2,
+        SLASHES=slash is not None,
+        NUM_COEFFICIENTS=len(rules.exp2_coefficients) if rules is not None else 1,
+        BLOCK=KEYS_PER_TILE,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+        **tiles.meta,
+    )
+
+
+def estimation_logits(
+    q_rows: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, k_positions: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """ℓ = scale·⟨q_i, k_j⟩: fp32 ``[b, Hq, L, n]``, −inf where k_positions[j] > q_positions[i].
+
+    ``q_rows [b, L, Hq, d]`` (L ≤ 64) and global positions ``q_positions [L]``; ``k [b, n, Hkv, d]`` and
+    ``k_positions [n]`` in any order. The very logits every pass of this module computes (one dot per
+    64 × 64 tile, see the module docstring), stored.
+    """
+    tiles = _tiles(QueryKeyTiles(q_rows, k, softmax_scale), q_positions, k_positions)
+    batch, q_heads, num_rows, num_keys = tiles.shape
+    logits = torch.empty(tiles.shape, dtype=torch.float32, device=k.device)
+    q_operand, k_operand, _ = tiles.tensors
+    _logits_kernel[(triton.cdiv(num_keys, KEYS_PER_TILE) * q_heads, batch)](
+        q_operand,
+        k_operand,
         q_positions.long().contiguous(),
         k_positions.long().contiguous(),
         logits,
-        q_by_dim.stride(0),
-        q_by_dim.stride(1),
-        q_by_dim.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        k.stride(3),
-        logits.stride(0),
-        logits.stride(1),
-        logits.stride(2),
+        *tiles.strides[:8],
         num_rows,
         num_keys,
-        q_heads // kv_heads,
-        scale,
-        HEAD_DIM=dim,
-        BLOCK_M=ROWS_PER_TILE,
-        BLOCK_N=keys_per_tile,
-        UNROLL=LOGIT_UNROLL if dim % LOGIT_UNROLL == 0 else 1,
-        num_warps=num_warps,
+        q_heads,
+        tiles.group_size,
+        tiles.scale,
+        HEAD_DIM=tiles.meta["HEAD_DIM"],
+        DIM_PAD=tiles.meta["DIM_PAD"],
+        IEEE=tiles.meta["IEEE"],
+        BLOCK=KEYS_PER_TILE,
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
     return logits
 
 
-def exp_row_sums(logits: torch.Tensor, row_max: torch.Tensor, rules: FixedPointRules) -> torch.Tensor:
-    """Z_i·2^32 = Σ_j round(exp(ℓ(i, j) − m_i)·2^32) over the logits' keys: int64 ``[b, Hq, L]``.
+def row_maxima(source, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """m_i = max_j ℓ(i, j) over the source's keys: fp32 ``[b, Hq, L]`` (−inf for a row with no key before it).
 
-    ``logits [b, Hq, L, n]`` fp32 (−inf = masked, counts 0); ``row_max [b, Hq, L]`` the row maxima over
+    ``source``: :class:`QueryKeyTiles` or fp32 logits ``[b, Hq, L, n]``."""
+    tiles = _tiles(source, q_positions, k_positions)
+    if not tiles.meta["FROM_QK"]:
+        return source.amax(dim=-1)
+    batch, q_heads, num_rows, num_keys = tiles.shape
+    device = tiles.tensors[0].device
+    per_tile = torch.empty(batch, q_heads, num_rows, triton.cdiv(num_keys, KEYS_PER_TILE), device=device)
+    _run_pass(tiles, 0, q_positions, k_positions, tile_max=per_tile)
+    return per_tile.amax(dim=-1)
+
+
+def exp_row_sums(
+    source, q_positions: torch.Tensor, k_positions: torch.Tensor, row_max: torch.Tensor, rules: FixedPointRules
+) -> torch.Tensor:
+    """Z_i·2^32 = Σ_j round(exp(ℓ(i, j) − m_i)·2^32) over the source's keys: int64 ``[b, Hq, L]``.
+
+    ``source`` as in :func:`row_maxima` (masked logits count 0); ``row_max [b, Hq, L]`` the row maxima over
     all keys of the sequence. Equals ``exp_fixed_point(logits, row_max).sum(-1)`` of the PyTorch code.
     """
-    _check_logits(logits)
-    _check_device(logits, row_max)
-    row_max = _row_stats(logits, row_max, "row_max", torch.float32)
-    batch, q_heads, num_rows, num_keys = logits.shape
-    row_sums = torch.zeros(batch, q_heads, num_rows, dtype=torch.int64, device=logits.device)
-    grid = (triton.cdiv(num_keys, SCORE_KEYS_PER_TILE), q_heads, batch)
-    _exp_row_sums_kernel[grid](
-        logits,
-        row_max,
-        _constants(rules, logits.device),
-        row_sums,
-        logits.stride(0),
-        logits.stride(1),
-        logits.stride(2),
-        row_max.stride(0),
-        row_max.stride(1),
-        num_rows,
-        num_keys,
-        NUM_COEFFICIENTS=len(rules.exp2_coefficients),
-        BLOCK_M=ROWS_PER_TILE,
-        BLOCK_N=SCORE_KEYS_PER_TILE,
-        **_KERNEL_OPTIONS,
-    )
+    tiles = _tiles(source, q_positions, k_positions)
+    row_max = _row_stats(tiles.shape, row_max, "row_max", torch.float32)
+    row_sums = torch.zeros(tiles.shape[:3], dtype=torch.int64, device=row_max.device)
+    _check_device(tiles.tensors[0], row_max)
+    _run_pass(tiles, 1, q_positions, k_positions, rules=rules, row_max=row_max, row_sums=row_sums)
     return row_sums
 
 
-def _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denominators, slashes=True):
+def _score_sums(source, q_positions, k_positions, seq_len, rules, row_max=None, denominators=None, slashes=True):
     """(V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without ``slashes``), int64; top-P when
     ``row_max`` is given."""
-    _check_logits(logits, q_positions, k_positions)
-    _check_device(logits, q_positions, k_positions)
-    batch, q_heads, num_rows, num_keys = logits.shape
-    top_p = row_max is not None
-    if not top_p:  # unused by the static kernels: any fp tensor will do
-        row_max = denominators = logits.new_zeros(1, 1, 1)
-    constants = _constants(rules, logits.device)
-    vertical = torch.empty(batch, q_heads, num_keys, dtype=torch.int64, device=logits.device)
-    shared = (logits.stride(0), logits.stride(1), logits.stride(2), row_max.stride(0), row_max.stride(1))
-    meta = dict(
-        TOP_P=top_p,
-        NUM_COEFFICIENTS=len(rules.exp2_coefficients),
-        BLOCK_M=ROWS_PER_TILE,
-        num_warps=SCORE_NUM_WARPS,
-        enable_fp_fusion=False,
-    )
-    _vertical_kernel[(triton.cdiv(num_keys, SCORE_KEYS_PER_TILE), q_heads, batch)](
-        logits,
-        row_max,
-        denominators,
-        constants,
-        vertical,
-        *shared,
-        vertical.stride(0),
-        vertical.stride(1),
-        num_rows,
-        num_keys,
-        rules.incomplete_score,
-        BLOCK_N=SCORE_KEYS_PER_TILE,
-        **meta,
-    )
-    if not slashes:
-        return vertical, None
-    slash = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=logits.device)
-    _slash_kernel[(triton.cdiv(num_keys + ROWS_PER_TILE - 1, SCORE_KEYS_PER_TILE), q_heads, batch)](
-        logits,
-        q_positions.long().contiguous(),
-        k_positions.long().contiguous(),
-        row_max,
-        denominators,
-        constants,
-        slash,
-        *shared,
-        slash.stride(0),
-        slash.stride(1),
-        num_rows,
-        num_keys,
-        BLOCK_S=SCORE_KEYS_PER_TILE,
-        **meta,
+    tiles = _tiles(source, q_positions, k_positions)
+    batch, q_heads, _, num_keys = tiles.shape
+    device = tiles.tensors[0].device
+    vertical = torch.empty(batch, q_heads, num_keys, dtype=torch.int64, device=device)
+    slash = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=device) if slashes else None
+    _run_pass(
+        tiles,
+        2,
+        q_positions,
+        k_positions,
+        rules=rules,
+        row_max=row_max,
+        denominators=denominators,
+        vertical=vertical,
+        slash=slash,
+        seq_len=seq_len,
     )
     return vertical, slash
 
 
 def static_scores(
-    logits: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, seq_len: int, rules: FixedPointRules
+    source, q_positions: torch.Tensor, k_positions: torch.Tensor, seq_len: int, rules: FixedPointRules
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static scores of the logits' keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64.
+    """Static scores of the source's keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64.
 
-    Terms are round(clamp(ℓ, ±limit)·2^32), 0 where masked; V(j) is their column sum, or
-    ``rules.incomplete_score`` when the column has a masked logit; S(s) sums the pairs with
-    q_positions[i] − k_positions[j] = s ≥ 0. Equal to the PyTorch ``static_logit_fixed_point``,
-    ``vertical_scores`` and ``slash_partial_sums``.
+    ``source`` as in :func:`row_maxima`. Terms are round(clamp(ℓ, ±limit)·2^32), 0 where masked; V(j) is
+    their column sum, or ``rules.incomplete_score`` when the column has a masked logit; S(s) sums the pairs
+    with q_positions[i] − k_positions[j] = s ≥ 0. Equal to the PyTorch ``static_logit_fixed_point``,
+    ``vertical_scores`` and ``slash_partial_sums`` of the same logits.
     """
-    return _score_sums(logits, q_positions, k_positions, seq_len, rules, None, None)
+    return _score_sums(source, q_positions, k_positions, seq_len, rules)
 
 
 def top_p_scores(
-    logits: torch.Tensor,
+    source,
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
     seq_len: int,
@@ -539,13 +657,14 @@ def top_p_scores(
     rules: FixedPointRules,
     slashes: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Top-P scores of the logits' keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without
+    """Top-P scores of the source's keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without
     ``slashes``), int64.
 
     Terms are the masses P = round(E·2^32 / (L·Z_i)) with ``row_max`` and ``row_sums`` (int64 Z_i·2^32)
     ``[b, Hq, L]`` over all keys of the sequence; V and S sum them as in :func:`static_scores`. Equal to
     the PyTorch ``probability_fixed_point``, ``vertical_scores`` and ``slash_partial_sums``.
     """
-    row_max = _row_stats(logits, row_max, "row_max", torch.float32)
-    denominators = _row_stats(logits, row_sums, "row_sums", torch.int64).double() * logits.shape[2]
-    return _score_sums(logits, q_positions, k_positions, seq_len, rules, row_max, denominators, slashes)
+    shape = _tiles(source, q_positions, k_positions).shape
+    row_max = _row_stats(shape, row_max, "row_max", torch.float32)
+    denominators = _row_stats(shape, row_sums, "row_sums", torch.int64).double() * shape[2]
+    return _score_sums(source, q_positions, k_positions, seq_len, rules, row_max, denominators, slashes)

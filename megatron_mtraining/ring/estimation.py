@@ -1,9 +1,10 @@
 """The vertical-slash index estimated over a context-parallel group, bit-identical to the single-device
 estimator (DESIGN.md §2.2, distributed estimation).
 
-Every rank broadcasts Q_L from its owner, computes :func:`~mtraining_kernels.estimation.estimation_logits` on
-its own keys, all-reduces (MAX) the row maxima and (SUM) the int64 row sums for top-P, exchanges the slash
-partials of offsets that straddle its runs of columns, and all-gathers each rank's
+Every rank broadcasts Q_L from its owner, scores its own keys against it
+(:func:`~mtraining_kernels.estimation.scores_of_keys`), all-reduces (MAX) the row maxima and (SUM) the
+int64 row sums for top-P, exchanges the slash partials of offsets that straddle its runs of columns, and
+all-gathers each rank's
 :func:`~mtraining_kernels.estimation.rank_candidates` output (``limit`` = list width) before ranking the
 union once more: the global top ``limit`` is inside the union of local tops. The data movement lives in
 :mod:`megatron_mtraining.ring.estimation_comm`.
@@ -22,12 +23,11 @@ from mtraining_kernels.estimation import (
     check_forced_entries,
     check_int,
     check_query_key,
-    estimation_logits,
     list_widths,
     rank_candidates,
     resolve_budget,
+    scores_of_keys,
     select_index,
-    vertical_and_slash_scores,
 )
 from mtraining_kernels.layout import Layout
 
@@ -201,12 +201,10 @@ def estimate_vertical_slash_distributed(
     q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
     k_positions = layout.global_positions(seq_len, dist.get_rank(group), device=device)
     q_rows = broadcast_last_rows(q_local, layout, seq_len, last_q, group)
-    logits = estimation_logits(q_rows, q_positions, k_local, k_positions, scale)
     block_slashes = top_p and budget.block_slashes
-    v_scores, partials = vertical_and_slash_scores(
-        logits, top_p, q_positions, k_positions, seq_len, all_reduce, slashes=not block_slashes
+    v_scores, partials = scores_of_keys(
+        q_rows, q_positions, k_local, k_positions, scale, top_p, seq_len, all_reduce, slashes=not block_slashes
     )
-    del logits
     # a rank's key positions ascend in every layout, so its owned offsets N − 1 − position descend: flipped,
     # both candidate lists are ascending and their ranking needs no sort by index
     v_scores_top, v_indices_top = rank_candidates(
