@@ -20,8 +20,11 @@ which works on any subset of keys given with their global positions:
 **Bit identity.** Every step is exact or elementwise, so a result never depends on how keys, rows or
 samples are grouped (a rank's share of the keys, a batch, a tile of 64 × 64):
 
-* logits use no matmul: each one is the fp32 sum over t = 0 … d−1, in that order, of q[t]·k[t]
-  (separate, correctly rounded multiplications and additions), times the scale rounded to fp32;
+* logits use no matmul: here each one is the fp32 sum over t = 0 … d−1, in that order, of q[t]·k[t]
+  (separate, correctly rounded multiplications and additions), times the scale rounded to fp32; the Triton
+  path (:mod:`mtraining_kernels.triton_estimation`, CUDA tensors) computes each 64 × 64 tile with one
+  tensor-core dot of one fixed shape instead, equally independent of which keys share the tile, and equal
+  to these logits up to fp32 rounding;
 * the exponential is a fixed polynomial in fp64 built from +, ×, floor and an exact power of two
   (library ``exp`` may mix vector and scalar code paths whose results differ in the last bit);
 * every sum (Z_i, V(j), S(s)) adds int64 values, which is associative, so all-reduces and halo
@@ -242,6 +245,15 @@ def rank_candidates(
     return scores.gather(-1, order), indices.gather(-1, order)
 
 
+def _running_count(flags: torch.Tensor) -> torch.Tensor:
+    """Inclusive running count of ``flags [..., m]`` (bool) along the last dim, int32: one flat prefix sum (few
+    long rows scan slowly row by row on a GPU), each row's start subtracted."""
+    flat = flags.reshape(-1, flags.shape[-1]).to(torch.int32)
+    totals = flat.view(-1).cumsum(dim=0, dtype=torch.int32).view_as(flat)
+    row_starts = totals[:, :1] - flat[:, :1]
+    return (totals - row_starts).view(flags.shape)
+
+
 def _first_in_descending_order(keys: torch.Tensor, limit: int) -> torch.Tensor:
     """Positions of the first ``limit`` entries of ``keys [..., m]`` (int64) by key descending, then position
     ascending: ``argsort(-keys, stable=True)[..., :limit]`` without sorting all m.
@@ -257,8 +269,8 @@ def _first_in_descending_order(keys: torch.Tensor, limit: int) -> torch.Tensor:
     above = keys > threshold
     tied = keys == threshold
     tie_slots = limit - above.sum(dim=-1, keepdim=True)
-    chosen = above | (tied & (tied.cumsum(dim=-1) <= tie_slots))
-    slot = torch.where(chosen, chosen.cumsum(dim=-1) - 1, limit)  # the others land in a spare slot
+    chosen = above | (tied & (_running_count(tied) <= tie_slots))
+    slot = torch.where(chosen, _running_count(chosen) - 1, limit)  # the others land in a spare slot
     positions = torch.arange(length, device=keys.device).expand_as(keys)
     compact = keys.new_empty(*keys.shape[:-1], limit + 1).scatter_(-1, slot, positions)[..., :limit]
     ranked = torch.argsort(-keys.gather(-1, compact), dim=-1, stable=True)
@@ -392,7 +404,8 @@ def estimate_vertical_slash(
     count toward the budget; the other entries are the best candidates by (score desc, index asc).
     ``v_idx`` is Vmax wide, the largest ``v_size`` (or the cap) rounded up to a multiple of 64 and at
     most N; ``s_idx`` likewise with ``s_size``. Top-P counts reach ``p`` of the integer total mass.
-    ``implementation`` "auto" (Triton for CUDA tensors), "torch" or "triton": the same index either way.
+    ``implementation`` "auto" (Triton for CUDA tensors), "torch" or "triton": the same index up to candidates
+    whose scores differ by the logits' fp32 rounding (see the module docstring).
     """
     _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window)
     seq_len = q.shape[1]

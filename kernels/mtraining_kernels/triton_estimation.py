@@ -122,10 +122,21 @@ def _score_terms(
         exp_values = _exp_fixed_point(logits, row_max[:, None], counted, CONSTANTS, NUM_COEFFICIENTS)
         terms = _round_to_integer(exp_values.to(tl.float64) * one / denominator[:, None]).to(tl.int64)
     else:
-        limit = tl.load(CONSTANTS + _STATIC_LIMIT)
-        clamped = tl.minimum(tl.maximum(logits.to(tl.float64), -limit), limit)
-        terms = _round_to_integer(clamped * one).to(tl.int64)
+        limit = tl.load(CONSTANTS + _STATIC_LIMIT).to(tl.float32)
+        terms = _static_fixed_point(logits, limit, one.to(tl.float32))
     return tl.where(counted, terms, 0)
+
+
+@triton.jit
+def _static_fixed_point(logits, limit, one):
+    """round(clamp(ℓ, ±limit)·one) as int64, in fp32, for the rules' powers of two (2^24, 2^32): the product
+    is exact (at most 2^56), |x| + 2^23 rounds x half to even below 2^23, and above it every fp32 is an
+    integer, so the bits are those of the fp64 steps of ``static_logit_fixed_point``."""
+    clamped = tl.minimum(tl.maximum(logits, -limit), limit)
+    scaled = clamped * one
+    magnitude = tl.abs(scaled)
+    rounded = tl.where(magnitude < 8388608.0, (magnitude + 8388608.0) - 8388608.0, magnitude)
+    return tl.where(scaled < 0, -rounded, rounded).to(tl.int64)
 
 
 @triton.jit
