@@ -113,8 +113,9 @@ def estimation_logits(
     ``k_positions [n]``, any subset of keys in any order. Query head h reads KV head h // (Hq/Hkv).
     The loop runs over d (not over tokens): entry (i, j) is fl(…fl(fl(q0·k0) + fl(q1·k1))… ) accumulated
     in fixed order, then multiplied by ``softmax_scale`` rounded to fp32, so it is independent of
-    every other entry computed alongside it. ``implementation`` "auto" takes the bit-equal Triton kernel
-    (:mod:`mtraining_kernels.triton_estimation`) for CUDA tensors.
+    every other entry computed alongside it. ``implementation`` "auto" takes the Triton kernel for CUDA
+    tensors (:mod:`mtraining_kernels.triton_estimation`: one tensor-core dot per tile, equally independent of
+    the other entries, equal to this definition up to fp32 rounding).
     """
     if uses_triton(implementation, k):
         return _triton_estimation().estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
