@@ -242,40 +242,8 @@ def rank_candidates(
         indices = indices.gather(-1, by_index)
         scores = scores.gather(-1, by_index)
     keys = torch.where(indices < num_forced, FORCED_KEY, scores)
-    order = _first_in_descending_order(keys, limit)
+    order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]  # ties keep index order
     return scores.gather(-1, order), indices.gather(-1, order)
-
-
-def _running_count(flags: torch.Tensor) -> torch.Tensor:
-    """Inclusive running count of ``flags [..., m]`` (bool) along the last dim, int32: one flat prefix sum (few
-    long rows scan slowly row by row on a GPU), each row's start subtracted."""
-    flat = flags.reshape(-1, flags.shape[-1]).to(torch.int32)
-    totals = flat.view(-1).cumsum(dim=0, dtype=torch.int32).view_as(flat)
-    row_starts = totals[:, :1] - flat[:, :1]
-    return (totals - row_starts).view(flags.shape)
-
-
-def _first_in_descending_order(keys: torch.Tensor, limit: int) -> torch.Tensor:
-    """Positions of the first ``limit`` entries of ``keys [..., m]`` (int64) by key descending, then position
-    ascending: ``argsort(-keys, stable=True)[..., :limit]`` without sorting all m.
-
-    The ``limit``-th largest key is found by selection; the entries above it and the first of its ties (by
-    position) are exactly the chosen ones, compacted in position order by a prefix sum, and only those are
-    sorted. No host sync.
-    """
-    length = keys.shape[-1]
-    if limit >= length or limit == 0:
-        return torch.argsort(-keys, dim=-1, stable=True)[..., :limit]
-    threshold = torch.topk(keys, limit, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-    above = keys > threshold
-    tied = keys == threshold
-    tie_slots = limit - above.sum(dim=-1, keepdim=True)
-    chosen = above | (tied & (_running_count(tied) <= tie_slots))
-    slot = torch.where(chosen, _running_count(chosen) - 1, limit)  # the others land in a spare slot
-    positions = torch.arange(length, device=keys.device).expand_as(keys)
-    compact = keys.new_empty(*keys.shape[:-1], limit + 1).scatter_(-1, slot, positions)[..., :limit]
-    ranked = torch.argsort(-keys.gather(-1, compact), dim=-1, stable=True)
-    return compact.gather(-1, ranked)
 
 
 def top_p_counts(
