@@ -109,7 +109,7 @@ class BlockBarIndex:
 
 
 def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> None:
-    """Raise ``ValueError`` for any input the conversion cannot handle, before any work."""
+    """Raise ``ValueError`` for arguments of the wrong type, shape, dtype or device, before any work; no host read."""
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a mtraining_kernels.Layout, got {type(layout).__name__}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool):
@@ -130,6 +130,10 @@ def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
         raise ValueError(f"v_idx shape {tuple(v_idx.shape)} needs b >= 1 and Hq >= 1")
     if v_idx.device != s_idx.device:
         raise ValueError(f"v_idx is on {v_idx.device} but s_idx is on {s_idx.device}; move both to one device")
+
+
+def _check_contents(v_idx: Tensor, s_idx: Tensor, seq_len: int) -> None:
+    """Raise ``ValueError`` unless both lists hold values in [0, N], valid entries ascending before the sentinels."""
     checked = [(name, idx) for name, idx in (("v_idx", v_idx), ("s_idx", s_idx)) if idx.numel()]
     if not checked:
         return
@@ -300,7 +304,14 @@ def _bar_candidates(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: La
 
 
 def convert_index(
-    v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int, implementation: str = "auto"
+    v_idx: Tensor,
+    s_idx: Tensor,
+    layout: Layout,
+    rank: int,
+    seq_len: int,
+    implementation: str = "auto",
+    *,
+    check_contents: bool = True,
 ) -> BlockBarIndex:
     """Vectorised conversion of ``(v_idx, s_idx)`` ``[b, Hq, ·]`` into ``rank``'s :class:`BlockBarIndex`.
 
@@ -308,9 +319,14 @@ def convert_index(
     (Triton on CUDA), "torch" or "triton", the same lists either way. Transient memory: with the Triton
     kernels int32 candidates and row counts only; with PyTorch ops a bool block mask ``[W, b, Hq, nb, nb]``
     and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list itself can be that large). With the Triton
-    kernels it reads the host twice: the input checks, then both lists' sizes.
+    kernels it reads the host twice: the content checks (values in [0, N], ascending), then both lists' sizes.
+    ``check_contents=False`` skips the content checks and their host read, for an index valid by construction
+    (the estimators', the full pattern); types, shapes and devices are still checked, but an index with bad
+    values then gives wrong lists instead of a ``ValueError``.
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
+    if check_contents:
+        _check_contents(v_idx, s_idx, seq_len)
     use_triton = uses_triton(implementation, v_idx)  # the Triton list kernels are triton_index.py's
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
     query_blocks, source_blocks = block_tables(layout, rank, seq_len, v_idx.device)
@@ -333,6 +349,7 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
     For tests only: O(W·b·Hq·nb²·|s_idx|) Python steps.
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
+    _check_contents(v_idx, s_idx, seq_len)
     batch, heads = v_idx.shape[:2]
     world = layout.world_size
     nb = seq_len // world // BLOCK_SIZE
