@@ -28,7 +28,10 @@ Timing: CUDA events around the forward and around the backward (``torch.autograd
 repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
 (``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
 budget on the structured inputs) plus the conversion (``convert_index`` and the block lists by key that
-the backward reads, ``BlockBarIndex.blocks_by_key``).
+the backward reads, ``BlockBarIndex.blocks_by_key``). Each index step is timed twice: ``convert_ms``/
+``estimate_ms``/``index_ms`` with the events recorded as the host launches the step, so a host-bound step
+measures the host; ``*_queued_ms`` behind a ``QUEUE_LEAD_MS`` sleep kernel that lets the host queue the whole
+step first, so they measure the GPU's time plus whatever host time follows a host sync inside the step.
 FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed forward 4·|M|·d·Hq
 (|M| per head), backward 2.5× forward.
 
@@ -158,6 +161,52 @@ def median_ms(fn: Callable, reps: int) -> float:
     return statistics.median(times)
 
 
+QUEUE_LEAD_MS = 20.0  # the GPU sleeps this long before a queued timing starts: longer than a step's host time
+
+
+@functools.cache
+def sleep_cycles_per_ms() -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on this GPU, measured once."""
+    cycles = 10**7
+    torch.cuda._sleep(cycles)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def queued_ms(fn: Callable, reps: int) -> float:
+    """Like :func:`median_ms`, but the GPU first sleeps ``QUEUE_LEAD_MS``, so the host has queued ``fn`` before its
+    start event fires: its GPU time, plus the host time after any host sync inside ``fn``."""
+    fn()
+    torch.cuda.synchronize()
+    lead_cycles = int(QUEUE_LEAD_MS * sleep_cycles_per_ms())
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(lead_cycles)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def step_timings(steps: dict[str, Callable], reps: int) -> dict[str, float]:
+    """``{name}_ms`` (:func:`median_ms`) and ``{name}_queued_ms`` (:func:`queued_ms`) of each named index step, and
+    their sums ``index_ms`` and ``index_queued_ms``."""
+    timings = {}
+    for name, step in steps.items():
+        timings[f"{name}_ms"] = median_ms(step, reps)
+        timings[f"{name}_queued_ms"] = queued_ms(step, reps)
+    timings["index_ms"] = sum(timings[f"{name}_ms"] for name in steps)
+    timings["index_queued_ms"] = sum(timings[f"{name}_queued_ms"] for name in steps)
+    return timings
+
+
 def grads_of(inputs, dout):
     return lambda out: torch.autograd.grad(out, inputs, dout)
 
@@ -215,13 +264,14 @@ def run_flex(
     q, k, v, dout, index: BlockBarIndex, build_mask: Callable, scale: float, warmup: int, reps: int, title: str
 ) -> dict:
     """Flex on ``build_mask()``'s BlockMask, cross-checked against ours on ``index`` (:func:`flex_check`), then
-    timed: fwd_ms, bwd_ms, mask_ms (the BlockMask construction, median of 3) and flex_check."""
+    timed: fwd_ms, bwd_ms, mask_ms and mask_queued_ms (the BlockMask construction, median of 3, as the index
+    steps are timed) and flex_check."""
     block_mask = build_mask()
-    mask_ms = median_ms(build_mask, 3)
+    mask_ms, mask_queued_ms = median_ms(build_mask, 3), queued_ms(build_mask, 3)
     check = flex_check(q, k, v, dout, index, block_mask, scale, title)
     torch.cuda.reset_peak_memory_stats()
     fwd_ms, bwd_ms = time_flex(q, k, v, dout, block_mask, scale, warmup, reps)
-    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, mask_ms=mask_ms, flex_check=check)
+    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, mask_ms=mask_ms, mask_queued_ms=mask_queued_ms, flex_check=check)
 
 
 def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, title: str) -> None:
@@ -253,11 +303,6 @@ def index_steps(q, k, v_idx, s_idx, seq_len: int) -> tuple[Callable, Callable]:
         lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key,
         lambda: estimate_vertical_slash(q, k, budget),
     )
-
-
-def index_time_ms(q, k, v_idx, s_idx, seq_len: int, reps: int) -> tuple[float, float]:
-    """(conversion ms, static-budget estimation ms) of the pattern's counts."""
-    return tuple(median_ms(step, reps) for step in index_steps(q, k, v_idx, s_idx, seq_len))
 
 
 def profile_index(steps: dict[str, Callable], title: str) -> None:
@@ -372,9 +417,10 @@ def main(argv=None) -> None:
             if "flex_check" in row
             else ""
         )
+        queued = f" (queued {row['index_queued_ms']:.2f})" if "index_queued_ms" in row else ""
         print(
             f"{row['shape']:10s} N={n:7d} {row['impl']:24s} density={row['density']:.4f} "
-            f"fwd={row['fwd_ms']:9.2f} bwd={row['bwd_ms']:9.2f} index={row['index_ms']:7.2f} ms "
+            f"fwd={row['fwd_ms']:9.2f} bwd={row['bwd_ms']:9.2f} index={row['index_ms']:7.2f}{queued} ms "
             f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{check}",
             flush=True,
         )
@@ -401,16 +447,14 @@ def main(argv=None) -> None:
                 v_idx, s_idx, n_slash = budget_pattern(args.batch, heads, seq_len, sparsity, device, gen)
                 density = mask_density(v_idx, s_idx, seq_len)
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
-                convert_ms, estimate_ms = index_time_ms(q.detach(), k.detach(), v_idx, s_idx, seq_len, 3)
+                convert, estimate = index_steps(q.detach(), k.detach(), v_idx, s_idx, seq_len)
+                timings = step_timings({"convert": convert, "estimate": estimate}, 3)
                 pattern = dict(
                     target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW, verticals=int(v_idx.shape[-1])
                 )
-                extra = dict(
-                    **pattern, convert_ms=convert_ms, estimate_ms=estimate_ms, index_ms=convert_ms + estimate_ms
-                )
+                extra = dict(**pattern, **timings)
                 modes = [False, True] if args.deterministic else [False]
                 if args.profile and sparsity == args.sparsities[-1]:
-                    convert, estimate = index_steps(q.detach(), k.detach(), v_idx, s_idx, seq_len)
                     profile_index(
                         {"conversion": convert, "static estimation": estimate},
                         f"{shape} N={seq_len} sparsity {sparsity}",
@@ -451,8 +495,10 @@ def main(argv=None) -> None:
                     record(
                         impl="flex_attention",
                         **flex,
-                        estimate_ms=estimate_ms,
-                        index_ms=flex["mask_ms"] + estimate_ms,
+                        estimate_ms=timings["estimate_ms"],
+                        estimate_queued_ms=timings["estimate_queued_ms"],
+                        index_ms=flex["mask_ms"] + timings["estimate_ms"],
+                        index_queued_ms=flex["mask_queued_ms"] + timings["estimate_queued_ms"],
                         **common,
                         **pattern,
                     )
@@ -460,8 +506,12 @@ def main(argv=None) -> None:
 
                 block_v_idx, block_s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, block_gen)
                 index = convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len)
-                convert_ms = median_ms(
-                    lambda: convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key,
+                timings = step_timings(
+                    {
+                        "convert": lambda: (
+                            convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key
+                        )
+                    },
                     3,
                 )
                 pattern = dict(
@@ -476,8 +526,7 @@ def main(argv=None) -> None:
                     impl="mtraining_blocks",
                     fwd_ms=fwd_ms,
                     bwd_ms=bwd_ms,
-                    convert_ms=convert_ms,
-                    index_ms=convert_ms,
+                    **timings,
                     **common,
                     **pattern,
                 )
@@ -494,7 +543,14 @@ def main(argv=None) -> None:
                         args.reps,
                         f"{shape} N={seq_len} block-only, sparsity {sparsity}",
                     )
-                    record(impl="flex_attention_blocks", **flex, index_ms=flex["mask_ms"], **common, **pattern)
+                    record(
+                        impl="flex_attention_blocks",
+                        **flex,
+                        index_ms=flex["mask_ms"],
+                        index_queued_ms=flex["mask_queued_ms"],
+                        **common,
+                        **pattern,
+                    )
                 del index
 
             if seq_len <= args.dense_max_len:
@@ -539,9 +595,14 @@ def main(argv=None) -> None:
                 estimate = functools.partial(estimate_vertical_slash, q.detach(), k.detach(), budget)
                 if args.profile:
                     profile_index({f"top-P {budget.p} estimation": estimate}, f"{shape} N={seq_len}, structured q/k")
-                estimate_ms = median_ms(estimate, 3)
-                convert_ms = median_ms(
-                    lambda: convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key, 3
+                timings = step_timings(
+                    {
+                        "convert": lambda: (
+                            convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).blocks_by_key
+                        ),
+                        "estimate": estimate,
+                    },
+                    3,
                 )
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
                 extra = dict(
@@ -550,9 +611,7 @@ def main(argv=None) -> None:
                     density=mask_density(v_idx, s_idx, seq_len),
                     slashes=int((s_idx < seq_len).sum(-1).max()),
                     verticals=int((v_idx < seq_len).sum(-1).max()),
-                    convert_ms=convert_ms,
-                    estimate_ms=estimate_ms,
-                    index_ms=convert_ms + estimate_ms,
+                    **timings,
                 )
                 torch.cuda.reset_peak_memory_stats()
                 fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, args.reps)
@@ -605,12 +664,14 @@ def write_table(rows: list[dict], path: str) -> None:
     lines = (
         [
             f"GPU {rows[0]['gpu']}, torch {rows[0]['torch']}, commit {rows[0]['commit']}, {rows[0]['date']}; "
-            "causal bf16, batch 1; ms are medians of CUDA-event timings; × Flex: over FlexAttention on the same "
-            "pattern, whose index ms is its BlockMask construction (plus the estimation).",
+            "causal bf16, batch 1; ms are medians of CUDA-event timings; index ms queued: the index steps with the "
+            "host's launches queued ahead of the GPU (GPU time plus the host time after its syncs); × Flex: over "
+            "FlexAttention on the same pattern, whose index ms is its BlockMask construction (plus the estimation).",
             "",
-            "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | index ms | dense-eq TFLOP/s (fwd/bwd/all) "
-            "| actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × Flex (fwd/bwd/all) | × flash (all) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | index ms | index ms queued "
+            "| dense-eq TFLOP/s (fwd/bwd/all) | actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × Flex (fwd/bwd/all) "
+            "| × flash (all) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         if rows
         else []
@@ -633,6 +694,7 @@ def write_table(rows: list[dict], path: str) -> None:
             f"{r['bwd_ms']:.2f}",
             f"{r['fwd_ms'] + r['bwd_ms']:.2f}",
             f"{r['index_ms']:.2f}",
+            f"{r['index_queued_ms']:.2f}" if "index_queued_ms" in r else "–",
             f"{de['fwd']:.0f}/{de['bwd']:.0f}/{de['fwd_bwd']:.0f}",
             f"{ac['fwd_bwd']:.0f}",
             ratios(r.get("vs_sdpa_cudnn")),

@@ -21,6 +21,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .bar_chunks import BarChunks, bar_chunks_by_column
@@ -109,7 +110,7 @@ class BlockBarIndex:
 
 
 def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> None:
-    """Raise ``ValueError`` for any input the conversion cannot handle, before any work."""
+    """Raise ``ValueError`` for arguments of the wrong type, shape, dtype or device, before any work; no host read."""
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a mtraining_kernels.Layout, got {type(layout).__name__}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool):
@@ -130,6 +131,10 @@ def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
         raise ValueError(f"v_idx shape {tuple(v_idx.shape)} needs b >= 1 and Hq >= 1")
     if v_idx.device != s_idx.device:
         raise ValueError(f"v_idx is on {v_idx.device} but s_idx is on {s_idx.device}; move both to one device")
+
+
+def _check_contents(v_idx: Tensor, s_idx: Tensor, seq_len: int) -> None:
+    """Raise ``ValueError`` unless both lists hold values in [0, N], valid entries ascending before the sentinels."""
     checked = [(name, idx) for name, idx in (("v_idx", v_idx), ("s_idx", s_idx)) if idx.numel()]
     if not checked:
         return
@@ -157,8 +162,10 @@ def _check_inputs(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
             )
 
 
+@functools.lru_cache(maxsize=64)
 def block_tables(layout: Layout, rank: int, seq_len: int, device) -> tuple[Tensor, Tensor]:
-    """Global block ids: of ``rank``'s local query blocks ``[nb]`` and of every source's key blocks ``[W, nb]``."""
+    """Global block ids: of ``rank``'s local query blocks ``[nb]`` and of every source's key blocks ``[W, nb]``
+    (int64). Built once per argument tuple, so the tensors are shared: read them, never write them."""
     world = layout.world_size
     num_blocks = seq_len // BLOCK_SIZE
     owner, local = layout.to_local(torch.arange(num_blocks, device=device) * BLOCK_SIZE, seq_len)
@@ -170,28 +177,27 @@ def block_tables(layout: Layout, rank: int, seq_len: int, device) -> tuple[Tenso
 def block_lists_by_key(blk_ptr: Tensor, blk_col: Tensor, first: int, last: int) -> tuple[Tensor, Tensor]:
     """CSR-by-key copy of block lists whose rows lie back to back in ``blk_col[first:last]``.
 
-    blk_ptr int32 ``[..., nb+1]`` (absolute offsets, each group's last entry the next group's first).
+    blk_ptr int32 ``[..., nb+1]`` (absolute offsets, each group's last entry the next group's first); blk_col
+    holds every block j as the sub-tile pair 2j, 2j+1 at an even offset, as every :class:`BlockBarIndex` does.
     Returns key_ptr int32 of the same shape, absolute offsets into key_qblock int32: row (…, j) lists,
-    ascending, the query blocks i whose row (…, i) holds block j (as its sub-tile pair 2j, 2j+1; the
-    even sub-tile stands for the pair). No host sync.
+    ascending, the query blocks i whose row (…, i) holds block j. No host sync.
     """
     num_blocks = blk_ptr.shape[-1] - 1
     groups = blk_ptr.numel() // (num_blocks + 1)
-    counts = (blk_ptr[..., 1:] - blk_ptr[..., :-1]).reshape(-1)
+    device = blk_ptr.device
+    pairs_per_row = (blk_ptr[..., 1:] - blk_ptr[..., :-1]).reshape(-1) // 2
     rows = torch.repeat_interleave(
-        torch.arange(counts.numel(), device=blk_ptr.device), counts, output_size=last - first
-    )
-    tiles = blk_col[first:last].long()
-    group, qblock = rows // num_blocks, rows % num_blocks
-    # odd sub-tiles sort after every real row: the pairs' even halves, exactly half the entries, come first
-    key_row = torch.where(tiles % 2 == 0, group * num_blocks + tiles // 2, groups * num_blocks)
+        torch.arange(groups * num_blocks, dtype=torch.int32, device=device),
+        pairs_per_row,
+        output_size=(last - first) // 2,
+    )  # row (group, i) of every pair, over group·nb + i
+    qblock = rows % num_blocks
+    key_row = rows - qblock + blk_col[first:last:2] // 2  # group·nb + j, from each pair's even sub-tile 2j
     sorted_rows, order = torch.sort(key_row, stable=True)  # stable: ascending query blocks within a row
-    pairs = (last - first) // 2
-    row_starts = torch.arange(groups, device=blk_ptr.device)[:, None] * num_blocks + torch.arange(
-        num_blocks + 1, device=blk_ptr.device
+    row_starts = torch.searchsorted(
+        sorted_rows, torch.arange(groups * num_blocks + 1, dtype=torch.int32, device=device), out_int32=True
     )
-    key_ptr = torch.searchsorted(sorted_rows[:pairs], row_starts).to(torch.int32).view(blk_ptr.shape)
-    return key_ptr, qblock[order[:pairs]].to(torch.int32)
+    return _csr_pointers(row_starts, tuple(blk_ptr.shape[:-1]) + (num_blocks,)), qblock[order]
 
 
 def _check_list_total(total: int) -> None:
@@ -199,19 +205,18 @@ def _check_list_total(total: int) -> None:
         raise ValueError(f"{total} list entries overflow int32 offsets; split the batch or heads")
 
 
-def _offsets_from_ends(row_ends: Tensor, row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """Inclusive row ends and row lengths ``[W·b·Hq·nb]`` → absolute row starts int32 ``[W, b, Hq, nb+1]``."""
-    ends = row_ends.view(shape)
-    starts = ends - row_counts.view(shape)
-    return torch.cat([starts, ends[..., -1:]], dim=-1).to(torch.int32)
+def _csr_pointers(row_starts: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Row starts int32 ``[W·b·Hq·nb + 1]`` (the last one the list's total) → absolute offsets int32
+    ``[W, b, Hq, nb+1]``, ``ptr[..., nb]`` the next group's first."""
+    nb = shape[-1]
+    return row_starts.unfold(0, nb + 1, nb).contiguous().view(*shape[:-1], nb + 1)
 
 
 def _csr_offsets(row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Row lengths ``[W·b·Hq·nb]`` → absolute row starts int32 ``[W, b, Hq, nb+1]`` (last = next group start)."""
-    ends = torch.cumsum(row_counts, 0)
-    if ends.numel():
-        _check_list_total(int(ends[-1]))
-    return _offsets_from_ends(ends, row_counts, shape)
+    row_starts = F.pad(torch.cumsum(row_counts, 0), (1, 0))
+    _check_list_total(int(row_starts[-1]))
+    return _csr_pointers(row_starts.to(torch.int32), shape)
 
 
 def _block_lists(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor) -> tuple[Tensor, Tensor]:
@@ -261,46 +266,66 @@ def lists_of_bar_entries(row: Tensor, column: Tensor, shape: tuple[int, ...], lo
     order_key = torch.sort(row * local_len + column).values
     num_rows = shape[0] * shape[1] * shape[2] * shape[3]
     row_starts = torch.searchsorted(order_key // local_len, torch.arange(num_rows + 1, device=row.device))
+    _check_list_total(int(row_starts[-1]))
     col = (order_key % local_len).to(torch.int32)
-    return _csr_offsets(row_starts[1:] - row_starts[:-1], shape), col
+    return _csr_pointers(row_starts.to(torch.int32), shape), col
 
 
-def _lists_triton(candidates: list, shape: tuple[int, int, int, int]) -> list[tuple[Tensor, Tensor]]:
-    """CSR lists of each candidate set by the Triton kernels of ``triton_index``: a count pass each, their
-    offsets, one host read of every list's size (the only sync), a write pass each."""
-    from . import triton_index  # Triton is imported only where its kernels run
+@functools.lru_cache(maxsize=64)
+def _kernel_block_tables(layout: Layout, rank: int, seq_len: int, device):
+    """:func:`block_tables` in the Triton kernels' form (``triton_index.BlockTables``), built once per argument
+    tuple like them."""
+    from . import triton_index
 
-    counts = [triton_index.count_rows(c).view(-1).long() for c in candidates]
-    ends = [torch.cumsum(count, 0) for count in counts]
-    totals = torch.stack([end[-1] for end in ends]).tolist()
-    for total in totals:
-        _check_list_total(total)
-    lists = []
-    for c, count, end, total in zip(candidates, counts, ends, totals):
-        ptr = _offsets_from_ends(end, count, shape)
-        lists.append((ptr, triton_index.write_rows(c, ptr[..., :-1].reshape(-1), total)))
-    return lists
+    query_blocks, source_blocks = block_tables(layout, rank, seq_len, device)
+    return triton_index.block_tables(source_blocks, query_blocks)
 
 
-def _block_candidates(hit: Tensor, query_blocks: Tensor, source_blocks: Tensor):
-    """The Triton block-list candidates: :func:`_block_lists` without the ``[W, b, Hq, nb, nb]`` mask."""
-    from .triton_index import block_candidates
-
-    return block_candidates(source_blocks, query_blocks, hit)
-
-
-def _bar_candidates(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout, seq_len: int):
-    """The Triton bar-list candidates: :func:`_bar_lists` without the int64 ``[b, Hq, nb, Vmax]`` temporaries and
-    the sort."""
+def _bar_candidates(v_idx: Tensor, hit: Tensor, tables, layout: Layout, seq_len: int):
+    """The Triton bar-list candidates from ``hit`` int8 ``[b·Hq, NB]`` and the kernels' block ``tables``:
+    :func:`_bar_lists` without the int64 ``[b, Hq, nb, Vmax]`` temporaries and the sort."""
     from .triton_index import bar_candidates
 
-    column = v_idx.long().clamp(max=seq_len - 1)
+    column = v_idx.clamp(max=seq_len - 1)  # in v_idx's dtype: int32 key blocks are the kernels' already
     owner, local = layout.to_local(column, seq_len)
-    return bar_candidates(owner, local, column // BLOCK_SIZE, query_blocks, hit, layout.world_size)
+    return bar_candidates(owner, local, column // BLOCK_SIZE, tables.query_blocks, hit, layout.world_size)
+
+
+def _triton_lists(v_idx: Tensor, hit: Tensor, layout: Layout, rank: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
+    """[(blk_ptr, blk_col), (bar_ptr, bar_col)] by the Triton kernels of ``triton_index``: a count pass per list,
+    their offsets, one host read of both lists' sizes (the only one), a write pass per list."""
+    from . import triton_index  # Triton is imported only where its kernels run
+
+    tables = _kernel_block_tables(layout, rank, seq_len, v_idx.device)
+    kernel_hit = triton_index.kernel_hits(hit)
+    candidates = [
+        triton_index.block_candidates(tables, kernel_hit),
+        _bar_candidates(v_idx, kernel_hit, tables, layout, seq_len),
+    ]
+    shape = (layout.world_size, *v_idx.shape[:2], tables.query_blocks.numel())
+    counts = torch.empty((len(candidates), *shape), dtype=torch.int32, device=v_idx.device)
+    for c, count in zip(candidates, counts):
+        triton_index.count_rows(c, count)
+    row_starts = F.pad(torch.cumsum(counts.view(len(candidates), -1), 1), (1, 0))  # int64 [lists, W·b·Hq·nb + 1]
+    totals = row_starts[:, -1].tolist()
+    for total in totals:
+        _check_list_total(total)
+    row_starts = row_starts.to(torch.int32)
+    return [
+        (_csr_pointers(starts, shape), triton_index.write_rows(c, starts[:-1], total))
+        for c, starts, total in zip(candidates, row_starts, totals)
+    ]
 
 
 def convert_index(
-    v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int, implementation: str = "auto"
+    v_idx: Tensor,
+    s_idx: Tensor,
+    layout: Layout,
+    rank: int,
+    seq_len: int,
+    implementation: str = "auto",
+    *,
+    check_contents: bool = True,
 ) -> BlockBarIndex:
     """Vectorised conversion of ``(v_idx, s_idx)`` ``[b, Hq, ·]`` into ``rank``'s :class:`BlockBarIndex`.
 
@@ -308,20 +333,20 @@ def convert_index(
     (Triton on CUDA), "torch" or "triton", the same lists either way. Transient memory: with the Triton
     kernels int32 candidates and row counts only; with PyTorch ops a bool block mask ``[W, b, Hq, nb, nb]``
     and int64 ``[b, Hq, nb, Vmax]`` bar distances (the bar list itself can be that large). With the Triton
-    kernels it reads the host twice: the input checks, then both lists' sizes.
+    kernels it reads the host twice: the content checks (values in [0, N], ascending), then both lists' sizes.
+    ``check_contents=False`` skips the content checks and their host read, for an index valid by construction
+    (the estimators', the full pattern); types, shapes and devices are still checked, but an index with bad
+    values then gives wrong lists instead of a ``ValueError``.
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
+    if check_contents:
+        _check_contents(v_idx, s_idx, seq_len)
     use_triton = uses_triton(implementation, v_idx)  # the Triton list kernels are triton_index.py's
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
-    query_blocks, source_blocks = block_tables(layout, rank, seq_len, v_idx.device)
     if use_triton:
-        shape = (layout.world_size, *v_idx.shape[:2], query_blocks.numel())
-        candidates = [
-            _block_candidates(hit, query_blocks, source_blocks),
-            _bar_candidates(v_idx, hit, query_blocks, layout, seq_len),
-        ]
-        (blk_ptr, blk_col), (bar_ptr, bar_col) = _lists_triton(candidates, shape)
+        (blk_ptr, blk_col), (bar_ptr, bar_col) = _triton_lists(v_idx, hit, layout, rank, seq_len)
     else:
+        query_blocks, source_blocks = block_tables(layout, rank, seq_len, v_idx.device)
         blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
         bar_ptr, bar_col = _bar_lists(v_idx, hit, query_blocks, layout, seq_len)
     return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout, v_idx.shape[-1])
@@ -333,6 +358,7 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
     For tests only: O(W·b·Hq·nb²·|s_idx|) Python steps.
     """
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
+    _check_contents(v_idx, s_idx, seq_len)
     batch, heads = v_idx.shape[:2]
     world = layout.world_size
     nb = seq_len // world // BLOCK_SIZE

@@ -94,7 +94,7 @@ class ListCandidates(NamedTuple):
     owner: torch.Tensor  # bars: the verticals' source ranks [b·Hq, V] (blocks: key_block, unread)
     value: torch.Tensor  # bars: the verticals' local columns [b·Hq, V] (blocks: key_block, unread)
     prefix: torch.Tensor  # candidates before each local query block: blocks [W, nb], bars [b·Hq, nb]
-    hit: torch.Tensor  # int8 [b·Hq, NB], hit[bh, δ] = block diagonal δ is active
+    hit: torch.Tensor  # int8 [b·Hq, NB] of kernel_hits, hit[bh, δ] = block diagonal δ is active
     query_blocks: torch.Tensor  # [nb] global ids of this rank's query blocks
     world_size: int
     batch_heads: int
@@ -104,14 +104,37 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
-def block_candidates(source_blocks: torch.Tensor, query_blocks: torch.Tensor, hit: torch.Tensor) -> ListCandidates:
-    """``source_blocks [W, nb]`` (global ids, ascending per source), ``query_blocks [nb]``, ``hit [b, Hq, NB]``."""
+class BlockTables(NamedTuple):
+    """``index.block_tables`` in kernel form (int32, contiguous): what the block lists' candidates of one
+    (layout, rank, N) are, whatever the index."""
+
+    query_blocks: torch.Tensor  # [nb] global ids of this rank's query blocks
+    source_blocks: torch.Tensor  # [W, nb] global ids of every source's key blocks, ascending per source
+    prefix: torch.Tensor  # [W, nb] how many of source w's key blocks are ≤ query block i
+
+
+def block_tables(source_blocks: torch.Tensor, query_blocks: torch.Tensor) -> BlockTables:
+    """``source_blocks [W, nb]`` (global ids, ascending per source) and ``query_blocks [nb]``, any integer dtype."""
     world, nb = source_blocks.shape
-    key_block = _int32(source_blocks)
-    queries = _int32(query_blocks)
-    prefix = _int32(torch.searchsorted(key_block, queries.expand(world, nb).contiguous(), right=True))
-    flat_hit = hit.reshape(-1, hit.shape[-1]).to(torch.int8).contiguous()
-    return ListCandidates(False, key_block, key_block, key_block, prefix, flat_hit, queries, world, flat_hit.shape[0])
+    key_block, queries = _int32(source_blocks), _int32(query_blocks)
+    prefix = torch.searchsorted(key_block, queries.expand(world, nb).contiguous(), right=True, out_int32=True)
+    return BlockTables(queries, key_block, prefix)
+
+
+def kernel_hits(hit: torch.Tensor) -> torch.Tensor:
+    """bool ``hit [b, Hq, NB]`` as the kernels read it: int8 ``[b·Hq, NB]``, the same bytes (no copy when
+    ``hit`` is contiguous)."""
+    return hit.reshape(-1, hit.shape[-1]).contiguous().view(torch.int8)
+
+
+def block_candidates(tables: BlockTables, hit: torch.Tensor) -> ListCandidates:
+    """The block lists' candidates: ``tables`` of :func:`block_tables`, ``hit`` int8 ``[b·Hq, NB]`` of
+    :func:`kernel_hits`."""
+    key_block = tables.source_blocks
+    world = key_block.shape[0]
+    return ListCandidates(
+        False, key_block, key_block, key_block, tables.prefix, hit, tables.query_blocks, world, hit.shape[0]
+    )
 
 
 def bar_candidates(
@@ -122,20 +145,20 @@ def bar_candidates(
     hit: torch.Tensor,
     world_size: int,
 ) -> ListCandidates:
-    """The verticals' ``owner``, ``local`` column and ``key_block``, each ``[b, Hq, V]`` (ascending per row)."""
+    """The verticals' ``owner``, ``local`` column and ``key_block``, each ``[b, Hq, V]`` (ascending per row, any
+    integer dtype); ``query_blocks`` int32 ``[nb]`` (:attr:`BlockTables.query_blocks`), ``hit`` int8
+    ``[b·Hq, NB]`` of :func:`kernel_hits`."""
     rows = key_block.shape[0] * key_block.shape[1]
     blocks = _int32(key_block.reshape(rows, -1))
-    queries = _int32(query_blocks)
-    prefix = _int32(torch.searchsorted(blocks, queries.expand(rows, -1).contiguous()))
-    flat_hit = hit.reshape(rows, -1).to(torch.int8).contiguous()
+    prefix = torch.searchsorted(blocks, query_blocks.expand(rows, -1).contiguous(), out_int32=True)
     return ListCandidates(
         True,
         blocks,
         _int32(owner.reshape(rows, -1)),
         _int32(local.reshape(rows, -1)),
         prefix,
-        flat_hit,
-        queries,
+        hit,
+        query_blocks,
         world_size,
         rows,
     )
@@ -167,13 +190,9 @@ def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, co
     )
 
 
-def count_rows(c: ListCandidates) -> torch.Tensor:
-    """Entries per row, int32 ``[W, b·Hq, nb]``."""
-    counts = torch.empty(
-        (c.world_size, c.batch_heads, c.query_blocks.numel()), dtype=torch.int32, device=c.key_block.device
-    )
+def count_rows(c: ListCandidates, counts: torch.Tensor) -> None:
+    """Write the entries per row into ``counts``, contiguous int32 of W·b·Hq·nb elements in row order (w, b·Hq, i)."""
     _launch(c, counts, counts, counts, write=False)  # row_start and col are not read
-    return counts
 
 
 def write_rows(c: ListCandidates, row_start: torch.Tensor, total: int) -> torch.Tensor:

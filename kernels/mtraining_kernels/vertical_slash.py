@@ -15,21 +15,18 @@ from .layout import BLOCK_SIZE
 
 
 def slash_block_hits(s_idx: torch.Tensor, num_blocks: int, block_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """Which block distances δ = qb − kb a slash list switches on: bool ``[b, Hq, num_blocks]``.
+    """Which block distances δ = qb − kb a slash list switches on: bool ``[b, Hq, num_blocks]``, contiguous.
 
     ``hit[0]`` (the diagonal block) is always true. For δ ≥ 1, ``hit[δ]`` is true iff some valid
-    offset s satisfies (δ−1)·B < s < (δ+1)·B, i.e. s = a·B + t hits δ = a and, when t > 0, a + 1.
+    offset s satisfies (δ−1)·B < s < (δ+1)·B, i.e. δ = ⌊s/B⌋ or δ = ⌈s/B⌉.
     """
     seq_len = num_blocks * block_size
-    valid = (s_idx >= 0) & (s_idx < seq_len)
-    s = torch.where(valid, s_idx.long(), 0)
-    a, t = s // block_size, s % block_size
-    hit = torch.zeros(*s_idx.shape[:-1], num_blocks + 1, dtype=torch.bool, device=s_idx.device)
-    # invalid slots point at the spare column num_blocks, which is cut off at the end
-    spare = torch.full_like(a, num_blocks)
-    hit.scatter_(-1, torch.where(valid, a, spare), True)
-    hit.scatter_(-1, torch.where(valid & (t > 0), torch.clamp(a + 1, max=num_blocks), spare), True)
-    hit = hit[..., :num_blocks]
+    # invalid slots become offset 0, whose distance 0 is on anyway
+    s = torch.where((s_idx >= 0) & (s_idx < seq_len), s_idx, 0).long()
+    hit = torch.zeros(*s_idx.shape[:-1], num_blocks, dtype=torch.bool, device=s_idx.device)
+    hit.scatter_(-1, s // block_size, True)
+    # ⌈s/B⌉ = NB only for s in the last block, whose ⌊s/B⌋ = NB − 1 is already on
+    hit.scatter_(-1, ((s + block_size - 1) // block_size).clamp_(max=num_blocks - 1), True)
     hit[..., 0] = True
     return hit
 

@@ -39,7 +39,7 @@ ROWS = [
     row(OLD, "qwen2.5-3b", "sdpa_cudnn", 100.0, 300.0),  # an earlier run: 400 ms cuDNN
     row(OLD, "qwen2.5-3b", "mtraining", 10.0, 30.0),
     row(NEW, "qwen2.5-3b", "sdpa_cudnn", 120.0, 360.0),  # the latest run: 480 ms cuDNN
-    row(NEW, "qwen2.5-3b", "mtraining", 12.0, 28.0),  # 12x
+    row(NEW, "qwen2.5-3b", "mtraining", 12.0, 28.0, index_queued_ms=0.5),  # 12x
     row(NEW, "qwen2.5-3b", "mtraining_deterministic", 12.0, 68.0),  # 6x
     row(NEW, "qwen2.5-3b", "mtraining", 20.0, 60.0, top_p=0.9),  # 6x
     row(NEW, "mha", "sdpa_cudnn", 100.0, 300.0, seq_len=32768),
@@ -56,7 +56,7 @@ def test_report_only_uses_the_latest_run_and_its_own_cudnn(tmp_path):
     body = [line for line in text.splitlines() if line.startswith("| qwen2.5-3b") or line.startswith("| mha")]
     assert len(body) == 6, text
     cells = [line.split(" | ") for line in body]
-    all_speedups = {(c[0].lstrip("| "), c[2]): c[10].split("/")[-1] for c in cells}
+    all_speedups = {(c[0].lstrip("| "), c[2]): c[11].split("/")[-1] for c in cells}
     assert all_speedups == {
         ("qwen2.5-3b", "sdpa_cudnn"): "–",
         ("qwen2.5-3b", "mtraining"): "12.00",  # 10.00: old run
@@ -64,6 +64,12 @@ def test_report_only_uses_the_latest_run_and_its_own_cudnn(tmp_path):
         ("qwen2.5-3b", "mtraining (top-P 0.9)"): "6.00",
         ("mha", "sdpa_cudnn"): "–",
         ("mha", "mtraining"): "8.00",
+    }, text
+    queued = {(c[0].lstrip("| "), c[2]): c[8] for c in cells if c[2] in ("mtraining", "mtraining_deterministic")}
+    assert queued == {  # rows from before the queued timing have none
+        ("qwen2.5-3b", "mtraining"): "0.50",
+        ("qwen2.5-3b", "mtraining_deterministic"): "–",
+        ("mha", "mtraining"): "–",
     }, text
     assert plot.read_bytes().startswith(b"\x89PNG")
 
@@ -109,3 +115,18 @@ def test_a_run_without_cudnn_rows_writes_no_plot_and_says_so(tmp_path, capsys):
     bench_attention.write_plot(rows, str(plot))
     assert not plot.exists()
     assert "no sdpa_cudnn rows" in capsys.readouterr().err
+
+
+def test_step_timings_record_both_timings_of_each_step_and_their_sums(monkeypatch):
+    """Each index step's launch-bound and queued ms under the row's field names, and the index totals."""
+    monkeypatch.setattr(bench_attention, "median_ms", lambda step, reps: step())
+    monkeypatch.setattr(bench_attention, "queued_ms", lambda step, reps: step() / 4)
+    timings = bench_attention.step_timings({"convert": lambda: 4.0, "estimate": lambda: 2.0}, 3)
+    assert timings == {
+        "convert_ms": 4.0,
+        "convert_queued_ms": 1.0,
+        "estimate_ms": 2.0,
+        "estimate_queued_ms": 0.5,
+        "index_ms": 6.0,
+        "index_queued_ms": 1.5,
+    }

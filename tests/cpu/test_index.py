@@ -226,26 +226,27 @@ def test_vertical_in_own_block_or_in_active_block_is_not_a_bar():
     assert rows == [[], [], [5], [5, 130]], rows
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        (dict(v_idx=torch.zeros(2, 3, dtype=torch.int32)), "must be \\[b, Hq, width\\]"),
-        (dict(v_idx=torch.zeros(1, 2, 3)), "dtype torch.float32"),
-        (dict(s_idx=torch.zeros(1, 3, 3, dtype=torch.int32)), "disagree on \\[b, Hq\\]"),
-        (dict(seq_len=3 * BLOCK_SIZE), "not divisible by 512"),
-        (dict(seq_len=1000), "not divisible"),
-        (dict(rank=2), "rank=2 is outside \\[0, 2\\)"),
-        (dict(rank=-1), "rank=-1"),
-        (dict(layout=Layout("striped", 2, 64)), "multiple of 128"),
-        (dict(layout="striped"), "must be a mtraining_kernels.Layout"),
-        (dict(v_idx=torch.tensor([[[5, 3, 1024], [0, 1, 2]]], dtype=torch.int32)), "ascending and distinct"),
-        (dict(v_idx=torch.tensor([[[5, 5, 1024], [0, 1, 2]]], dtype=torch.int32)), "ascending and distinct"),
-        (dict(s_idx=torch.tensor([[[-1, 3, 1024], [0, 1, 2]]], dtype=torch.int32)), "outside \\[0, 1024\\]"),
-        (dict(s_idx=torch.tensor([[[0, 3, 1025], [0, 1, 2]]], dtype=torch.int32)), "outside \\[0, 1024\\]"),
-    ],
-)
-@pytest.mark.parametrize("convert", [convert_index, convert_index_slow])
-def test_bad_inputs_raise_value_error(convert, change, message):
+ARGUMENT_ERRORS = [
+    (dict(v_idx=torch.zeros(2, 3, dtype=torch.int32)), "must be \\[b, Hq, width\\]"),
+    (dict(v_idx=torch.zeros(1, 2, 3)), "dtype torch.float32"),
+    (dict(s_idx=torch.zeros(1, 3, 3, dtype=torch.int32)), "disagree on \\[b, Hq\\]"),
+    (dict(seq_len=3 * BLOCK_SIZE), "not divisible by 512"),
+    (dict(seq_len=1000), "not divisible"),
+    (dict(rank=2), "rank=2 is outside \\[0, 2\\)"),
+    (dict(rank=-1), "rank=-1"),
+    (dict(layout=Layout("striped", 2, 64)), "multiple of 128"),
+    (dict(layout="striped"), "must be a mtraining_kernels.Layout"),
+]
+CONTENT_ERRORS = [
+    (dict(v_idx=torch.tensor([[[5, 3, 1024], [0, 1, 2]]], dtype=torch.int32)), "ascending and distinct"),
+    (dict(v_idx=torch.tensor([[[5, 5, 1024], [0, 1, 2]]], dtype=torch.int32)), "ascending and distinct"),
+    (dict(s_idx=torch.tensor([[[-1, 3, 1024], [0, 1, 2]]], dtype=torch.int32)), "outside \\[0, 1024\\]"),
+    (dict(s_idx=torch.tensor([[[0, 3, 1025], [0, 1, 2]]], dtype=torch.int32)), "outside \\[0, 1024\\]"),
+]
+
+
+def conversion_arguments(change: dict) -> tuple:
+    """(v_idx, s_idx, layout, rank, seq_len) of a valid zigzag W = 2 conversion, with ``change`` applied."""
     args = dict(
         v_idx=torch.tensor([[[0, 7, 1024], [3, 1024, 1024]]], dtype=torch.int32),
         s_idx=torch.tensor([[[0, 1, 1024], [0, 200, 1024]]], dtype=torch.int32),
@@ -254,8 +255,42 @@ def test_bad_inputs_raise_value_error(convert, change, message):
         seq_len=1024,
     )
     args.update(change)
+    return args["v_idx"], args["s_idx"], args["layout"], args["rank"], args["seq_len"]
+
+
+@pytest.mark.parametrize("change, message", ARGUMENT_ERRORS + CONTENT_ERRORS)
+@pytest.mark.parametrize("convert", [convert_index, convert_index_slow])
+def test_bad_inputs_raise_value_error(convert, change, message):
     with pytest.raises(ValueError, match=message):
-        convert(args["v_idx"], args["s_idx"], args["layout"], args["rank"], args["seq_len"])
+        convert(*conversion_arguments(change))
+
+
+@pytest.mark.parametrize("change, message", ARGUMENT_ERRORS)
+def test_unchecked_conversion_still_refuses_bad_arguments(change, message):
+    """``check_contents=False`` drops only the value checks: types, shapes and the layout are checked still."""
+    with pytest.raises(ValueError, match=message):
+        convert_index(*conversion_arguments(change), check_contents=False)
+
+
+@pytest.mark.parametrize("change, message", CONTENT_ERRORS)
+def test_only_the_unchecked_conversion_takes_bad_values(change, message):
+    """The default refuses an index with bad values; ``check_contents=False`` trusts it (its lists are then
+    meaningless)."""
+    with pytest.raises(ValueError, match=message):
+        convert_index(*conversion_arguments(change))
+    assert isinstance(convert_index(*conversion_arguments(change), check_contents=False), BlockBarIndex)
+
+
+@settings(max_examples=40, deadline=None)
+@given(conversion_cases(max_blocks=16))
+def test_unchecked_conversion_equals_the_checked_one(case):
+    layout, seq_len, batch, heads, v_width, s_width, seed = case
+    v_idx, s_idx = random_index(torch.Generator().manual_seed(seed), batch, heads, seq_len, v_width, s_width)
+    for rank in range(layout.world_size):
+        checked = convert_index(v_idx, s_idx, layout, rank, seq_len)
+        unchecked = convert_index(v_idx, s_idx, layout, rank, seq_len, check_contents=False)
+        for field in FIELDS:
+            assert torch.equal(getattr(unchecked, field), getattr(checked, field)), f"{field}: seed={seed}"
 
 
 @pytest.mark.gpu

@@ -90,6 +90,27 @@ def test_slash_band_touches_one_or_two_block_distances():
     ]
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_slash_block_hits_follow_the_band_rule(seed, block_size):
+    """hit[δ] for δ ≥ 1 iff some offset s in [0, N) has (δ−1)·B < s < (δ+1)·B, hit[0] always; offsets outside
+    [0, N) (sentinels, garbage) switch nothing on. Random offsets by loops, int32 and int64."""
+    num_blocks = 6
+    seq_len = num_blocks * block_size
+
+    def band_hits(offsets: list[int]) -> list[bool]:
+        valid = [s for s in offsets if 0 <= s < seq_len]
+        return [
+            delta == 0 or any((delta - 1) * block_size < s < (delta + 1) * block_size for s in valid)
+            for delta in range(num_blocks)
+        ]
+
+    for dtype in (torch.int32, torch.int64):
+        s_idx = torch.randint(-2 * block_size, seq_len + 2 * block_size, (2, 3, 7)).to(dtype)
+        expected = [[band_hits(row) for row in sample] for sample in s_idx.tolist()]
+        hits = slash_block_hits(s_idx, num_blocks, block_size)
+        assert hits.is_contiguous() and hits.tolist() == expected, f"seed={seed} {dtype}: {s_idx.tolist()}"
+
+
 def test_full_pattern_equals_dense_causal_sdpa(seed):
     batch, seq_len, heads, kv_heads, dim = 2, 256, 4, 2, 16
     q = torch.randn(batch, seq_len, heads, dim, dtype=torch.float64, requires_grad=True)

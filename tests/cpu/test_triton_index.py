@@ -90,3 +90,17 @@ def test_the_triton_conversion_reads_the_host_twice(seed):
         got = convert_with("triton", v_idx, s_idx, layout, 1, seq_len)
     assert got.bar_col.numel() > 0 and got.blk_col.numel() > 0
     assert [site.split(" ")[1] for site in reads.sites] == ["tolist", "tolist"], reads.sites
+
+
+def test_the_unchecked_triton_conversion_reads_the_host_once(seed):
+    """``check_contents=False`` (an index valid by construction) drops the input checks' host read; the lists'
+    sizes are the one read left, and the lists are the checked conversion's."""
+    generator = torch.Generator().manual_seed(seed)
+    layout, seq_len = Layout("striped", 2), 2 * 2 * BLOCK_SIZE * 3
+    v_idx, s_idx = random_index(generator, 2, 3, seq_len, 24, 24)
+    checked = convert_with("triton", v_idx, s_idx, layout, 1, seq_len)
+    with HostReads() as reads:
+        unchecked = index.convert_index(v_idx, s_idx, layout, 1, seq_len, "triton", check_contents=False)
+    assert [site.split(" ")[1] for site in reads.sites] == ["tolist"], reads.sites
+    for field in FIELDS:
+        assert torch.equal(getattr(unchecked, field), getattr(checked, field)), f"seed={seed}: {field} differs"

@@ -65,6 +65,15 @@ def test_the_triton_conversion_syncs_twice(seed):
     assert len(syncs) == 2, f"seed={seed}: {len(syncs)} host syncs: {syncs}"
 
 
+def test_the_unchecked_triton_conversion_syncs_once(seed):
+    """``check_contents=False`` (our estimators' indices) leaves the one sync for the lists' sizes."""
+    v_idx, s_idx, _ = budget_pattern(1, 16, 32768, 0.95, "cuda", torch.Generator().manual_seed(seed))
+    convert("triton", v_idx, s_idx, Layout("striped", 2), 1, 32768)  # compiles the kernels
+    with device_syncs() as syncs:
+        index.convert_index(v_idx, s_idx, Layout("striped", 2), 1, 32768, "triton", check_contents=False)
+    assert len(syncs) == 1, f"seed={seed}: {len(syncs)} host syncs: {syncs}"
+
+
 if __name__ == "__main__":
     for n in [int(arg) for arg in sys.argv[1:]] or [131072, 524288]:
         v, s, _ = budget_pattern(1, 16, n, 0.95, "cuda", torch.Generator().manual_seed(0))
