@@ -547,7 +547,7 @@ def _run_pass(
         tiles.scale,
         rules.incomplete_score if rules is not None else 0,
         PASS=pass_number,
-        TOP_P=row_max is not None and pass_number == 2,
+        TOP_P=row_max is not None and pass_number == _SCORES.value,
         SLASHES=slash is not None,
         NUM_COEFFICIENTS=len(rules.exp2_coefficients) if rules is not None else 1,
         BLOCK=KEYS_PER_TILE,
@@ -602,7 +602,7 @@ def row_maxima(source, q_positions: torch.Tensor, k_positions: torch.Tensor) -> 
     batch, q_heads, num_rows, num_keys = tiles.shape
     device = tiles.tensors[0].device
     per_tile = torch.empty(batch, q_heads, num_rows, triton.cdiv(num_keys, KEYS_PER_TILE), device=device)
-    _run_pass(tiles, 0, q_positions, k_positions, tile_max=per_tile)
+    _run_pass(tiles, _ROW_MAXIMA.value, q_positions, k_positions, tile_max=per_tile)
     return per_tile.amax(dim=-1)
 
 
@@ -618,7 +618,7 @@ def exp_row_sums(
     row_max = _row_stats(tiles.shape, row_max, "row_max", torch.float32)
     row_sums = torch.zeros(tiles.shape[:3], dtype=torch.int64, device=row_max.device)
     _check_device(tiles.tensors[0], row_max)
-    _run_pass(tiles, 1, q_positions, k_positions, rules=rules, row_max=row_max, row_sums=row_sums)
+    _run_pass(tiles, _ROW_SUMS.value, q_positions, k_positions, rules=rules, row_max=row_max, row_sums=row_sums)
     return row_sums
 
 
@@ -632,7 +632,7 @@ def _score_sums(source, q_positions, k_positions, seq_len, rules, row_max=None, 
     slash = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=device) if slashes else None
     _run_pass(
         tiles,
-        2,
+        _SCORES.value,
         q_positions,
         k_positions,
         rules=rules,
