@@ -148,20 +148,6 @@ def measure(forward: Callable, backward: Callable, warmup: int, reps: int) -> tu
     return statistics.median(fwd), statistics.median(bwd)
 
 
-def median_ms(fn: Callable, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 QUEUE_LEAD_MS = 20.0  # the GPU sleeps this long before a queued timing starts: longer than a step's host time
 
 
@@ -178,16 +164,18 @@ def sleep_cycles_per_ms() -> float:
     return cycles / start.elapsed_time(end)
 
 
-def queued_ms(fn: Callable, reps: int) -> float:
-    """Like :func:`median_ms`, but the GPU first sleeps ``QUEUE_LEAD_MS``, so the host has queued ``fn`` before its
-    start event fires: its GPU time, plus the host time after any host sync inside ``fn``."""
+def median_ms(fn: Callable, reps: int, queue_lead_ms: float = 0.0) -> float:
+    """Median CUDA-event milliseconds of ``fn`` after one warm-up call. With ``queue_lead_ms`` the GPU first sleeps
+    that long, so the host has queued ``fn`` before its start event fires: its GPU time, plus the host time after
+    any host sync inside ``fn``."""
     fn()
     torch.cuda.synchronize()
-    lead_cycles = int(QUEUE_LEAD_MS * sleep_cycles_per_ms())
+    lead_cycles = int(queue_lead_ms * sleep_cycles_per_ms()) if queue_lead_ms else 0
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(lead_cycles)
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         start.record()
         fn()
         end.record()
@@ -197,12 +185,12 @@ def queued_ms(fn: Callable, reps: int) -> float:
 
 
 def step_timings(steps: dict[str, Callable], reps: int) -> dict[str, float]:
-    """``{name}_ms`` (:func:`median_ms`) and ``{name}_queued_ms`` (:func:`queued_ms`) of each named index step, and
-    their sums ``index_ms`` and ``index_queued_ms``."""
+    """``{name}_ms`` and ``{name}_queued_ms`` (:func:`median_ms` launch-bound, and queued behind
+    ``QUEUE_LEAD_MS``) of each named index step, and their sums ``index_ms`` and ``index_queued_ms``."""
     timings = {}
     for name, step in steps.items():
         timings[f"{name}_ms"] = median_ms(step, reps)
-        timings[f"{name}_queued_ms"] = queued_ms(step, reps)
+        timings[f"{name}_queued_ms"] = median_ms(step, reps, QUEUE_LEAD_MS)
     timings["index_ms"] = sum(timings[f"{name}_ms"] for name in steps)
     timings["index_queued_ms"] = sum(timings[f"{name}_queued_ms"] for name in steps)
     return timings
@@ -268,7 +256,7 @@ def run_flex(
     timed: fwd_ms, bwd_ms, mask_ms and mask_queued_ms (the BlockMask construction, median of 3, as the index
     steps are timed) and flex_check."""
     block_mask = build_mask()
-    mask_ms, mask_queued_ms = median_ms(build_mask, 3), queued_ms(build_mask, 3)
+    mask_ms, mask_queued_ms = median_ms(build_mask, 3), median_ms(build_mask, 3, QUEUE_LEAD_MS)
     check = flex_check(q, k, v, dout, index, block_mask, scale, title)
     torch.cuda.reset_peak_memory_stats()
     fwd_ms, bwd_ms = time_flex(q, k, v, dout, block_mask, scale, warmup, reps)
