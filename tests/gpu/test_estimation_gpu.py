@@ -5,17 +5,21 @@ whichever keys share a tile; the integer scores of the fused passes to the PyTor
 logits (``torch.equal``), per key shard too, and the index to the PyTorch selection. Shapes up to
 N = 32K, GQA 8:1 and 1:1, d = 48, 64 and 128, bf16, fp16 and fp32, static and top-P budgets.
 
-Run as a script to time one layer's estimation, the PyTorch path against the Triton one (not a test):
-``python tests/gpu/test_estimation_gpu.py 131072 524288``.
+Run as a script to time one layer's estimation, each Triton pass and the PyTorch path against the Triton one
+(not a test): ``python tests/gpu/test_estimation_gpu.py 131072 524288``.
 """
 
 import statistics
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 from host_reads import device_syncs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from bench_attention import QUEUE_LEAD_MS, median_ms
 
 from mtraining_kernels import estimation, triton_estimation
 from mtraining_kernels.budget import StaticBudget, TopPBudget
@@ -225,7 +229,38 @@ def time_estimation(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int
         )
 
 
+def time_passes(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int = 128) -> None:
+    """Print the GPU ms of each Triton pass and of the ranking (b = 1, bf16), queued behind a sleep kernel so the
+    host launches do not count: the table "Where the estimation's time goes" of docs/benchmarks.md."""
+    q, k = draw_qk(0, 1, seq_len, q_heads, kv_heads, dim, torch.bfloat16)
+    q_positions, k_positions = positions(seq_len)
+    rules, rows = estimation._fixed_point_rules(), q[:, seq_len - 64 :]
+    source = triton_estimation.QueryKeyTiles(rows, k, dim**-0.5)
+    row_max = triton_estimation.row_maxima(source, q_positions, k_positions)
+    row_sums = triton_estimation.exp_row_sums(source, q_positions, k_positions, row_max, rules)
+    v_scores, s_scores = triton_estimation.static_scores(source, q_positions, k_positions, seq_len, rules)
+    keys = k_positions.expand_as(v_scores)
+    steps = {
+        "stored logits": lambda: triton_estimation.estimation_logits(rows, q_positions, k, k_positions, dim**-0.5),
+        "row maxima": lambda: triton_estimation.row_maxima(source, q_positions, k_positions),
+        "row sums": lambda: triton_estimation.exp_row_sums(source, q_positions, k_positions, row_max, rules),
+        "static V + S": lambda: triton_estimation.static_scores(source, q_positions, k_positions, seq_len, rules),
+        "top-P V + S": lambda: triton_estimation.top_p_scores(
+            source, q_positions, k_positions, seq_len, row_max, row_sums, rules
+        ),
+        "top-P V only": lambda: triton_estimation.top_p_scores(
+            source, q_positions, k_positions, seq_len, row_max, row_sums, rules, slashes=False
+        ),
+        "rank V": lambda: estimation.rank_candidates(v_scores, keys, 30, 1024, True),
+        "rank S": lambda: estimation.rank_candidates(s_scores, keys, 100, 6016, True),
+        "static estimation": lambda: estimation.estimate_vertical_slash(q, k, StaticBudget(1000, 6000)),
+    }
+    timings = {name: round(median_ms(step, 10, QUEUE_LEAD_MS), 3) for name, step in steps.items()}
+    print(f"N={seq_len}: queued GPU ms {timings}", flush=True)
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for length in sys.argv[1:] or ["131072", "524288"]:
+        time_passes(int(length))
         time_estimation(int(length))
