@@ -1,0 +1,59 @@
+"""Every pass of the estimation kernels computes its logits with the same tensor-core instructions on Hopper
+(DESIGN.md §2.2, bit identity item 1): compiled for sm_90 on the CPU (Triton ships ptxas), each pass's PTX
+and the stored-logits kernel's hold the same ``wgmma`` sequence, so a logit has one value everywhere. The
+check runs in a fresh process, away from the interpreter flag of the other Triton tests."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mtraining_kernels import triton_estimation as kernels
+
+pointers_fp32 = {"Q", "K", "LOGITS", "OUT", "ROW_MAX", "TILE_MAX", "CONSTANTS", "DENOMINATOR"}
+
+
+def wgmma_lines(kernel, constants, dtype):
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.isupper():
+            signature[name] = "*fp32" if name in pointers_fp32 else "*i64"
+        else:
+            signature[name] = "fp32" if name == "scale" else "i64"
+    signature["Q"] = signature["K"] = "*" + dtype
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=kernels.NUM_WARPS, enable_fp_fusion=False),
+    )
+    return [re.sub(r"%\w+", "R", l.strip()) for l in compiled.asm["ptx"].splitlines() if "wgmma" in l]
+
+
+shape = dict(HEAD_DIM=128, DIM_PAD=128, IEEE=False, BLOCK=kernels.KEYS_PER_TILE)
+for dtype in ("bf16", "fp16"):
+    sequences = {"stored logits": wgmma_lines(kernels._logits_kernel, shape, dtype)}
+    for pass_number, top_p in ((0, False), (1, True), (2, False), (2, True)):
+        constants = dict(PASS=pass_number, FROM_QK=True, TOP_P=top_p, SLASHES=True, NUM_COEFFICIENTS=14, **shape)
+        sequences[(pass_number, top_p)] = wgmma_lines(kernels._key_tile_kernel, constants, dtype)
+    first = sequences["stored logits"]
+    assert any("mma_async" in line for line in first), f"{dtype}: no wgmma in the PTX"
+    for key, lines in sequences.items():
+        assert lines == first, f"{dtype}: pass {key} issues other tensor-core instructions than the stored logits"
+print("same wgmma sequence in every pass")
+"""
+
+
+def test_every_pass_issues_the_same_tensor_core_instructions():
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same wgmma sequence in every pass" in done.stdout
