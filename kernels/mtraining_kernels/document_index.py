@@ -6,7 +6,7 @@ to global coordinates: verticals are global key positions inside the document, s
 i − j. Shorter documents are attended densely-causally. The mask is
 :func:`mtraining_kernels.reference.packed_vertical_slash_mask`; the same index over a context-parallel
 group is :func:`megatron_mtraining.ring.document_estimation.estimate_document_index_distributed`, built from
-this module's checks, :func:`sparse_documents`, :func:`same_length_groups` and :func:`assemble_document_index`.
+this module's checks, :func:`sparse_documents` and :func:`assemble_document_index`.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import NamedTuple
 import torch
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from .document_selection import document_lists
 from .documents import Documents
 from .estimation import (
     MAX_LAST_Q,
-    VerticalSlashIndex,
     check_forced_entries,
     check_int,
     check_query_key,
-    estimate_from_last_queries,
     list_widths,
     resolve_budget,
+    scores_of_keys,
 )
 from .host_copies import to_device
 
@@ -175,46 +175,40 @@ def check_document_estimation(
     check_min_sparse_length(min_sparse_length, last_q, sink_tokens, local_window)
 
 
-def _clamp_budget(budget: StaticHeadBudgets | TopPBudget, length: int) -> tuple[StaticHeadBudgets | TopPBudget, bool]:
-    """The budget of a document of ``length`` tokens, and whether a static size had to shrink to fit it.
-
-    Static sizes become min(size, length); a top-P budget already caps at min(cap, length)."""
+def _clamps(budget: StaticHeadBudgets | TopPBudget, length: int) -> bool:
+    """Whether a static size shrinks to fit a document of ``length`` tokens (a top-P cap is a ceiling, never
+    clamped). The selection clamps each document's sizes to its length itself."""
     if isinstance(budget, TopPBudget):
-        return budget, False
-    clamped = bool((budget.v_size > length).any() or (budget.s_size > length).any())
-    return StaticHeadBudgets(budget.v_size.clamp(max=length), budget.s_size.clamp(max=length)), clamped
+        return False
+    return bool((budget.v_size > length).any() or (budget.s_size > length).any())
 
 
 class SparseDocument(NamedTuple):
-    """A document with its own index: its slot (sample, document), its tokens start … start + length − 1 and
-    its budget (static sizes clamped to its length)."""
+    """A document with its own index: its slot (sample, document) and its tokens start … start + length − 1."""
 
     sample: int
     document: int
     start: int
     length: int
-    budget: StaticHeadBudgets | TopPBudget
 
 
 def sparse_documents(
     documents: Documents, min_sparse_length: int, budget: StaticHeadBudgets | TopPBudget
 ) -> tuple[torch.Tensor, list[SparseDocument], int]:
-    """(``sparse`` bool ``[b, m_max]``, the sparse documents in (sample, document) order, how many had their
-    static budget clamped) for documents of at least ``min_sparse_length`` tokens and a resolved budget."""
+    """(``sparse`` bool ``[b, m_max]``, the sparse documents in (sample, document) order, how many have a
+    static size clamped to their length) for documents of at least ``min_sparse_length`` tokens and a
+    resolved budget."""
     sparse = documents.lengths >= min_sparse_length
     spans = documents.host_spans  # on the CPU: the loop below syncs nothing
-    chosen, clamped_documents = [], 0
+    chosen = []
     for sample, document in (spans[..., 1] >= min_sparse_length).nonzero().tolist():
         start, length = spans[sample, document].tolist()
-        document_budget, clamped = _clamp_budget(budget, length)
-        clamped_documents += clamped
-        chosen.append(SparseDocument(sample, document, start, length, document_budget))
-    return sparse, chosen, clamped_documents
+        chosen.append(SparseDocument(sample, document, start, length))
+    return sparse, chosen, sum(_clamps(budget, part.length) for part in chosen)
 
 
 def same_length_groups(parts: list[SparseDocument]) -> list[list[SparseDocument]]:
-    """``parts`` grouped by length, in order of first appearance; a group shares its budget (static sizes are
-    clamped to the length), so one batched estimation computes every member's own index."""
+    """``parts`` grouped by length, in order of first appearance: one batched score pass per length."""
     groups: dict[int, list[SparseDocument]] = {}
     for part in parts:
         groups.setdefault(part.length, []).append(part)
@@ -224,16 +218,19 @@ def same_length_groups(parts: list[SparseDocument]) -> list[list[SparseDocument]
 def assemble_document_index(
     documents: Documents,
     sparse: torch.Tensor,
-    estimated: list[tuple[list[SparseDocument], VerticalSlashIndex]],
+    parts: list[SparseDocument],
+    vertical_sums: torch.Tensor | None,
+    slash_sums: torch.Tensor | None,
     budget: StaticHeadBudgets | TopPBudget,
     q_heads: int,
+    sink_tokens: int,
+    local_window: int,
 ) -> DocumentIndex:
-    """The :class:`DocumentIndex` from the sparse documents' own indices.
+    """The :class:`DocumentIndex` of the sparse ``parts`` from their scores in whole-sequence rows.
 
-    ``estimated`` pairs each group of :func:`same_length_groups` with the index of its documents alone (batch
-    = the group's size in its order, document coordinates, padded with their length). Verticals move to
-    global positions; every list is padded with N to the width of the whole sequence's budget,
-    ``list_widths(budget, N)``, whatever the documents.
+    ``vertical_sums``/``slash_sums`` int64 ``[b, Hq, N]`` as in :mod:`mtraining_kernels.document_selection`
+    (``slash_sums`` None for top-P over block diagonals; both unused without parts). Every list is as wide as
+    the whole sequence's budget, ``list_widths(budget, N)``, whatever the documents.
     """
     seq_len = documents.seq_len
     v_width, s_width = list_widths(budget, seq_len)
@@ -241,18 +238,13 @@ def assemble_document_index(
     device = documents.starts.device
     v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=device)
     s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
-    slots_of_parts = to_device(
-        torch.tensor([(part.sample, part.document, part.start) for group, _ in estimated for part in group]), device
-    )  # every group's (sample, document, start) rows in one host-to-device copy, which does not wait
-    first = 0
-    for group, own in estimated:
-        length = group[0].length
-        samples, members, starts = slots_of_parts[first : first + len(group)].unbind(1)
-        first += len(group)
-        verticals = torch.where(own.v_idx < length, own.v_idx + starts[:, None, None], seq_len)
-        slashes = torch.where(own.s_idx < length, own.s_idx, seq_len)
-        v_idx[samples, members, :, : verticals.shape[-1]] = verticals.to(torch.int32)
-        s_idx[samples, members, :, : slashes.shape[-1]] = slashes.to(torch.int32)
+    if parts:
+        verticals, slashes = document_lists(
+            documents, parts, vertical_sums, slash_sums, budget, sink_tokens, local_window
+        )
+        samples, members = to_device(torch.tensor([(part.sample, part.document) for part in parts]), device).unbind(1)
+        v_idx[samples, members] = verticals
+        s_idx[samples, members] = slashes
     return DocumentIndex(documents, sparse, v_idx, s_idx)
 
 
@@ -270,11 +262,11 @@ def estimate_document_index(
 ) -> tuple[DocumentIndex, int]:
     """Estimate every long document's own index from post-RoPE ``q [b, N, Hq, d]``, ``k [b, N, Hkv, d]``.
 
-    A document of L ≥ ``min_sparse_length`` tokens starting at o is estimated by
-    :func:`mtraining_kernels.estimation.estimate_vertical_slash` on ``q[:, o : o + L]``, ``k[:, o : o + L]``
-    with static sizes clamped to L (documents of one length in one batched call: each batch row's index is
-    computed on its own, so it is the same bits; only the last ``last_q`` queries are copied for it,
-    :func:`~mtraining_kernels.estimation.estimate_from_last_queries`), and its verticals are shifted by o.
+    A document of L ≥ ``min_sparse_length`` tokens starting at o gets the index
+    :func:`mtraining_kernels.estimation.estimate_vertical_slash` finds on ``q[:, o : o + L]``, ``k[:, o : o + L]``
+    with static sizes clamped to L, its verticals shifted by o. Its scores come from one batched pass per
+    document length (only the last ``last_q`` queries are copied for it; each batch row's integers are its
+    own); every document is then ranked at once (:mod:`mtraining_kernels.document_selection`), the same bits.
     The budget must fit the whole sequence (as unpacked), and the lists are as wide as the whole sequence's
     (``list_widths(budget, N)``), so their shapes do not depend on the documents. Returns the index and the
     number of documents whose static budget was clamped.
@@ -285,17 +277,31 @@ def estimate_document_index(
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
     sparse, parts, clamped_documents = sparse_documents(documents, min_sparse_length, budget)
-    estimated = []
+    top_p = isinstance(budget, TopPBudget)
+    block_slashes = top_p and budget.block_slashes  # then V alone makes every score
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    vertical_sums = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=q.device)
+    slash_sums = None if block_slashes else torch.zeros_like(vertical_sums)
     for group in same_length_groups(parts):
         length = group[0].length
         stops = [part.start + length for part in group]
-        own = estimate_from_last_queries(  # only the rows the estimation reads: no copy of the other queries
+        v_scores, s_scores = scores_of_keys(  # only the rows the estimation reads: no copy of the other queries
             torch.stack([q[part.sample, stop - last_q : stop] for part, stop in zip(group, stops)]),
+            torch.arange(length - last_q, length, device=q.device),
             torch.stack([k[part.sample, part.start : stop] for part, stop in zip(group, stops)]),
-            group[0].budget,
-            softmax_scale=softmax_scale,
-            sink_tokens=sink_tokens,
-            local_window=local_window,
+            torch.arange(length, device=q.device),
+            scale,
+            top_p,
+            length,
+            slashes=not block_slashes,
         )
-        estimated.append((group, own))
-    return assemble_document_index(documents, sparse, estimated, budget, q_heads), clamped_documents
+        spans = torch.tensor([(part.sample, part.start) for part in group])
+        samples, starts = to_device(spans, q.device).unbind(1)
+        columns = starts[:, None] + torch.arange(length, device=q.device)  # [g, L]: the documents' slots
+        vertical_sums[samples[:, None], :, columns] = v_scores.transpose(1, 2)
+        if slash_sums is not None:
+            slash_sums[samples[:, None], :, columns] = s_scores.transpose(1, 2)
+    index = assemble_document_index(
+        documents, sparse, parts, vertical_sums, slash_sums, budget, q_heads, sink_tokens, local_window
+    )
+    return index, clamped_documents

@@ -20,17 +20,14 @@ from mtraining_kernels.document_index import (
     SparseDocument,
     assemble_document_index,
     check_document_estimation,
-    same_length_groups,
     sparse_documents,
 )
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.estimation import (
-    block_diagonal_scores,
     estimation_logits,
     exp_fixed_point,
     probability_fixed_point,
     resolve_budget,
-    select_index,
     slash_partial_sums,
     static_logit_fixed_point,
     vertical_scores,
@@ -244,7 +241,7 @@ def estimate_document_index_distributed(
 
     Maxima are exact and int64 sums are associative, so every rank holds the integers the single-device
     estimator computes on each document alone and ranks them with the same
-    :func:`~mtraining_kernels.estimation.select_index`. Nothing but the agreement runs when no document
+    :func:`~mtraining_kernels.document_selection.document_lists`. Nothing but the agreement runs when no document
     is sparse. Each rank receives at most W·R·Hq·d values of q and I int64 gathered, and all-reduces I int64.
     """
     values, error = None, None
@@ -271,7 +268,7 @@ def estimate_document_index_distributed(
     device = q_local.device
     sparse, parts, clamped_documents = sparse_documents(documents, min_sparse_length, budget)
     if not parts:
-        return assemble_document_index(documents, sparse, [], budget, q_heads), 0
+        return assemble_document_index(documents, sparse, [], None, None, budget, q_heads, sink_tokens, local_window), 0
     samples = torch.tensor([part.sample for part in parts])  # on the host, like the positions below
     ends = torch.tensor([part.start + part.length for part in parts])
     row_positions = (ends - last_q)[:, None] + torch.arange(last_q)  # [P, last_q]
@@ -290,27 +287,7 @@ def estimate_document_index_distributed(
         dist.all_reduce(slash_sums, op=dist.ReduceOp.SUM, group=group)
     vertical_sums = layout.unshard(gathered_verticals.chunk(layout.world_size, dim=-1), dim=-1)  # [b, Hq, N]
 
-    estimated = []
-    for group in same_length_groups(parts):
-        length = group[0].length
-        v_scores = torch.stack([vertical_sums[part.sample, :, part.start : part.start + length] for part in group])
-        candidates = torch.arange(length, device=device).expand(v_scores.shape)
-        total_mass = v_scores.sum(dim=-1) if top_p else None
-        if block_slashes:  # the document's own block diagonals, as on one device
-            s_scores = block_diagonal_scores(v_scores, candidates[0, 0], length)
-        else:
-            s_scores = torch.stack([slash_sums[part.sample, :, part.start : part.start + length] for part in group])
-        own = select_index(
-            v_scores,
-            candidates,
-            s_scores,
-            candidates,
-            group[0].budget,
-            total_mass,
-            length,
-            sink_tokens,
-            local_window,
-            candidates_ascending=True,
-        )
-        estimated.append((group, own))
-    return assemble_document_index(documents, sparse, estimated, budget, q_heads), clamped_documents
+    index = assemble_document_index(
+        documents, sparse, parts, vertical_sums, slash_sums, budget, q_heads, sink_tokens, local_window
+    )
+    return index, clamped_documents

@@ -19,6 +19,7 @@ BUDGETS = {
     "static": StaticBudget(v_size=160, s_size=180),
     "per-head static": StaticHeadBudgets(torch.tensor([64, 160, 300, 100]), torch.tensor([100, 200, 120, 400])),
     "top-p": TopPBudget(p=0.9, cap=256),
+    "top-p block diagonals": TopPBudget(p=0.5, cap=128, block_slashes=True),
 }
 
 

@@ -171,6 +171,33 @@ def test_estimation_waits_on_the_host_nowhere(seed, mode):
     assert syncs == [], f"seed={seed} {mode}: {len(syncs)} host syncs: {syncs[:3]}"
 
 
+@pytest.mark.parametrize("mode", sorted(BUDGETS))
+def test_packed_index_is_each_documents_own_triton_index(mode, seed):
+    """All documents ranked at once (document_selection) on the Triton scores: each document's lists equal
+    the Triton estimate of the document alone, shifted (documents of one length share a score pass)."""
+    q, k = draw_qk(seed, 2, 16384, 16, 2, 128, torch.bfloat16)
+    starts = [[0, 4096, 6144, 10240, 12288, 14848], [0, 2048, 6144, 10240, 16384, 16384]]
+    documents = Documents(torch.tensor(starts, device=DEVICE), 16384)
+    index, _ = estimate_document_index(q, k, documents, BUDGETS[mode], min_sparse_length=2048)
+    for sample, document in index.sparse.nonzero().tolist():
+        start, length = documents.host_spans[sample, document].tolist()
+        budget = BUDGETS[mode]
+        if isinstance(budget, StaticBudget):
+            budget = StaticBudget(min(budget.v_size, length), min(budget.s_size, length))
+        own = estimation.estimate_vertical_slash(
+            q[sample : sample + 1, start : start + length], k[sample : sample + 1, start : start + length], budget
+        )
+        for got, lists, counts, shift in (
+            (index.v_idx, own.v_idx, own.v_cnt, start),
+            (index.s_idx, own.s_idx, own.s_cnt, 0),
+        ):
+            for head in range(16):
+                count = int(counts[0, head])
+                message = f"seed={seed} {mode} sample={sample} document={document} head={head}"
+                assert torch.equal(got[sample, document, head, :count] - shift, lists[0, head, :count]), message
+                assert got[sample, document, head, count:].eq(16384).all(), message
+
+
 def test_packed_estimation_syncs_do_not_grow_with_the_documents(seed):
     """Per-document estimation runs one batched estimation per document length; its host syncs (the index's
     input checks, read once) must not come once per length group (63 syncs at 512K ProLong-like before)."""
