@@ -27,6 +27,7 @@ from .index import (
     BlockBarIndex,
     block_and_position_tables,
     block_tables,
+    convert_index,
     lists_of_active_blocks,
     lists_of_bar_entries,
     lists_of_rows,
@@ -114,16 +115,19 @@ def _bar_lists(index: DocumentIndex, hit: Tensor, query_blocks: Tensor, layout: 
 def convert_document_index(index: DocumentIndex, layout: Layout, rank: int) -> BlockBarIndex:
     """Vectorised conversion of a packed ``index`` into ``rank``'s :class:`BlockBarIndex`, on the index's device.
 
-    With one document per sample the lists are those of :func:`mtraining_kernels.index.convert_index` on that
-    document's index and ``doc_ids`` is None. Transient memory as in the two list builders (PyTorch ops only).
+    With one sparse document per sample the lists are those of :func:`mtraining_kernels.index.convert_index`
+    on that document's index, which converts them (the Triton list kernels on CUDA), and ``doc_ids`` is None.
+    Otherwise transient memory as in the two list builders (PyTorch ops only).
     """
     _check_inputs(index, layout, rank)
     documents, seq_len = index.documents, index.documents.seq_len
+    doc_ids = local_document_ids(documents, layout)
+    if doc_ids is None and index.every_document_sparse:  # the unpacked index, checked by DocumentIndex
+        return convert_index(index.v_idx[:, 0], index.s_idx[:, 0], layout, rank, seq_len, check_contents=False)
     hit = _document_hits(index, seq_len // BLOCK_SIZE)
     query_blocks, source_blocks = block_tables(layout, rank, seq_len, index.v_idx.device)
     blk_ptr, blk_col = _block_lists(documents, hit, query_blocks, source_blocks)
     bar_ptr, bar_col = _bar_lists(index, hit, query_blocks, layout)
-    doc_ids = local_document_ids(documents, layout)
     width = index.v_idx.shape[1] * index.v_idx.shape[3]
     return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout, width, doc_ids)
 

@@ -11,7 +11,7 @@ this module's checks, :func:`sparse_documents` and :func:`assemble_document_inde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -75,13 +75,14 @@ class DocumentIndex:
     are attended densely-causally and their rows hold only padding. ``v_idx`` int32
     ``[b, m_max, Hq, Vmax]``: global key positions inside the document, ascending, padded with N.
     ``s_idx`` int32 ``[b, m_max, Hq, Smax]``: offsets i − j below the document's length, ascending,
-    padded with N.
+    padded with N. ``every_document_sparse`` (derived, read in the checks' one host read): no document is dense.
     """
 
     documents: Documents
     sparse: torch.Tensor
     v_idx: torch.Tensor
     s_idx: torch.Tensor
+    every_document_sparse: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         documents = self.documents
@@ -118,7 +119,9 @@ class DocumentIndex:
             for name, lists in (("v_idx", self.v_idx), ("s_idx", self.s_idx))
         }
         # every condition in one host read: on a GPU the checks cost one sync, not five
-        flags = torch.stack([unused_sparse.any()] + [mask.any() for pair in masks.values() for mask in pair]).tolist()
+        conditions = [unused_sparse.any()] + [mask.any() for pair in masks.values() for mask in pair]
+        flags = torch.stack(conditions + [(self.sparse | (lengths == 0)).all()]).tolist()
+        object.__setattr__(self, "every_document_sparse", bool(flags.pop()))
         if flags[0]:
             sample, slot = (int(x) for x in unused_sparse.nonzero()[0])
             raise ValueError(
@@ -240,7 +243,7 @@ def assemble_document_index(
     s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
     if parts:
         verticals, slashes = document_lists(
-            documents, parts, vertical_sums, slash_sums, budget, sink_tokens, local_window
+            documents, sparse, parts, vertical_sums, slash_sums, budget, sink_tokens, local_window
         )
         samples, members = to_device(torch.tensor([(part.sample, part.document) for part in parts]), device).unbind(1)
         v_idx[samples, members] = verticals
@@ -284,23 +287,22 @@ def estimate_document_index(
     slash_sums = None if block_slashes else torch.zeros_like(vertical_sums)
     for group in same_length_groups(parts):
         length = group[0].length
-        stops = [part.start + length for part in group]
+        spans = to_device(torch.tensor([(part.sample, part.start) for part in group]), q.device)
+        samples, starts = spans[:, :1], spans[:, 1:]
+        columns = starts + torch.arange(length, device=q.device)  # [g, L]: the documents' slots
         v_scores, s_scores = scores_of_keys(  # only the rows the estimation reads: no copy of the other queries
-            torch.stack([q[part.sample, stop - last_q : stop] for part, stop in zip(group, stops)]),
+            q[samples, columns[:, length - last_q :]],
             torch.arange(length - last_q, length, device=q.device),
-            torch.stack([k[part.sample, part.start : stop] for part, stop in zip(group, stops)]),
+            k[samples, columns],
             torch.arange(length, device=q.device),
             scale,
             top_p,
             length,
             slashes=not block_slashes,
         )
-        spans = torch.tensor([(part.sample, part.start) for part in group])
-        samples, starts = to_device(spans, q.device).unbind(1)
-        columns = starts[:, None] + torch.arange(length, device=q.device)  # [g, L]: the documents' slots
-        vertical_sums[samples[:, None], :, columns] = v_scores.transpose(1, 2)
+        vertical_sums[samples, :, columns] = v_scores.transpose(1, 2)
         if slash_sums is not None:
-            slash_sums[samples[:, None], :, columns] = s_scores.transpose(1, 2)
+            slash_sums[samples, :, columns] = s_scores.transpose(1, 2)
     index = assemble_document_index(
         documents, sparse, parts, vertical_sums, slash_sums, budget, q_heads, sink_tokens, local_window
     )
