@@ -178,14 +178,6 @@ def check_document_estimation(
     check_min_sparse_length(min_sparse_length, last_q, sink_tokens, local_window)
 
 
-def _clamps(budget: StaticHeadBudgets | TopPBudget, length: int) -> bool:
-    """Whether a static size shrinks to fit a document of ``length`` tokens (a top-P cap is a ceiling, never
-    clamped). The selection clamps each document's sizes to its length itself."""
-    if isinstance(budget, TopPBudget):
-        return False
-    return bool((budget.v_size > length).any() or (budget.s_size > length).any())
-
-
 class SparseDocument(NamedTuple):
     """A document with its own index: its slot (sample, document) and its tokens start … start + length − 1."""
 
@@ -207,7 +199,10 @@ def sparse_documents(
     for sample, document in (spans[..., 1] >= min_sparse_length).nonzero().tolist():
         start, length = spans[sample, document].tolist()
         chosen.append(SparseDocument(sample, document, start, length))
-    return sparse, chosen, sum(_clamps(budget, part.length) for part in chosen)
+    if isinstance(budget, TopPBudget) or not chosen:  # a top-P cap is a ceiling, never clamped
+        return sparse, chosen, 0
+    largest = max(int(budget.v_size.max()), int(budget.s_size.max()))  # the selection clamps the sizes itself
+    return sparse, chosen, sum(part.length < largest for part in chosen)
 
 
 def same_length_groups(parts: list[SparseDocument]) -> list[list[SparseDocument]]:
@@ -251,6 +246,22 @@ def assemble_document_index(
     return DocumentIndex(documents, sparse, v_idx, s_idx)
 
 
+def _document_rows(q: torch.Tensor, k: torch.Tensor, group: list[SparseDocument], last_q: int):
+    """(last queries ``[g, last_q, Hq, d]``, keys ``[g, L, Hkv, d]``, the index of the documents' slots
+    ``[g, Hq, L]`` in a ``[b, Hq, N]`` row) of one length group. One document: views, no copy; several: one
+    gather each."""
+    length = group[0].length
+    if len(group) == 1:
+        sample, start = group[0].sample, group[0].start
+        samples, columns, stop = slice(sample, sample + 1), slice(start, start + length), start + length
+        return q[samples, stop - last_q : stop], k[samples, columns], (samples, slice(None), columns)
+    spans = to_device(torch.tensor([(part.sample, part.start) for part in group]), q.device)
+    samples, columns = spans[:, :1], spans[:, 1:] + torch.arange(length, device=q.device)  # [g, 1], [g, L]
+    heads = torch.arange(q.shape[2], device=q.device)[None, :, None]
+    slots = (samples[:, :, None], heads, columns[:, None, :])
+    return q[samples, columns[:, length - last_q :]], k[samples, columns], slots
+
+
 def estimate_document_index(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -286,23 +297,21 @@ def estimate_document_index(
     vertical_sums = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=q.device)
     slash_sums = None if block_slashes else torch.zeros_like(vertical_sums)
     for group in same_length_groups(parts):
+        q_rows, keys, columns = _document_rows(q, k, group, last_q)
         length = group[0].length
-        spans = to_device(torch.tensor([(part.sample, part.start) for part in group]), q.device)
-        samples, starts = spans[:, :1], spans[:, 1:]
-        columns = starts + torch.arange(length, device=q.device)  # [g, L]: the documents' slots
         v_scores, s_scores = scores_of_keys(  # only the rows the estimation reads: no copy of the other queries
-            q[samples, columns[:, length - last_q :]],
+            q_rows,
             torch.arange(length - last_q, length, device=q.device),
-            k[samples, columns],
+            keys,
             torch.arange(length, device=q.device),
             scale,
             top_p,
             length,
             slashes=not block_slashes,
         )
-        vertical_sums[samples, :, columns] = v_scores.transpose(1, 2)
+        vertical_sums[columns] = v_scores
         if slash_sums is not None:
-            slash_sums[samples, :, columns] = s_scores.transpose(1, 2)
+            slash_sums[columns] = s_scores
     index = assemble_document_index(
         documents, sparse, parts, vertical_sums, slash_sums, budget, q_heads, sink_tokens, local_window
     )

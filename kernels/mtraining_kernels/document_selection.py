@@ -31,37 +31,46 @@ def _row_widths(counts: list[int]) -> dict[int, list[int]]:
     return widths
 
 
-def _ranked(scores: torch.Tensor, parts, counts: list[int], forced: list[int], width: int):
+def _ranked(scores: torch.Tensor, parts, counts: list[int], forced: list[int], width: int, totals: bool = False):
     """(ranked scores, ranked candidate indices), int64 ``[P, Hq, width]``, of every part's first ``counts[p]``
-    slots of ``scores [b, Hq, N]`` from its start, ``forced[p]`` of them forced. Columns past a part's
-    candidates are unspecified. Also the sum of every part's candidate scores, int64 ``[P, Hq]``."""
-    heads, device = scores.shape[1], scores.device
+    slots of ``scores [b, Hq, N]`` from its start, ``forced[p]`` of them forced; columns past a part's
+    candidates are unspecified. With ``totals`` also each part's sum of its candidates' scores ``[P, Hq]``.
+    The slots of every row width travel to the device in one copy."""
+    heads, device, last_slot = scores.shape[1], scores.device, scores.shape[-1] - 1
+    rows_by_width = _row_widths(counts)
+    host = []  # per width: its parts' (number, sample, count, forced) rows, then their slots, flattened
+    for row_width, numbers in rows_by_width.items():
+        steps = torch.arange(row_width)
+        host.append(torch.tensor([[n, parts[n].sample, counts[n], forced[n]] for n in numbers]).flatten())
+        host.append((torch.tensor([parts[n].start for n in numbers])[:, None] + steps).clamp(max=last_slot).flatten())
+    pieces = to_device(torch.cat(host), device).split([len(piece) for piece in host])
     ranked_scores = scores.new_zeros(len(parts), heads, width)
     ranked_index = torch.zeros_like(ranked_scores)
-    totals = scores.new_empty(len(parts), heads)
-    for row_width, numbers in _row_widths(counts).items():
-        steps = torch.arange(row_width)
-        table = torch.tensor([[number, parts[number].sample, counts[number], forced[number]] for number in numbers])
-        slots = torch.tensor([parts[number].start for number in numbers])[:, None] + steps  # [g, row_width]
-        table, slots = to_device(table, device), to_device(slots, device)
-        number, sample, count, first_forced = (column[:, None, None] for column in table.unbind(1))
-        steps = torch.arange(row_width, device=device)
-        candidate = steps < count
-        rows = scores[sample[:, :, 0], :, slots.clamp(max=scores.shape[-1] - 1)].transpose(1, 2)  # [g, Hq, w]
-        totals[number[:, 0, 0]] = torch.where(candidate, rows, 0).sum(dim=-1)
-        keys = torch.where(steps < first_forced, FORCED_KEY, rows)
+    sums = scores.new_empty(len(parts), heads) if totals else None
+    steps = torch.arange(max(rows_by_width), device=device)
+    for (row_width, numbers), table, slots in zip(rows_by_width.items(), pieces[0::2], pieces[1::2]):
+        number, sample, count, first_forced = table.view(len(numbers), 4).unbind(1)
+        rows = scores[sample[:, None], :, slots.view(len(numbers), row_width)].transpose(1, 2)  # [g, Hq, w]
+        candidate = steps[:row_width] < count[:, None, None]
+        if totals:
+            sums[number] = torch.where(candidate, rows, 0).sum(dim=-1)
+        keys = torch.where(steps[:row_width] < first_forced[:, None, None], FORCED_KEY, rows)
         keys = torch.where(candidate, keys, INCOMPLETE_SCORE)  # padding: the lowest key, after every candidate
         kept = min(row_width, width)
         order = torch.argsort(-keys, dim=-1, stable=True)[..., :kept]  # ties keep index order
-        ranked_index[number[:, 0, 0], :, :kept] = order
-        ranked_scores[number[:, 0, 0], :, :kept] = rows.gather(-1, order)
-    return ranked_scores, ranked_index, totals
+        ranked_index[number, :, :kept] = order
+        ranked_scores[number, :, :kept] = rows.gather(-1, order)
+    return ranked_scores, ranked_index, sums
 
 
-def _chosen(ranked_index: torch.Tensor, counts: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``counts [P, Hq]`` ranked indices, ascending, then ``seq_len``: int64 ``[P, Hq, width]``."""
-    steps = torch.arange(ranked_index.shape[-1], device=ranked_index.device)
-    return torch.where(steps < counts[..., None], ranked_index, seq_len).sort(dim=-1).values
+def _chosen(ranked_index: torch.Tensor, counts: torch.Tensor, most: int, seq_len: int) -> torch.Tensor:
+    """The first ``counts [P, Hq]`` (at most ``most``) ranked indices, ascending, then ``seq_len``: int64
+    ``[P, Hq, width]``. Only the first ``most`` columns are sorted (rows of up to 4096 sort in one kernel)."""
+    most = min(most, ranked_index.shape[-1])
+    steps = torch.arange(most, device=ranked_index.device)
+    chosen = torch.full_like(ranked_index, seq_len)
+    chosen[..., :most] = torch.where(steps < counts[..., None], ranked_index[..., :most], seq_len).sort(dim=-1).values
+    return chosen
 
 
 def _top_p_counts(ranked_masses, total_mass, p: float, first_forced, cap) -> torch.Tensor:
@@ -115,21 +124,20 @@ def document_lists(
     else:
         slash_counts, slash_forced = lengths, [local_window] * len(parts)
 
-    total_mass = None
-    lists = []
+    total_mass, lists = None, []
     for scores, counts, forced, width, sizes in (
         (vertical_sums, lengths, [sink_tokens] * len(parts), v_width, None if top_p else budget.v_size),
         (slash_sums, slash_counts, slash_forced, s_width, None if top_p else budget.s_size),
     ):
-        ranked_scores, ranked_index, totals = _ranked(scores, parts, counts, forced, width)
-        total_mass = totals if total_mass is None else total_mass  # V's: the whole mass of the document
+        ranked_scores, ranked_index, sums = _ranked(scores, parts, counts, forced, width, totals=total_mass is None)
+        total_mass = sums if total_mass is None else total_mass  # V's: each document's whole mass
         candidates, first_forced = to_device(torch.tensor([counts, forced]), device)
         if top_p:
             cap = candidates.clamp(max=budget.cap)
             chosen_counts = _top_p_counts(ranked_scores, total_mass, budget.p, first_forced, cap)
         else:
             chosen_counts = torch.minimum(to_device(sizes, device)[None, :], candidates[:, None])
-        lists.append(_chosen(ranked_index, chosen_counts, seq_len))
+        lists.append(_chosen(ranked_index, chosen_counts, max(counts), seq_len))
     vertical_list, slash_list = lists
     starts = to_device(torch.tensor([part.start for part in parts]), device)[:, None, None]
     vertical_list = torch.where(vertical_list < seq_len, vertical_list + starts, seq_len)
