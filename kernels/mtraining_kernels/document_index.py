@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
-from .document_selection import document_lists
+from .document_selection import ScoredGroup, document_lists
 from .documents import Documents
 from .estimation import (
     MAX_LAST_Q,
@@ -216,50 +216,42 @@ def same_length_groups(parts: list[SparseDocument]) -> list[list[SparseDocument]
 def assemble_document_index(
     documents: Documents,
     sparse: torch.Tensor,
-    parts: list[SparseDocument],
-    vertical_sums: torch.Tensor | None,
-    slash_sums: torch.Tensor | None,
+    groups: list[ScoredGroup],
     budget: StaticHeadBudgets | TopPBudget,
     q_heads: int,
     sink_tokens: int,
     local_window: int,
 ) -> DocumentIndex:
-    """The :class:`DocumentIndex` of the sparse ``parts`` from their scores in whole-sequence rows.
-
-    ``vertical_sums``/``slash_sums`` int64 ``[b, Hq, N]`` as in :mod:`mtraining_kernels.document_selection`
-    (``slash_sums`` None for top-P over block diagonals; both unused without parts). Every list is as wide as
-    the whole sequence's budget, ``list_widths(budget, N)``, whatever the documents.
-    """
+    """The :class:`DocumentIndex` of the sparse documents from their scores, one :class:`ScoredGroup` per
+    length. Every list is as wide as the whole sequence's budget, ``list_widths(budget, N)``, whatever the
+    documents."""
     seq_len = documents.seq_len
     v_width, s_width = list_widths(budget, seq_len)
     slots = (documents.batch_size, documents.max_documents, q_heads)
     device = documents.starts.device
     v_idx = torch.full((*slots, v_width), seq_len, dtype=torch.int32, device=device)
     s_idx = torch.full((*slots, s_width), seq_len, dtype=torch.int32, device=device)
-    if parts:
-        verticals, slashes = document_lists(
-            documents, sparse, parts, vertical_sums, slash_sums, budget, sink_tokens, local_window
-        )
-        samples, members = to_device(torch.tensor([(part.sample, part.document) for part in parts]), device).unbind(1)
-        v_idx[samples, members] = verticals
-        s_idx[samples, members] = slashes
+    if groups:
+        kinds = document_lists(groups, budget, seq_len, sink_tokens, local_window)
+        for target, (parts, lists) in zip((v_idx, s_idx), kinds):
+            slots_of_parts = torch.tensor([(part.sample, part.document) for part in parts])
+            samples, members = to_device(slots_of_parts, device).unbind(1)
+            target[samples, members] = lists
     return DocumentIndex(documents, sparse, v_idx, s_idx)
 
 
 def _document_rows(q: torch.Tensor, k: torch.Tensor, group: list[SparseDocument], last_q: int):
-    """(last queries ``[g, last_q, Hq, d]``, keys ``[g, L, Hkv, d]``, the index of the documents' slots
-    ``[g, Hq, L]`` in a ``[b, Hq, N]`` row) of one length group. One document: views, no copy; several: one
-    gather each."""
+    """(last queries ``[g, last_q, Hq, d]``, keys ``[g, L, Hkv, d]``) of one length group: views of q and k for
+    one document, one gather each for several."""
     length = group[0].length
     if len(group) == 1:
         sample, start = group[0].sample, group[0].start
-        samples, columns, stop = slice(sample, sample + 1), slice(start, start + length), start + length
-        return q[samples, stop - last_q : stop], k[samples, columns], (samples, slice(None), columns)
+        return q[sample : sample + 1, start + length - last_q : start + length], k[
+            sample : sample + 1, start : start + length
+        ]
     spans = to_device(torch.tensor([(part.sample, part.start) for part in group]), q.device)
     samples, columns = spans[:, :1], spans[:, 1:] + torch.arange(length, device=q.device)  # [g, 1], [g, L]
-    heads = torch.arange(q.shape[2], device=q.device)[None, :, None]
-    slots = (samples[:, :, None], heads, columns[:, None, :])
-    return q[samples, columns[:, length - last_q :]], k[samples, columns], slots
+    return q[samples, columns[:, length - last_q :]], k[samples, columns]
 
 
 def estimate_document_index(
@@ -294,10 +286,9 @@ def estimate_document_index(
     top_p = isinstance(budget, TopPBudget)
     block_slashes = top_p and budget.block_slashes  # then V alone makes every score
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    vertical_sums = torch.zeros(batch, q_heads, seq_len, dtype=torch.int64, device=q.device)
-    slash_sums = None if block_slashes else torch.zeros_like(vertical_sums)
+    groups = []
     for group in same_length_groups(parts):
-        q_rows, keys, columns = _document_rows(q, k, group, last_q)
+        q_rows, keys = _document_rows(q, k, group, last_q)
         length = group[0].length
         v_scores, s_scores = scores_of_keys(  # only the rows the estimation reads: no copy of the other queries
             q_rows,
@@ -309,10 +300,6 @@ def estimate_document_index(
             length,
             slashes=not block_slashes,
         )
-        vertical_sums[columns] = v_scores
-        if slash_sums is not None:
-            slash_sums[columns] = s_scores
-    index = assemble_document_index(
-        documents, sparse, parts, vertical_sums, slash_sums, budget, q_heads, sink_tokens, local_window
-    )
+        groups.append(ScoredGroup(group, v_scores, s_scores))
+    index = assemble_document_index(documents, sparse, groups, budget, q_heads, sink_tokens, local_window)
     return index, clamped_documents

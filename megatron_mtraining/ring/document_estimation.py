@@ -20,8 +20,10 @@ from mtraining_kernels.document_index import (
     SparseDocument,
     assemble_document_index,
     check_document_estimation,
+    same_length_groups,
     sparse_documents,
 )
+from mtraining_kernels.document_selection import ScoredGroup
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.estimation import (
     estimation_logits,
@@ -268,7 +270,7 @@ def estimate_document_index_distributed(
     device = q_local.device
     sparse, parts, clamped_documents = sparse_documents(documents, min_sparse_length, budget)
     if not parts:
-        return assemble_document_index(documents, sparse, [], None, None, budget, q_heads, sink_tokens, local_window), 0
+        return assemble_document_index(documents, sparse, [], budget, q_heads, sink_tokens, local_window), 0
     samples = torch.tensor([part.sample for part in parts])  # on the host, like the positions below
     ends = torch.tensor([part.start + part.length for part in parts])
     row_positions = (ends - last_q)[:, None] + torch.arange(last_q)  # [P, last_q]
@@ -287,7 +289,11 @@ def estimate_document_index_distributed(
         dist.all_reduce(slash_sums, op=dist.ReduceOp.SUM, group=group)
     vertical_sums = layout.unshard(gathered_verticals.chunk(layout.world_size, dim=-1), dim=-1)  # [b, Hq, N]
 
-    index = assemble_document_index(
-        documents, sparse, parts, vertical_sums, slash_sums, budget, q_heads, sink_tokens, local_window
-    )
+    groups = []
+    for group in same_length_groups(parts):  # each length's scores, cut from the whole-sequence rows
+        columns = [(part.sample, slice(part.start, part.start + part.length)) for part in group]
+        v_scores = torch.stack([vertical_sums[sample, :, span] for sample, span in columns])
+        s_scores = None if block_slashes else torch.stack([slash_sums[sample, :, span] for sample, span in columns])
+        groups.append(ScoredGroup(group, v_scores, s_scores))
+    index = assemble_document_index(documents, sparse, groups, budget, q_heads, sink_tokens, local_window)
     return index, clamped_documents
