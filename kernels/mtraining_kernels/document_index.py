@@ -236,7 +236,7 @@ def assemble_document_index(
         for target, (parts, lists) in zip((v_idx, s_idx), kinds):
             slots_of_parts = torch.tensor([(part.sample, part.document) for part in parts])
             samples, members = to_device(slots_of_parts, device).unbind(1)
-            target[samples, members] = lists
+            target[samples, members, :, : lists.shape[-1]] = lists  # the later columns stay N
     return DocumentIndex(documents, sparse, v_idx, s_idx)
 
 

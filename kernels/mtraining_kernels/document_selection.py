@@ -64,28 +64,32 @@ def _ranked(scores: list[torch.Tensor], counts: list[int], forced: list[int], wi
     steps = torch.arange(max(rows_of_width), device=device)
     ranked_scores, ranked_index, first = [], [], 0
     for row_width, groups in rows_of_width.items():
-        padded = [F.pad(scores[group], (0, row_width - counts[group])) for group in groups]
+        padded = [_widened(scores[group], row_width) for group in groups]
         rows = padded[0] if len(padded) == 1 else torch.cat(padded)
         last = first + rows.shape[0]
         keys = torch.where(steps[:row_width] < forced_of_part[first:last], FORCED_KEY, rows)
-        keys = torch.where(steps[:row_width] < count_of_part[first:last], keys, INCOMPLETE_SCORE)  # ranks last
+        if any(counts[group] < row_width for group in groups):  # padding gets the lowest key: it ranks last
+            keys = torch.where(steps[:row_width] < count_of_part[first:last], keys, INCOMPLETE_SCORE)
         index = torch.argsort(-keys, dim=-1, stable=True)[..., :kept_all]  # ties keep index order
-        columns = (0, kept_all - index.shape[-1])
-        ranked_scores.append(F.pad(rows.gather(-1, index), columns))
-        ranked_index.append(F.pad(index, columns))
+        ranked_scores.append(_widened(rows.gather(-1, index), kept_all))
+        ranked_index.append(_widened(index, kept_all))
         first = last
     if len(ranked_index) == 1:
         return _Ranked(order, ranked_scores[0], ranked_index[0])
     return _Ranked(order, torch.cat(ranked_scores), torch.cat(ranked_index))
 
 
-def _chosen(ranked_index: torch.Tensor, counts: torch.Tensor, most: int, width: int, seq_len: int) -> torch.Tensor:
+def _widened(ranked: torch.Tensor, width: int) -> torch.Tensor:
+    """``ranked [..., k]`` padded with zeros to ``width`` columns (itself when k == width)."""
+    return ranked if ranked.shape[-1] == width else F.pad(ranked, (0, width - ranked.shape[-1]))
+
+
+def _chosen(ranked_index: torch.Tensor, counts: torch.Tensor, most: int, seq_len: int) -> torch.Tensor:
     """The first ``counts [P, Hq]`` (at most ``most``) ranked indices, ascending, then ``seq_len``: int64
-    ``[P, Hq, width]``. Only the first ``most`` columns are sorted (rows of up to 4096 sort in one kernel)."""
+    ``[P, Hq, min(most, K)]``; the list's later columns are ``seq_len`` too (rows up to 4096 sort in one kernel)."""
     most = min(most, ranked_index.shape[-1])
     steps = torch.arange(most, device=ranked_index.device)
-    chosen = torch.where(steps < counts[..., None], ranked_index[..., :most], seq_len).sort(dim=-1).values
-    return F.pad(chosen, (0, width - most), value=seq_len)
+    return torch.where(steps < counts[..., None], ranked_index[..., :most], seq_len).sort(dim=-1).values
 
 
 def _top_p_counts(ranked_masses, total_mass, p: float, first_forced, cap) -> torch.Tensor:
@@ -103,8 +107,9 @@ def document_lists(
     sink_tokens: int,
     local_window: int,
 ) -> list[tuple[list, torch.Tensor]]:
-    """Every sparse document's lists: [(parts, verticals int32 ``[P, Hq, Vmax]``), (parts, slashes int32
-    ``[P, Hq, Smax]``)], each kind with its parts in its own order.
+    """Every sparse document's lists: [(parts, verticals int32 ``[P, Hq, ≤ Vmax]``), (parts, slashes int32
+    ``[P, Hq, ≤ Smax]``)], each kind with its parts in its own order; the columns up to Vmax (Smax) that are
+    not there would all be N.
 
     ``budget`` is the whole sequence's, resolved, which sets the widths ``list_widths(budget, N)``; a document's
     static sizes are clamped to its length here. Verticals are global key positions, slashes offsets, both
@@ -144,7 +149,7 @@ def document_lists(
             chosen_counts = _top_p_counts(ranked.scores, total_mass, budget.p, first_forced, cap)
         else:
             chosen_counts = torch.minimum(to_device(getattr(budget, sizes), device)[None, :], candidates[:, None])
-        chosen = _chosen(ranked.index, chosen_counts, max(counts), width, seq_len)
+        chosen = _chosen(ranked.index, chosen_counts, max(counts), seq_len)
         kinds.append((parts, chosen))
 
     (v_parts, verticals), (s_parts, slashes) = kinds
