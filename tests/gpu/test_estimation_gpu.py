@@ -5,8 +5,8 @@ whichever keys share a tile; the integer scores of the fused passes to the PyTor
 logits (``torch.equal``), per key shard too, and the index to the PyTorch selection. Shapes up to
 N = 32K, GQA 8:1 and 1:1, d = 48, 64 and 128, bf16, fp16 and fp32, static and top-P budgets.
 
-Run as a script to time one layer's estimation, each Triton pass and the PyTorch path against the Triton one
-(not a test): ``python tests/gpu/test_estimation_gpu.py 131072 524288``.
+Run as a script to time one layer's estimation, each Triton pass, the PyTorch path against the Triton one and the
+per-document estimation of packed mixtures (not a test): ``python tests/gpu/test_estimation_gpu.py 131072 524288``.
 """
 
 import statistics
@@ -20,6 +20,7 @@ from host_reads import device_syncs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from bench_attention import QUEUE_LEAD_MS, median_ms
+from document_mixtures import MIXTURES
 
 from mtraining_kernels import estimation, triton_estimation
 from mtraining_kernels.budget import StaticBudget, TopPBudget
@@ -286,8 +287,28 @@ def time_passes(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int = 1
     print(f"N={seq_len}: queued GPU ms {timings}", flush=True)
 
 
+def time_packed_estimation(seq_len: int) -> None:
+    """Print the per-document estimation's median ms (b = 1, Qwen2.5-3B heads, bf16), launched and queued behind a
+    sleep kernel, per mixture of ``tools/document_mixtures.py`` and budget: docs/benchmarks.md, "Packed index"."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, seq_len, 16, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    k = torch.randn(1, seq_len, 2, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    budgets = {"static": StaticBudget(4160, 4160), **{mode: BUDGETS[mode] for mode in ("top_p", "top_p_blocks")}}
+    for mode, budget in budgets.items():
+        for mixture in ("prolong", "uniform4k", "single"):
+            starts = MIXTURES[mixture](seq_len, 0).starts.to(DEVICE)
+            documents = Documents(starts, seq_len)
+            step = lambda: estimate_document_index(q, k, documents, budget, min_sparse_length=4096)  # noqa: E731
+            print(
+                f"N={seq_len} {mode} {mixture}: packed estimation {median_ms(step, 5):.2f} ms, "
+                f"queued {median_ms(step, 5, QUEUE_LEAD_MS):.2f} ms",
+                flush=True,
+            )
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for length in sys.argv[1:] or ["131072", "524288"]:
         time_passes(int(length))
         time_estimation(int(length))
+        time_packed_estimation(int(length))
