@@ -258,3 +258,16 @@ def test_a_budget_must_fit_the_whole_sequence():
         estimate_document_index(
             q, k, packed_documents([[256, 256]]), StaticBudget(600, 200), min_sparse_length=MIN_SPARSE
         )
+
+
+def test_strided_q_and_k_give_the_index_of_contiguous_ones(seed):
+    """Several documents of one length gather their rows from q/k that are views (heads-first storage, as after
+    a transpose), with the same index as from contiguous copies."""
+    q, k = random_qk(seed)
+    q_view, k_view = q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not q_view.is_contiguous() and not k_view.is_contiguous()
+    documents = packed_documents(LENGTHS)
+    for kind, budget in BUDGETS.items():
+        expected, _ = estimate_document_index(q, k, documents, budget, min_sparse_length=MIN_SPARSE)
+        got, _ = estimate_document_index(q_view, k_view, documents, budget, min_sparse_length=MIN_SPARSE)
+        assert torch.equal(got.v_idx, expected.v_idx) and torch.equal(got.s_idx, expected.s_idx), f"seed={seed} {kind}"
