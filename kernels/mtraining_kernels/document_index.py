@@ -242,21 +242,15 @@ def assemble_document_index(
 
 def _document_rows(q: torch.Tensor, k: torch.Tensor, group: list[SparseDocument], last_q: int):
     """(last queries ``[g, last_q, Hq, d]``, keys ``[g, L, Hkv, d]``) of one length group: views of q and k for
-    one document; for several, whole token rows gathered by ``index_select`` (one copy each)."""
+    one document, one gather each for several (any strides: Megatron hands q and k as permuted views)."""
     length = group[0].length
     if len(group) == 1:
         sample, start = group[0].sample, group[0].start
         stop = start + length
         return q[sample : sample + 1, stop - last_q : stop], k[sample : sample + 1, start:stop]
-    seq_len = q.shape[1]
-    first_rows = to_device(torch.tensor([part.sample * seq_len + part.start for part in group]), q.device)
-    rows = (first_rows[:, None] + torch.arange(length, device=q.device)).flatten()  # [g·L] tokens of the b·N
-    last_rows = rows.view(len(group), length)[:, length - last_q :].flatten()
-
-    def gathered(x: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
-        return x.flatten(0, 1).index_select(0, token_rows).view(len(group), -1, *x.shape[2:])
-
-    return gathered(q, last_rows), gathered(k, rows)
+    spans = to_device(torch.tensor([(part.sample, part.start) for part in group]), q.device)
+    samples, columns = spans[:, :1], spans[:, 1:] + torch.arange(length, device=q.device)  # [g, 1], [g, L]
+    return q[samples, columns[:, length - last_q :]], k[samples, columns]
 
 
 def estimate_document_index(

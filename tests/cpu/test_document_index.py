@@ -261,10 +261,10 @@ def test_a_budget_must_fit_the_whole_sequence():
 
 
 def test_strided_q_and_k_give_the_index_of_contiguous_ones(seed):
-    """Several documents of one length gather their rows from q/k that are views (heads-first storage, as after
-    a transpose), with the same index as from contiguous copies."""
+    """Several documents of one length gather their rows from q/k that are permuted views (Megatron's
+    sequence-first storage, as the attention layer hands them), with the index of contiguous copies."""
     q, k = random_qk(seed)
-    q_view, k_view = q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2)
+    q_view, k_view = q.transpose(0, 1).contiguous().transpose(0, 1), k.transpose(0, 1).contiguous().transpose(0, 1)
     assert not q_view.is_contiguous() and not k_view.is_contiguous()
     documents = packed_documents(LENGTHS)
     for kind, budget in BUDGETS.items():
