@@ -533,6 +533,9 @@ def silence_expected_warnings() -> None:
 
 def _cpu_rank(rank: int, port: int, steps: int, extra_flags: Sequence[str], packed_data: str | None) -> None:
     torch.set_num_threads(1)
+    # Megatron wraps RMSNorm, dropout-add and more in torch.compile; on a CPU that builds C++ kernels with the
+    # machine's compiler at the first step (and again at evaluation), slower than the tiny model's eager steps
+    torch.compiler.set_stance("force_eager")
     silence_expected_warnings()
     dist.init_process_group(
         "gloo",
