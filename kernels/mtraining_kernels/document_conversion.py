@@ -23,12 +23,13 @@ from torch import Tensor
 
 from .document_index import DocumentIndex
 from .documents import Documents
+from .host_copies import to_device
 from .index import (
     BlockBarIndex,
     block_and_position_tables,
     block_tables,
     convert_index,
-    lists_of_active_blocks,
+    csr_offsets,
     lists_of_bar_entries,
     lists_of_rows,
 )
@@ -63,24 +64,55 @@ def _document_hits(index: DocumentIndex, num_blocks: int) -> Tensor:
     return hit | ~index.sparse[:, :, None, None]
 
 
-def _block_lists(
-    documents: Documents, hit: Tensor, query_blocks: Tensor, source_blocks: Tensor
-) -> tuple[Tensor, Tensor]:
-    """CSR block lists: (qb, kb) is listed iff kb ≤ qb, the document of qb's first row has columns in kb, and
-    it is on there. Transient: bool ``[b, Hq, nb, NB]`` hits of the query blocks' documents and
-    ``[W, b, Hq, nb, nb]`` listed tiles."""
-    batch, _, heads, num_blocks = hit.shape
+def _candidate_ranges(documents: Documents, layout: Layout, rank: int) -> tuple[Tensor, Tensor]:
+    """Host tables of the candidate key blocks: per (source w, sample b, local query block i), the position in
+    w's blocks of the first key block of the document of i's first row (``low``) and how many of w's blocks
+    lie from that block up to i's own (``counts``), int64 ``[W·b·nb]`` on the CPU, from ``host_spans``."""
+    seq_len = documents.seq_len
+    query_blocks, source_blocks = block_tables(layout, rank, seq_len, "cpu")
     world, nb = source_blocks.shape
+    batch = documents.host_spans.shape[0]
+    starts = documents.host_spans[..., 0].contiguous()  # [b, m_max], ascending; unused slots hold seq_len
+    first_rows = (query_blocks * BLOCK_SIZE).expand(batch, nb).contiguous()
+    document_start = starts.gather(1, torch.searchsorted(starts, first_rows, right=True) - 1)  # [b, nb]
+    first_block = (document_start // BLOCK_SIZE).flatten().expand(world, batch * nb).contiguous()
+    low = torch.searchsorted(source_blocks, first_block).view(world, batch, nb)
+    high = torch.searchsorted(source_blocks, query_blocks.expand(world, nb).contiguous(), right=True)
+    counts = (high.view(world, 1, nb) - low).clamp_(min=0)
+    return low.flatten(), counts.flatten()
+
+
+def _block_lists(documents: Documents, hit: Tensor, layout: Layout, rank: int) -> tuple[Tensor, Tensor]:
+    """CSR block lists: (qb, kb) is listed iff kb ≤ qb, the document of qb's first row has columns in kb, and
+    it is on there. Only the key blocks from that document's first to qb are candidates: a source's blocks
+    ascend in local order in every layout, so they are one range of its local blocks per query block, sized on
+    the host (no device sync). Transient: int64 ``[T]`` over the T candidates (w, b, i, j) and bool
+    ``[T, Hq]``, T the sum over documents of about nb_d²/2, not the ``[W, b, Hq, nb, nb]`` of every block pair."""
+    batch, _, heads, _ = hit.shape
+    device = hit.device
+    query_blocks, source_blocks = block_tables(layout, rank, documents.seq_len, device)
+    world, nb = source_blocks.shape
+    host_low, host_counts = _candidate_ranges(documents, layout, rank)
+    total = int(host_counts.sum())
+    low, counts = to_device(host_low, device), to_device(host_counts, device)
+    row = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=total)
+    first_of_row = torch.cumsum(counts, 0) - counts
+    block = low[row] + torch.arange(total, device=device) - first_of_row[row]  # position in the source's blocks
+    source, sample, query = row // (batch * nb), row // nb % batch, row % nb
     first_document = documents.doc_id[:, query_blocks * BLOCK_SIZE].long()  # [b, nb]
-    first_start = documents.starts.gather(1, first_document)  # [b, nb]
-    samples = torch.arange(batch, device=hit.device)[:, None]
-    query_hits = hit[samples, first_document].transpose(1, 2)  # [b, Hq, nb, NB]
-    distance = query_blocks[None, :, None] - source_blocks[:, None, :]  # [W, nb, nb]
-    by_distance = distance.clamp(min=0).permute(1, 0, 2).reshape(1, 1, nb, world * nb)
-    on = query_hits.gather(-1, by_distance.expand(batch, heads, nb, world * nb)).view(batch, heads, nb, world, nb)
-    shared = first_start[:, None, :, None] < (source_blocks[None, :, None, :] + 1) * BLOCK_SIZE  # [b, W, nb, nb]
-    listed = on.permute(3, 0, 1, 2, 4) & (shared & (distance >= 0)).transpose(0, 1)[:, :, None]
-    return lists_of_active_blocks(listed)
+    distance = query_blocks[query] - source_blocks[source, block]
+    listed = hit[sample, first_document[sample, query], :, distance]  # [T, Hq]
+    # entries in (h, w, b, i, j) order, then stably by (w, b): rows (w, b, h, i) with ascending j
+    head, candidate = torch.nonzero(listed.T, as_tuple=True)
+    group = row[candidate] // nb  # w·b + sample
+    if world * batch > 1:
+        order = torch.sort(group, stable=True).indices
+        head, candidate, group = head[order], candidate[order], group[order]
+    list_row = (group * heads + head) * nb + query[candidate]
+    row_counts = torch.zeros(world * batch * heads * nb, dtype=torch.int64, device=device)
+    row_counts.index_add_(0, list_row, torch.full_like(list_row, 2))
+    col = torch.stack((2 * block[candidate], 2 * block[candidate] + 1), dim=1).view(-1).to(torch.int32)
+    return csr_offsets(row_counts, (world, batch, heads, nb)), col
 
 
 def _bar_lists(index: DocumentIndex, hit: Tensor, query_blocks: Tensor, layout: Layout) -> tuple[Tensor, Tensor]:
@@ -125,8 +157,8 @@ def convert_document_index(index: DocumentIndex, layout: Layout, rank: int) -> B
     if doc_ids is None and index.every_document_sparse:  # the unpacked index, checked by DocumentIndex
         return convert_index(index.v_idx[:, 0], index.s_idx[:, 0], layout, rank, seq_len, check_contents=False)
     hit = _document_hits(index, seq_len // BLOCK_SIZE)
-    query_blocks, source_blocks = block_tables(layout, rank, seq_len, index.v_idx.device)
-    blk_ptr, blk_col = _block_lists(documents, hit, query_blocks, source_blocks)
+    blk_ptr, blk_col = _block_lists(documents, hit, layout, rank)
+    query_blocks, _ = block_tables(layout, rank, seq_len, index.v_idx.device)
     bar_ptr, bar_col = _bar_lists(index, hit, query_blocks, layout)
     width = index.v_idx.shape[1] * index.v_idx.shape[3]
     return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout, width, doc_ids)

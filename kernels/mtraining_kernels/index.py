@@ -212,7 +212,7 @@ def _csr_pointers(row_starts: Tensor, shape: tuple[int, ...]) -> Tensor:
     return row_starts.unfold(0, nb + 1, nb).contiguous().view(*shape[:-1], nb + 1)
 
 
-def _csr_offsets(row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
+def csr_offsets(row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Row lengths ``[W·b·Hq·nb]`` → absolute row starts int32 ``[W, b, Hq, nb+1]`` (last = next group start)."""
     row_starts = F.pad(torch.cumsum(row_counts, 0), (1, 0))
     _check_list_total(int(row_starts[-1]))
@@ -238,7 +238,7 @@ def lists_of_active_blocks(active: Tensor) -> tuple[Tensor, Tensor]:
     rows = active.contiguous().view(-1, nb)  # rows (w, b, h, i)
     key_block = (torch.nonzero(rows.view(-1)).squeeze(1) % nb).to(torch.int32)
     col = torch.stack((2 * key_block, 2 * key_block + 1), dim=1).view(-1)
-    return _csr_offsets(2 * rows.sum(1), shape), col
+    return csr_offsets(2 * rows.sum(1), shape), col
 
 
 def _bar_lists(v_idx: Tensor, hit: Tensor, query_blocks: Tensor, layout: Layout, seq_len: int) -> tuple[Tensor, Tensor]:
