@@ -14,7 +14,8 @@ int64 fixed-point scores on the GPU from logits that are never stored:
   (top-P; int64 atomics), then the scores: V(j) of a tile's columns (all rows are in the tile, a plain
   store) and the partial slash sums S(s). With consecutive key and row positions (the whole sequence, a
   document, a 128-token block of a shard) a tile's diagonals are gathered in registers and each is added
-  with one int64 atomic; otherwise every pair is added at its own offset.
+  with one int64 atomic; otherwise every pair is added at its own offset. One more pass stores the logits
+  (:func:`estimation_logits`), with the same dot code.
 * The integer arithmetic is the PyTorch code's, step for step (fp64 clamp and rounding, the fp64 polynomial
   exponential), so the scores of given logits are bit-equal to ``mtraining_kernels.estimation``'s; integer
   atomics are exact in any order.
@@ -39,9 +40,9 @@ from .host_copies import to_device
 
 ROWS_PER_TILE = 64  # the estimation rows, L ≤ 64: one tile
 KEYS_PER_TILE = 64  # keys per tile; equal to the rows, so a tile's diagonals gather within its shape
-NUM_WARPS = 4  # every pass and the logits kernel: one dot code, hence one value per logit
+NUM_WARPS = 4  # every pass: one dot code, hence one value per logit
 # the passes over key tiles
-_ROW_MAXIMA, _ROW_SUMS, _SCORES = (tl.constexpr(i) for i in range(3))
+_ROW_MAXIMA, _ROW_SUMS, _SCORES, _STORED_LOGITS = (tl.constexpr(i) for i in range(4))
 # positions of the fp64 constants in the tensor built by _constants
 _ONE, _STATIC_LIMIT, _EXP_FLOOR, _LOG2_E, _FIRST_COEFFICIENT = (tl.constexpr(i) for i in range(5))
 
@@ -140,6 +141,13 @@ def _static_fixed_point(logits, limit, one):
 
 
 @triton.jit
+def _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr):
+    """Pointers ``[rows, cols]`` into LOGITS ``[b, Hq, L, n]`` (unit stride over keys)."""
+    ptrs = LOGITS + sample * stride_lb + head.to(tl.int64) * stride_lh + rows[:, None].to(tl.int64) * stride_lr
+    return ptrs + cols[None, :]
+
+
+@triton.jit
 def _logit_tile(
     Q,
     K,
@@ -187,8 +195,8 @@ def _logit_tile(
         k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
         logits = tl.where(k_pos[None, :] > q_pos[:, None], float("-inf"), products * scale)
     else:
-        ptrs = LOGITS + sample * stride_lb + head.to(tl.int64) * stride_lh + rows[:, None].to(tl.int64) * stride_lr
-        logits = tl.load(ptrs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        ptrs = _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr)
+        logits = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     return logits
 
 
@@ -273,7 +281,8 @@ def _key_tile_kernel(
     Row statistics are ``[b, Hq, L]`` (contiguous); TILE_MAX ``[b, Hq, L, tiles]``; VERTICAL ``[b, Hq, n]``;
     SLASH ``[b, Hq, seq_len]``. _ROW_MAXIMA stores the tile's row maxima; _ROW_SUMS adds Σ_j E(i, j) into
     ROW_SUMS; _SCORES stores V(j) (static: ``incomplete_score`` for a column with a masked entry) and, with
-    SLASHES, adds the partial S(s). Top-P terms use ROW_MAX and DENOMINATOR = L·Z_i (fp64).
+    SLASHES, adds the partial S(s). Top-P terms use ROW_MAX and DENOMINATOR = L·Z_i (fp64). _STORED_LOGITS
+    writes the tile's logits, computed from q and k, into LOGITS ``[b, Hq, L, n]``.
     """
     head = tl.program_id(0) % num_heads
     tile = tl.program_id(0) // num_heads
@@ -314,7 +323,10 @@ def _key_tile_kernel(
         IEEE,
     )
     row_stats = (sample * num_heads + head) * num_rows
-    if PASS == _ROW_MAXIMA:
+    if PASS == _STORED_LOGITS:
+        ptrs = _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr)
+        tl.store(ptrs, logits, mask=in_tile)
+    elif PASS == _ROW_MAXIMA:
         tile_max = tl.max(tl.where(in_tile, logits, float("-inf")), axis=1)
         tl.store(TILE_MAX + (row_stats + rows) * num_tiles + tile, tile_max, mask=row_ok)
     elif PASS == _ROW_SUMS:
@@ -355,74 +367,6 @@ def _key_tile_kernel(
                 seq_len,
                 BLOCK,
             )
-
-
-@triton.jit
-def _logits_kernel(
-    Q,
-    K,
-    Q_POS,
-    K_POS,
-    OUT,
-    stride_qb,
-    stride_ql,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_kd,
-    num_rows,
-    num_keys,
-    num_heads,
-    group_size,
-    scale,
-    HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Stores the logits of one tile (the grid of :func:`_key_tile_kernel`) into OUT ``[b, Hq, L, n]``."""
-    head = tl.program_id(0) % num_heads
-    sample = tl.program_id(1).to(tl.int64)
-    rows = tl.arange(0, BLOCK)
-    cols = (tl.program_id(0) // num_heads).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < num_rows
-    col_ok = cols < num_keys
-    logits = _logit_tile(
-        Q,
-        K,
-        OUT,
-        Q_POS,
-        K_POS,
-        sample,
-        head,
-        rows,
-        cols,
-        row_ok,
-        col_ok,
-        stride_qb,
-        stride_ql,
-        stride_qh,
-        stride_qd,
-        stride_kb,
-        stride_kn,
-        stride_kh,
-        stride_kd,
-        0,
-        0,
-        0,
-        group_size,
-        scale,
-        True,
-        HEAD_DIM,
-        DIM_PAD,
-        IEEE,
-    )
-    out_rows = (sample * num_heads + head) * num_rows + rows
-    tl.store(
-        OUT + out_rows[:, None].to(tl.int64) * num_keys + cols[None, :], logits, mask=row_ok[:, None] & col_ok[None, :]
-    )
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -567,28 +511,11 @@ def estimation_logits(
     64 × 64 tile, see the module docstring), stored.
     """
     tiles = _tiles(QueryKeyTiles(q_rows, k, softmax_scale), q_positions, k_positions)
-    batch, q_heads, num_rows, num_keys = tiles.shape
     logits = torch.empty(tiles.shape, dtype=torch.float32, device=k.device)
     q_operand, k_operand, _ = tiles.tensors
-    _logits_kernel[(triton.cdiv(num_keys, KEYS_PER_TILE) * q_heads, batch)](
-        q_operand,
-        k_operand,
-        q_positions.long().contiguous(),
-        k_positions.long().contiguous(),
-        logits,
-        *tiles.strides[:8],
-        num_rows,
-        num_keys,
-        q_heads,
-        tiles.group_size,
-        tiles.scale,
-        HEAD_DIM=tiles.meta["HEAD_DIM"],
-        DIM_PAD=tiles.meta["DIM_PAD"],
-        IEEE=tiles.meta["IEEE"],
-        BLOCK=KEYS_PER_TILE,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False,
-    )
+    logit_strides = logits.stride()[:3]  # over b, Hq, L; unit stride over keys
+    into_logits = tiles._replace(tensors=(q_operand, k_operand, logits), strides=(*tiles.strides[:8], *logit_strides))
+    _run_pass(into_logits, _STORED_LOGITS.value, q_positions, k_positions)
     return logits
 
 

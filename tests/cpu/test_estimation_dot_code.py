@@ -1,7 +1,7 @@
 """Every pass of the estimation kernels computes its logits with the same tensor-core instructions on Hopper
-(DESIGN.md §2.2, bit identity item 1): compiled for sm_90 on the CPU (Triton ships ptxas), each pass's PTX
-and the stored-logits kernel's hold the same ``wgmma`` sequence, so a logit has one value everywhere. The
-check runs in a fresh process, away from the interpreter flag of the other Triton tests."""
+(DESIGN.md §2.2, bit identity item 1): compiled for sm_90 on the CPU (Triton ships ptxas), the PTX of every
+pass, the one that stores the logits included, holds the same ``wgmma`` sequence, so a logit has one value
+everywhere. The check runs in a fresh process, away from the interpreter flag of the other Triton tests."""
 
 import os
 import subprocess
@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mtraining_kernels import triton_estimation as kernels
 
-pointers_fp32 = {"Q", "K", "LOGITS", "OUT", "ROW_MAX", "TILE_MAX", "CONSTANTS", "DENOMINATOR"}
+pointers_fp32 = {"Q", "K", "LOGITS", "ROW_MAX", "TILE_MAX", "CONSTANTS", "DENOMINATOR"}
 
 
 def wgmma_lines(kernel, constants, dtype):
@@ -39,15 +39,22 @@ def wgmma_lines(kernel, constants, dtype):
 
 
 shape = dict(HEAD_DIM=128, DIM_PAD=128, IEEE=False, BLOCK=kernels.KEYS_PER_TILE)
+passes = (
+    (kernels._STORED_LOGITS, False),
+    (kernels._ROW_MAXIMA, False),
+    (kernels._ROW_SUMS, True),
+    (kernels._SCORES, False),
+    (kernels._SCORES, True),
+)
 for dtype in ("bf16", "fp16"):
-    sequences = {"stored logits": wgmma_lines(kernels._logits_kernel, shape, dtype)}
-    for pass_number, top_p in ((0, False), (1, True), (2, False), (2, True)):
+    sequences = {}
+    for pass_number, top_p in passes:
         constants = dict(PASS=pass_number, FROM_QK=True, TOP_P=top_p, SLASHES=True, NUM_COEFFICIENTS=14, **shape)
-        sequences[(pass_number, top_p)] = wgmma_lines(kernels._key_tile_kernel, constants, dtype)
-    first = sequences["stored logits"]
-    assert any("mma_async" in line for line in first), f"{dtype}: no wgmma in the PTX"
+        sequences[(int(pass_number), top_p)] = wgmma_lines(kernels._key_tile_kernel, constants, dtype)
+    stored = sequences[(int(kernels._STORED_LOGITS), False)]
+    assert any("mma_async" in line for line in stored), f"{dtype}: no wgmma in the PTX"
     for key, lines in sequences.items():
-        assert lines == first, f"{dtype}: pass {key} issues other tensor-core instructions than the stored logits"
+        assert lines == stored, f"{dtype}: pass {key} issues other tensor-core instructions than the stored logits"
 print("same wgmma sequence in every pass")
 """
 

@@ -24,7 +24,7 @@ from mtraining_kernels import estimation, triton_estimation
 from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget
 from mtraining_kernels.layout import Layout
 
-_interpreted = type(triton_estimation._logits_kernel).__name__ == "InterpretedFunction"
+_interpreted = type(triton_estimation._key_tile_kernel).__name__ == "InterpretedFunction"
 if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreted:
     importlib.reload(triton_estimation)  # imported earlier in this process without the interpreter flag
 
