@@ -117,9 +117,9 @@ def _block_lists(documents: Documents, hit: Tensor, layout: Layout, rank: int) -
 
 def _bar_lists(index: DocumentIndex, hit: Tensor, query_blocks: Tensor, layout: Layout) -> tuple[Tensor, Tensor]:
     """CSR bar lists: vertical v of document d is a bar of qb iff kb(v) < qb, d has rows in qb and d is off at
-    (qb, kb(v)). Only the query blocks after kb(v) inside d are candidates: transient int64 ``[T, J]`` over the
-    T valid verticals of all documents and heads, J ≤ nb the most such blocks of any vertical on this rank (one
-    host sync), so short documents cost their own length, not the sequence's."""
+    (qb, kb(v)). Only the query blocks after kb(v) inside d are candidates, listed back to back: transient int64
+    ``[C]`` over the C candidates of all valid verticals of all documents and heads (one host sync sizes it), so
+    each vertical costs its own document's blocks after it, not the longest document's."""
     documents = index.documents
     seq_len = documents.seq_len
     batch, slots, heads, _ = index.v_idx.shape
@@ -131,15 +131,14 @@ def _bar_lists(index: DocumentIndex, hit: Tensor, query_blocks: Tensor, layout: 
     last_block = ((documents.starts + documents.lengths)[sample, document] - 1) // BLOCK_SIZE
     ascending, local_of_sorted = torch.sort(query_blocks)
     first = torch.searchsorted(ascending, key_block, right=True)  # candidates: ascending[first : stop]
-    stop = torch.searchsorted(ascending, last_block, right=True)
-    width = int((stop - first).max()) if column.numel() else 0
-    position = first[:, None] + torch.arange(width, device=column.device)  # [T, J]
-    inside = position < stop[:, None]
-    position.clamp_(max=nb - 1)
+    counts = (torch.searchsorted(ascending, last_block, right=True) - first).clamp_(min=0)
+    total = int(counts.sum())
+    of_vertical = torch.repeat_interleave(torch.arange(column.numel(), device=column.device), counts, output_size=total)
+    position = torch.arange(total, device=column.device) + (first - torch.cumsum(counts, 0) + counts)[of_vertical]
     hit_row = ((sample * slots + document) * heads + head) * num_blocks - key_block  # hit at distance qb − kb
-    on = hit.view(-1)[ascending[position].add_(hit_row[:, None]).clamp_(min=0)]  # right where inside
-    vertical, candidate = torch.nonzero(inside.logical_and_(~on), as_tuple=True)
-    block = local_of_sorted[position[vertical, candidate]]
+    candidate = torch.nonzero(~hit.view(-1)[ascending[position] + hit_row[of_vertical]]).squeeze(1)
+    vertical = of_vertical[candidate]
+    block = local_of_sorted[position[candidate]]
     row = ((owner[vertical] * batch + sample[vertical]) * heads + head[vertical]) * nb + block  # over (w, b, h, i)
     return lists_of_bar_entries(row, local[vertical], (world, batch, heads, nb), seq_len // world)
 
