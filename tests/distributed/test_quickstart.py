@@ -55,8 +55,8 @@ def _quickstart():
 
 def run_demo(flags: list[str], seed: int, scratch) -> str:
     """Stdout and stderr of one CPU run of the demo, together, as a user sees them. The run must compile
-    nothing with torch.compile (Megatron's fused RMSNorm and dropout-add): inductor's C++ builds made the
-    first step of a CI machine outlast the timeout, so its cache directory must stay empty."""
+    nothing with torch.compile (Megatron's fused RMSNorm and dropout-add): a CI run whose first step outlasted
+    the timeout was most likely in inductor's C++ builds, so its cache directory must stay empty."""
     compile_cache = scratch / "torchinductor"
     run = subprocess.run(
         [sys.executable, QUICKSTART, "--cpu", *flags, "--seed", str(seed)],
