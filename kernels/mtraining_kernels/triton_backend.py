@@ -26,6 +26,7 @@ import math
 import os
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
 from .index import block_lists_by_key
@@ -142,6 +143,24 @@ KEY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
 BAR_CHUNK_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
 
 
+def _copies_tiles(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels read these ``[b, N, H, d]`` tensors' tiles by tensor-memory-access copies: the
+    device has them (Hopper or newer; the interpreter emulates them) and every address and stride is a
+    16-byte multiple. Otherwise the kernels gather the same tiles by pointer."""
+    device = tensors[0].device
+    if not (_interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)):
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+        for t in tensors
+    )
+
+
+def _tile_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Descriptor of ``[b, N, H, d]`` tensor ``t`` copying ``[1, rows, 1, d]`` tiles (one (sample, head))."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]])
+
+
 def _tiles(dim: int) -> dict:
     return {"HEAD_DIM": dim, "BLOCK_M": BLOCK_SIZE, "BLOCK_N": SUB_TILE}
 
@@ -189,10 +208,14 @@ def block_bar_forward(
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the running lse [b, Hq, Nq]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    tma = _copies_tiles(k, v)
+    k_desc, v_desc = (_tile_descriptor(t, BLOCK_SIZE) for t in (k, v)) if tma else (k, v)
     block_bar_forward_kernel[(num_blocks, heads, batch)](
         q,
         k,
         v,
+        k_desc,
+        v_desc,
         out,
         lse,
         blk_ptr,
@@ -214,6 +237,7 @@ def block_bar_forward(
         softmax_scale * LOG2E,
         CAUSAL_DIAG=bool(causal_diag),
         FRESH=bool(fresh),
+        TMA=tma,
         **document_flag,
         **_tiles(dim),
         **_forward_config(dim),
@@ -319,10 +343,12 @@ def block_bar_backward(
     if key_lists is None:
         key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr))
     key_ptr, key_qblock = key_lists
+    tma = _copies_tiles(q, k, v, dout)
     query_major_backward_kernel[(num_blocks, heads, batch)](
         q,
         k,
         v,
+        *((_tile_descriptor(k, SUB_TILE), _tile_descriptor(v, SUB_TILE)) if tma else (k, v)),
         dout,
         lse,
         delta,
@@ -350,15 +376,18 @@ def block_bar_backward(
         CAUSAL_DIAG=bool(causal_diag),
         ATOMIC_BAR_DKDV=not deterministic,
         FRESH_DQ=bool(fresh_dq),
+        TMA=tma,
         **document_flag,
         **tiles,
         **QUERY_MAJOR_CONFIG,
     )
+    query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
     key_major_backward_kernel[(num_blocks, kv_heads, batch)](
         q,
         k,
         v,
         dout,
+        *((_tile_descriptor(q, query_rows), _tile_descriptor(dout, query_rows)) if tma else (q, dout)),
         lse,
         delta,
         dk,
@@ -382,6 +411,7 @@ def block_bar_backward(
         CAUSAL_DIAG=bool(causal_diag),
         HEAD_DIM=dim,
         BLOCK_M=BLOCK_SIZE,
+        TMA=tma,
         **document_flag,
         **KEY_MAJOR_CONFIG,
     )

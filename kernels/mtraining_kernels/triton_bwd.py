@@ -28,22 +28,36 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import query_block_documents
+from .triton_fwd import head_rows_tile, query_block_documents
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def _load_query_side(
-    q_base, do_base, lse_base, delta_base, first_row, stride_qn, stride_dn, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    q_desc,
+    do_desc,
+    sample,
+    head,
+    first_row,
+    stride_qn,
+    stride_dn,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """q, dO ``[ROWS, D]``, base-2 lse and delta ``[ROWS]`` of query rows first_row … of one (sample,
-    head), whose row 0 the four base pointers address (lse −inf → +inf: P = 0)."""
+    head), whose row 0 the four base pointers address (lse −inf → +inf: P = 0); q and dO through their
+    descriptors with ``TMA`` (see :func:`head_rows_tile`)."""
     q_rows = first_row + tl.arange(0, ROWS)
-    rows64 = q_rows.to(tl.int64)[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)[None, :]
-    q = tl.load(q_base + rows64 * stride_qn + offs_d)
-    do = tl.load(do_base + rows64 * stride_dn + offs_d)
+    rows64 = q_rows.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = head_rows_tile(q_base, q_desc, sample, head, first_row, rows64, offs_d, stride_qn, TMA)
+    do = head_rows_tile(do_base, do_desc, sample, head, first_row, rows64, offs_d, stride_dn, TMA)
     lse = tl.load(lse_base + q_rows)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     delta = tl.load(delta_base + q_rows)
@@ -55,6 +69,8 @@ def query_major_backward_kernel(
     Q,
     K,
     V,
+    K_DESC,
+    V_DESC,
     DO,
     LSE,
     DELTA,
@@ -104,6 +120,7 @@ def query_major_backward_kernel(
     ATOMIC_BAR_DKDV: tl.constexpr,
     DOCUMENTS: tl.constexpr,
     FRESH_DQ: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Grid (nb, Hq, b): the dq of one query block over its listed 64-key sub-tiles and its bars (the
     longest lists, the last query blocks, first). ``FRESH_DQ``: DQ holds nothing yet; every row is written
@@ -126,11 +143,16 @@ def query_major_backward_kernel(
         DO + sample * stride_db + head * stride_dh,
         LSE + lse_offset,
         DELTA + lse_offset,
+        Q,
+        DO,
+        tl.program_id(2),
+        head,
         qblock * BLOCK_M,
         stride_qn,
         stride_dn,
         HEAD_DIM,
         BLOCK_M,
+        False,
     )
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
@@ -141,8 +163,8 @@ def query_major_backward_kernel(
     for entry in range(blk_start, blk_end):
         tile = tl.load(BLK_COL + entry)
         k_rows = (tile * BLOCK_N + offs_n).to(tl.int64)
-        k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
-        v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+        k = head_rows_tile(k_base, K_DESC, tl.program_id(2), kv_head, tile * BLOCK_N, k_rows, offs_d, stride_kn, TMA)
+        v = head_rows_tile(v_base, V_DESC, tl.program_id(2), kv_head, tile * BLOCK_N, k_rows, offs_d, stride_vn, TMA)
         probs = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale_log2 - lse2[:, None])
         if CAUSAL_DIAG:
             off_diagonal = (tile // 2) != qblock
@@ -191,6 +213,8 @@ def key_major_backward_kernel(
     K,
     V,
     DO,
+    Q_DESC,
+    DO_DESC,
     LSE,
     DELTA,
     DK,
@@ -232,6 +256,7 @@ def key_major_backward_kernel(
     CAUSAL_DIAG: tl.constexpr,
     QUERY_ROWS: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Grid (nb, Hkv, b): the dk/dv of one 128-key block over the query blocks of its GQA group that
     list it. KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph): row (z, h, key block j)
@@ -272,11 +297,16 @@ def key_major_backward_kernel(
                 do_base,
                 LSE + lse_offset,
                 DELTA + lse_offset,
+                Q_DESC,
+                DO_DESC,
+                tl.program_id(2),
+                head,
                 qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
                 stride_qn,
                 stride_dn,
                 HEAD_DIM,
                 QUERY_ROWS,
+                TMA,
             )
             probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
             if CAUSAL_DIAG:
@@ -389,11 +419,16 @@ def bar_chunk_backward_kernel(
             do_base,
             LSE + lse_offset,
             DELTA + lse_offset,
+            Q,
+            DO,
+            sample,
+            head,
             qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
             stride_qn,
             stride_dn,
             HEAD_DIM,
             QUERY_ROWS,
+            False,
         )
         probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
         probs_t = tl.where(listed[:, None], probs_t, 0.0)

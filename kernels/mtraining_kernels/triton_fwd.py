@@ -66,6 +66,17 @@ def _diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG: tl
 
 
 @triton.jit
+def head_rows_tile(base, desc, sample, head, first_row, rows64, offs_d, stride_n, TMA: tl.constexpr):
+    """Rows ``first_row …`` of one (sample, head) of a ``[b, N, H, d]`` tensor, ``[len(rows64), d]``: one
+    tensor-memory copy through ``desc`` (block ``[1, rows, 1, d]``) with ``TMA``, else a gather from ``base``
+    (the (sample, head) row 0) at ``rows64`` (int64, ``first_row + arange``)."""
+    if TMA:
+        tile = desc.load([sample, first_row, head, 0])
+        return tl.reshape(tile, [tile.shape[1], tile.shape[3]])
+    return tl.load(base + rows64[:, None] * stride_n + offs_d[None, :])
+
+
+@triton.jit
 def _block_tile_step(
     acc,
     row_max,
@@ -74,6 +85,10 @@ def _block_tile_step(
     q_rows,
     k_base,
     v_base,
+    k_desc,
+    v_desc,
+    sample,
+    kv_head,
     first_sub_tile,
     offs_block,
     offs_d,
@@ -86,6 +101,7 @@ def _block_tile_step(
     SUB_TILE: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Fold the listed 128-key block whose sub-tiles start at ``first_sub_tile`` in (with the token causal
     mask when ``CAUSAL_MASK``; with ``DOCUMENTS`` the document mask where the query block (``q_mixed``) or
@@ -93,8 +109,8 @@ def _block_tile_step(
     document's, so it needs no compare)."""
     first_key = first_sub_tile * SUB_TILE
     k_rows = (first_key + offs_block).to(tl.int64)
-    k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
-    v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+    k = head_rows_tile(k_base, k_desc, sample, kv_head, first_key, k_rows, offs_d, stride_kn, TMA)
+    v = head_rows_tile(v_base, v_desc, sample, kv_head, first_key, k_rows, offs_d, stride_vn, TMA)
     scores = tl.dot(q, tl.trans(k))
     if CAUSAL_MASK:
         scores = tl.where(k_rows[None, :] <= q_rows[:, None], scores, float("-inf"))
@@ -111,6 +127,8 @@ def block_bar_forward_kernel(
     Q,
     K,
     V,
+    K_DESC,
+    V_DESC,
     OUT,
     LSE,
     BLK_PTR,
@@ -145,6 +163,7 @@ def block_bar_forward_kernel(
     CAUSAL_DIAG: tl.constexpr,
     DOCUMENTS: tl.constexpr,
     FRESH: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """QUERY_DOCS / KEY_DOCS int32 ``[b, N]`` (batch stride ``stride_docb``): the document of every local
     query row and source key column, read only with ``DOCUMENTS``. ``FRESH``: OUT and LSE hold nothing yet;
@@ -188,6 +207,10 @@ def block_bar_forward_kernel(
             q_rows,
             k_base,
             v_base,
+            K_DESC,
+            V_DESC,
+            tl.program_id(2),
+            kv_head,
             tl.load(BLK_COL + entry),
             offs_block,
             offs_d,
@@ -200,6 +223,7 @@ def block_bar_forward_kernel(
             BLOCK_N,
             False,
             DOCUMENTS,
+            TMA,
         )
     for entry in range(diag_start, blk_end, 2):
         acc, row_max, row_sum = _block_tile_step(
@@ -210,6 +234,10 @@ def block_bar_forward_kernel(
             q_rows,
             k_base,
             v_base,
+            K_DESC,
+            V_DESC,
+            tl.program_id(2),
+            kv_head,
             tl.load(BLK_COL + entry),
             offs_block,
             offs_d,
@@ -222,6 +250,7 @@ def block_bar_forward_kernel(
             BLOCK_N,
             True,
             DOCUMENTS,
+            TMA,
         )
 
     # ---- loop 2: bar columns, gathered 64 at a time (bars are never causal)
