@@ -8,7 +8,9 @@
   gradients, one query head at a time so that long sequences fit in memory;
   :func:`packed_reference_attention` the same on the packed documents' mask;
 * :func:`assert_close_fa` — DESIGN.md §6: max|ours − ref| ≤ 2·max|lowprec − ref| + ε and relative RMSE;
-* :func:`poisoned_attention` — ``sparse_attention`` forward + backward with one NaN/Inf in q, k or v.
+* :func:`poisoned_attention` — ``sparse_attention`` forward + backward with one NaN/Inf in q, k or v;
+* :func:`off_alignment` — a copy whose address is not a 16-byte multiple (the kernels' pointer-gather path);
+* :func:`single_device_attention` — ``sparse_attention`` forward + backward on one device.
 """
 
 from __future__ import annotations
@@ -51,6 +53,23 @@ def make_qkv_dout(batch, seq_len, heads, kv_heads, dim, dtype, device, generator
         return torch.randn(batch, seq_len, h, dim, generator=generator).to(device=device, dtype=dtype)
 
     return draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)
+
+
+def off_alignment(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` starting one element past a 16-byte boundary, so the Triton backend reads
+    its tiles by pointer gathers rather than tensor-memory copies."""
+    storage = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    start = next(i for i in range(1, 16) if (storage.data_ptr() + i * t.element_size()) % 16)
+    copy = storage[start : start + t.numel()].view(t.shape)
+    copy.copy_(t)
+    return copy
+
+
+def single_device_attention(q, k, v, dout, index, *, deterministic: bool = False):
+    """(out, dq, dk, dv) of the Triton backend's ``sparse_attention`` on q, k, v as given (their storage kept)."""
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = sparse_attention(*inputs, index, backend="triton", deterministic=deterministic)
+    return (out, *torch.autograd.grad(out, inputs, dout))
 
 
 def ring_attention(backend, q, k, v, dout, v_idx, s_idx, layout: Layout, *, deterministic: bool = False):
