@@ -17,7 +17,8 @@ one step's lists ``blk_ptr``/``bar_ptr`` int32 ``[b, Hq, nb+1]`` with absolute o
 its sub-tile pair 2j, 2j+1, which the forward reads as one tile; values are not checked here, as that
 would cost a device sync per step, the reference backend checks them); fp32, contiguous in-place buffers.
 Packed documents: ``query_doc_ids``/``key_doc_ids`` as in ``mtraining_kernels.torch_backend``.
-Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``.
+Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``. On Hopper and newer the contiguous tiles load by
+tensor-memory copies (host descriptors); elsewhere, and for inputs not 16-byte aligned, by pointer gathers.
 """
 
 from __future__ import annotations
