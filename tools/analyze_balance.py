@@ -13,6 +13,9 @@ per document, counted by the §2.7 conversion rule::
 ``--document-orders K`` also packs the same documents in K random orders (each document keeping its own
 pattern) and prints the best, median and worst of each layout: how much of the imbalance is where the
 documents land, which a layout that knows the documents could choose.
+
+With ``--mixture`` the table also has ``skewed planned``: the skewed layout with turns planned from the document
+lengths and the far counts alone (``megatron_mtraining.turn_plan``), never from the pattern it is scored on.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from document_mixtures import MIXTURES, realistic_document_index, reorder_docume
 from realistic_pattern import realistic_pattern
 
 from megatron_mtraining.balance import BalanceReport, balance_report, document_balance_report
-from mtraining_kernels.layout import LAYOUT_KINDS, Layout
+from megatron_mtraining.turn_plan import plan_turns
+from mtraining_kernels.layout import BLOCK_SIZE, LAYOUT_KINDS, Layout
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,10 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def format_table(reports: dict[str, BalanceReport]) -> str:
-    lines = [f"{'layout':<12}{'worker max/mean':>17}{'step max/mean':>15}{'critical path/ideal':>21}"]
+    lines = [f"{'layout':<16}{'worker max/mean':>17}{'step max/mean':>15}{'critical path/ideal':>21}"]
     for kind, report in reports.items():
         lines.append(
-            f"{kind:<12}{report.worker_imbalance:>17.4f}{report.step_imbalance:>15.4f}"
+            f"{kind:<16}{report.worker_imbalance:>17.4f}{report.step_imbalance:>15.4f}"
             f"{report.critical_path_ratio:>21.4f}"
         )
     return "\n".join(lines)
@@ -102,6 +106,22 @@ def mixture_index(args: argparse.Namespace):
     return documents, doc_index
 
 
+def planned_layout(args: argparse.Namespace, documents) -> Layout:
+    """The skewed layout with turns planned for ``documents``, each document's far counts as
+    ``realistic_document_index`` draws them (round(far · L / N))."""
+    lengths = documents.lengths
+    far_verticals = (args.far_verticals * lengths / args.seq_len).round().long()
+    far_slashes = (args.far_slashes * lengths / args.seq_len).round().long()
+    turns = plan_turns(
+        documents,
+        args.world_size,
+        far_verticals=far_verticals,
+        far_slashes=far_slashes,
+        min_sparse_length=args.min_sparse_length,
+    )
+    return Layout("skewed", args.world_size, turns=turns)
+
+
 def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport], str]:
     """One report per layout kind, and the title naming the pattern (and the mixture)."""
     names = {kind: f"{kind} g={args.granularity}" for kind in ("striped", "skewed")}
@@ -121,6 +141,8 @@ def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport
         f" (per N), mixture {args.mixture}: {int(documents.num_documents.sum())} documents, "
         f"{int(doc_index.sparse.sum())} sparse (>= {args.min_sparse_length} tokens, {sparse_tokens} tokens)"
     )
+    if args.granularity == BLOCK_SIZE:
+        layouts["skewed planned"] = planned_layout(args, documents)
     return {name: document_balance_report(doc_index, layout) for name, layout in layouts.items()}, title
 
 

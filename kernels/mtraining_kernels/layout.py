@@ -14,12 +14,15 @@ Kinds:
   ``(c + ⌊c/W⌋) mod W``. A rank still holds one run per round, in ascending global order, but the rank
   that holds a round's first run moves on by one each round, so packed documents whose length is a whole
   number of rounds (all-4K documents are 32 blocks) no longer put their first block on the same rank every
-  time (docs/benchmarks.md: the simulated ring balance of the mixtures).
+  time (docs/benchmarks.md: the simulated ring balance of the mixtures). With ``turns`` (one entry per round,
+  N / (W·granularity) of them) round j is turned by ``turns[j]`` ranks instead of j: run c goes to rank
+  ``(c mod W + turns[⌊c/W⌋]) mod W``. Every rank still holds one run per round, in ascending order; turns
+  planned from packed documents (``megatron_mtraining.turn_plan``) even out their work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -34,11 +37,14 @@ class Layout:
     """How a sequence of length N is split over ``world_size`` context-parallel ranks.
 
     ``granularity`` is the stripe length of the striped and skewed layouts (ignored by the others).
+    ``turns`` (skewed only): the turn of every round, in ``[0, W)``; None turns round j by j. A layout with
+    turns fits one sequence length, N = len(turns)·W·granularity (not shown by ``repr``).
     """
 
     kind: str
     world_size: int
     granularity: int = BLOCK_SIZE
+    turns: tuple[int, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUT_KINDS:
@@ -48,6 +54,17 @@ class Layout:
         g = self.granularity
         if not isinstance(g, int) or g < 16 or g & (g - 1):
             raise ValueError(f"granularity={g!r} must be a power of two >= 16 (the default is {BLOCK_SIZE})")
+        if self.turns is not None:
+            if self.kind != "skewed":
+                raise ValueError(f"turns are a skewed layout's; the {self.kind} layout takes none")
+            turns = tuple(self.turns)
+            bad = [t for t in turns if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.world_size]
+            if not turns or bad:
+                raise ValueError(
+                    f"turns must be a non-empty sequence of integers in [0, {self.world_size}) (one per round of "
+                    f"{self.world_size} runs), got {bad[:3] or 'none'}"
+                )
+            object.__setattr__(self, "turns", turns)
 
     # ------------------------------------------------------------------ validation
     def unit(self, block_size: int | None = None) -> int:
@@ -72,6 +89,12 @@ class Layout:
         """Raise ``ValueError`` unless ``seq_len`` can be split by this layout."""
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+        if self.turns is not None and seq_len != len(self.turns) * self.world_size * self.granularity:
+            raise ValueError(
+                f"seq_len={seq_len} does not match the layout's {len(self.turns)} turns (rounds of "
+                f"{self.world_size} x {self.granularity} tokens: N = {len(self.turns) * self.unit()}); plan the "
+                f"turns for this sequence"
+            )
         unit = self.unit(block_size)
         if seq_len % unit:
             lower = seq_len // unit * unit
@@ -108,7 +131,7 @@ class Layout:
             return rank, local
         g = self.granularity
         c = p // g
-        rank = c % w if self.kind == "striped" else (c + c // w) % w
+        rank = c % w if self.kind == "striped" else (c + self._round_turns(c // w)) % w
         return rank, (c // w) * g + p % g
 
     def to_global(self, rank: int | torch.Tensor, local: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -124,8 +147,14 @@ class Layout:
             return torch.where(pos < chunk, r * chunk + pos, (2 * w - 1 - r) * chunk + (pos - chunk))
         g = self.granularity
         round_ = pos // g  # the rank's j-th run is in round j
-        slot = r if self.kind == "striped" else (r - round_) % w
+        slot = r if self.kind == "striped" else (r - self._round_turns(round_)) % w
         return (round_ * w + slot) * g + pos % g
+
+    def _round_turns(self, rounds: torch.Tensor) -> torch.Tensor:
+        """The skewed turn of each round index in ``rounds`` (int64)."""
+        if self.turns is None:
+            return rounds
+        return torch.tensor(self.turns, dtype=torch.long, device=rounds.device)[rounds]
 
     def global_positions(self, seq_len: int, rank: int, device=None) -> torch.Tensor:
         """Global positions held by ``rank``, in local order: int64 ``[N/W]``."""

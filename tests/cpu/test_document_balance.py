@@ -315,5 +315,6 @@ def test_analyze_balance_prints_the_spread_over_document_orders(capsys):
     for row in rows:
         best, median, worst = float(row[2]), float(row[4]), float(row[6])
         assert 1.0 <= best <= median <= worst, row
+    assert "skewed planned" in printed, printed
     with pytest.raises(SystemExit, match="needs --mixture"):
         analyze_balance.main(["--seq-len", "16384", "--world-size", "4", "--heads", "2", "--document-orders", "2"])

@@ -14,7 +14,12 @@ def layouts_and_lengths(draw):
     world = draw(st.integers(1, 6))
     gran = 2 ** draw(st.integers(4, 8))
     layout = Layout(kind, world, gran)
-    return layout, layout.unit() * draw(st.integers(1, 5))
+    rounds = draw(st.integers(1, 5))
+    if kind == "skewed" and draw(st.booleans()):  # turns of its own per round
+        layout = Layout(
+            kind, world, gran, turns=draw(st.lists(st.integers(0, world - 1), min_size=rounds, max_size=rounds))
+        )
+    return layout, layout.unit() * rounds
 
 
 @settings(max_examples=150, deadline=None)
@@ -52,6 +57,45 @@ def test_formulas_match_design_table_examples():
     assert global_positions("contiguous", 8, 2, 1).tolist() == [4, 5, 6, 7]
     # striped g = 16, W = 2, N = 64: rank 1 holds runs 1 and 3.
     assert global_positions("striped", 64, 2, 1, granularity=16).tolist() == (list(range(16, 32)) + list(range(48, 64)))
+
+
+def test_skewed_turns_default_to_the_round_index():
+    world, gran, rounds = 4, 16, 9
+    turned = Layout("skewed", world, gran, turns=[j % world for j in range(rounds)])
+    for rank in range(world):
+        assert torch.equal(
+            turned.global_positions(rounds * world * gran, rank),
+            Layout("skewed", world, gran).global_positions(rounds * world * gran, rank),
+        )
+
+
+def test_skewed_turns_place_each_round():
+    # W = 2, g = 16, N = 96: round 0 turned by 1 puts run 0 on rank 1; round 1 by 0, round 2 by 1
+    layout = Layout("skewed", 2, 16, turns=(1, 0, 1))
+    assert (layout.global_positions(96, 0)[::16] // 16).tolist() == [1, 2, 5]
+    assert (layout.global_positions(96, 1)[::16] // 16).tolist() == [0, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"kind": "striped", "world_size": 2, "turns": (0,)},
+            "turns are a skewed layout's; the striped layout takes none",
+        ),
+        ({"kind": "skewed", "world_size": 2, "turns": (0, 2)}, r"turns must be .* integers in \[0, 2\).*got \[2\]"),
+        ({"kind": "skewed", "world_size": 2, "turns": ()}, "non-empty"),
+    ],
+)
+def test_bad_turns(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Layout(**kwargs)
+
+
+def test_turns_fit_one_length():
+    layout = Layout("skewed", 2, 16, turns=(0, 1, 1))
+    with pytest.raises(ValueError, match=r"seq_len=128 does not match the layout's 3 turns .* N = 96"):
+        layout.global_positions(128, 0)
 
 
 def test_functional_forms(seed):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_mtraining.turn_plan import plan_turns
 from mtraining_kernels.budget import StaticBudget
 from mtraining_kernels.document_conversion import convert_document_index
 from mtraining_kernels.document_index import estimate_document_index
@@ -38,12 +39,25 @@ def _inputs(seed: int, seq_len: int):
     return q, k, v, dout, index
 
 
+def _layout(kind: str, world_size: int, seq_len: int) -> Layout:
+    """``Layout(kind, W)``; ``skewed-planned``: the skewed layout with turns planned for the documents of
+    ``STARTS[seq_len]`` (at 768 tokens and W = 3: turns (0, 2), neither striped's nor skewed's)."""
+    if kind != "skewed-planned":
+        return Layout(kind, world_size)
+    documents = Documents(torch.tensor(STARTS[seq_len]), seq_len)
+    counts = torch.full(documents.starts.shape, 8)
+    turns = plan_turns(
+        documents, world_size, far_verticals=counts, far_slashes=counts, min_sparse_length=MIN_SPARSE_LENGTH
+    )
+    return Layout("skewed", world_size, turns=turns)
+
+
 def _ring_rank(rank, world_size, kind, seq_len, seed, inner_size=None):
     from megatron_mtraining.ring.groups import RingGroups, build_hierarchical_groups
     from megatron_mtraining.ring.sparse_ring import ring_attention
 
     q, k, v, dout, doc_index = _inputs(seed, seq_len)
-    layout = Layout(kind, world_size)
+    layout = _layout(kind, world_size, seq_len)
     local = [layout.shard(t, rank, dim=1).clone().requires_grad_(t is not dout) for t in (q, k, v, dout)]
     index = convert_document_index(doc_index, layout, rank)
     assert index.doc_ids is not None, "the documents must reach the ring"
@@ -60,13 +74,16 @@ def _ring_rank(rank, world_size, kind, seq_len, seed, inner_size=None):
         (2, "zigzag", 512, None),
         (3, "striped", 768, None),
         (3, "skewed", 768, None),
+        (3, "skewed-planned", 768, None),
         (4, "striped", 1024, 2),
     ],
-    ids=["striped-W2", "zigzag-W2", "striped-W3", "skewed-W3", "striped-hierarchical-2x2"],
+    ids=["striped-W2", "zigzag-W2", "striped-W3", "skewed-W3", "skewed-planned-W3", "striped-hierarchical-2x2"],
 )
 def test_packed_ring_equals_the_reference(distributed, seed, world, kind, seq_len, inner_size):
     parts = distributed(_ring_rank, world, kind, seq_len, seed, inner_size)
-    layout = Layout(kind, world)
+    layout = _layout(kind, world, seq_len)
+    if kind == "skewed-planned":
+        assert layout.turns == (0, 2), f"the plan changed: {layout.turns}; pick documents whose turns are new"
     out, dq, dk, dv = (layout.unshard([p[i] for p in parts], dim=1) for i in (0, 2, 3, 4))
     lse = layout.unshard([p[1] for p in parts], dim=2)
 
