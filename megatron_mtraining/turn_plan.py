@@ -19,6 +19,9 @@ the same boundaries.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from mtraining_kernels.documents import Documents
@@ -38,20 +41,39 @@ def _power(base: float, exponent: int) -> float:
     return result
 
 
+@dataclass
+class _DocumentWork:
+    """Expected work of one document spanning blocks [first, end): every tile at block distance 1 … ``near`` is
+    on (``UNIT``); a farther tile whose key is block kb costs ``far[kb − first]`` (the slash probability plus the
+    bars of kb where the tile is off); ``by_owner[r]`` sums ``far`` over the key blocks already dealt to rank r."""
+
+    first: int
+    end: int
+    near: int
+    far: np.ndarray
+    by_owner: np.ndarray
+
+
 def _document_work(
-    length: int, sparse: bool, far_verticals: int, far_slashes: int, sink_tokens: int, local_window: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile units by block distance δ ``[n]``, bar units of one query block by key block ``[n]``) of a document
-    of ``length`` tokens starting on a block boundary, int64."""
-    blocks = -(-length // BLOCK_SIZE)
+    first: int,
+    end: int,
+    sparse: bool,
+    far_verticals: int,
+    far_slashes: int,
+    sink_tokens: int,
+    local_window: int,
+    world_size: int,
+) -> _DocumentWork:
+    """The expected work of a document spanning blocks [first, end); a dense one has every tile on."""
+    blocks = end - first
+    by_owner = np.zeros(world_size, dtype=np.int64)
     if not sparse:
-        return torch.full((blocks,), UNIT, dtype=torch.long), torch.zeros(blocks, dtype=torch.long)
+        return _DocumentWork(first, end, blocks, np.full(blocks, UNIT, dtype=np.int64), by_owner)
     missed = _power(1.0 - min(1.0, 2.0 / blocks), far_slashes)
-    tiles = torch.full((blocks,), round((1.0 - missed) * UNIT), dtype=torch.long)
-    tiles[: -(-local_window // BLOCK_SIZE) + 1] = UNIT
-    bars = torch.full((blocks,), far_verticals * UNIT // (BLOCK_SIZE * blocks), dtype=torch.long)
+    slash = round((1.0 - missed) * UNIT)
+    bars = np.full(blocks, far_verticals * UNIT // (BLOCK_SIZE * blocks), dtype=np.int64)
     bars[0] += sink_tokens * UNIT // BLOCK_SIZE
-    return tiles, bars
+    return _DocumentWork(first, end, -(-local_window // BLOCK_SIZE), slash + bars * (UNIT - slash) // UNIT, by_owner)
 
 
 def _check(documents, world_size, far_verticals, far_slashes, min_sparse_length) -> None:
@@ -93,54 +115,65 @@ def plan_turns(
     and slashes beyond its local window (its budget less the forced entries; ignored for dense documents).
     """
     _check(documents, world_size, far_verticals, far_slashes, min_sparse_length)
+    world = world_size
     num_blocks = documents.seq_len // BLOCK_SIZE
-    rounds = num_blocks // world_size
+    rounds = num_blocks // world
     spans = documents.host_spans.tolist()
     verticals, slashes = far_verticals.cpu().tolist(), far_slashes.cpu().tolist()
-    by_round: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(rounds)]
+    by_round: list[list[_DocumentWork]] = [[] for _ in range(rounds)]
     for sample, sample_spans in enumerate(spans):
         for slot, (start, length) in enumerate(sample_spans):
             if length == 0:
                 continue
             first, end = start // BLOCK_SIZE, (start + length - 1) // BLOCK_SIZE + 1
-            sparse = length >= min_sparse_length
             work = _document_work(
-                end * BLOCK_SIZE - first * BLOCK_SIZE,
-                sparse,
+                first,
+                end,
+                length >= min_sparse_length,
                 verticals[sample][slot],
                 slashes[sample][slot],
                 sink_tokens,
                 local_window,
+                world,
             )
-            for round_ in range(first // world_size, (end - 1) // world_size + 1):
-                by_round[round_].append((first, end, *work))
+            for round_ in range(first // world, (end - 1) // world + 1):
+                by_round[round_].append(work)
 
-    owner = torch.empty(num_blocks, dtype=torch.long)
-    load = torch.zeros(world_size, world_size, dtype=torch.long)  # [query rank, ring step]
-    ranks = torch.arange(world_size)
+    steps = np.arange(world)
+    # candidate turn h moves slot s to rank (s + h) mod W: source rows/columns of every candidate at once
+    moved = (steps[None, :] - steps[:, None]) % world  # [h, r] -> slot (r − h) mod W
+    owner = np.empty(num_blocks, dtype=np.int64)
+    load = np.zeros((world, world), dtype=np.int64)  # [query rank, ring step]
     turns = []
-    for round_, round_spans in enumerate(by_round):
-        low, high = round_ * world_size, (round_ + 1) * world_size
-        earlier = torch.zeros(world_size, world_size, dtype=torch.long)  # [slot, step at turn 0], key in a past round
-        this_round = torch.zeros(world_size, world_size, dtype=torch.long)  # [slot, step], key in this round
+    for round_, works in enumerate(by_round):
+        low, high = round_ * world, (round_ + 1) * world
+        earlier = np.zeros((world, world), dtype=np.int64)  # [slot, step at turn 0]: keys of past rounds
+        this_round = np.zeros((world, world), dtype=np.int64)  # [slot, step]: keys of this round
         this_round[:, 0] = len(spans) * UNIT  # every block's diagonal tile, once per sample
-        for first, end, tiles, bars in round_spans:
-            for query_block in range(max(first + 1, low), min(end, high)):
-                key_blocks = torch.arange(first, query_block)
-                distance = query_block - key_blocks
-                on = tiles[distance]
-                cost = on + bars[key_blocks - first] * (UNIT - on) // UNIT
-                slot = query_block - low
-                past = key_blocks < low
-                earlier[slot].index_add_(0, (slot - owner[key_blocks[past]]) % world_size, cost[past])
-                this_round[slot].index_add_(0, (slot - (key_blocks[~past] - low)) % world_size, cost[~past])
-        best_turn, best_path, best_added = 0, None, None
-        for turn in range(world_size):
-            added = torch.roll(earlier, (turn, turn), (0, 1)) + torch.roll(this_round, turn, 0)
-            path = int((load + added).amax(0).sum())
-            if best_path is None or path < best_path:
-                best_turn, best_path, best_added = turn, path, added
-        load += best_added
-        owner[low:high] = (ranks + best_turn) % world_size
-        turns.append(best_turn)
+        for work in works:
+            queries = np.arange(max(work.first + 1, low), min(work.end, high))
+            if queries.size == 0:
+                continue
+            slots = queries - low
+            if work.first < low:  # past keys: the far cost by owner, then the near tiles' difference
+                earlier[slots] += work.by_owner[(slots[:, None] - steps[None, :]) % world]
+                for query, slot in zip(queries.tolist(), slots.tolist()):
+                    for key in range(max(work.first, query - work.near), low):
+                        earlier[slot, (slot - owner[key]) % world] += UNIT - work.far[key - work.first]
+            keys = np.arange(max(work.first, low), min(work.end, high))
+            distance = queries[:, None] - keys[None, :]
+            pairs = distance > 0
+            cost = np.where(distance <= work.near, UNIT, work.far[keys - work.first][None, :])
+            np.add.at(
+                this_round, (np.broadcast_to(slots[:, None], distance.shape)[pairs], distance[pairs]), cost[pairs]
+            )
+        added = earlier[moved[:, :, None], moved[:, None, :]] + this_round[moved]  # [h, r, t]
+        paths = (load[None] + added).max(axis=1).sum(axis=1)
+        turn = int(np.argmin(paths))  # the first of equal paths
+        load += added[turn]
+        owner[low:high] = (steps + turn) % world
+        for work in works:
+            keys = np.arange(max(work.first, low), min(work.end, high))
+            np.add.at(work.by_owner, owner[keys], work.far[keys - work.first])
+        turns.append(turn)
     return tuple(turns)

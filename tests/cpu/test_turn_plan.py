@@ -4,6 +4,7 @@ import pytest
 import torch
 from tool_modules import load_tool
 
+from megatron_mtraining import turn_plan
 from megatron_mtraining.balance import document_balance_report
 from megatron_mtraining.turn_plan import plan_turns
 from mtraining_kernels.document_index import DocumentIndex
@@ -27,6 +28,64 @@ def planned(documents: Documents, world: int, far: int = 100, min_sparse_length:
 def dense_index(documents: Documents, heads: int = 2) -> DocumentIndex:
     """Every document dense: the work is its causal block triangle, known exactly to the plan."""
     return mixtures.realistic_document_index(documents, heads, min_sparse_length=documents.seq_len + 1)
+
+
+def reference_turns(documents: Documents, world: int, far_verticals, far_slashes, min_sparse_length: int):
+    """The plan from its definition: every (query block, key block) tile's expected cost, then each round's turn
+    by trying all W and scoring the critical path over every tile placed so far (window 100, 30 sinks)."""
+    unit, num_blocks = turn_plan.UNIT, documents.seq_len // BLOCK_SIZE
+    tiles = {}
+    for sample, spans in enumerate(documents.host_spans.tolist()):
+        for slot, (start, length) in enumerate(spans):
+            if length == 0:
+                continue
+            first, end = start // BLOCK_SIZE, (start + length - 1) // BLOCK_SIZE + 1
+            blocks, sparse = end - first, length >= min_sparse_length
+            slash = round((1 - turn_plan._power(1 - min(1, 2 / blocks), int(far_slashes[sample, slot]))) * unit)
+            for query in range(first, end):
+                tiles.setdefault((query, query), 0)
+                for key in range(first, query):
+                    on = unit if not sparse or query - key <= 1 else slash
+                    bars = int(far_verticals[sample, slot]) * unit // (BLOCK_SIZE * blocks) if sparse else 0
+                    bars += 30 * unit // BLOCK_SIZE if sparse and key == first else 0
+                    tiles[(query, key)] = tiles.get((query, key), 0) + on + bars * (unit - on) // unit
+    for query in range(num_blocks):
+        tiles[(query, query)] = documents.batch_size * unit
+    owner, turns = {}, []
+    for round_ in range(num_blocks // world):
+        best = None
+        for turn in range(world):
+            for block in range(round_ * world, (round_ + 1) * world):
+                owner[block] = (block - round_ * world + turn) % world
+            load = torch.zeros(world, world, dtype=torch.long)
+            for (query, key), cost in tiles.items():
+                if query < (round_ + 1) * world:
+                    load[owner[query], (owner[query] - owner[key]) % world] += cost
+            path = int(load.amax(0).sum())
+            if best is None or path < best[0]:
+                best = (path, turn)
+        turns.append(best[1])
+        for block in range(round_ * world, (round_ + 1) * world):
+            owner[block] = (block - round_ * world + best[1]) % world
+    return tuple(turns)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_plan_follows_its_definition(seed, world):
+    """Random documents straddling blocks, dense and sparse, two samples: the incremental plan equals the turns
+    from every tile's expected cost."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = 24 * world * BLOCK_SIZE
+    samples = []
+    for _ in range(2):
+        cuts = torch.randint(1, seq_len, (int(torch.randint(1, 9, (), generator=generator)),), generator=generator)
+        samples.append(sorted({0, *cuts.tolist()}))
+    slots = max(len(starts) for starts in samples)
+    documents = Documents(torch.tensor([starts + [seq_len] * (slots - len(starts)) for starts in samples]), seq_len)
+    verticals = torch.randint(0, 40, documents.starts.shape, generator=generator)
+    slashes = torch.randint(0, 40, documents.starts.shape, generator=generator)
+    ours = plan_turns(documents, world, far_verticals=verticals, far_slashes=slashes, min_sparse_length=600)
+    assert ours == reference_turns(documents, world, verticals, slashes, 600), f"seed={seed} {documents.lengths}"
 
 
 def test_turns_make_a_skewed_layout_of_the_sequence():
