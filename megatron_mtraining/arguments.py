@@ -213,6 +213,12 @@ def add_mtraining_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "densely (provisional default, not yet measured on a GPU)",
     )
     group.add_argument(
+        flag("plan_turns"),
+        action="store_true",
+        help="with --mtraining-layout skewed, a static budget and packed documents: turn every round of stripes "
+        "by a turn planned per micro-batch from its documents, which evens out the ring's work",
+    )
+    group.add_argument(
         LOSS_CHUNK_SIZE_FLAG,
         type=int,
         default=0,
@@ -364,6 +370,12 @@ def _check_document_flags(args: argparse.Namespace, config: MTrainingConfig) -> 
                 f"--mtp-num-layers {args.mtp_num_layers} rolls packed sequences by THD cu_seqlens, which "
                 f"MTraining's packed documents do not carry; drop --mtp-num-layers or {packing}"
             )
+    if config.plan_turns and not (packing_flags and per_document_positions(args)):
+        raise ValueError(
+            f"{flag('plan_turns')} plans each micro-batch's layout from its packed documents, and RoPE then reads "
+            "each token's position id; add --reset-attention-mask --reset-position-ids (or "
+            f"{INTER_DOCUMENT_FLAG}) or drop {flag('plan_turns')}"
+        )
     documents = packing_flags + (["--reset-position-ids"] if args.reset_position_ids else [])
     if documents and args.pipeline_model_parallel_size > 1:
         raise ValueError(

@@ -63,13 +63,16 @@ class PackedDocuments:
     """The documents of a micro-batch, handed to ``GPTModel.forward`` as ``packed_seq_params``.
 
     ``documents``: the boundaries of the whole sequences (``[b, N]``, global order, before the layout
-    permutation), identical on every CP rank and on the tokens' device. The other fields are those that
+    permutation), identical on every CP rank and on the tokens' device. ``layout``: the micro-batch's own layout
+    when its turns were planned from these documents (``--mtraining-plan-turns``), else None (the configured
+    one). The other fields are those that
     megatron-core reads of any ``packed_seq_params`` on the GPT path: ``qkv_format`` is ``"sbhd"`` (not THD,
     so the tensors keep their ``[s, b]`` shape), ``cp_group`` None, and ``max_seqlen_q``/``max_seqlen_kv``
     are N (the RoPE table length).
     """
 
     documents: Documents
+    layout: Layout | None = None
     qkv_format: str = field(default="sbhd", init=False)
     cp_group: None = field(default=None, init=False)
 
@@ -78,6 +81,8 @@ class PackedDocuments:
             raise ValueError(
                 f"documents must be a mtraining_kernels.documents.Documents, got {type(self.documents).__name__}"
             )
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            raise ValueError(f"layout must be a mtraining_kernels Layout or None, got {type(self.layout).__name__}")
 
     @property
     def max_seqlen_q(self) -> int:
@@ -231,12 +236,13 @@ class MTrainingAttention(MegatronModule):
         local_len, batch, heads, head_dim = query.shape
         q, k, v = (t.permute(1, 0, 2, 3) for t in (query, key, value))  # [b, s, heads, d]
         seq_len = local_len * self.cp_size
-        self.layout.validate(seq_len, BLOCK_SIZE)
         documents = self._documents(packed_seq_params, batch, seq_len, query.device)
+        layout = self._call_layout(packed_seq_params)
+        layout.validate(seq_len, BLOCK_SIZE)
         mt = self.mtraining
         estimates = mt.sdpa_impl is None and not self.dense
         kind = forward_kind() if estimates or mt.keep_attention_output else ForwardKind.PLAIN
-        cache_key = IndexKey(seq_len, batch, heads, self.layout)
+        cache_key = IndexKey(seq_len, batch, heads, layout)
         replayed = self.index_cache.pop(cache_key, probe_checksum(q)) if kind is ForwardKind.REPLAY else None
         replay_output = None if replayed is None else replayed.output
         if mt.sdpa_impl is not None:
@@ -246,7 +252,7 @@ class MTrainingAttention(MegatronModule):
             if replayed is not None and estimates:
                 index = replayed.index
             elif documents is not None:
-                index = self._document_layer_index(q, k, documents)
+                index = self._document_layer_index(q, k, documents, layout)
             else:
                 index = self._layer_index(q, k, seq_len)
             out, lse = self._sparse_attention(q, k, v, seq_len, index, replay_output)
@@ -348,6 +354,18 @@ class MTrainingAttention(MegatronModule):
             )
         return documents
 
+    def _call_layout(self, packed_seq_params) -> Layout:
+        """The layout of this call: the micro-batch's planned one (``PackedDocuments.layout``) or the configured."""
+        planned = getattr(packed_seq_params, "layout", None)
+        if planned is None:
+            return self.layout
+        if planned.world_size != self.cp_size or planned.kind != "skewed":
+            raise ValueError(
+                f"the micro-batch's layout {planned!r} is not a skewed layout of the {self.cp_size} CP ranks; plan "
+                "its turns with megatron_mtraining.turn_plan for the CP size"
+            )
+        return planned
+
     def _sdpa_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, replay_output):
         """Dense causal attention on torch's SDPA kernels, no index: (out ``[b, s, heads, d]``, lse)."""
         if self.training:
@@ -403,7 +421,9 @@ class MTrainingAttention(MegatronModule):
             )
         return index
 
-    def _document_layer_index(self, q: torch.Tensor, k: torch.Tensor, documents: Documents) -> _LayerIndex:
+    def _document_layer_index(
+        self, q: torch.Tensor, k: torch.Tensor, documents: Documents, layout: Layout
+    ) -> _LayerIndex:
         """The packed index of a first forward: every document dense (dense layers) or estimated per document."""
         stopwatch, clamped = None, 0
         if self.dense:
@@ -411,7 +431,7 @@ class MTrainingAttention(MegatronModule):
         else:
             stopwatch = Stopwatch(q.device)
             with torch.no_grad():
-                index, clamped = self._estimate_documents(q.detach(), k.detach(), documents)
+                index, clamped = self._estimate_documents(q.detach(), k.detach(), documents, layout)
             stopwatch.stop()
             self.estimations += 1
         if self.training:
@@ -420,15 +440,17 @@ class MTrainingAttention(MegatronModule):
                 self.dense,
                 None,
                 None,
-                self.layout,
+                layout,
                 documents.seq_len,
                 stopwatch,
                 documents=index,
                 clamped_documents=clamped,
             )
-        return _LayerIndex(index.v_idx, index.s_idx, convert_document_index(index, self.layout, self.cp_rank), index)
+        return _LayerIndex(index.v_idx, index.s_idx, convert_document_index(index, layout, self.cp_rank), index)
 
-    def _estimate_documents(self, q: torch.Tensor, k: torch.Tensor, documents: Documents) -> tuple[DocumentIndex, int]:
+    def _estimate_documents(
+        self, q: torch.Tensor, k: torch.Tensor, documents: Documents, layout: Layout
+    ) -> tuple[DocumentIndex, int]:
         """(the per-document index, the number of documents whose static budget was clamped to their length)."""
         mt = self.mtraining
         budget = self._layer_budget(documents.seq_len, q.shape[2])
@@ -441,7 +463,7 @@ class MTrainingAttention(MegatronModule):
         )
         if self.cp_size == 1:
             return estimate_document_index(q, k, documents, budget, **options)
-        return estimate_document_index_distributed(q, k, documents, budget, self.layout, self.cp_group, **options)
+        return estimate_document_index_distributed(q, k, documents, budget, layout, self.cp_group, **options)
 
     def _estimate(self, q: torch.Tensor, k: torch.Tensor, seq_len: int) -> VerticalSlashIndex:
         mt = self.mtraining

@@ -67,6 +67,8 @@ class MTrainingConfig:
     recomputation skips the attention forward (costs N_loc·Hq·d activations per layer and rank).
     ``min_sparse_length``: packed documents (DESIGN.md §2.7) at least this long get their own index,
     shorter ones are attended densely (the default is provisional until measured on a GPU).
+    ``plan_turns``: with the skewed layout and packed documents, every micro-batch gets its own turns, planned
+    from its documents and the static budget (``megatron_mtraining.turn_plan``), so the ring's work evens out.
     """
 
     layout: str = "striped"
@@ -93,6 +95,7 @@ class MTrainingConfig:
     stats_interval: int = 1
     keep_attention_output: bool = False
     min_sparse_length: int = DEFAULT_MIN_SPARSE_LENGTH
+    plan_turns: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, (list, range)):
@@ -108,6 +111,8 @@ class MTrainingConfig:
                 f"backend='reference' (the test oracle) is plain autograd; use {flag('backend')} "
                 "triton or torch"
             )
+        if self.plan_turns:
+            self._check_plan_turns()
         if self.inner_ring_size is not None and self.ring != "hierarchical":
             raise ValueError(
                 f"{flag('inner_ring_size')}={self.inner_ring_size} only applies to the hierarchical "
@@ -127,7 +132,7 @@ class MTrainingConfig:
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"{flag(name)}={value!r} is unknown; use one of {', '.join(choices)}")
-        for name in ("deterministic", "dense", "keep_attention_output"):
+        for name in ("deterministic", "dense", "keep_attention_output", "plan_turns"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)} must be a bool, got {getattr(self, name)!r}")
 
@@ -161,6 +166,19 @@ class MTrainingConfig:
             raise ValueError(
                 f"{flag('inner_ring_size')}={self.inner_ring_size!r} must be an integer >= 1 "
                 "(the number of CP ranks per node)"
+            )
+
+    def _check_plan_turns(self) -> None:
+        if self.layout != "skewed" or self.stripe_granularity != BLOCK_SIZE:
+            raise ValueError(
+                f"{flag('plan_turns')} turns the skewed layout's rounds of {BLOCK_SIZE}-token stripes, but "
+                f"{flag('layout')}={self.layout} with {flag('stripe_granularity')}={self.stripe_granularity}; use "
+                f"{flag('layout')} skewed with {flag('stripe_granularity')} {BLOCK_SIZE}"
+            )
+        if self.budget != "static":
+            raise ValueError(
+                f"{flag('plan_turns')} plans from each document's static budget, which a top-P budget only has "
+                f"after estimation; use {flag('budget')} static or drop {flag('plan_turns')}"
             )
 
     def _check_budget_settings(self) -> None:

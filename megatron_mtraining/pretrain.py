@@ -30,6 +30,7 @@ import re
 import sys
 import warnings
 from functools import partial
+from typing import Callable
 
 # megatron-core warns on import about every Transformer Engine / Apex fallback; the launcher says it in one line
 LIBRARY_NOISE = r".*(Transformer Engine|Apex|transformer-engine|absl\.logging|Could not determine rank)"
@@ -69,6 +70,7 @@ from .layout import install_layout_rope, select_layout_positions
 from .megatron_compat import fill_optimizer_state_before_loading
 from .spec import get_gpt_layer_mtraining_spec
 from .step_metrics import MTrainingStepEnd
+from .turn_plan import planned_layout
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 DOCUMENT_KEYS = ("cu_seqlens", "max_seqlen")  # GPTDataset's, with --dataloader-inter-document-masking
@@ -109,6 +111,7 @@ def get_batch(
     layout: Layout,
     eod_token: int | None = None,
     inter_document_masking: bool = False,
+    plan_layout: Callable[[Documents], Layout] | None = None,
 ) -> tuple:
     """``(tokens, labels, loss_mask, attention_mask, position_ids)`` of this rank, each ``[b, N/CP]`` (or None),
     and the micro-batch's :class:`PackedDocuments` (None when unpacked).
@@ -116,8 +119,10 @@ def get_batch(
     TP rank 0 reads the micro-batch and Megatron broadcasts it over TP. Every rank then derives the document
     boundaries of the whole sequences: with ``inter_document_masking`` from the dataset's ``cu_seqlens``
     (``Documents.from_padded_cu_seqlens``), else with ``eod_token`` (``--reset-attention-mask``) from the
-    tokens (``Documents.from_eod``). Then this CP rank keeps its positions: ``layout``'s for
-    striped/contiguous, Megatron's own split for zigzag.
+    tokens (``Documents.from_eod``). With ``plan_layout`` (``--mtraining-plan-turns``) a packed micro-batch gets
+    the layout it returns for its documents (the same on every rank, which derives the same documents), carried
+    to the attention by the :class:`PackedDocuments`. Then this CP rank keeps its positions: the layout's for
+    striped/skewed/contiguous, Megatron's own split for zigzag.
     """
     args = get_args()
     if not is_first_or_last_pipeline_stage(vp_stage):
@@ -147,11 +152,16 @@ def get_batch(
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
     if inter_document_masking:
-        packed = PackedDocuments(Documents.from_padded_cu_seqlens(batch["cu_seqlens"], batch["tokens"].shape[1]))
+        documents = Documents.from_padded_cu_seqlens(batch["cu_seqlens"], batch["tokens"].shape[1])
     elif eod_token is not None:
-        packed = PackedDocuments(Documents.from_eod(batch["tokens"], eod_token))
+        documents = Documents.from_eod(batch["tokens"], eod_token)
     else:
-        packed = None
+        documents = None
+    packed = None
+    if documents is not None:
+        if plan_layout is not None:
+            layout = plan_layout(documents)
+        packed = PackedDocuments(documents, layout if plan_layout is not None else None)
     batch = {key: batch[key] for key in BATCH_KEYS}
     if layout.kind == "zigzag":
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
@@ -196,15 +206,45 @@ class MTrainingForwardStep:
     def __init__(self, mtraining: MTrainingConfig, loss_chunk_size: int):
         self.mtraining = mtraining
         self.output_processor = ChunkedLossOutputProcessor(loss_chunk_size) if loss_chunk_size else None
+        self._plans: dict[tuple[int, int], Callable[[Documents], Layout]] = {}
+
+    def plan_layout(self, seq_len: int, cp_size: int) -> Callable[[Documents], Layout] | None:
+        """``--mtraining-plan-turns``: the planner of a micro-batch's layout at this length, from the static budget
+        averaged over the model's layers and heads; None without the flag."""
+        if not self.mtraining.plan_turns:
+            return None
+        if (seq_len, cp_size) not in self._plans:
+            args = get_args()
+            table = self.mtraining.budget_table(
+                num_layers=args.num_layers, num_heads=args.num_attention_heads, seq_length=seq_len
+            )
+            budgets = [budget for layer in table.per_head for budget in layer]
+            mt = self.mtraining
+            self._plans[(seq_len, cp_size)] = partial(
+                planned_layout,
+                world_size=cp_size,
+                vertical_size=round(sum(budget.v_size for budget in budgets) / len(budgets)),
+                slash_size=round(sum(budget.s_size for budget in budgets) / len(budgets)),
+                min_sparse_length=mt.min_sparse_length,
+                sink_tokens=mt.sink_tokens,
+                local_window=mt.local_window,
+            )
+        return self._plans[(seq_len, cp_size)]
 
     def __call__(self, data_iterator, model):
         timers = get_timers()
         timers("batch-generator", log_level=2).start()
-        layout = self.mtraining.layout_for(mpu.get_context_parallel_world_size())
+        cp_size = mpu.get_context_parallel_world_size()
+        layout = self.mtraining.layout_for(cp_size)
         source = document_source(get_args())
         eod_token = get_tokenizer().eod if source == "eod" else None
         tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(
-            data_iterator, get_attr_wrapped_model(model, "vp_stage"), layout, eod_token, source == "cu_seqlens"
+            data_iterator,
+            get_attr_wrapped_model(model, "vp_stage"),
+            layout,
+            eod_token,
+            source == "cu_seqlens",
+            self.plan_layout(get_args().seq_length, cp_size),
         )
         timers("batch-generator").stop()
         output = model(

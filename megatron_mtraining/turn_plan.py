@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mtraining_kernels.documents import Documents
-from mtraining_kernels.layout import BLOCK_SIZE
+from mtraining_kernels.layout import BLOCK_SIZE, Layout
 
 UNIT = 1 << 20  # one tile of expected work, in integer units
 
@@ -177,3 +177,31 @@ def plan_turns(
             np.add.at(work.by_owner, owner[keys], work.far[keys - work.first])
         turns.append(turn)
     return tuple(turns)
+
+
+def planned_layout(
+    documents: Documents,
+    world_size: int,
+    *,
+    vertical_size: int,
+    slash_size: int,
+    min_sparse_length: int,
+    sink_tokens: int,
+    local_window: int,
+) -> Layout:
+    """``Layout("skewed", W, turns=...)`` for a micro-batch whose sparse documents each take the static budget
+    ``vertical_size`` / ``slash_size`` (forced entries included, clamped to the document, as the estimator does):
+    a document's far counts are its budget less its sinks and window."""
+    lengths = documents.lengths.cpu()
+    far_verticals = (torch.clamp(lengths, max=vertical_size) - sink_tokens).clamp(min=0)
+    far_slashes = (torch.clamp(lengths, max=slash_size) - local_window).clamp(min=0)
+    turns = plan_turns(
+        documents,
+        world_size,
+        far_verticals=far_verticals,
+        far_slashes=far_slashes,
+        min_sparse_length=min_sparse_length,
+        sink_tokens=sink_tokens,
+        local_window=local_window,
+    )
+    return Layout("skewed", world_size, turns=turns)

@@ -22,7 +22,8 @@ Kinds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -38,13 +39,21 @@ class Layout:
 
     ``granularity`` is the stripe length of the striped and skewed layouts (ignored by the others).
     ``turns`` (skewed only): the turn of every round, in ``[0, W)``; None turns round j by j. A layout with
-    turns fits one sequence length, N = len(turns)·W·granularity (not shown by ``repr``).
+    turns fits one sequence length, N = len(turns)·W·granularity; ``repr`` shows their count and a digest
+    (ranks compare layouts by their ``repr``).
     """
 
     kind: str
     world_size: int
     granularity: int = BLOCK_SIZE
-    turns: tuple[int, ...] | None = field(default=None, repr=False)
+    turns: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        text = f"Layout(kind={self.kind!r}, world_size={self.world_size}, granularity={self.granularity}"
+        if self.turns is None:
+            return text + ")"
+        digest = hashlib.sha256(repr(self.turns).encode()).hexdigest()[:16]
+        return text + f", turns=<{len(self.turns)} rounds, sha256 {digest}>)"
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUT_KINDS:

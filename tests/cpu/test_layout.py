@@ -92,6 +92,14 @@ def test_bad_turns(kwargs, message):
         Layout(**kwargs)
 
 
+def test_repr_tells_turns_apart():
+    """Ranks compare layouts by their repr: other turns give another repr, no turns the dataclass's own."""
+    assert repr(Layout("skewed", 2, 16)) == "Layout(kind='skewed', world_size=2, granularity=16)"
+    first, same, other = (Layout("skewed", 2, 16, turns=turns) for turns in ((0, 1, 1), [0, 1, 1], (0, 1, 0)))
+    assert repr(first) == repr(same) and first == same and repr(first) != repr(other)
+    assert "turns=<3 rounds, sha256 " in repr(first)
+
+
 def test_turns_fit_one_length():
     layout = Layout("skewed", 2, 16, turns=(0, 1, 1))
     with pytest.raises(ValueError, match=r"seq_len=128 does not match the layout's 3 turns .* N = 96"):

@@ -5,7 +5,9 @@
   one pipeline stage;
 * ``get_batch`` derives the documents from the whole sequences' tokens on every CP rank, before the layout
   permutation, and the forward step hands them to the model as ``packed_seq_params``;
-* ``--reset-position-ids`` gives the launcher's model per-token RoPE in every layout.
+* ``--reset-position-ids`` gives the launcher's model per-token RoPE in every layout;
+* ``--mtraining-plan-turns``: accepted only where it applies; ``get_batch`` then lays the micro-batch out by the
+  turns planned for its documents and hands that layout to the attention with the documents.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from test_arguments import _parse, parser  # noqa: F401 - parser is a fixture
 from megatron_mtraining import pretrain
 from megatron_mtraining.arguments import validate_mtraining_args
 from megatron_mtraining.attention import PackedDocuments
+from megatron_mtraining.turn_plan import planned_layout
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.layout import Layout
 
@@ -195,3 +198,86 @@ def test_reset_position_ids_gives_the_launchers_model_per_token_rope(parser, lay
         hook for hook in model_config.pre_wrap_hooks if getattr(hook, "func", None) is pretrain._install_layout_rope
     ]
     assert [hook.args[1] for hook in hooks] == [True]
+
+
+PLAN = "--reset-attention-mask --reset-position-ids --no-rope-fusion --mtraining-layout skewed --mtraining-plan-turns"
+STATIC = "--mtraining-budget static --mtraining-vertical-size 64 --mtraining-slash-size 128"
+
+
+def test_plan_turns_is_accepted_with_packed_documents_and_a_static_budget(parser):  # noqa: F811
+    config = validate_mtraining_args(_parse(parser, f"{PLAN} {STATIC}"))
+    assert config.plan_turns and config.layout == "skewed"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            "--mtraining-budget static --mtraining-sparsity 0.9 --mtraining-layout striped",
+            "use --mtraining-layout skewed",
+        ),
+        ("--mtraining-budget top-p", "use --mtraining-budget static or drop --mtraining-plan-turns"),
+        (
+            f"{STATIC} --mtraining-stripe-granularity 256",
+            "with --mtraining-stripe-granularity 128",
+        ),
+    ],
+)
+def test_plan_turns_is_refused_where_it_does_not_apply(parser, extra, message):  # noqa: F811
+    with pytest.raises(ValueError) as error:
+        validate_mtraining_args(_parse(parser, f"{PLAN} {extra}"))
+    assert message in str(error.value), str(error.value)
+    unpacked = f"--mtraining-layout skewed --mtraining-plan-turns {STATIC}"
+    with pytest.raises(ValueError, match="add --reset-attention-mask --reset-position-ids"):
+        validate_mtraining_args(_parse(parser, unpacked))
+
+
+def _planner(documents: Documents) -> Layout:
+    return planned_layout(
+        documents, 2, vertical_size=40, slash_size=200, min_sparse_length=128, sink_tokens=4, local_window=16
+    )
+
+
+def test_get_batch_lays_a_packed_micro_batch_out_by_its_planned_turns(launcher_on_cpu):
+    """2048 tokens (8 rounds at CP = 2) whose documents plan turns of their own, neither striped's nor skewed's."""
+    tokens = torch.randint(1, 64, (2, 2048), generator=torch.Generator().manual_seed(0))
+    tokens[0, [299, 300, 900, 1300]] = EOD
+    tokens[1, [255, 2047]] = EOD
+    layout = _planner(Documents.from_eod(tokens, EOD))
+    assert layout.turns == (0, 1, 1, 0, 0, 0, 1, 0), layout.turns
+    for rank in range(2):
+        launcher_on_cpu.cp_rank = rank
+        *local, packed = pretrain.get_batch(iter([_sample(tokens)]), None, Layout("skewed", 2), EOD, False, _planner)
+        assert packed.layout == layout
+        assert torch.equal(local[0], tokens[:, layout.global_positions(2048, rank)])
+    *_, unpacked = pretrain.get_batch(iter([_sample(tokens)]), None, Layout("skewed", 2), None, False, _planner)
+    assert unpacked is None
+
+
+def test_forward_step_plans_from_the_static_budget(launcher_on_cpu, monkeypatch, seed):
+    from megatron_mtraining.config import MTrainingConfig
+
+    args = pretrain.get_args()
+    monkeypatch.setattr(args, "num_layers", 2, raising=False)
+    monkeypatch.setattr(args, "num_attention_heads", 4, raising=False)
+    calls = []
+
+    def model(*args, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros(2, SEQ_LEN // 2)
+
+    mtraining = MTrainingConfig(
+        backend="torch",
+        layout="skewed",
+        plan_turns=True,
+        budget="static",
+        vertical_size=40,
+        slash_size=200,
+        sink_tokens=4,
+        local_window=16,
+        last_q=16,
+        min_sparse_length=128,
+    )
+    pretrain.MTrainingForwardStep(mtraining, 0)(iter([_sample(_tokens(seed))]), model)
+    packed = calls[0]["packed_seq_params"]
+    assert packed.layout == _planner(Documents.from_eod(_tokens(seed), EOD))

@@ -221,6 +221,16 @@ def _packed_sequence_call():
     return _attention_call(packed_seq_params=PackedSeqParams(qkv_format="thd"))
 
 
+def _packed_call_with_another_cp_layout():
+    from megatron_mtraining.attention import PackedDocuments
+    from mtraining_kernels.documents import Documents
+    from mtraining_kernels.layout import Layout
+
+    turns = (1,) * (SEQ_LEN // (2 * 128))
+    packed = PackedDocuments(Documents.single(1, SEQ_LEN), Layout("skewed", 2, turns=turns))
+    return _attention_call(packed_seq_params=packed)
+
+
 def _padding_mask_attention():
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -507,6 +517,13 @@ ROWS = [
         lambda tmp: _packed_sequence_call(),
         ValueError,
         r"does not support packed sequences as PackedSeqParams.*PackedDocuments.*train on unpacked sequences",
+    ),
+    Invalid(
+        "attention: a micro-batch layout planned for another CP size",
+        lambda tmp: _packed_call_with_another_cp_layout(),
+        ValueError,
+        r"the micro-batch's layout Layout\(kind='skewed', world_size=2, .*turns=<.*\) is not a skewed layout of the 1 "
+        r"CP ranks; plan its turns with megatron_mtraining.turn_plan for the CP size",
     ),
     Invalid(
         "spec: multi-latent attention",

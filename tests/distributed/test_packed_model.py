@@ -24,6 +24,8 @@ import torch.distributed as dist
 from megatron_cpu import megatron_on_cpu
 from test_megatron_model import _init_parallel, _transformer_config
 
+from mtraining_kernels.layout import Layout
+
 SEQ_LEN = 512
 BATCH = 2
 VOCAB = 128
@@ -34,6 +36,9 @@ SPARSE_SETTINGS = dict(budget="static", vertical_size=12, slash_size=2, sink_tok
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
 LAYOUTS = ("striped", "skewed", "zigzag", "contiguous")
+# the micro-batch's own skewed turns, carried by PackedDocuments as get_batch plans them (--mtraining-plan-turns):
+# at CP = 2 and 512 tokens, round 0 turned by 1 and round 1 by 0 is neither striped's (0, 0) nor skewed's (0, 1)
+BATCH_TURNS = (1, 0)
 
 
 def _mtraining(kind: str, layout: str = "striped", backend: str = "torch", **extra):
@@ -106,7 +111,7 @@ def _train_step(model, batch, layout, packed: bool = True):
         local["position_ids"],
         None,
         labels=local["labels"],
-        packed_seq_params=PackedDocuments(batch["documents"]) if packed else None,
+        packed_seq_params=PackedDocuments(batch["documents"], layout if layout.turns else None) if packed else None,
     )
     loss = (per_token * local["loss_mask"]).sum()
     loss.backward()
@@ -153,6 +158,10 @@ def _equivalence(kind: str, seed: int) -> dict:
         report["layouts"][layout] = _differences(
             reference, _train_step(_build_model(mt, 2, weights), batch, mt.layout_for(2))
         )
+    _init_parallel(1, 2)
+    model = _build_model(_mtraining(kind, "skewed"), 2, weights)
+    turned = _train_step(model, batch, Layout("skewed", 2, turns=BATCH_TURNS))
+    report["layouts"][f"skewed turns {BATCH_TURNS}"] = _differences(reference, turned)
     return report
 
 
