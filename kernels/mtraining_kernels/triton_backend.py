@@ -162,6 +162,20 @@ def _tile_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]])
 
 
+MAX_BAR_CHUNK_SPLITS = 8
+BAR_CHUNK_PROGRAMS = 256  # about two per multiprocessor of an H100/H200
+
+
+def _bar_chunk_splits(chunks: int) -> int:
+    """Parts each bar chunk's walk is split into: the smallest power of two (up to :data:`MAX_BAR_CHUNK_SPLITS`)
+    that gives a step's chunks :data:`BAR_CHUNK_PROGRAMS` programs. A function of the lists alone, so the
+    deterministic sums are the same on every device."""
+    splits = 1
+    while splits < MAX_BAR_CHUNK_SPLITS and splits * chunks < BAR_CHUNK_PROGRAMS:
+        splits *= 2
+    return splits
+
+
 def _tiles(dim: int) -> dict:
     return {"HEAD_DIM": dim, "BLOCK_M": BLOCK_SIZE, "BLOCK_N": SUB_TILE}
 
@@ -431,9 +445,10 @@ def block_bar_backward(
         return
     source = bar_chunks.source
     step_first_slot = bar_chunks.source_slots[source:]
-    scratch_dk = torch.empty(bar_chunks.max_slots, dim, dtype=torch.float32, device=q.device)
+    splits = _bar_chunk_splits(bar_chunks.max_chunks)
+    scratch_dk = torch.empty(splits * bar_chunks.max_slots, dim, dtype=torch.float32, device=q.device)
     scratch_dv = torch.empty_like(scratch_dk)
-    bar_chunk_backward_kernel[(bar_chunks.max_chunks,)](
+    bar_chunk_backward_kernel[(bar_chunks.max_chunks, splits)](
         q,
         k,
         v,
@@ -460,6 +475,8 @@ def block_bar_backward(
         group,
         softmax_scale,
         qk_scale_log2,
+        bar_chunks.max_slots,
+        SPLITS=splits,
         **document_flag,
         **{**tiles, "BLOCK_N": BAR_CHUNK_COLUMNS},
         **BAR_CHUNK_CONFIG,
@@ -478,5 +495,7 @@ def block_bar_backward(
         *_bhs(dv),
         query_len,
         kv_heads,
+        bar_chunks.max_slots,
         HEAD_DIM=dim,
+        SPLITS=splits,
     )

@@ -13,11 +13,11 @@ QUERY_DOCS / KEY_DOCS are int32 ``[b, N]`` with batch stride ``stride_docb``.
   block (a CSR-by-key copy of the block lists) in 64-row slices, and adds its registers into dk/dv
   once (no atomics). It runs after the query-major pass, whose bar atomics it must not race.
 * :func:`bar_chunk_backward_kernel` — deterministic dk/dv of the bars: one program per chunk of up
-  to 64 distinct bar columns of one (sample, query head); it walks the query blocks that list any
-  of them, with a 64-bit membership word per (chunk, query block), and writes the chunk's partial
-  dk/dv rows to a scratch buffer;
+  to 64 distinct bar columns of one (sample, query head) and part of its walk (short steps split a chunk's
+  query blocks over several programs); it walks the query blocks that list any of them, with a 64-bit
+  membership word per (chunk, query block), and writes its partial dk/dv rows to a scratch buffer;
 * :func:`bar_member_sum_kernel` — one program per dk/dv row (sample, key column, KV head) that the
-  bars reach: adds its scratch rows into dk/dv in ascending GQA member order (no atomics).
+  bars reach: adds its scratch rows into dk/dv in ascending GQA member order, then part (no atomics).
 
 Both bar kernels run on a grid sized by an upper bound of the step's work (``mtraining_kernels.bar_chunks``:
 no host sync); programs past the step's real count, read from the device, do nothing.
@@ -369,19 +369,23 @@ def bar_chunk_backward_kernel(
     group_size,
     softmax_scale,
     qk_scale_log2,
+    scratch_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QUERY_ROWS: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    """Program p runs chunk c = STEP_CHUNKS[0] + p if c < STEP_CHUNKS[1] (this step's chunks), else nothing.
-    Chunk c covers BAR_COLUMN[first : first+len] (distinct local key columns of row CHUNK_HEAD[c] =
+    """Program (p, part) runs chunk c = STEP_CHUNKS[0] + p if c < STEP_CHUNKS[1] (this step's chunks), else
+    nothing. Chunk c covers BAR_COLUMN[first : first+len] (distinct local key columns of row CHUNK_HEAD[c] =
     z·Hq + h); pairs PAIR_PTR[c] … PAIR_PTR[c+1] give a query block and a 64-bit word whose bit t says
-    column first+t is a bar of that block. Writes scale·dSᵀq and Pᵀ·dO to scratch rows first − s …
-    first − s + len, s = STEP_FIRST_SLOT[0] (the step's first column slot).
-    Query blocks are visited in BLOCK_M // QUERY_ROWS slices, as in the key-major kernel."""
+    column first+t is a bar of that block. Query blocks are visited in BLOCK_M // QUERY_ROWS slices, as in the
+    key-major kernel, and the chunk's slices are dealt to its SPLITS parts round-robin: part ``part`` writes
+    the scale·dSᵀq and Pᵀ·dO of its slices to scratch rows part·scratch_rows + first − s …, s =
+    STEP_FIRST_SLOT[0] (the step's first column slot)."""
     SLICES: tl.constexpr = BLOCK_M // QUERY_ROWS
+    part = tl.program_id(1)
     chunk = tl.load(STEP_CHUNKS) + tl.program_id(0)
     live = chunk < tl.load(STEP_CHUNKS + 1)
     sample_head = tl.load(CHUNK_HEAD + chunk, mask=live, other=0).to(tl.int64)
@@ -410,7 +414,7 @@ def bar_chunk_backward_kernel(
 
     pairs_start = tl.load(PAIR_PTR + chunk, mask=live, other=0)
     pairs_end = tl.load(PAIR_PTR + chunk + 1, mask=live, other=0)
-    for step in range(pairs_start * SLICES, pairs_end * SLICES):
+    for step in range(pairs_start * SLICES + part, pairs_end * SLICES, SPLITS):
         qblock = tl.load(PAIR_QBLOCK + step // SLICES)
         bits = tl.load(PAIR_BITS + step // SLICES)
         listed = ((bits >> offs_n.to(tl.int64)) & 1) != 0
@@ -439,9 +443,10 @@ def bar_chunk_backward_kernel(
         dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(dscores_t.to(q.dtype), q)
 
-    scratch_rows = (first - tl.load(STEP_FIRST_SLOT) + offs_n)[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(SCRATCH_DK + scratch_rows, dk * softmax_scale, mask=in_chunk[:, None])
-    tl.store(SCRATCH_DV + scratch_rows, dv, mask=in_chunk[:, None])
+    rows = part * scratch_rows + first - tl.load(STEP_FIRST_SLOT) + offs_n
+    scratch = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(SCRATCH_DK + scratch, dk * softmax_scale, mask=in_chunk[:, None])
+    tl.store(SCRATCH_DV + scratch, dv, mask=in_chunk[:, None])
 
 
 @triton.jit
@@ -463,12 +468,14 @@ def bar_member_sum_kernel(
     stride_dvh,
     key_len,
     kv_heads,
+    scratch_rows,
     HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     """Program p owns target t = STEP_TARGETS[0] + p if t < STEP_TARGETS[1], else does nothing: the dk/dv
-    row TARGET_ROW[t] = (z·Hkv + KV head)·key_len + column. It adds the scratch rows TARGET_SLOT[j] − s,
-    j = TARGET_PTR[t] … TARGET_PTR[t+1] (ascending GQA member, s = STEP_FIRST_SLOT[0]), one after the
-    other, to the row's fp32 value and stores it once."""
+    row TARGET_ROW[t] = (z·Hkv + KV head)·key_len + column. It adds the scratch rows part·scratch_rows +
+    TARGET_SLOT[j] − s, j = TARGET_PTR[t] … TARGET_PTR[t+1] (ascending GQA member, then part; s =
+    STEP_FIRST_SLOT[0]), one after the other, to the row's fp32 value and stores it once."""
     target = tl.load(STEP_TARGETS) + tl.program_id(0)
     live = target < tl.load(STEP_TARGETS + 1)
     row = tl.load(TARGET_ROW + target, mask=live, other=0).to(tl.int64)
@@ -484,9 +491,11 @@ def bar_member_sum_kernel(
     members_start = tl.load(TARGET_PTR + target, mask=live, other=0)
     members_end = tl.load(TARGET_PTR + target + 1, mask=live, other=0)
     for member in range(members_start, members_end):
-        scratch_row = (tl.load(TARGET_SLOT + member) - first_slot).to(tl.int64) * HEAD_DIM + offs_d
-        dk += tl.load(SCRATCH_DK + scratch_row)
-        dv += tl.load(SCRATCH_DV + scratch_row)
+        slot = (tl.load(TARGET_SLOT + member) - first_slot).to(tl.int64)
+        for part in tl.static_range(SPLITS):
+            scratch_row = (part * scratch_rows + slot) * HEAD_DIM + offs_d
+            dk += tl.load(SCRATCH_DK + scratch_row)
+            dv += tl.load(SCRATCH_DV + scratch_row)
     tl.store(dk_ptrs, dk, mask=live)
     tl.store(dv_ptrs, dv, mask=live)
 

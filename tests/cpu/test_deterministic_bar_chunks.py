@@ -102,6 +102,8 @@ def _old_bar_pass(q, k, v, dout, lse, delta, bar_ptr, bar_col, dk, dv, docs, sca
         group,
         scale,
         scale * triton_backend.LOG2E,
+        chunks.column.numel(),
+        SPLITS=1,
         **document_flag,
         **triton_backend._tiles(dim),
         **triton_backend.BAR_CHUNK_CONFIG,
@@ -173,9 +175,10 @@ def _backward(q, k, v, dout, lse, delta, lists, grads, settings, **keywords):
 
 # ---------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("case", list(CASES))
-def test_cached_bar_chunks_give_bitwise_the_former_deterministic_gradients(seed, case):
-    """Every step: dq/dk/dv with the index's view equal, bitwise, the block passes followed by the former
-    regrouping and member loop; and a second call equals the first."""
+def test_cached_bar_chunks_give_bitwise_the_former_deterministic_gradients(seed, case, monkeypatch):
+    """Every step, each chunk walked by one program: dq/dk/dv with the index's view equal, bitwise, the block
+    passes followed by the former regrouping and member loop; and a second call equals the first."""
+    monkeypatch.setattr(triton_backend, "_bar_chunk_splits", lambda chunks: 1)
     indices, (q, k, v, dout) = CASES[case](seed)
     generator = torch.Generator().manual_seed(seed)
     for rank, source, index in _steps(indices):
@@ -192,6 +195,38 @@ def test_cached_bar_chunks_give_bitwise_the_former_deterministic_gradients(seed,
             assert torch.equal(a, b), f"{context}: {name} differs from the former regrouping"
             assert torch.equal(a, c), f"{context}: {name} differs between two calls"
         assert torch.equal(ours[1], _backward(q, k, v, dout, lse, delta, lists, grads, settings)[1]), context
+
+
+@pytest.mark.parametrize("case", ["contiguous-W1-gqa1", "packed-striped-W2-gqa2"])
+def test_split_chunk_walks_sum_to_the_whole_walks(seed, case, monkeypatch):
+    """A chunk's walk split over 4 programs: dk/dv equal the one-program walk up to fp32 rounding and are
+    bitwise repeatable."""
+    indices, (q, k, v, dout) = CASES[case](seed)
+    generator = torch.Generator().manual_seed(seed)
+    for rank, source, index in _steps(indices):
+        lists, settings, lse, delta, grads = _step_setup(index, rank, source, q, k, v, generator)
+        view = index.bar_chunks(source, k.shape[2])
+        results = {}
+        for splits in (1, 4):
+            monkeypatch.setattr(triton_backend, "_bar_chunk_splits", lambda chunks, splits=splits: splits)
+            results[splits] = _backward(q, k, v, dout, lse, delta, lists, grads, settings, bar_chunks=view)
+        again = _backward(q, k, v, dout, lse, delta, lists, grads, settings, bar_chunks=view)
+        context = f"seed={seed} {case} rank {rank} source {source}"
+        for name, whole, split in zip(("dk", "dv"), results[1][1:], results[4][1:]):
+            assert torch.allclose(split, whole, rtol=1e-5, atol=1e-5), f"{context}: {name}"
+        assert all(torch.equal(a, b) for a, b in zip(results[4], again)), f"{context}: not repeatable"
+
+
+def test_bar_chunk_splits_fill_the_programs_from_the_lists_alone():
+    assert [triton_backend._bar_chunk_splits(chunks) for chunks in (1, 40, 80, 128, 200, 256, 5000)] == [
+        8,
+        8,
+        4,
+        2,
+        2,
+        1,
+        1,
+    ]
 
 
 def _step_lists(view: BarChunks) -> dict[str, torch.Tensor]:
