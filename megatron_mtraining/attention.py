@@ -65,10 +65,9 @@ class PackedDocuments:
     ``documents``: the boundaries of the whole sequences (``[b, N]``, global order, before the layout
     permutation), identical on every CP rank and on the tokens' device. ``layout``: the micro-batch's own layout
     when its turns were planned from these documents (``--mtraining-plan-turns``), else None (the configured
-    one). The other fields are those that
-    megatron-core reads of any ``packed_seq_params`` on the GPT path: ``qkv_format`` is ``"sbhd"`` (not THD,
-    so the tensors keep their ``[s, b]`` shape), ``cp_group`` None, and ``max_seqlen_q``/``max_seqlen_kv``
-    are N (the RoPE table length).
+    one). The other fields are those that megatron-core reads of any ``packed_seq_params`` on the GPT path:
+    ``qkv_format`` is ``"sbhd"`` (not THD, so the tensors keep their ``[s, b]`` shape), ``cp_group`` None, and
+    ``max_seqlen_q``/``max_seqlen_kv`` are N (the RoPE table length).
     """
 
     documents: Documents
