@@ -137,17 +137,21 @@ def test_one_packed_document_is_bitwise_the_unpacked_path(seed):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_unaligned_inputs_equal_aligned_ones(seed, deterministic):
     """Inputs at an address that is not a 16-byte multiple are read by pointer gathers, aligned ones by
-    tensor-memory copies (emulated here): outputs and gradients are bitwise the same."""
+    tensor-memory copies (emulated here), also through Megatron's ``[s, b, H, d]`` memory seen as ``[b, s, H, d]``
+    (strides not in dimension order): outputs and gradients are bitwise the same."""
     gen = torch.Generator().manual_seed(seed)
-    v_idx, s_idx = make_index(1, 4, 512, "mixed", gen)
-    q, k, v, dout = make_qkv_dout(1, 512, 4, 2, 64, torch.float16, "cpu", gen)
+    v_idx, s_idx = make_index(2, 4, 512, "mixed", gen)
+    q, k, v, dout = make_qkv_dout(2, 512, 4, 2, 64, torch.float16, "cpu", gen)
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, 512)
     unaligned = [off_alignment(x) for x in (q, k, v, dout)]
+    sequence_major = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v)]
     assert triton_backend._copies_tiles(q, k, v, dout) and not triton_backend._copies_tiles(*unaligned)
+    assert triton_backend._copies_tiles(*sequence_major) and not sequence_major[0].is_contiguous()
     aligned_results = single_device_attention(q, k, v, dout, index, deterministic=deterministic)
-    unaligned_results = single_device_attention(*unaligned, index, deterministic=deterministic)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), aligned_results, unaligned_results):
-        assert torch.equal(a, b), f"seed={seed} {name} differs between the tile paths"
+    for inputs in (unaligned, [*sequence_major, dout]):
+        results = single_device_attention(*inputs, index, deterministic=deterministic)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), aligned_results, results):
+            assert torch.equal(a, b), f"seed={seed} {name} differs between the tile paths"
 
 
 def test_matches_torch_backend_per_step(seed):
