@@ -192,7 +192,7 @@ def planned_layout(
     """``Layout("skewed", W, turns=...)`` for a micro-batch whose sparse documents each take the static budget
     ``vertical_size`` / ``slash_size`` (forced entries included, clamped to the document, as the estimator does):
     a document's far counts are its budget less its sinks and window."""
-    lengths = documents.lengths.cpu()
+    lengths = documents.host_spans[..., 1]  # the host copy Documents keeps: no device sync
     far_verticals = (torch.clamp(lengths, max=vertical_size) - sink_tokens).clamp(min=0)
     far_slashes = (torch.clamp(lengths, max=slash_size) - local_window).clamp(min=0)
     turns = plan_turns(

@@ -106,7 +106,7 @@ def mixture_index(args: argparse.Namespace):
     return documents, doc_index
 
 
-def planned_layout(args: argparse.Namespace, documents) -> Layout:
+def planned_skewed_layout(args: argparse.Namespace, documents) -> Layout:
     """The skewed layout with turns planned for ``documents``, each document's far counts as
     ``realistic_document_index`` draws them (round(far · L / N))."""
     lengths = documents.lengths
@@ -142,7 +142,7 @@ def reports_and_title(args: argparse.Namespace) -> tuple[dict[str, BalanceReport
         f"{int(doc_index.sparse.sum())} sparse (>= {args.min_sparse_length} tokens, {sparse_tokens} tokens)"
     )
     if args.granularity == BLOCK_SIZE:
-        layouts["skewed planned"] = planned_layout(args, documents)
+        layouts["skewed planned"] = planned_skewed_layout(args, documents)
     return {name: document_balance_report(doc_index, layout) for name, layout in layouts.items()}, title
 
 
