@@ -16,16 +16,21 @@ does not fail them: the ranks meet through a ``FileStore`` in a fresh temporary 
 pick and race for), wait for each other there (up to :data:`STARTUP_TIMEOUT`) before the process
 group's rendezvous, and every call starts only once every rank has unpickled it (imported its module,
 up to :data:`LOAD_TIMEOUT`); only then do ``timeout`` and the collectives' ``collective_timeout`` run.
+
+A call that times out says where it stopped: every live rank writes its threads' Python stacks (``faulthandler``
+on ``SIGUSR1``) and the error carries them, so a hang in CI names its line instead of only its test.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import io
 import os
 import pickle
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -39,6 +44,7 @@ STARTUP_TIMEOUT = 300.0  # seconds for every rank to start, import torch and joi
 LOAD_TIMEOUT = 300.0  # seconds for every rank to unpickle a call (importing the test's modules)
 _STOP, _GO = "stop", "go"
 _READY, _LOADED, _DONE, _FAILED = "ready", "loaded", "done", "failed"
+STACK_DUMP_WAIT = 3.0  # seconds a signalled rank gets to write its stacks
 
 
 def _wait_for_every_rank(store: dist.Store, rank: int, world_size: int) -> None:
@@ -47,8 +53,14 @@ def _wait_for_every_rank(store: dist.Store, rank: int, world_size: int) -> None:
     store.wait([f"harness/started/{r}" for r in range(world_size)], timedelta(seconds=STARTUP_TIMEOUT))
 
 
+def _stacks_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.stacks.{rank}"
+
+
 def _worker(rank, world_size, store_path, backend, tasks, results, collective_timeout):
     torch.set_num_threads(1)  # W ranks share a few cores; more threads per rank only contend
+    stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, world_size)
@@ -84,6 +96,7 @@ class _Pool:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.folder = tempfile.mkdtemp(prefix="harness-store-")
+        self.store_path = os.path.join(self.folder, "store")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.procs = [
@@ -92,7 +105,7 @@ class _Pool:
                 args=(
                     r,
                     world_size,
-                    os.path.join(self.folder, "store"),
+                    self.store_path,
                     backend,
                     self.tasks[r],
                     self.results,
@@ -125,7 +138,8 @@ class _Pool:
                 if dead or waited > timeout:
                     raise TimeoutError(
                         f"{self.world_size} ranks did not {what} ({waited:.0f}s without a message, limit "
-                        f"{timeout:.0f}s); ranks done: {sorted(collected)}, ranks exited: {dead}"
+                        f"{timeout:.0f}s); ranks done: {sorted(collected)}, ranks exited: {dead}\n"
+                        + self._stacks(skip=set(collected) | set(dead))
                     ) from None
                 continue
             last_message = time.monotonic()
@@ -138,6 +152,18 @@ class _Pool:
         if failures:
             raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
         return collected
+
+    def _stacks(self, skip: set[int]) -> str:
+        """Where every rank not in ``skip`` is now: its threads' Python stacks, written on SIGUSR1."""
+        asked = [r for r, p in enumerate(self.procs) if r not in skip and p.exitcode is None]
+        for r in asked:
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT)
+        parts = []
+        for r in asked:
+            with open(_stacks_path(self.store_path, r)) as dump:
+                parts.append(f"--- rank {r} stacks ---\n{dump.read()[-6000:]}")
+        return "\n".join(parts)
 
     def run(self, fn, args, timeout):
         self.calls += 1
@@ -173,7 +199,7 @@ def _close_pools() -> None:
 
 
 def run_on_ranks(
-    fn, world_size: int, *args, backend: str = "gloo", timeout: float = 180.0, collective_timeout: float = 60.0
+    fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0, collective_timeout: float = 60.0
 ):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 

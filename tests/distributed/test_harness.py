@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,3 +32,18 @@ def test_a_call_starts_once_every_rank_has_imported_it():
     from late_rank import COLLECTIVE_SECONDS, sum_of_ranks
 
     assert run_on_ranks(sum_of_ranks, 2, collective_timeout=COLLECTIVE_SECONDS) == [1, 1]
+
+
+def _rank_one_stalls(rank, world_size):
+    if rank == 1:
+        time.sleep(120)  # stands for a hang: rank 1 never answers within the call's timeout
+    return rank
+
+
+def test_a_timed_out_call_says_where_the_silent_rank_is(distributed):
+    with pytest.raises(TimeoutError) as raised:
+        distributed(_rank_one_stalls, 2, timeout=5)
+    message = str(raised.value)
+    assert "ranks done: [0]" in message, message
+    assert "--- rank 1 stacks ---" in message and "_rank_one_stalls" in message, message
+    assert "--- rank 0 stacks ---" not in message, f"rank 0 had finished; its stacks are noise:\n{message}"

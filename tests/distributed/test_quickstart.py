@@ -10,16 +10,19 @@ A run with ``--packed-documents`` trains on several documents per sequence, with
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
 STEPS = 6
+DEMO_TIMEOUT = 900  # seconds; the demo takes about 25 s here, a loaded CI machine has needed minutes to start
 LOSS_DROP = 0.5  # nats, mean of the last 3 steps below the mean of the first 3
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.py")
 STEP_LINE = re.compile(
@@ -55,21 +58,33 @@ def _quickstart():
 
 def run_demo(flags: list[str], seed: int, scratch) -> str:
     """Stdout and stderr of one CPU run of the demo, together, as a user sees them. The run must compile
-    nothing with torch.compile (Megatron's fused RMSNorm and dropout-add): a CI run whose first step outlasted
-    the timeout was most likely in inductor's C++ builds, so its cache directory must stay empty."""
+    nothing with torch.compile (Megatron's fused RMSNorm and dropout-add), so its inductor cache must stay
+    empty. A run past DEMO_TIMEOUT fails with every process's Python stacks (``faulthandler`` on SIGABRT),
+    and no process of it outlives the test."""
     compile_cache = scratch / "torchinductor"
-    run = subprocess.run(
+    demo = subprocess.Popen(
         [sys.executable, QUICKSTART, "--cpu", *flags, "--seed", str(seed)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=600,
-        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(compile_cache)},
+        start_new_session=True,  # the demo and its rank processes form one process group
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(compile_cache), "PYTHONFAULTHANDLER": "1"},
     )
-    assert run.returncode == 0, f"the demo failed (seed={seed}):\n{run.stdout}"
+    try:
+        output, _ = demo.communicate(timeout=DEMO_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(demo.pid, signal.SIGABRT)  # each process prints its threads' stacks and exits
+        output, _ = demo.communicate(timeout=60)
+        pytest.fail(
+            f"the demo ran past {DEMO_TIMEOUT} s (seed={seed}); its output, then where each process was:\n{output}"
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert demo.returncode == 0, f"the demo failed (seed={seed}):\n{output}"
     compiled = [path.name for path in compile_cache.rglob("*") if path.is_file()]
     assert not compiled, f"seed={seed}: the demo compiled kernels: {compiled[:5]}"
-    return run.stdout
+    return output
 
 
 @pytest.fixture(scope="module")
