@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import io
 import os
 import pickle
@@ -57,6 +58,19 @@ def _stacks_path(store_path: str, rank: int) -> str:
     return f"{store_path}.stacks.{rank}"
 
 
+def _destroy_groups_but_world() -> None:
+    """Destroy every process group but the world's, so that no call's groups outlive it.
+
+    Megatron's ``destroy_model_parallel`` only forgets its groups: torch keeps them registered, and a gloo
+    group keeps three threads, one of them its socket loop. A pool that had served the Megatron tests held
+    about 700 groups and 2,000 threads per rank, hundreds of them runnable, and slowed every other process
+    on a 2-core machine until the CPU demo and an interpreted ring test ran past their timeouts in CI.
+    """
+    for group in [g for g in dist.distributed_c10d._world.pg_map if g != dist.GroupMember.WORLD]:
+        dist.destroy_process_group(group)
+    gc.collect()  # the groups' last references may sit in reference cycles of the call's objects
+
+
 def _worker(rank, world_size, store_path, backend, tasks, results, collective_timeout):
     torch.set_num_threads(1)  # W ranks share a few cores; more threads per rank only contend
     stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 - open for the process's life
@@ -73,6 +87,7 @@ def _worker(rank, world_size, store_path, backend, tasks, results, collective_ti
         task = tasks.get()
         if task == _STOP:
             break
+        _destroy_groups_but_world()  # every rank has finished the previous call: its groups are idle
         call_id, payload = task
         try:
             fn, args = pickle.loads(payload)

@@ -1,3 +1,4 @@
+import os
 import time
 
 import pytest
@@ -47,3 +48,20 @@ def test_a_timed_out_call_says_where_the_silent_rank_is(distributed):
     assert "ranks done: [0]" in message, message
     assert "--- rank 1 stacks ---" in message and "_rank_one_stalls" in message, message
     assert "--- rank 0 stacks ---" not in message, f"rank 0 had finished; its stacks are noise:\n{message}"
+
+
+def _groups_and_threads(rank, world_size, new_groups):
+    """(process groups torch holds, this process's threads) after creating ``new_groups`` groups."""
+    for _ in range(new_groups):
+        dist.all_reduce(torch.ones(1), group=dist.new_group(list(range(world_size))))
+    return len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))
+
+
+def test_a_call_leaves_no_process_group_behind(distributed):
+    before = distributed(_groups_and_threads, 2, 0)
+    created = distributed(_groups_and_threads, 2, 20)
+    after = distributed(_groups_and_threads, 2, 0)
+    for rank in range(2):
+        assert created[rank][0] == before[rank][0] + 20, (before, created)
+        assert after[rank][0] == 1, f"rank {rank} still holds {after[rank][0]} process groups (only the world's)"
+        assert after[rank][1] < created[rank][1] - 20, f"rank {rank}: the groups' threads live on: {after}"
