@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 
 STARTUP_TIMEOUT = 300.0  # seconds for every rank to start, import torch and join the group
 LOAD_TIMEOUT = 300.0  # seconds for every rank to unpickle a call (importing the test's modules)
-_STOP, _GO = "stop", "go"
+_STOP, _GO, _CLEAN_UP = "stop", "go", "clean up"
 _READY, _LOADED, _DONE, _FAILED = "ready", "loaded", "done", "failed"
 STACK_DUMP_WAIT = 3.0  # seconds a signalled rank gets to write its stacks
 
@@ -87,7 +87,9 @@ def _worker(rank, world_size, store_path, backend, tasks, results, collective_ti
         task = tasks.get()
         if task == _STOP:
             break
-        _destroy_groups_but_world()  # every rank has finished the previous call: its groups are idle
+        if task == _CLEAN_UP:  # every rank has finished the call: its groups are idle
+            _destroy_groups_but_world()
+            continue
         call_id, payload = task
         try:
             fn, args = pickle.loads(payload)
@@ -189,6 +191,8 @@ class _Pool:
         for q in self.tasks:
             q.put((self.calls, _GO))
         collected = self._collect(self.calls, _DONE, timeout, f"finish {fn.__name__}")
+        for q in self.tasks:
+            q.put(_CLEAN_UP)
         return [torch.load(io.BytesIO(collected[r]), weights_only=False) for r in range(self.world_size)]
 
     def close(self, graceful: bool) -> None:

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 
 def cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
@@ -34,13 +35,36 @@ def cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -
     return pos_emb.reshape(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
+def _groups_held_by(module) -> set:
+    """The non-world process groups that ``module``'s globals hold, directly or in lists, tuples and dicts."""
+    found, pending = set(), list(vars(module).values())
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dist.ProcessGroup):
+            found.add(value)
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    return found - {dist.GroupMember.WORLD}
+
+
 def reset_parallel_state() -> None:
-    """Destroy Megatron's parallel state, including the hierarchical CP groups it forgets to reset."""
+    """Destroy Megatron's parallel state and its process groups, the hierarchical CP groups included.
+
+    ``destroy_model_parallel`` only forgets the groups; torch keeps them, each gloo group with its threads, so a
+    rank that initialises Megatron a few times would pile them up (see ``harness._destroy_groups_but_world``).
+    """
     from megatron.core import parallel_state
 
+    groups = _groups_held_by(parallel_state) if dist.is_initialized() else set()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    registered = dist.distributed_c10d._world.pg_map
+    for group in groups:
+        if group in registered:
+            dist.destroy_process_group(group)
 
 
 @contextmanager
