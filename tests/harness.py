@@ -88,7 +88,8 @@ def _worker(rank, world_size, store_path, backend, tasks, results, collective_ti
         if task == _STOP:
             break
         if task == _CLEAN_UP:  # every rank has finished the call: its groups are idle
-            _destroy_groups_but_world()
+            if backend == "gloo":  # tearing down NCCL communicators between calls has not run yet
+                _destroy_groups_but_world()
             continue
         call_id, payload = task
         try:
