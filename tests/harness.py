@@ -145,7 +145,7 @@ class _Pool:
     def _collect(self, call_id: int, status: str, timeout: float, what: str) -> dict:
         """Payloads by rank of the ``status`` messages of call ``call_id``, one per rank. Raises if a rank
         failed, died, or sent nothing for ``timeout`` seconds."""
-        collected, failures = {}, []
+        collected, failures = {}, {}
         last_message = time.monotonic()
         while len(collected) + len(failures) < self.world_size:
             try:
@@ -157,18 +157,19 @@ class _Pool:
                     raise TimeoutError(
                         f"{self.world_size} ranks did not {what} ({waited:.0f}s without a message, limit "
                         f"{timeout:.0f}s); ranks done: {sorted(collected)}, ranks exited: {dead}\n"
-                        + self._stacks(skip=set(collected) | set(dead))
+                        + "".join(f"{failure}\n" for failure in failures.values())
+                        + self._stacks(skip=set(collected) | set(dead) | set(failures))
                     ) from None
                 continue
             last_message = time.monotonic()
             if message_id != call_id:
                 continue
             if message_status == _FAILED:
-                failures.append(f"--- rank {rank} ---\n{value}")
+                failures[rank] = f"--- rank {rank} failed ---\n{value}"
             elif message_status == status:
                 collected[rank] = value
         if failures:
-            raise RuntimeError("distributed run failed:\n" + "\n".join(failures))
+            raise RuntimeError("distributed run failed:\n" + "\n".join(failures.values()))
         return collected
 
     def _stacks(self, skip: set[int]) -> str:

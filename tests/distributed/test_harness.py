@@ -65,3 +65,17 @@ def test_a_call_leaves_no_process_group_behind(distributed):
         assert created[rank][0] == before[rank][0] + 20, (before, created)
         assert after[rank][0] == 1, f"rank {rank} still holds {after[rank][0]} process groups (only the world's)"
         assert after[rank][1] < created[rank][1] - 20, f"rank {rank}: the groups' threads live on: {after}"
+
+
+def _rank_zero_fails_rank_one_stalls(rank, world_size):
+    if rank == 0:
+        raise ValueError("rank 0 gave up")
+    time.sleep(120)
+
+
+def test_a_timed_out_call_names_the_failure_that_left_the_others_waiting(distributed):
+    with pytest.raises(TimeoutError) as raised:
+        distributed(_rank_zero_fails_rank_one_stalls, 2, timeout=5)
+    message = str(raised.value)
+    assert "--- rank 0 failed ---" in message and "rank 0 gave up" in message, message
+    assert "--- rank 1 stacks ---" in message and "--- rank 0 stacks ---" not in message, message
