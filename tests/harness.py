@@ -220,7 +220,7 @@ def _close_pools() -> None:
 
 
 def run_on_ranks(
-    fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0, collective_timeout: float = 60.0
+    fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0, collective_timeout: float = 180.0
 ):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 

@@ -391,7 +391,7 @@ def multi_rank_report(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(f"model{request.param}")
     pattern_file = _write_pattern_file(workdir / "pattern.json", seed)
     layouts = TWO_RANK_LAYOUTS if request.param == 2 else FOUR_RANK_LAYOUTS
-    report = run_on_ranks(_multi_rank_report, request.param, layouts, seed, str(workdir), pattern_file, timeout=240)[0]
+    report = run_on_ranks(_multi_rank_report, request.param, layouts, seed, str(workdir), pattern_file)[0]
     return request.param, seed, report
 
 

@@ -298,7 +298,7 @@ def packed_report():
     from harness import run_on_ranks
 
     seed = int.from_bytes(os.urandom(4), "little")
-    return seed, run_on_ranks(_report, 2, seed, timeout=240)[0]
+    return seed, run_on_ranks(_report, 2, seed)[0]
 
 
 @pytest.mark.parametrize("kind", ["full", "sparse"])
