@@ -37,9 +37,12 @@ def cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -
 
 def _groups_held_by(module) -> set:
     """The non-world process groups that ``module``'s globals hold, directly or in lists, tuples and dicts."""
-    found, pending = set(), list(vars(module).values())
+    found, seen, pending = set(), set(), list(vars(module).values())
     while pending:
         value = pending.pop()
+        if id(value) in seen:  # a container reached twice, or holding itself
+            continue
+        seen.add(id(value))
         if isinstance(value, dist.ProcessGroup):
             found.add(value)
         elif isinstance(value, (list, tuple)):
