@@ -53,19 +53,6 @@ def query_block_documents(query_docs_base, q_rows, DOCUMENTS: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG: tl.constexpr):
-    """Where a query block's diagonal pair (sub-tiles 2·qblock, 2·qblock + 1) starts in its ascending block
-    list on a diagonal step: the last pair when the list reaches the diagonal (a causal step lists nothing
-    later); ``blk_end`` (none) otherwise."""
-    diag_start = blk_end
-    if CAUSAL_DIAG:
-        listed = blk_end > blk_start
-        last = tl.load(BLK_COL + blk_end - 1, mask=listed, other=0)
-        diag_start -= 2 * (listed & (last >= 2 * qblock)).to(tl.int32)
-    return diag_start
-
-
-@triton.jit
 def head_rows_tile(base, desc, sample, head, first_row, rows64, offs_d, stride_n, TMA: tl.constexpr):
     """Rows ``first_row …`` of one (sample, head) of a ``[b, N, H, d]`` tensor, ``[len(rows64), d]``: one
     tensor-memory copy through ``desc`` (block ``[1, rows, 1, d]``) with ``TMA``, else a gather from ``base``
@@ -89,6 +76,7 @@ def _block_tile_step(
     v_desc,
     sample,
     kv_head,
+    qblock,
     first_sub_tile,
     offs_block,
     offs_d,
@@ -99,23 +87,25 @@ def _block_tile_step(
     q_mixed,
     key_docs_base,
     SUB_TILE: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
+    CAUSAL_DIAG: tl.constexpr,
     DOCUMENTS: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """Fold the listed 128-key block whose sub-tiles start at ``first_sub_tile`` in (with the token causal
-    mask when ``CAUSAL_MASK``; with ``DOCUMENTS`` the document mask where the query block (``q_mixed``) or
-    the key block holds more than one document: a listed block pair inside one document each is one
-    document's, so it needs no compare)."""
+    """Fold the listed 128-key block whose sub-tiles start at ``first_sub_tile`` in (with ``CAUSAL_DIAG`` the
+    token causal mask when it is query block ``qblock``'s diagonal block; with ``DOCUMENTS`` the document mask
+    where the query block (``q_mixed``) or the key block holds more than one document: a listed block pair
+    inside one document each is one document's, so it needs no compare). The masks are branches, not
+    selects on every tile: the compare costs only the tiles that need it."""
+    key_block_size: tl.constexpr = 2 * SUB_TILE
     first_key = first_sub_tile * SUB_TILE
     k_rows = (first_key + offs_block).to(tl.int64)
     k = head_rows_tile(k_base, k_desc, sample, kv_head, first_key, k_rows, offs_d, stride_kn, TMA)
     v = head_rows_tile(v_base, v_desc, sample, kv_head, first_key, k_rows, offs_d, stride_vn, TMA)
     scores = tl.dot(q, tl.trans(k))
-    if CAUSAL_MASK:
-        scores = tl.where(k_rows[None, :] <= q_rows[:, None], scores, float("-inf"))
+    if CAUSAL_DIAG:
+        if first_sub_tile // 2 == qblock:
+            scores = tl.where(k_rows[None, :] <= q_rows[:, None], scores, float("-inf"))
     if DOCUMENTS:
-        key_block_size: tl.constexpr = 2 * SUB_TILE
         k_mixed = tl.load(key_docs_base + first_key) != tl.load(key_docs_base + first_key + key_block_size - 1)
         if q_mixed | k_mixed:
             scores = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], scores, float("-inf"))
@@ -194,11 +184,11 @@ def block_bar_forward_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # ---- loop 1: listed key sub-tiles, those before the diagonal unmasked, then the diagonal ones masked
-    diag_start = _diagonal_entries_start(BLK_COL, blk_start, blk_end, qblock, CAUSAL_DIAG)
-    # a listed block is two consecutive entries (sub-tiles 2j, 2j + 1): one 128-key tile per pair
+    # ---- loop 1: listed key blocks, one 128-key tile per pair of sub-tiles (2j, 2j + 1). One pipelined loop
+    # whose causal mask is a branch on the diagonal block: faster than an unmasked loop followed by a diagonal
+    # loop, and than a select on every tile (docs/benchmarks.md, kernels v2 step 6)
     offs_block = tl.arange(0, BLOCK_M)
-    for entry in range(blk_start, diag_start, 2):
+    for entry in range(blk_start, blk_end, 2):
         acc, row_max, row_sum = _block_tile_step(
             acc,
             row_max,
@@ -211,6 +201,7 @@ def block_bar_forward_kernel(
             V_DESC,
             tl.program_id(2),
             kv_head,
+            qblock,
             tl.load(BLK_COL + entry),
             offs_block,
             offs_d,
@@ -221,34 +212,7 @@ def block_bar_forward_kernel(
             q_mixed,
             key_docs_base,
             BLOCK_N,
-            False,
-            DOCUMENTS,
-            TMA,
-        )
-    for entry in range(diag_start, blk_end, 2):
-        acc, row_max, row_sum = _block_tile_step(
-            acc,
-            row_max,
-            row_sum,
-            q,
-            q_rows,
-            k_base,
-            v_base,
-            K_DESC,
-            V_DESC,
-            tl.program_id(2),
-            kv_head,
-            tl.load(BLK_COL + entry),
-            offs_block,
-            offs_d,
-            stride_kn,
-            stride_vn,
-            qk_scale_log2,
-            q_docs,
-            q_mixed,
-            key_docs_base,
-            BLOCK_N,
-            True,
+            CAUSAL_DIAG,
             DOCUMENTS,
             TMA,
         )
