@@ -28,7 +28,7 @@ Timing: CUDA events around the forward and around the backward (``torch.autograd
 repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
 (``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
 budget on the structured inputs) plus the conversion (``convert_index`` and the block lists by key that
-the backward reads, ``BlockBarIndex.key_lists``), without the content checks, as training converts its
+the backward reads, ``BlockBarIndex.blocks_by_key``), without the content checks, as training converts its
 own estimated index. Each index step is timed twice: ``convert_ms``/
 ``estimate_ms``/``index_ms`` with the events recorded as the host launches the step, so a host-bound step
 measures the host; ``*_queued_ms`` behind a ``QUEUE_LEAD_MS`` sleep kernel that lets the host queue the whole
@@ -283,10 +283,10 @@ def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, ti
 HOST_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
 
 
-def converted_lists(v_idx, s_idx, seq_len: int, kv_heads: int):
+def converted_lists(v_idx, s_idx, seq_len: int):
     """The conversion as a training layer runs it on its own estimated index (no content checks), with the
     block lists by key that the backward reads."""
-    return convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len, check_contents=False).key_lists(0, kv_heads)
+    return convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len, check_contents=False).blocks_by_key
 
 
 def index_steps(q, k, v_idx, s_idx, seq_len: int) -> tuple[Callable, Callable]:
@@ -295,7 +295,7 @@ def index_steps(q, k, v_idx, s_idx, seq_len: int) -> tuple[Callable, Callable]:
     counts = ((v_idx < seq_len).sum(-1).max().item(), (s_idx < seq_len).sum(-1).max().item())
     budget = StaticBudget(int(counts[0]), int(counts[1]))
     return (
-        lambda: converted_lists(v_idx, s_idx, seq_len, k.shape[2]),
+        lambda: converted_lists(v_idx, s_idx, seq_len),
         lambda: estimate_vertical_slash(q, k, budget),
     )
 
@@ -502,7 +502,7 @@ def main(argv=None) -> None:
                 block_v_idx, block_s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, block_gen)
                 index = convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len)
                 timings = step_timings(
-                    {"convert": lambda: converted_lists(block_v_idx, block_s_idx, seq_len, kv_heads)},
+                    {"convert": lambda: converted_lists(block_v_idx, block_s_idx, seq_len)},
                     3,
                 )
                 pattern = dict(
@@ -588,7 +588,7 @@ def main(argv=None) -> None:
                     profile_index({f"top-P {budget.p} estimation": estimate}, f"{shape} N={seq_len}, structured q/k")
                 timings = step_timings(
                     {
-                        "convert": lambda: converted_lists(v_idx, s_idx, seq_len, kv_heads),
+                        "convert": lambda: converted_lists(v_idx, s_idx, seq_len),
                         "estimate": estimate,
                     },
                     3,

@@ -80,9 +80,9 @@ def flex_check(q, k, v, dout, dense_lists, block_mask, scale: float, backend: st
     return errors
 
 
-def conversion_step(doc_index: DocumentIndex, kv_heads: int):
+def conversion_step(doc_index: DocumentIndex):
     """The conversion of ``doc_index`` to the single device's lists, with the block lists by key, as a call."""
-    return lambda: convert_document_index(doc_index, SINGLE, 0).key_lists(0, kv_heads)
+    return lambda: convert_document_index(doc_index, SINGLE, 0).blocks_by_key
 
 
 def estimation_step(q, k, index: DocumentIndex, min_sparse_length: int):
@@ -201,7 +201,7 @@ def main(argv=None) -> None:
             dense = DocumentIndex.dense(index.documents, index.num_heads)
             for impl, doc_index in (("mtraining_packed", index), ("mtraining_packed_dense", dense)):
                 lists = convert_document_index(doc_index, SINGLE, 0)
-                conversion = conversion_step(doc_index, kv_heads)
+                conversion = conversion_step(doc_index)
                 convert = median_ms(conversion, 3)
                 estimate = 0.0
                 if doc_index is index:

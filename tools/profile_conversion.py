@@ -1,9 +1,9 @@
-"""Host-side profile of the index conversion (``convert_index`` and ``BlockBarIndex.key_lists``) on one GPU.
+"""Host-side profile of the index conversion (``convert_index`` and ``BlockBarIndex.blocks_by_key``) on one GPU.
 
 Builds an estimated index of ``b = 1``, N = ``--seq-len`` (131072), Hq = ``--heads`` (16; Hkv 2, d 128, the
 Qwen2.5-3B shape) with ``estimate_vertical_slash`` on random bf16 q/k and ``StaticBudget(*--budget)``, warms up,
 then prints ``torch.profiler``'s CPU-only table (by self CPU time) around ``--calls`` conversions and their
-``key_lists``, and the wall ms per call (``time.perf_counter`` between ``torch.cuda.synchronize`` calls).
+``blocks_by_key``, and the wall ms per call (``time.perf_counter`` between ``torch.cuda.synchronize`` calls).
 
 ``--check-contents 0`` converts with ``check_contents=False`` (the trusted path of our training pipeline); ``1``
 converts as a user call does, and passes no keyword, so it also runs on a tree from before the keyword.
@@ -74,20 +74,20 @@ def main(argv=None) -> None:
         return convert_index(v_idx, s_idx, layout, 0, seq_len, **keywords)
 
     def convert_and_transpose():
-        return convert().key_lists(0, KV_HEADS)
+        return convert().blocks_by_key
 
     for _ in range(3):  # compiles the Triton kernels, fills the caches
         convert_and_transpose()
     torch.cuda.synchronize()
 
-    indices = [convert() for _ in range(args.calls)]  # fresh indices: the key lists are built once per index
+    indices = [convert() for _ in range(args.calls)]  # fresh indices: blocks_by_key is built once per index
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for index in indices:
             with torch.profiler.record_function("convert_index"):
                 convert()
-            with torch.profiler.record_function("key_lists"):
-                index.key_lists(0, KV_HEADS)
+            with torch.profiler.record_function("blocks_by_key"):
+                index.blocks_by_key
         torch.cuda.synchronize()
     index = indices[0]
     print(
@@ -99,12 +99,12 @@ def main(argv=None) -> None:
     def transpose_fresh():
         fresh = convert()
         torch.cuda.synchronize()
-        return wall_ms(lambda: fresh.key_lists(0, KV_HEADS), 1)[0]
+        return wall_ms(lambda: fresh.blocks_by_key, 1)[0]
 
     timings = {
         "convert_index": wall_ms(convert, args.wall_calls),
-        "key_lists": [transpose_fresh() for _ in range(args.wall_calls)],
-        "convert_index + key_lists": wall_ms(convert_and_transpose, args.wall_calls),
+        "blocks_by_key": [transpose_fresh() for _ in range(args.wall_calls)],
+        "convert_index + blocks_by_key": wall_ms(convert_and_transpose, args.wall_calls),
     }
     for name, times in timings.items():
         print(f"# wall ms per call, {name}: median {statistics.median(times):.3f}, min {min(times):.3f}")

@@ -74,19 +74,16 @@ class BlockBarIndex:
         return (self.rank - step) % self.world_size
 
     @functools.cached_property
-    def _blocks_by_key(self) -> dict[int, tuple[Tensor, Tensor]]:
-        return {}
+    def blocks_by_key(self) -> tuple[Tensor, Tensor]:
+        """The block lists transposed for a key-major backward, built once per index without a host sync
+        (like a BlockMask's transposed lists): see :func:`block_lists_by_key`."""
+        return block_lists_by_key(self.blk_ptr, self.blk_col, 0, self.blk_col.numel())
 
-    def key_lists(self, source: int, kv_heads: int) -> tuple[Tensor, Tensor]:
-        """(key_ptr int32 ``[b, Hkv, nb+1]``, key_entry int32) of the step reading ``source``, for the launchers'
-        ``key_lists`` keyword: the block lists transposed for the key-major backward, built once per index and
-        KV head count, for every step, with no host sync (like a BlockMask's transposed lists; see
-        :func:`block_lists_by_key`)."""
-        views = self._blocks_by_key
-        if kv_heads not in views:
-            views[kv_heads] = block_lists_by_key(self.blk_ptr, self.blk_col, 0, self.blk_col.numel(), kv_heads)
-        key_ptr, key_entry = views[kv_heads]
-        return key_ptr[source], key_entry
+    def key_lists(self, source: int) -> tuple[Tensor, Tensor]:
+        """(key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32) of the step reading ``source``, for the
+        launchers' ``key_lists`` keyword."""
+        key_ptr, key_qblock = self.blocks_by_key
+        return key_ptr[source], key_qblock
 
     @functools.cached_property
     def _bar_chunks_by_kv_heads(self) -> dict[int, BarChunks]:
@@ -177,44 +174,30 @@ def block_tables(layout: Layout, rank: int, seq_len: int, device) -> tuple[Tenso
     return source_blocks[rank], source_blocks
 
 
-def block_lists_by_key(blk_ptr: Tensor, blk_col: Tensor, first: int, last: int, kv_heads: int) -> tuple[Tensor, Tensor]:
-    """CSR-by-key copy of block lists whose rows lie back to back in ``blk_col[first:last]``, grouped by KV head.
+def block_lists_by_key(blk_ptr: Tensor, blk_col: Tensor, first: int, last: int) -> tuple[Tensor, Tensor]:
+    """CSR-by-key copy of block lists whose rows lie back to back in ``blk_col[first:last]``.
 
-    blk_ptr int32 ``[..., Hq, nb+1]`` (absolute offsets, each group's last entry the next group's first); blk_col
+    blk_ptr int32 ``[..., nb+1]`` (absolute offsets, each group's last entry the next group's first); blk_col
     holds every block j as the sub-tile pair 2j, 2j+1 at an even offset, as every :class:`BlockBarIndex` does.
-    Query head h belongs to KV head h // G (G = Hq / ``kv_heads``) as its member m = h mod G.
-    Returns key_ptr int32 ``[..., kv_heads, nb+1]``, absolute offsets into key_entry int32: row (…, g, j) lists,
-    member by member (ascending) and within a member by ascending query block i, the entries m·nb + i for which
-    row (…, g·G + m, i) holds block j. One row per KV head lets the key-major backward walk a whole GQA group in
-    one loop. No host sync.
+    Returns key_ptr int32 of the same shape, absolute offsets into key_qblock int32: row (…, j) lists,
+    ascending, the query blocks i whose row (…, i) holds block j. No host sync.
     """
     num_blocks = blk_ptr.shape[-1] - 1
-    heads = blk_ptr.shape[-2]
-    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"kv_heads={kv_heads!r} must be a positive divisor of the lists' {heads} query heads")
-    group = heads // kv_heads
-    head_rows = blk_ptr.numel() // (num_blocks + 1)
+    groups = blk_ptr.numel() // (num_blocks + 1)
     device = blk_ptr.device
     pairs_per_row = (blk_ptr[..., 1:] - blk_ptr[..., :-1]).reshape(-1) // 2
     rows = torch.repeat_interleave(
-        torch.arange(head_rows * num_blocks, dtype=torch.int32, device=device),
+        torch.arange(groups * num_blocks, dtype=torch.int32, device=device),
         pairs_per_row,
         output_size=(last - first) // 2,
-    )  # row (…, h, i) of every pair, as (…·Hq + h)·nb + i
+    )  # row (group, i) of every pair, over group·nb + i
     qblock = rows % num_blocks
-    head_row = rows // num_blocks
-    member = head_row % group
-    kv_row = head_row // group  # …·Hkv + g
-    key_block = blk_col[first:last:2] // 2  # j, from each pair's even sub-tile 2j
-    # stable: the entries of one (row, member) keep their ascending query blocks
-    sorted_keys, order = torch.sort((kv_row * num_blocks + key_block) * group + member, stable=True)
+    key_row = rows - qblock + blk_col[first:last:2] // 2  # group·nb + j, from each pair's even sub-tile 2j
+    sorted_rows, order = torch.sort(key_row, stable=True)  # stable: ascending query blocks within a row
     row_starts = torch.searchsorted(
-        sorted_keys,
-        torch.arange(0, (head_rows // group) * num_blocks + 1, dtype=torch.int32, device=device) * group,
-        out_int32=True,
+        sorted_rows, torch.arange(groups * num_blocks + 1, dtype=torch.int32, device=device), out_int32=True
     )
-    key_ptr = _csr_pointers(row_starts, tuple(blk_ptr.shape[:-2]) + (kv_heads, num_blocks))
-    return key_ptr, (member * num_blocks + qblock)[order]
+    return _csr_pointers(row_starts, tuple(blk_ptr.shape[:-1]) + (num_blocks,)), qblock[order]
 
 
 def _check_list_total(total: int) -> None:

@@ -125,7 +125,7 @@ class _SparseAttention(torch.autograd.Function):
             causal_diag=True,
             softmax_scale=ctx.softmax_scale,
             deterministic=ctx.deterministic,
-            key_lists=ctx.index.key_lists(0, k.shape[2]),
+            key_lists=ctx.index.key_lists(0),
             bar_chunks=ctx.index.bar_chunks(0, k.shape[2]) if ctx.deterministic else None,
             fresh_dq=True,
             **ctx.index.step_doc_ids(0),

@@ -322,8 +322,8 @@ def block_bar_backward(
     lse fp32 ``[b, Hq, Nq]`` is the FINAL merged lse and delta fp32 ``[b, Hq, Nq]`` = rowsum(out ⊙ dout);
     dout ``[b, Nq, Hq, d]`` in q's dtype. With P = exp(scale·q·kᵀ − lse), dS = P ⊙ (dout·vᵀ − delta):
     dq fp32 ``[b, Nq, Hq, d]`` += scale·dS·k, dk fp32 ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout.
-    ``key_lists`` (key_ptr int32 ``[b, Hkv, nb+1]``, key_entry int32): this step's block lists by key and KV
-    head, ``BlockBarIndex.key_lists(source, Hkv)``; without it they are built here (one host sync).
+    ``key_lists`` (key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32): this step's block lists by key,
+    ``BlockBarIndex.key_lists(source)``; without it they are built here (one host sync).
     ``deterministic`` uses no atomics; repeated calls on the same inputs are then bitwise equal. It reads
     the bars regrouped by column, ``bar_chunks`` (a :class:`~mtraining_kernels.bar_chunks.BarChunks`,
     ``BlockBarIndex.bar_chunks(source, Hkv)``); without it they are built here (one host sync).
@@ -356,13 +356,8 @@ def block_bar_backward(
     operand_strides = (*_bhs(q), *_bhs(k), *_bhs(v), *_bhs(dout))
 
     if key_lists is None:
-        key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr), kv_heads)
-    key_ptr, key_entry = key_lists
-    if tuple(key_ptr.shape) != (batch, kv_heads, num_blocks + 1):
-        raise ValueError(
-            f"key_lists' key_ptr has shape {tuple(key_ptr.shape)}, expected [b, Hkv, nb+1] = "
-            f"{(batch, kv_heads, num_blocks + 1)}; pass BlockBarIndex.key_lists(source, {kv_heads})"
-        )
+        key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr))
+    key_ptr, key_qblock = key_lists
     tma = _copies_tiles(q, k, v, dout)
     query_major_backward_kernel[(num_blocks, heads, batch)](
         q,
@@ -413,7 +408,7 @@ def block_bar_backward(
         dk,
         dv,
         key_ptr,
-        key_entry,
+        key_qblock,
         *documents[:2],
         *operand_strides,
         *_bhs(dk),
@@ -424,6 +419,7 @@ def block_bar_backward(
         lse.stride(1),
         documents[2],
         num_blocks,
+        heads,
         group,
         softmax_scale,
         qk_scale_log2,

@@ -9,8 +9,8 @@ QUERY_DOCS / KEY_DOCS are int32 ``[b, N]`` with batch stride ``stride_docb``.
   64-key sub-tiles and its bars; with ``ATOMIC_BAR_DKDV`` it also adds the bar tiles' dk/dv into the
   fp32 buffers with atomics (the default mode).
 * :func:`key_major_backward_kernel` — a program owns the dk/dv of one 128-key block of one KV head:
-  it walks, in one loop, the query blocks of its GQA group's heads that list the block (a CSR-by-key
-  copy of the block lists, member by member) in 64-row slices, and adds its registers into dk/dv
+  it walks the query heads of its GQA group in order and, for each, the query blocks that list the
+  block (a CSR-by-key copy of the block lists) in 64-row slices, and adds its registers into dk/dv
   once (no atomics). It runs after the query-major pass, whose bar atomics it must not race.
 * :func:`bar_chunk_backward_kernel` — deterministic dk/dv of the bars: one program per chunk of up
   to 64 distinct bar columns of one (sample, query head) and part of its walk (short steps split a chunk's
@@ -166,9 +166,9 @@ def query_major_backward_kernel(
         k = head_rows_tile(k_base, K_DESC, tl.program_id(2), kv_head, tile * BLOCK_N, k_rows, offs_d, stride_kn, TMA)
         v = head_rows_tile(v_base, V_DESC, tl.program_id(2), kv_head, tile * BLOCK_N, k_rows, offs_d, stride_vn, TMA)
         probs = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale_log2 - lse2[:, None])
-        if CAUSAL_DIAG:  # a branch, as in the forward: only the diagonal block's tiles compare
-            if tile // 2 == qblock:
-                probs = tl.where(k_rows[None, :] <= q_rows[:, None], probs, 0.0)
+        if CAUSAL_DIAG:
+            off_diagonal = (tile // 2) != qblock
+            probs = tl.where(off_diagonal | (k_rows[None, :] <= q_rows[:, None]), probs, 0.0)
         if DOCUMENTS:  # the compare only where the query or the key 128-block holds two documents (forward)
             first_key = (tile // 2) * BLOCK_M
             k_mixed = tl.load(key_docs_base + first_key) != tl.load(key_docs_base + first_key + BLOCK_M - 1)
@@ -220,7 +220,7 @@ def key_major_backward_kernel(
     DK,
     DV,
     KEY_PTR,
-    KEY_ENTRY,
+    KEY_QBLOCK,
     QUERY_DOCS,
     KEY_DOCS,
     stride_qb,
@@ -247,6 +247,7 @@ def key_major_backward_kernel(
     stride_lh,
     stride_docb,
     num_blocks,
+    heads_q,
     group_size,
     softmax_scale,
     qk_scale_log2,
@@ -258,11 +259,10 @@ def key_major_backward_kernel(
     TMA: tl.constexpr,
 ):
     """Grid (nb, Hkv, b): the dk/dv of one 128-key block over the query blocks of its GQA group that
-    list it. KEY_PTR int32 ``[b, Hkv, nb+1]`` (strides stride_kpb, stride_kph): row (z, g, key block j)
-    spans KEY_ENTRY[ptr[z, g, j] : ptr[z, g, j+1]], entries m·nb + i for every member m of the group (query
-    head g·G + m) and ascending local query block i whose list holds block j; each is visited in
-    BLOCK_M // QUERY_ROWS slices of QUERY_ROWS rows (smaller tiles keep dk/dv in registers). One loop over
-    the whole group, not one per member: each pipelined loop fills its own stages."""
+    list it. KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph): row (z, h, key block j)
+    spans KEY_QBLOCK[ptr[z, h, j] : ptr[z, h, j+1]], the ascending local query blocks whose list holds
+    block j; each is visited in BLOCK_M // QUERY_ROWS slices of QUERY_ROWS rows (smaller tiles keep
+    dk/dv in registers)."""
     SLICES: tl.constexpr = BLOCK_M // QUERY_ROWS
     key_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -279,47 +279,50 @@ def key_major_backward_kernel(
     if DOCUMENTS:
         k_docs = tl.load(KEY_DOCS + sample * stride_docb + k_rows)
         k_mixed = tl.min(k_docs, 0) != tl.max(k_docs, 0)
+    visits = 0
 
-    row = sample * stride_kpb + kv_head * stride_kph + key_block
-    start = tl.load(KEY_PTR + row)
-    end = tl.load(KEY_PTR + row + 1)
-    for step in range(start * SLICES, end * SLICES):
-        entry = tl.load(KEY_ENTRY + step // SLICES)
-        member = entry // num_blocks
-        qblock = entry - member * num_blocks
+    for member in range(0, group_size):
         head = kv_head * group_size + member
+        row = sample * stride_kpb + head * stride_kph + key_block
+        start = tl.load(KEY_PTR + row)
+        end = tl.load(KEY_PTR + row + 1)
+        visits += end - start
+        q_base = Q + sample * stride_qb + head * stride_qh
+        do_base = DO + sample * stride_db + head * stride_dh
         lse_offset = sample * stride_lb + head * stride_lh
-        q, do, lse2, delta, q_rows = _load_query_side(
-            Q + sample * stride_qb + head * stride_qh,
-            DO + sample * stride_db + head * stride_dh,
-            LSE + lse_offset,
-            DELTA + lse_offset,
-            Q_DESC,
-            DO_DESC,
-            tl.program_id(2),
-            head,
-            qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
-            stride_qn,
-            stride_dn,
-            HEAD_DIM,
-            QUERY_ROWS,
-            TMA,
-        )
-        probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
-        if CAUSAL_DIAG:  # a select, not the forward's branch: here the branch measured slower
-            off_diagonal = key_block != qblock
-            probs_t = tl.where(off_diagonal | (k_rows[:, None] <= q_rows[None, :]), probs_t, 0.0)
-        if DOCUMENTS:  # the compare only where the key or the query 128-block holds two documents
-            q_docs_base = QUERY_DOCS + sample * stride_docb + qblock * BLOCK_M
-            q_mixed = tl.load(q_docs_base) != tl.load(q_docs_base + BLOCK_M - 1)
-            if k_mixed | q_mixed:
-                q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
-                probs_t = tl.where(k_docs[:, None] == q_docs[None, :], probs_t, 0.0)
-        dv += tl.dot(probs_t.to(do.dtype), do)
-        dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk += tl.dot(dscores_t.to(q.dtype), q)
+        for step in range(start * SLICES, end * SLICES):
+            qblock = tl.load(KEY_QBLOCK + step // SLICES)
+            q, do, lse2, delta, q_rows = _load_query_side(
+                q_base,
+                do_base,
+                LSE + lse_offset,
+                DELTA + lse_offset,
+                Q_DESC,
+                DO_DESC,
+                tl.program_id(2),
+                head,
+                qblock * BLOCK_M + (step % SLICES) * QUERY_ROWS,
+                stride_qn,
+                stride_dn,
+                HEAD_DIM,
+                QUERY_ROWS,
+                TMA,
+            )
+            probs_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse2[None, :])
+            if CAUSAL_DIAG:
+                off_diagonal = key_block != qblock
+                probs_t = tl.where(off_diagonal | (k_rows[:, None] <= q_rows[None, :]), probs_t, 0.0)
+            if DOCUMENTS:  # the compare only where the key or the query 128-block holds two documents
+                q_docs_base = QUERY_DOCS + sample * stride_docb + qblock * BLOCK_M
+                q_mixed = tl.load(q_docs_base) != tl.load(q_docs_base + BLOCK_M - 1)
+                if k_mixed | q_mixed:
+                    q_docs = tl.load(QUERY_DOCS + sample * stride_docb + q_rows)
+                    probs_t = tl.where(k_docs[:, None] == q_docs[None, :], probs_t, 0.0)
+            dv += tl.dot(probs_t.to(do.dtype), do)
+            dscores_t = probs_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+            dk += tl.dot(dscores_t.to(q.dtype), q)
 
-    has_work = end > start
+    has_work = visits > 0
     dk_ptrs = DK + sample * stride_gkb + kv_head * stride_gkh + rows64 * stride_gkn + offs_d[None, :]
     dv_ptrs = DV + sample * stride_gvb + kv_head * stride_gvh + rows64 * stride_gvn + offs_d[None, :]
     tl.store(dk_ptrs, tl.load(dk_ptrs) + dk * softmax_scale, mask=has_work)

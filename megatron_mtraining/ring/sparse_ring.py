@@ -226,7 +226,7 @@ def sparse_ring_backward(q, kv, dout, out, lse, index, groups, backend, scale, d
             causal_diag=t == 0,
             softmax_scale=scale,
             deterministic=deterministic,
-            key_lists=index.key_lists(source, kv.shape[3]),
+            key_lists=index.key_lists(source),
             bar_chunks=index.bar_chunks(source, kv.shape[3]) if deterministic else None,
             **index.step_doc_ids(source),
         )

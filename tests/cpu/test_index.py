@@ -136,43 +136,29 @@ def test_vectorised_conversion_equals_loops(case):
 @settings(max_examples=40, deadline=None)
 @given(conversion_cases(max_blocks=16))
 def test_block_lists_by_key_transpose_every_step(case):
-    """index.key_lists(w, Hkv) lists, per (b, KV head g, key block j), exactly the entries m·nb + i of the
-    members m (query heads g·G + m) whose step-w list for query block i holds j, member by member and i
-    ascending; the per-step build (a slice of blk_col, as a launcher without the index does it) agrees."""
+    """index.key_lists(w) lists, per (b, h, key block j), exactly the query blocks i whose step-w list holds
+    j, ascending; the per-step build (a slice of blk_col, as a launcher without the index does it) agrees."""
     layout, seq_len, batch, heads, v_width, s_width, seed = case
     generator = torch.Generator().manual_seed(seed)
     v_idx, s_idx = random_index(generator, batch, heads, seq_len, v_width, s_width)
     index = convert_index(v_idx, s_idx, layout, layout.world_size - 1, seq_len)
     nb = index.num_local_blocks
-    for kv_heads in [kv for kv in range(1, heads + 1) if heads % kv == 0]:
-        group = heads // kv_heads
-        for w in range(layout.world_size):
-            key_ptr, key_entry = index.key_lists(w, kv_heads)
-            first, last = int(index.blk_ptr[w].reshape(-1)[0]), int(index.blk_ptr[w].reshape(-1)[-1])
-            step_ptr, step_entry = block_lists_by_key(index.blk_ptr[w], index.blk_col, first, last, kv_heads)
-            for b in range(batch):
-                for g in range(kv_heads):
-                    expected = {j: [] for j in range(nb)}
-                    for member in range(group):
-                        for i in range(nb):
-                            start, end = index.blk_ptr[w, b, g * group + member, i : i + 2].tolist()
-                            for tile in index.blk_col[start:end].tolist()[::2]:
-                                expected[tile // 2].append(member * nb + i)
-                    for j in range(nb):
-                        got = key_entry[key_ptr[b, g, j] : key_ptr[b, g, j + 1]].tolist()
-                        step = step_entry[step_ptr[b, g, j] : step_ptr[b, g, j + 1]].tolist()
-                        assert got == step == expected[j], (
-                            f"seed={seed} {layout} w={w} b={b} g={g}/{kv_heads} block {j}"
-                        )
-            assert key_ptr.shape == (batch, kv_heads, nb + 1) and key_ptr.dtype == torch.int32
-
-
-def test_key_lists_reject_a_kv_head_count_that_does_not_divide_the_heads():
-    v_idx = torch.zeros(1, 4, 1, dtype=torch.int32)
-    s_idx = torch.zeros(1, 4, 1, dtype=torch.int32)
-    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, 256)
-    with pytest.raises(ValueError, match="kv_heads=3 must be a positive divisor of the lists' 4 query heads"):
-        index.key_lists(0, 3)
+    for w in range(layout.world_size):
+        key_ptr, key_qblock = index.key_lists(w)
+        first, last = int(index.blk_ptr[w].reshape(-1)[0]), int(index.blk_ptr[w].reshape(-1)[-1])
+        step_ptr, step_qblock = block_lists_by_key(index.blk_ptr[w], index.blk_col, first, last)
+        for b in range(batch):
+            for h in range(heads):
+                expected = {j: [] for j in range(nb)}
+                for i in range(nb):
+                    start, end = index.blk_ptr[w, b, h, i], index.blk_ptr[w, b, h, i + 1]
+                    for tile in index.blk_col[start:end].tolist()[::2]:
+                        expected[tile // 2].append(i)
+                for j in range(nb):
+                    got = key_qblock[key_ptr[b, h, j] : key_ptr[b, h, j + 1]].tolist()
+                    step = step_qblock[step_ptr[b, h, j] : step_ptr[b, h, j + 1]].tolist()
+                    assert got == step == expected[j], f"seed={seed} {layout} w={w} b={b} h={h} key block {j}"
+        assert key_ptr.shape == index.blk_ptr[w].shape and key_ptr.dtype == torch.int32
 
 
 @settings(max_examples=30, deadline=None)
