@@ -96,7 +96,6 @@ def _block_tile_step(
     where the query block (``q_mixed``) or the key block holds more than one document: a listed block pair
     inside one document each is one document's, so it needs no compare). The masks are branches, not
     selects on every tile: the compare costs only the tiles that need it."""
-    key_block_size: tl.constexpr = 2 * SUB_TILE
     first_key = first_sub_tile * SUB_TILE
     k_rows = (first_key + offs_block).to(tl.int64)
     k = head_rows_tile(k_base, k_desc, sample, kv_head, first_key, k_rows, offs_d, stride_kn, TMA)
@@ -106,6 +105,7 @@ def _block_tile_step(
         if first_sub_tile // 2 == qblock:
             scores = tl.where(k_rows[None, :] <= q_rows[:, None], scores, float("-inf"))
     if DOCUMENTS:
+        key_block_size: tl.constexpr = 2 * SUB_TILE
         k_mixed = tl.load(key_docs_base + first_key) != tl.load(key_docs_base + first_key + key_block_size - 1)
         if q_mixed | k_mixed:
             scores = tl.where(q_docs[:, None] == tl.load(key_docs_base + k_rows)[None, :], scores, float("-inf"))
