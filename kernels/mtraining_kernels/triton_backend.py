@@ -9,6 +9,9 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
   (registers, no atomics). The bars' dk/dv: by default fp32 atomics in the query-major pass;
   ``deterministic=True``: per chunk of distinct bar columns, reduced over the GQA group in a fixed
   order, so repeated backwards are bitwise equal (lists from ``mtraining_kernels.bar_chunks``).
+  On Hopper the default mode (head dim 128, no documents) computes the block tiles in one pass instead
+  (``mtraining_kernels.gluon_bwd``: dk/dv key-block-major, dq added by atomics); the query-major pass
+  then takes the bars alone.
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
 head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
@@ -155,6 +158,23 @@ def _copies_tiles(*tensors: torch.Tensor) -> bool:
         t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
         for t in tensors
     )
+
+
+def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bool):
+    """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): the
+    default (atomic) mode without documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned
+    operands, and a Triton whose Gluon has the Hopper API the kernel is written in."""
+    if deterministic or documents or _interpreting() or q.device.type != "cuda":
+        return None
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] != 128 or dk.stride() != dv.stride():
+        return None
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, dout)):
+        return None
+    try:
+        from .gluon_bwd import one_pass_backward
+    except (ImportError, AttributeError):
+        return None
+    return one_pass_backward
 
 
 def _tile_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -359,43 +379,70 @@ def block_bar_backward(
         key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr))
     key_ptr, key_qblock = key_lists
     tma = _copies_tiles(q, k, v, dout)
-    query_major_backward_kernel[(num_blocks, heads, batch)](
-        q,
-        k,
-        v,
-        *((_tile_descriptor(k, SUB_TILE), _tile_descriptor(v, SUB_TILE)) if tma else (k, v)),
-        dout,
-        lse,
-        delta,
-        dq,
-        dk,
-        dv,
-        blk_ptr,
-        blk_col,
-        bar_ptr,
-        bar_col,
-        *documents[:2],
-        *operand_strides,
-        *_bhs(dq),
-        *_bhs(dk),
-        *_bhs(dv),
-        lse.stride(0),
-        lse.stride(1),
-        blk_ptr.stride(0),
-        blk_ptr.stride(1),
-        documents[2],
-        num_blocks,
-        group,
-        softmax_scale,
-        qk_scale_log2,
-        CAUSAL_DIAG=bool(causal_diag),
-        ATOMIC_BAR_DKDV=not deterministic,
-        FRESH_DQ=bool(fresh_dq),
-        TMA=tma,
-        **document_flag,
-        **tiles,
-        **QUERY_MAJOR_CONFIG,
-    )
+    one_pass = _one_pass_backward(q, k, v, dout, dk, dv, deterministic, document_flag["DOCUMENTS"])
+
+    def query_major_pass(dq_out, fresh: bool, block_tiles: bool) -> None:
+        query_major_backward_kernel[(num_blocks, heads, batch)](
+            q,
+            k,
+            v,
+            *((_tile_descriptor(k, SUB_TILE), _tile_descriptor(v, SUB_TILE)) if tma else (k, v)),
+            dout,
+            lse,
+            delta,
+            dq_out,
+            dk,
+            dv,
+            blk_ptr,
+            blk_col,
+            bar_ptr,
+            bar_col,
+            *documents[:2],
+            *operand_strides,
+            *_bhs(dq_out),
+            *_bhs(dk),
+            *_bhs(dv),
+            lse.stride(0),
+            lse.stride(1),
+            blk_ptr.stride(0),
+            blk_ptr.stride(1),
+            documents[2],
+            num_blocks,
+            group,
+            softmax_scale,
+            qk_scale_log2,
+            CAUSAL_DIAG=bool(causal_diag),
+            ATOMIC_BAR_DKDV=not deterministic,
+            FRESH_DQ=fresh,
+            TMA=tma,
+            BLOCK_TILES=block_tiles,
+            **document_flag,
+            **tiles,
+            **QUERY_MAJOR_CONFIG,
+        )
+
+    if one_pass is not None:  # the bars (writing a fresh dq), then the block tiles in one pass, adding dq
+        dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
+        query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
+        one_pass(
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dq_sum,
+            dk,
+            dv,
+            key_ptr,
+            key_qblock,
+            causal_diag=bool(causal_diag),
+            softmax_scale=softmax_scale,
+        )
+        if dq_sum is not dq:
+            dq.copy_(dq_sum)
+        return
+    query_major_pass(dq, fresh=bool(fresh_dq), block_tiles=True)
     query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
     key_major_backward_kernel[(num_blocks, kv_heads, batch)](
         q,

@@ -55,8 +55,9 @@ def _check_against_reference(seed, layout, seq_len, heads, kv_heads, dim, dtype,
 def test_one_packed_document_is_bitwise_the_unpacked_path(seed, deterministic):
     """One document per sample: the kernels' document variant equals the unpacked path (bf16, GQA 8:1).
 
-    Deterministic: all five tensors bitwise. Atomic: out, lse and dq bitwise; dk and dv take the bars' fp32
-    atomics in no fixed order, so two unpacked runs differ too: within bf16 rounding of each other."""
+    Deterministic: all five tensors bitwise. Atomic: out and lse bitwise; dk and dv take the bars' fp32
+    atomics in no fixed order (and on Hopper the unpacked path's dq the one-pass backward's), so two unpacked
+    runs differ too: within bf16 rounding of each other."""
     gen = torch.Generator().manual_seed(seed)
     seq_len = 8192
     v_idx, s_idx = make_index(2, 8, seq_len, "mixed", gen)
@@ -74,7 +75,7 @@ def test_one_packed_document_is_bitwise_the_unpacked_path(seed, deterministic):
         out, lse = sparse_attention(*inputs, lists, backend="triton", return_lse=True, deterministic=deterministic)
         results.append((out, lse, *torch.autograd.grad(out, inputs, dout)))
     for name, packed, unpacked in zip(NAMES, *results):
-        if deterministic or name in ("out", "lse", "dq"):
+        if deterministic or name in ("out", "lse"):
             assert torch.equal(packed, unpacked), f"seed={seed} {name}"
         else:
             torch.testing.assert_close(packed, unpacked, rtol=1.6e-2, atol=1e-3, msg=f"seed={seed} {name}")

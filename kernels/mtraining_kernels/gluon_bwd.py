@@ -1,0 +1,424 @@
+"""One-pass backward of the block tiles on Hopper, warp-specialised (Gluon; DESIGN.md §2.6).
+
+A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b)). It walks, for each query
+head of its GQA group, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
+``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
+
+* the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
+  dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
+  in parts of 64 columns, into a shared buffer (double-buffered, rows padded against bank conflicts);
+* the loader (1 warp) — the slices' q and dO by tensor-memory copies, two stages ahead;
+* the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
+
+So the backward computes 5 matrix products per tile, against 7 for the two passes of
+``triton_bwd`` (whose query-major pass recomputes S and dP). The bars and the deterministic mode stay
+with ``triton_bwd``. Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
+(read as the 2-D views ``[b·N, H·d]``), d = 64 or 128; lse, delta fp32 ``[b, Hq, N]``; dq, dk, dv fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = gl.constexpr(1.4426950408889634)
+BLOCK = 128  # keys per program: one block of the lists
+QUERY_ROWS = 64  # query rows per slice
+STAGES = 2  # q/dO slices in flight
+DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
+DQ_PAD = 8  # fp32 padding after each dq row in shared memory
+WRITER_WARPS = 2
+MMA_WARPS = 8
+
+
+@gluon.jit
+def _member_slices(key_lists, member, BLOCK: gl.constexpr, ROWS: gl.constexpr):
+    """(query head, first slice, end slice) of GQA member ``member`` in the program's key-block list;
+    ``key_lists`` = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size)."""
+    KEY_PTR, _, stride_kpb, stride_kph, key_block, kv_head, sample, group_size = key_lists
+    head = kv_head * group_size + member
+    list_row = sample * stride_kpb + head * stride_kph + key_block
+    return head, gl.load(KEY_PTR + list_row) * (BLOCK // ROWS), gl.load(KEY_PTR + list_row + 1) * (BLOCK // ROWS)
+
+
+@gluon.jit
+def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr):
+    """(query block, first local row) of slice ``s`` (of BLOCK // ROWS per listed query block)."""
+    qblock = gl.load(key_lists[1] + s // (BLOCK // ROWS))
+    return qblock, qblock * BLOCK + (s % (BLOCK // ROWS)) * ROWS
+
+
+@gluon.jit
+def _loader(
+    q_desc,
+    do_desc,
+    q_bufs,
+    do_bufs,
+    ready_bars,
+    empty_bars,
+    key_lists,
+    seq_len,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    sample = key_lists[6]
+    step = 0
+    for member in range(0, key_lists[7]):
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        for s in range(start, end):
+            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+            slot = step % STAGES
+            mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+            ready = ready_bars.index(slot)
+            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes)
+            coords = [sample * seq_len + first_row, head * HEAD_DIM]
+            tma.async_copy_global_to_shared(q_desc, coords, ready, q_bufs.index(slot))
+            tma.async_copy_global_to_shared(do_desc, coords, ready, do_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _dq_writer(
+    DQ,
+    dq_strides,
+    dq_chunks,
+    dq_ready_bars,
+    dq_empty_bars,
+    key_lists,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    ROWS: gl.constexpr,
+    CHUNK: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """Drains each dq slice (``dq_chunks``: 2 buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
+    (strides ``dq_strides`` = (batch, token, head))."""
+    CHUNKS: gl.constexpr = ROWS // CHUNK
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    stride_gqb, stride_gqn, stride_gqh = dq_strides
+    step = 0
+    for member in range(0, key_lists[7]):
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
+        for s in range(start, end):
+            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+            slot = step % 2
+            mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
+            ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
+            for c in range(CHUNKS):
+                rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
+            mbarrier.arrive(dq_empty_bars.index(slot), count=1)
+            step += 1
+
+
+@gluon.jit
+def _mma_partition(
+    smem,
+    bars,
+    LSE,
+    DELTA,
+    lse_strides,
+    DK,
+    DV,
+    dkv_strides,
+    key_lists,
+    softmax_scale,
+    qk_scale_log2,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAD: gl.constexpr,
+    CAUSAL_DIAG: gl.constexpr,
+):
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks); ``bars`` = (k/v, ready, empty, dq ready,
+    dq empty); ``lse_strides`` = (batch, head) of LSE and DELTA; ``dkv_strides`` = (batch, token, head)."""
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks = smem
+    kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
+    key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
+    # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
+    # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
+    # budget (a whole [64, 128] dq tile spills).
+    DQ_COLUMNS: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK // 2, 16]
+    )
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DQ_COLUMNS // 2, 16]
+    )
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    dtype: gl.constexpr = k_smem.dtype
+    rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
+    dq_slices = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout)
+
+    k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+    offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
+    mbarrier.wait(kv_bar, 0)
+    step = 0
+    for member in range(0, key_lists[7]):
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        lse_offset = sample * lse_strides[0] + head * lse_strides[1]
+        for s in range(start, end):
+            qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+            q_rows = first_row + offs_q
+            lse = gl.load(LSE + lse_offset + q_rows)
+            delta = gl.load(DELTA + lse_offset + q_rows)
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
+            slot = step % STAGES
+            mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+            q_s = q_bufs.index(slot)
+            do_s = do_bufs.index(slot)
+            s_tok = warpgroup_mma(
+                q_s, k_smem.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_layout), use_acc=False, is_async=True
+            )
+            dp_tok = warpgroup_mma(
+                do_s,
+                v_smem.permute((1, 0)),
+                gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                use_acc=False,
+                is_async=True,
+            )
+            scores = warpgroup_mma_wait(1, deps=[s_tok])
+            probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
+            if CAUSAL_DIAG:
+                off_diagonal = key_block != qblock
+                probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
+            ps_smem.store(probs.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
+            dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
+            dscores = (probs * (dprobs - delta[:, None])).to(dtype)
+            dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
+            ps_smem.store(dscores)
+            fence_async_shared()
+            gl.thread_barrier()
+            dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+            dq_slot = step % 2
+            mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
+            for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                dq_tok = warpgroup_mma(
+                    ps_smem, k_part, gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout), use_acc=False, is_async=True
+                )
+                dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
+            gl.thread_barrier()
+            mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
+            step += 1
+
+    k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
+    offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
+    has_work = step > 0
+    gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
+    gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
+
+
+@gluon.jit
+def one_pass_backward_kernel(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    LSE,
+    DELTA,
+    DQ,
+    DK,
+    DV,
+    KEY_PTR,
+    KEY_QBLOCK,
+    seq_len,
+    stride_kpb,
+    stride_kph,
+    stride_lb,
+    stride_lh,
+    stride_gqb,
+    stride_gqn,
+    stride_gqh,
+    stride_gkb,
+    stride_gkn,
+    stride_gkh,
+    group_size,
+    softmax_scale,
+    qk_scale_log2,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+    CHUNK: gl.constexpr,
+    PAD: gl.constexpr,
+    WRITER_WARPS: gl.constexpr,
+    CAUSAL_DIAG: gl.constexpr,
+):
+    """Grid (nb, Hkv, b). KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
+    KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``)."""
+    key_block = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    sample = gl.program_id(2)
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
+    chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
+    dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(dq_ready_bars.index(i), count=1)
+        mbarrier.init(dq_empty_bars.index(i), count=1)
+    fence_async_shared()
+
+    kv_row = sample * seq_len + key_block * BLOCK
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
+
+    key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size)
+    gl.warp_specialize(
+        [
+            (
+                _mma_partition,
+                (
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks),
+                    (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
+                    LSE,
+                    DELTA,
+                    (stride_lb, stride_lh),
+                    DK,
+                    DV,
+                    (stride_gkb, stride_gkn, stride_gkh),
+                    key_lists,
+                    softmax_scale,
+                    qk_scale_log2,
+                    HEAD_DIM,
+                    BLOCK,
+                    ROWS,
+                    STAGES,
+                    PAD,
+                    CAUSAL_DIAG,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    q_desc,
+                    do_desc,
+                    q_bufs,
+                    do_bufs,
+                    ready_bars,
+                    empty_bars,
+                    key_lists,
+                    seq_len,
+                    HEAD_DIM,
+                    BLOCK,
+                    ROWS,
+                    STAGES,
+                ),
+            ),
+            (
+                _dq_writer,
+                (
+                    DQ,
+                    (stride_gqb, stride_gqn, stride_gqh),
+                    dq_chunks,
+                    dq_ready_bars,
+                    dq_empty_bars,
+                    key_lists,
+                    HEAD_DIM,
+                    BLOCK,
+                    ROWS,
+                    CHUNK,
+                    WRITER_WARPS,
+                ),
+            ),
+        ],
+        [1, WRITER_WARPS],
+        [24, 24],
+    )
+
+
+def _rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Descriptor of contiguous ``[b, N, H, d]`` tensor ``t`` as ``[b·N, H·d]``, copying ``[rows, d]`` tiles."""
+    batch, length, heads, dim = t.shape
+    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], element)
+    return TensorDescriptor.from_tensor(t.view(batch * length, heads * dim), [rows, dim], layout)
+
+
+def one_pass_backward(
+    q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag: bool, softmax_scale: float
+) -> None:
+    """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
+    (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``); shapes and dtypes as in the module docstring,
+    checked by the caller."""
+    batch, length, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
+        _rows_descriptor(q, QUERY_ROWS),
+        _rows_descriptor(dout, QUERY_ROWS),
+        _rows_descriptor(k, BLOCK),
+        _rows_descriptor(v, BLOCK),
+        lse,
+        delta,
+        dq,
+        dk,
+        dv,
+        key_ptr,
+        key_qblock,
+        length,
+        key_ptr.stride(0),
+        key_ptr.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        dq.stride(2),
+        dk.stride(0),
+        dk.stride(1),
+        dk.stride(2),
+        heads // kv_heads,
+        softmax_scale,
+        softmax_scale * LOG2E.value,
+        HEAD_DIM=dim,
+        BLOCK=BLOCK,
+        ROWS=QUERY_ROWS,
+        STAGES=STAGES,
+        CHUNK=DQ_CHUNK,
+        PAD=DQ_PAD,
+        WRITER_WARPS=WRITER_WARPS,
+        CAUSAL_DIAG=bool(causal_diag),
+        num_warps=MMA_WARPS,
+    )
