@@ -255,3 +255,17 @@ def test_cpu_tensors_are_rejected():
             causal_diag=True,
             softmax_scale=0.125,
         )
+
+
+def test_hopper_default_backward_takes_the_one_pass(seed):
+    """On Hopper the default mode's block tiles take the Gluon one pass (a Triton without its API would fall
+    back to the two passes without a word: this test says so), and the deterministic mode does not."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the one-pass backward is for Hopper")
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, dout = make_qkv_dout(1, 1024, 4, 2, 128, torch.bfloat16, DEVICE, gen)
+    dk = torch.zeros(k.shape, device=DEVICE)
+    dv = torch.zeros_like(dk)
+    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, False, False) is not None
+    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, True, False) is None
+    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, False, True) is None
