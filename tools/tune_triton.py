@@ -6,7 +6,9 @@ This tool times candidates on this GPU, causal, bf16, ``[1, N, Hq, d]``:
 
 * ``forward`` candidates replace ``_forward_config`` and are timed on the forward;
 * ``backward`` candidates replace ``QUERY_MAJOR_CONFIG`` (the dq pass) and ``key_major`` candidates
-  ``KEY_MAJOR_CONFIG`` (the blocks' dk/dv pass), each timed on the default backward;
+  ``KEY_MAJOR_CONFIG`` (the blocks' dk/dv pass), each timed on the default backward (on Hopper, head dim
+  128, the default backward's block tiles take ``gluon_bwd``'s one pass instead, whose layout is fixed
+  in that module: there the dq pass walks the bars alone and the key-major config is unused);
 
 each on the full causal pattern (our dense mode) and on a pattern calibrated to ``--sparsity``, next to
 torch SDPA cuDNN in the same run. Every candidate's output and gradients are compared with those of the

@@ -30,6 +30,7 @@ import math
 import os
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
@@ -50,6 +51,7 @@ HEAD_DIMS = (64, 128)
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 ACCUMULATOR_DTYPE = torch.float32  # the running out/lse, delta and the dq/dk/dv accumulators
 LOG2E = 1.4426950408889634
+ONE_PASS_TRITON = "3.6."  # the release gluon_bwd runs on (3.8 renamed gl.thread_barrier, for one)
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -163,8 +165,11 @@ def _copies_tiles(*tensors: torch.Tensor) -> bool:
 def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bool):
     """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): the
     default (atomic) mode without documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned
-    operands, and a Triton whose Gluon has the Hopper API the kernel is written in."""
+    operands, and the Triton release whose Gluon API the kernel is written in and was tested with
+    (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes between releases)."""
     if deterministic or documents or _interpreting() or q.device.type != "cuda":
+        return None
+    if not triton.__version__.startswith(ONE_PASS_TRITON):
         return None
     if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] != 128 or dk.stride() != dv.stride():
         return None

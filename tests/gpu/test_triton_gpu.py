@@ -258,8 +258,9 @@ def test_cpu_tensors_are_rejected():
 
 
 def test_hopper_default_backward_takes_the_one_pass(seed):
-    """On Hopper the default mode's block tiles take the Gluon one pass (a Triton without its API would fall
-    back to the two passes without a word: this test says so), and the deterministic mode does not."""
+    """On Hopper, with the Triton release the Gluon kernel is written for, the default mode's block tiles take
+    the one pass (another release falls back to the two passes without a word: this test says so); the
+    deterministic and document modes do not."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the one-pass backward is for Hopper")
     gen = torch.Generator().manual_seed(seed)
