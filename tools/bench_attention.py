@@ -29,7 +29,9 @@ repetition, after warm-up; the median is reported. ``index_ms`` is the index est
 (``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
 budget on the structured inputs) plus the conversion (``convert_index`` and the block lists by key that
 the backward reads, ``BlockBarIndex.blocks_by_key``), without the content checks, as training converts its
-own estimated index. Each index step is timed twice: ``convert_ms``/
+own estimated index; the deterministic rows add ``bar_chunks_ms``, the bars' lists by column that their
+backward reads (``bar_chunks_by_column``, built once per index, so the timed backwards find them built).
+Each index step is timed twice: ``convert_ms``/
 ``estimate_ms``/``index_ms`` with the events recorded as the host launches the step, so a host-bound step
 measures the host; ``*_queued_ms`` behind a ``QUEUE_LEAD_MS`` sleep kernel that lets the host queue the whole
 step first, so they measure the GPU's time plus whatever host time follows a host sync inside the step.
@@ -70,6 +72,7 @@ from structured_qk import structured_qk
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtraining_kernels import Layout, convert_index, sparse_attention
+from mtraining_kernels.bar_chunks import bar_chunks_by_column
 from mtraining_kernels.budget import StaticBudget, TopPBudget
 from mtraining_kernels.estimation import estimate_vertical_slash
 from mtraining_kernels.index import BlockBarIndex
@@ -289,6 +292,28 @@ def converted_lists(v_idx, s_idx, seq_len: int):
     return convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len, check_contents=False).blocks_by_key
 
 
+def deterministic_timings(index: BlockBarIndex, kv_heads: int, timings: dict[str, float]) -> dict[str, float]:
+    """``timings`` plus ``bar_chunks_ms``/``bar_chunks_queued_ms``, the deterministic backward's bar lists by
+    column built from the index's lists (as ``BlockBarIndex.bar_chunks`` does once per index), added to the
+    index sums."""
+    key_len = index.seq_len // index.world_size
+    chunks = step_timings(
+        {
+            "bar_chunks": lambda: bar_chunks_by_column(
+                index.bar_ptr, index.bar_col, 0, index.bar_col.numel(), key_len, kv_heads, index.vertical_width
+            )
+        },
+        3,
+    )
+    return {
+        **timings,
+        "bar_chunks_ms": chunks["bar_chunks_ms"],
+        "bar_chunks_queued_ms": chunks["bar_chunks_queued_ms"],
+        "index_ms": timings["index_ms"] + chunks["index_ms"],
+        "index_queued_ms": timings["index_queued_ms"] + chunks["index_queued_ms"],
+    }
+
+
 def index_steps(q, k, v_idx, s_idx, seq_len: int) -> tuple[Callable, Callable]:
     """(conversion, static-budget estimation) of the pattern's counts, as calls; the conversion includes the
     block lists by key, which the Triton backward builds once per index."""
@@ -472,7 +497,9 @@ def main(argv=None) -> None:
                         fwd_ms=fwd_ms,
                         bwd_ms=bwd_ms,
                         **common,
-                        **extra,
+                        **(
+                            dict(extra, **deterministic_timings(index, k.shape[2], timings)) if deterministic else extra
+                        ),
                     )
                 if flex_here:
                     flex = run_flex(

@@ -1,10 +1,17 @@
 """tools/bench_attention.py's report: speed-ups pair each row with cuDNN from the same run, ``--report-only``
-rebuilds the table and plot from the latest run of an appended JSONL, and the plot has one panel per shape."""
+rebuilds the table and plot from the latest run of an appended JSONL, and the plot has one panel per shape;
+its index timings (the deterministic rows' with their bar lists by column)."""
 
 import json
 
 import pytest
+import torch
+from patterns import random_index
 from tool_modules import load_tool
+
+from mtraining_kernels.bar_chunks import BarChunks
+from mtraining_kernels.index import convert_index
+from mtraining_kernels.layout import Layout
 
 bench_attention = load_tool("bench_attention")
 
@@ -129,3 +136,22 @@ def test_step_timings_record_both_timings_of_each_step_and_their_sums(monkeypatc
         "index_ms": 6.0,
         "index_queued_ms": 1.5,
     }
+
+
+def test_deterministic_rows_count_the_bar_lists_by_column_in_their_index(monkeypatch):
+    """The deterministic backward's bar chunks are built from the index's lists (a real build, timed) and
+    their ms join the index sums; the default row's timings are left as they were."""
+    built = []
+
+    def fake_median(step, reps, lead=0.0):
+        built.append(step())
+        return 3.0 / (4 if lead else 1)
+
+    monkeypatch.setattr(bench_attention, "median_ms", fake_median)
+    v_idx, s_idx = random_index(1, 2, 1024, 64, 4, torch.Generator().manual_seed(0), forced=True)
+    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, 1024)
+    timings = {"convert_ms": 4.0, "estimate_ms": 2.0, "index_ms": 6.0, "index_queued_ms": 1.5}
+    got = bench_attention.deterministic_timings(index, 1, timings)
+    assert got == dict(timings, bar_chunks_ms=3.0, bar_chunks_queued_ms=0.75, index_ms=9.0, index_queued_ms=2.25)
+    assert timings["index_ms"] == 6.0
+    assert all(isinstance(chunks, BarChunks) and chunks.column.numel() > 0 for chunks in built)
