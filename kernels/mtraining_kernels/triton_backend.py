@@ -164,14 +164,14 @@ def _copies_tiles(*tensors: torch.Tensor) -> bool:
 
 def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bool):
     """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): the
-    default (atomic) mode without documents, on Hopper (sm_90), head dim 64 or 128, contiguous 16-byte-aligned
+    default (atomic) mode without documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned
     operands, and the Triton release whose Gluon API the kernel is written in and was tested with
     (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes between releases)."""
     if deterministic or documents or _interpreting() or q.device.type != "cuda":
         return None
     if not triton.__version__.startswith(ONE_PASS_TRITON):
         return None
-    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] not in (64, 128) or dk.stride() != dv.stride():
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] != 128 or dk.stride() != dv.stride():
         return None
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, dout)):
         return None
