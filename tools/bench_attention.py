@@ -30,7 +30,7 @@ repetition, after warm-up; the median is reported. ``index_ms`` is the index est
 budget on the structured inputs) plus the conversion (``convert_index`` and the block lists by key that
 the backward reads, ``BlockBarIndex.blocks_by_key``), without the content checks, as training converts its
 own estimated index; the deterministic rows add ``bar_chunks_ms``, the bars' lists by column that their
-backward reads (``bar_chunks_by_column``, built once per index, so the timed backwards find them built).
+backward reads (``BlockBarIndex.bar_chunks``, built once per index, so the timed backwards find them built).
 Each index step is timed twice: ``convert_ms``/
 ``estimate_ms``/``index_ms`` with the events recorded as the host launches the step, so a host-bound step
 measures the host; ``*_queued_ms`` behind a ``QUEUE_LEAD_MS`` sleep kernel that lets the host queue the whole
@@ -49,6 +49,7 @@ Example: ``python tools/bench_attention.py --seq-lens 32768 131072 524288 --spar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -72,7 +73,6 @@ from structured_qk import structured_qk
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtraining_kernels import Layout, convert_index, sparse_attention
-from mtraining_kernels.bar_chunks import bar_chunks_by_column
 from mtraining_kernels.budget import StaticBudget, TopPBudget
 from mtraining_kernels.estimation import estimate_vertical_slash
 from mtraining_kernels.index import BlockBarIndex
@@ -294,17 +294,9 @@ def converted_lists(v_idx, s_idx, seq_len: int):
 
 def deterministic_timings(index: BlockBarIndex, kv_heads: int, timings: dict[str, float]) -> dict[str, float]:
     """``timings`` plus ``bar_chunks_ms``/``bar_chunks_queued_ms``, the deterministic backward's bar lists by
-    column built from the index's lists (as ``BlockBarIndex.bar_chunks`` does once per index), added to the
-    index sums."""
-    key_len = index.seq_len // index.world_size
-    chunks = step_timings(
-        {
-            "bar_chunks": lambda: bar_chunks_by_column(
-                index.bar_ptr, index.bar_col, 0, index.bar_col.numel(), key_len, kv_heads, index.vertical_width
-            )
-        },
-        3,
-    )
+    column (``BlockBarIndex.bar_chunks``, built on a fresh copy of the index each time, as its cache would
+    otherwise answer), added to the index sums."""
+    chunks = step_timings({"bar_chunks": lambda: dataclasses.replace(index).bar_chunks(0, kv_heads)}, 3)
     return {
         **timings,
         "bar_chunks_ms": chunks["bar_chunks_ms"],
