@@ -87,6 +87,13 @@ def _triton_estimation():
     return triton_estimation
 
 
+def _triton_selection():
+    """:mod:`mtraining_kernels.triton_selection`, imported on first use."""
+    from . import triton_selection
+
+    return triton_selection
+
+
 def _fixed_point_rules():
     """This module's integer arithmetic, as the Triton kernels take it."""
     return _triton_estimation().FixedPointRules(
@@ -227,7 +234,12 @@ def slash_partial_sums(
 
 # ------------------------------------------------------------------------------------------- selection
 def rank_candidates(
-    scores: torch.Tensor, indices: torch.Tensor, num_forced: int, limit: int, indices_ascending: bool = False
+    scores: torch.Tensor,
+    indices: torch.Tensor,
+    num_forced: int,
+    limit: int,
+    indices_ascending: bool = False,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Order candidates and keep the first ``limit``: (ranked scores, ranked indices), int64 ``[..., limit]``.
 
@@ -235,15 +247,38 @@ def rank_candidates(
     (``indices_ascending``: already ascending, as all N of one sequence are, so they need no sort). The
     order is: indices below ``num_forced`` (the forced entries) first, by index; then the others by
     score descending, then index ascending. It is a strict total order, so ranking a union of per-rank
-    results again gives the same list as ranking everything at once.
+    results again gives the same list as ranking everything at once. ``implementation`` "auto" (Triton for
+    CUDA tensors), "torch" or "triton": with Triton the first ``limit`` are selected by
+    :func:`mtraining_kernels.triton_selection.top_positions` and only they are sorted; the same result.
     """
     if not indices_ascending:
         by_index = indices.argsort(dim=-1, stable=True)
         indices = indices.gather(-1, by_index)
         scores = scores.gather(-1, by_index)
     keys = torch.where(indices < num_forced, FORCED_KEY, scores)
-    order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]  # ties keep index order
+    candidates = keys.shape[-1]
+    if limit < candidates and uses_triton(implementation, keys):  # the first `limit` found without a sort, then ranked
+        rows = keys.reshape(-1, candidates)
+        counts = torch.full((rows.shape[0],), limit, dtype=torch.int32, device=keys.device)
+        chosen = _triton_selection().top_positions(rows, counts, limit).long().view(*keys.shape[:-1], limit)
+        order = chosen.gather(-1, torch.argsort(-keys.gather(-1, chosen), dim=-1, stable=True))
+    else:
+        order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]  # ties keep index order
     return scores.gather(-1, order), indices.gather(-1, order)
+
+
+def _selected_list(
+    scores: torch.Tensor, indices: torch.Tensor, num_forced: int, counts: torch.Tensor, width: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`index_list` of the :func:`rank_candidates` ranking for fixed ``counts [...]``, by the Triton selection
+    alone: the first ``counts`` candidates come out ascending, so neither the ranking nor the list needs a sort.
+    ``scores``/``indices [..., m]`` int64 with indices ascending, counts ≤ width < m."""
+    keys = torch.where(indices < num_forced, FORCED_KEY, scores)
+    candidates = keys.shape[-1]
+    rows = keys.reshape(-1, candidates)
+    positions = _triton_selection().top_positions(rows, counts.reshape(-1), width).view(*keys.shape[:-1], width)
+    chosen = indices.gather(-1, positions.long().clamp(max=candidates - 1))
+    return torch.where(positions < candidates, chosen, seq_len).int(), counts.int()
 
 
 def top_p_counts(
@@ -444,6 +479,7 @@ def estimate_from_last_queries(
         sink_tokens,
         local_window,
         candidates_ascending=True,
+        implementation=implementation,
     )
 
 
@@ -600,6 +636,7 @@ def select_index(
     sink_tokens: int,
     local_window: int,
     candidates_ascending: bool = False,
+    implementation: str = "auto",
 ) -> VerticalSlashIndex:
     """The index from (score, global index) candidates ``[b, Hq, m]`` of verticals and of slashes.
 
@@ -608,6 +645,7 @@ def select_index(
     (int64, top-P only) is the sum of all vertical masses. ``candidates_ascending``: both index lists are
     ascending (all of them, 0 … m−1), so ranking skips its sort by index. A budget with ``block_slashes``
     takes every block diagonal's mass (:func:`block_diagonal_scores`) as ``s_scores`` (``s_indices`` unused).
+    ``implementation``: :func:`rank_candidates`'s.
     """
     v_width, s_width = list_widths(budget, seq_len)
     v_sizes, s_sizes = (None, None) if isinstance(budget, TopPBudget) else (budget.v_size, budget.s_size)
@@ -617,11 +655,16 @@ def select_index(
         kinds.append((s_scores, s_indices, local_window, s_width, s_sizes))
     lists = []
     for scores, indices, num_forced, width, sizes in kinds:
-        ranked_scores, ranked_indices = rank_candidates(scores, indices, num_forced, width, candidates_ascending)
+        if sizes is not None:
+            counts = to_device(sizes, scores.device).expand(scores.shape[:-1])
+            if candidates_ascending and width < scores.shape[-1] and uses_triton(implementation, scores):
+                lists.append(_selected_list(scores, indices, num_forced, counts, width, seq_len))
+                continue
+        ranked_scores, ranked_indices = rank_candidates(
+            scores, indices, num_forced, width, candidates_ascending, implementation
+        )
         if sizes is None:
             counts = top_p_counts(ranked_scores, num_forced, total_mass, budget.p, budget.effective_cap(seq_len))
-        else:
-            counts = to_device(sizes, scores.device).expand(scores.shape[:-1])
         lists.append(index_list(ranked_indices, counts, width, seq_len))
     if block_slashes:
         lists.append(_block_slash_index(s_scores, budget, total_mass, seq_len, local_window))

@@ -2,7 +2,8 @@
 
 The tensor-core logits are held to the fp64 definition within fp32 rounding and to themselves bit for bit
 whichever keys share a tile; the integer scores of the fused passes to the PyTorch scoring of the same
-logits (``torch.equal``), per key shard too, and the index to the PyTorch selection. Shapes up to
+logits (``torch.equal``), per key shard too, the index to the PyTorch selection, and the ranking by radix select
+to the ranking by sort. Shapes up to
 N = 32K, GQA 8:1 and 1:1, d = 48, 64 and 128, bf16, fp16 and fp32, static and top-P budgets.
 
 Run as a script to time one layer's estimation, each Triton pass, the PyTorch path against the Triton one and the
@@ -161,6 +162,27 @@ def test_index_is_the_pytorch_selection_of_the_same_logits(seed, mode, seq_len):
         assert torch.equal(a, b), f"seed={seed} {mode} N={seq_len}: {name} differs"
 
 
+@pytest.mark.parametrize("seq_len", [4096, 131072])
+def test_ranking_by_selection_is_the_ranking_by_sort(seed, seq_len):
+    """The Triton ranking (radix select of the first entries, then a sort of those) equals the full stable sort, on
+    the static scores of real q/k and on scores with exact ties across the limit."""
+    q, k = draw_qk(seed, 1, seq_len, 16, 2, 128, torch.bfloat16)
+    q_positions, k_positions = positions(seq_len)
+    rules = estimation._fixed_point_rules()
+    source = triton_estimation.QueryKeyTiles(q[:, seq_len - 64 :], k, 128**-0.5)
+    v_scores, s_scores = triton_estimation.static_scores(source, q_positions, k_positions, seq_len, rules)
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    ties = torch.randint(-3, 3, v_scores.shape, generator=generator, device=DEVICE) << 40
+    indices = k_positions.expand_as(v_scores)
+    for name, scores in (("V", v_scores), ("S", s_scores), ("ties", ties)):
+        for forced, limit in ((30, 1024), (100, 6016)):
+            got = estimation.rank_candidates(scores, indices, forced, min(limit, seq_len - 1), True)
+            expected = estimation.rank_candidates(scores, indices, forced, min(limit, seq_len - 1), True, "torch")
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (
+                f"seed={seed} N={seq_len} {name} limit={limit}: the selection ranks differently"
+            )
+
+
 @pytest.mark.parametrize("mode", ["static", "top_p", "top_p_blocks"])
 def test_estimation_waits_on_the_host_nowhere(seed, mode):
     """The index of one layer is queued without a host sync: the budget's sizes and the kernels' fp64 constants
@@ -281,6 +303,8 @@ def time_passes(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int = 1
         ),
         "rank V": lambda: estimation.rank_candidates(v_scores, keys, 30, 1024, True),
         "rank S": lambda: estimation.rank_candidates(s_scores, keys, 100, 6016, True),
+        "rank V by sort": lambda: estimation.rank_candidates(v_scores, keys, 30, 1024, True, "torch"),
+        "rank S by sort": lambda: estimation.rank_candidates(s_scores, keys, 100, 6016, True, "torch"),
         "static estimation": lambda: estimation.estimate_vertical_slash(q, k, StaticBudget(1000, 6000)),
     }
     timings = {name: round(median_ms(step, 10, QUEUE_LEAD_MS), 3) for name, step in steps.items()}

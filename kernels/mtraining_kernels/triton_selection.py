@@ -1,0 +1,136 @@
+"""Triton kernel of the estimation's selection (DESIGN.md §2.2): each row's best entries by radix select, no sort.
+
+``estimation.rank_candidates`` ranks all N candidates of a (sample, head) row by a stable sort of their int64
+keys, then keeps the first few thousand. :func:`top_positions` finds the same set without sorting: one program
+per row narrows a threshold down the key's bits, 8 at a time, with a histogram of the entries still tied with
+it (one read of the row per 8 bits that vary within it), then writes the entries above the threshold, and the
+first of those equal to it, in position order. The order ranked is (key descending, position ascending), a
+strict total order, so the set is exactly the sort's first ``count``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+RADIX_BITS = 8  # key bits resolved per pass over a row
+ENTRIES_PER_STEP = 4096  # entries one program reads per loop step (8 per thread)
+NUM_WARPS = 16
+
+
+@triton.jit
+def _top_positions_kernel(
+    KEYS,
+    COUNTS,
+    OUT,
+    num_entries,
+    width,
+    stride_keys,
+    stride_out,
+    RADIX: tl.constexpr,
+    STEP: tl.constexpr,
+):
+    """Row ``program_id(0)`` of KEYS ``[R, n]`` (int64): OUT ``[R, width]`` (int32) gets the positions of its
+    first COUNTS[row] entries by (key desc, position asc), ascending, then ``num_entries`` up to ``width``.
+
+    Digits are read from the keys with the sign bit flipped (their order as unsigned numbers); ``threshold``
+    holds the bits found so far in that form, ``known`` is their mask (always the top bits, so a masked key
+    flipped back compares as a signed number in the keys' order)."""
+    row = tl.program_id(0).to(tl.int64)
+    keys_row = KEYS + row * stride_keys
+    out_row = OUT + row * stride_out
+    count = tl.load(COUNTS + row).to(tl.int32)
+    steps = tl.arange(0, STEP)
+    bins = tl.arange(0, 1 << RADIX)
+    sign = tl.full([], 1, tl.int64) << 63
+    digit_mask = tl.full([], (1 << RADIX) - 1, tl.int64)
+
+    # the bits above the highest one that varies within the row are every entry's: start below them
+    largest = tl.full([], -(2**63 - 1), tl.int64) - 1
+    smallest = tl.full([], 2**63 - 1, tl.int64)
+    for start in range(0, num_entries, STEP):
+        inside = start + steps < num_entries
+        keys = tl.load(keys_row + start + steps, mask=inside, other=0)
+        largest = tl.maximum(largest, tl.max(tl.where(inside, keys, largest), axis=0))
+        smallest = tl.minimum(smallest, tl.min(tl.where(inside, keys, smallest), axis=0))
+    varying = largest ^ smallest
+    top_bit = tl.full([], -1, tl.int32)
+    while varying != 0:
+        varying = (varying >> 1) & (2**63 - 1)  # a logical shift
+        top_bit += 1
+    known = tl.full([], 0, tl.int64)
+    if top_bit < 63:
+        known = -(tl.full([], 1, tl.int64) << (top_bit + 1))  # the bits above top_bit
+    threshold = (largest ^ sign) & known
+    remaining = count  # entries still to take among those tied with the threshold on its known bits
+    tied = num_entries
+    shift = tl.maximum(top_bit - RADIX + 1, 0)
+    done = (count == 0) | (top_bit < 0)
+    while done == 0:
+        histogram = tl.zeros([1 << RADIX], dtype=tl.int32)
+        for start in range(0, num_entries, STEP):
+            inside = start + steps < num_entries
+            flipped = tl.load(keys_row + start + steps, mask=inside, other=0) ^ sign
+            digit = ((flipped >> shift) & digit_mask).to(tl.int32)
+            histogram += tl.histogram(digit, 1 << RADIX, mask=inside & ((flipped & known) == threshold))
+        at_least = tied - tl.cumsum(histogram, 0) + histogram  # tied entries whose digit is ≥ the bin
+        chosen = tl.max(tl.where(at_least >= remaining, bins, -1), axis=0)  # nonempty, since remaining ≥ 1
+        in_chosen = tl.sum(tl.where(bins == chosen, histogram, 0), axis=0)
+        remaining -= tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_chosen
+        threshold = threshold | (chosen.to(tl.int64) << shift)
+        known = known | (digit_mask << shift)
+        tied = in_chosen
+        done = (shift == 0) | (in_chosen == remaining)
+        shift = tl.maximum(shift - RADIX, 0)
+
+    # above the threshold: taken; tied with it: the first `remaining` in position order
+    bound = threshold ^ sign
+    written = 0
+    tied_seen = 0
+    for start in range(0, num_entries, STEP):
+        positions = start + steps
+        inside = positions < num_entries
+        masked = ((tl.load(keys_row + positions, mask=inside, other=0) ^ sign) & known) ^ sign
+        equal = inside & (masked == bound)
+        tied_rank = tied_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
+        take = (inside & (masked > bound)) | (equal & (tied_rank < remaining))
+        slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_row + slot, positions, mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
+        tied_seen += tl.sum(equal.to(tl.int32), axis=0)
+    for start in range(0, width, STEP):
+        slots = start + steps
+        tl.store(out_row + slots, num_entries, mask=(slots >= count) & (slots < width))
+
+
+def top_positions(keys: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """Per row of ``keys [R, n]`` (int64), the positions of its first ``counts[r]`` entries ranked by key
+    descending, then position ascending: int32 ``[R, width]``, ascending, padded with n.
+
+    ``counts [R]`` (any integer dtype) must lie in [0, width] and ``width`` ≤ n; they are not read on the host.
+    """
+    rows, num_entries = keys.shape
+    if keys.dtype != torch.int64 or counts.shape != (rows,):
+        raise ValueError(
+            f"keys must be int64 [R, n] and counts [R]; got {keys.dtype} {tuple(keys.shape)}, counts "
+            f"{tuple(counts.shape)}"
+        )
+    if not 0 <= width <= num_entries:
+        raise ValueError(f"width={width} must lie in [0, n={num_entries}]")
+    keys = keys.contiguous()
+    out = torch.empty(rows, width, dtype=torch.int32, device=keys.device)
+    if rows and width:
+        _top_positions_kernel[(rows,)](
+            keys,
+            counts.contiguous(),
+            out,
+            num_entries,
+            width,
+            keys.stride(0),
+            out.stride(0),
+            RADIX=RADIX_BITS,
+            STEP=ENTRIES_PER_STEP,
+            num_warps=NUM_WARPS,
+        )
+    return out

@@ -1,0 +1,110 @@
+"""The selection kernel (kernels/mtraining_kernels/triton_selection.py) run by Triton's CPU interpreter: each row's
+first entries by (key desc, position asc) are those of a stable sort, on keys built to stress every pass."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter tests run only on machines without CUDA"
+)
+pytest.importorskip("triton")
+
+from mtraining_kernels import triton_selection
+from mtraining_kernels.budget import StaticHeadBudgets
+from mtraining_kernels.estimation import FORCED_KEY, INCOMPLETE_SCORE, rank_candidates, select_index
+
+if type(triton_selection._top_positions_kernel).__name__ != "InterpretedFunction":
+    importlib.reload(triton_selection)  # imported earlier without the interpreter flag
+
+
+def sorted_selection(keys: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """The definition: a stable sort by key descending, the first counts[r] positions, ascending, padded with n."""
+    rows, num_entries = keys.shape
+    order = torch.argsort(-keys, dim=-1, stable=True)
+    expected = torch.full((rows, width), num_entries, dtype=torch.int32)
+    for row in range(rows):
+        count = int(counts[row])
+        expected[row, :count] = order[row, :count].sort().values.int()
+    return expected
+
+
+def draw_keys(generator: torch.Generator, kind: str, rows: int, num_entries: int) -> torch.Tensor:
+    if kind == "wide":  # every bit varies: the first pass reads the sign bit's digit
+        return torch.randint(-(2**62), 2**62, (rows, num_entries), generator=generator) * 2
+    if kind == "narrow":  # scores of one magnitude: the top bits are every key's, skipped
+        return torch.randint(0, 2**36, (rows, num_entries), generator=generator) + 2**45
+    if kind == "ties":  # a few values: the threshold's value is shared, the first ties by position are taken
+        return torch.randint(-3, 3, (rows, num_entries), generator=generator) * (1 << 40)
+    if kind == "equal":  # nothing varies
+        return torch.full((rows, num_entries), 7, dtype=torch.long)
+    keys = torch.randint(-5, 5, (rows, num_entries), generator=generator) * 2**60  # the ranking's extreme keys
+    keys[:, : min(num_entries, 7)] = FORCED_KEY
+    keys[:, -min(num_entries, 3) :] = INCOMPLETE_SCORE
+    return keys
+
+
+@pytest.mark.parametrize("kind", ["wide", "narrow", "ties", "equal", "extreme"])
+@pytest.mark.parametrize("num_entries", [1, 70, triton_selection.ENTRIES_PER_STEP + 300])
+def test_top_positions_are_the_stable_sorts_first_entries(seed, kind, num_entries):
+    generator = torch.Generator().manual_seed(seed)
+    rows = 3
+    keys = draw_keys(generator, kind, rows, num_entries)
+    width = max(1, num_entries // 3)
+    counts = torch.randint(0, width + 1, (rows,), generator=generator)
+    counts[0], counts[-1] = width, 0  # a full row and an empty one
+    got = triton_selection.top_positions(keys, counts, width)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, sorted_selection(keys, counts, width)), f"seed={seed} {kind} n={num_entries}"
+
+
+@pytest.mark.parametrize("ascending", [True, False])
+def test_rank_candidates_with_the_kernel_equals_the_sort(seed, ascending):
+    """The Triton ranking keeps the same candidates in the same order, forced entries first."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, count, limit, forced = 4, 900, 130, 12
+    scores = torch.randint(-6, 6, (rows, count), generator=generator) * (1 << 38)  # exact ties across the limit
+    scores[1] = torch.randint(-(2**50), 2**50, (count,), generator=generator)
+    if ascending:
+        indices = torch.arange(count).expand(rows, count)
+    else:
+        indices = torch.stack([torch.randperm(2 * count, generator=generator)[:count] for _ in range(rows)])
+    expected = rank_candidates(scores, indices, forced, limit, ascending, implementation="torch")
+    got = rank_candidates(scores, indices, forced, limit, ascending, implementation="triton")
+    for name, a, b in zip(("scores", "indices"), got, expected):
+        assert torch.equal(a, b), f"seed={seed} ascending={ascending}: ranked {name} differ"
+
+
+def test_static_lists_by_selection_equal_the_sorted_lists(seed):
+    """A static budget's lists straight from the kernel (no ranking sort, no list sort) are the sorted path's."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, seq_len = 2, 3, 700
+    v_scores = torch.randint(-(2**45), 2**45, (batch, heads, seq_len), generator=generator)
+    s_scores = torch.randint(-4, 4, (batch, heads, seq_len), generator=generator) << 36  # ties at every limit
+    candidates = torch.arange(seq_len).expand(batch, heads, seq_len)
+    budget = StaticHeadBudgets(torch.tensor([40, 100, 64]), torch.tensor([150, 101, 200]))
+    lists = {
+        implementation: select_index(
+            v_scores, candidates, s_scores, candidates, budget, None, seq_len, 5, 30, True, implementation
+        )
+        for implementation in ("torch", "triton")
+    }
+    for name, got, expected in zip(lists["triton"]._fields, lists["triton"], lists["torch"]):
+        assert torch.equal(got, expected), f"seed={seed}: {name} differs"
+
+
+@pytest.mark.parametrize(
+    "keys, counts, width, word",
+    [
+        (torch.zeros(2, 8, dtype=torch.int32), torch.ones(2), 4, "int64"),
+        (torch.zeros(2, 8, dtype=torch.long), torch.ones(3), 4, "counts"),
+        (torch.zeros(2, 8, dtype=torch.long), torch.ones(2), 9, "width=9"),
+    ],
+)
+def test_bad_selection_input_raises_value_error_naming_it(keys, counts, width, word):
+    with pytest.raises(ValueError, match=word):
+        triton_selection.top_positions(keys, counts, width)
