@@ -1,11 +1,17 @@
 """Triton kernel of the estimation's selection (DESIGN.md §2.2): each row's best entries by radix select, no sort.
 
 ``estimation.rank_candidates`` ranks all N candidates of a (sample, head) row by a stable sort of their int64
-keys, then keeps the first few thousand. :func:`top_positions` finds the same set without sorting: one program
-per row narrows a threshold down the key's bits, 8 at a time, with a histogram of the entries still tied with
-it (one read of the row per 8 bits that vary within it), then writes the entries above the threshold, and the
-first of those equal to it, in position order. The order ranked is (key descending, position ascending), a
-strict total order, so the set is exactly the sort's first ``count``.
+keys, then keeps the first few thousand. :func:`top_positions` finds the same set without sorting. One program
+per row:
+
+1. reads the row's largest and smallest key: the bits above the highest one that differs are every key's;
+2. narrows a threshold down the remaining bits, 8 per pass, with a histogram of the keys still tied with it on
+   the bits found so far; once few keys are tied (at most 1/``TIED_FRACTION`` of the row) they are copied to a
+   scratch row and the later passes read only those;
+3. writes the positions of the keys above the threshold, and of the first ones equal to it, in position order.
+
+The order ranked is (key descending, position ascending), a strict total order, so the set is exactly the sort's
+first ``count``. Random scores need about four reads of the row; equal keys all of them.
 """
 
 from __future__ import annotations
@@ -14,18 +20,35 @@ import torch
 import triton
 import triton.language as tl
 
-RADIX_BITS = 8  # key bits resolved per pass over a row
+RADIX_BITS = 8  # key bits resolved per pass
 ENTRIES_PER_STEP = 4096  # entries one program reads per loop step (8 per thread)
 NUM_WARPS = 16
+TIED_FRACTION = 16  # the scratch row holds n / 16 keys
+
+
+@triton.jit
+def _tied_histogram(SOURCE, length, known, threshold, shift, steps, RADIX: tl.constexpr, STEP: tl.constexpr):
+    """Histogram ``[2^RADIX]`` of the digit at ``shift`` of SOURCE[0 : length]'s keys tied with ``threshold`` on the
+    ``known`` bits (keys read with the sign bit flipped, see the kernel)."""
+    sign = tl.full([], 1, tl.int64) << 63
+    histogram = tl.zeros([1 << RADIX], dtype=tl.int32)
+    for start in range(0, length, STEP):
+        inside = start + steps < length
+        flipped = tl.load(SOURCE + start + steps, mask=inside, other=0) ^ sign
+        digit = ((flipped >> shift) & ((1 << RADIX) - 1)).to(tl.int32)
+        histogram += tl.histogram(digit, 1 << RADIX, mask=inside & ((flipped & known) == threshold))
+    return histogram
 
 
 @triton.jit
 def _top_positions_kernel(
     KEYS,
     COUNTS,
+    SCRATCH,
     OUT,
     num_entries,
     width,
+    scratch_len,
     stride_keys,
     stride_out,
     RADIX: tl.constexpr,
@@ -33,20 +56,20 @@ def _top_positions_kernel(
 ):
     """Row ``program_id(0)`` of KEYS ``[R, n]`` (int64): OUT ``[R, width]`` (int32) gets the positions of its
     first COUNTS[row] entries by (key desc, position asc), ascending, then ``num_entries`` up to ``width``.
+    SCRATCH ``[R, scratch_len]`` int64 is working memory.
 
     Digits are read from the keys with the sign bit flipped (their order as unsigned numbers); ``threshold``
     holds the bits found so far in that form, ``known`` is their mask (always the top bits, so a masked key
     flipped back compares as a signed number in the keys' order)."""
     row = tl.program_id(0).to(tl.int64)
     keys_row = KEYS + row * stride_keys
+    scratch_row = SCRATCH + row * scratch_len
     out_row = OUT + row * stride_out
     count = tl.load(COUNTS + row).to(tl.int32)
     steps = tl.arange(0, STEP)
     bins = tl.arange(0, 1 << RADIX)
     sign = tl.full([], 1, tl.int64) << 63
-    digit_mask = tl.full([], (1 << RADIX) - 1, tl.int64)
 
-    # the bits above the highest one that varies within the row are every entry's: start below them
     largest = tl.full([], -(2**63 - 1), tl.int64) - 1
     smallest = tl.full([], 2**63 - 1, tl.int64)
     for start in range(0, num_entries, STEP):
@@ -66,23 +89,30 @@ def _top_positions_kernel(
     remaining = count  # entries still to take among those tied with the threshold on its known bits
     tied = num_entries
     shift = tl.maximum(top_bit - RADIX + 1, 0)
+    source = keys_row  # the keys the passes read: the row, then the tied ones alone
+    source_len = num_entries
     done = (count == 0) | (top_bit < 0)
     while done == 0:
-        histogram = tl.zeros([1 << RADIX], dtype=tl.int32)
-        for start in range(0, num_entries, STEP):
-            inside = start + steps < num_entries
-            flipped = tl.load(keys_row + start + steps, mask=inside, other=0) ^ sign
-            digit = ((flipped >> shift) & digit_mask).to(tl.int32)
-            histogram += tl.histogram(digit, 1 << RADIX, mask=inside & ((flipped & known) == threshold))
+        histogram = _tied_histogram(source, source_len, known, threshold, shift, steps, RADIX, STEP)
         at_least = tied - tl.cumsum(histogram, 0) + histogram  # tied entries whose digit is ≥ the bin
         chosen = tl.max(tl.where(at_least >= remaining, bins, -1), axis=0)  # nonempty, since remaining ≥ 1
         in_chosen = tl.sum(tl.where(bins == chosen, histogram, 0), axis=0)
         remaining -= tl.sum(tl.where(bins == chosen, at_least, 0), axis=0) - in_chosen
         threshold = threshold | (chosen.to(tl.int64) << shift)
-        known = known | (digit_mask << shift)
+        known = known | (tl.full([], (1 << RADIX) - 1, tl.int64) << shift)
         tied = in_chosen
         done = (shift == 0) | (in_chosen == remaining)
         shift = tl.maximum(shift - RADIX, 0)
+        if (done == 0) & (source_len == num_entries) & (tied <= scratch_len):
+            copied = 0
+            for start in range(0, num_entries, STEP):
+                inside = start + steps < num_entries
+                keys = tl.load(keys_row + start + steps, mask=inside, other=0)
+                keep = inside & (((keys ^ sign) & known) == threshold)
+                tl.store(scratch_row + copied + tl.cumsum(keep.to(tl.int32), 0) - 1, keys, mask=keep)
+                copied += tl.sum(keep.to(tl.int32), axis=0)
+            source = scratch_row
+            source_len = tied
 
     # above the threshold: taken; tied with it: the first `remaining` in position order
     bound = threshold ^ sign
@@ -121,12 +151,16 @@ def top_positions(keys: torch.Tensor, counts: torch.Tensor, width: int) -> torch
     keys = keys.contiguous()
     out = torch.empty(rows, width, dtype=torch.int32, device=keys.device)
     if rows and width:
+        scratch_len = num_entries // TIED_FRACTION
+        scratch = torch.empty(rows, max(scratch_len, 1), dtype=torch.int64, device=keys.device)
         _top_positions_kernel[(rows,)](
             keys,
             counts.contiguous(),
+            scratch,
             out,
             num_entries,
             width,
+            scratch_len,
             keys.stride(0),
             out.stride(0),
             RADIX=RADIX_BITS,

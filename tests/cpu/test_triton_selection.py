@@ -38,6 +38,10 @@ def draw_keys(generator: torch.Generator, kind: str, rows: int, num_entries: int
         return torch.randint(-(2**62), 2**62, (rows, num_entries), generator=generator) * 2
     if kind == "narrow":  # scores of one magnitude: the top bits are every key's, skipped
         return torch.randint(0, 2**36, (rows, num_entries), generator=generator) + 2**45
+    if kind == "clustered":  # a first pass leaves a few keys tied, copied aside, and several passes follow on them
+        return (torch.randint(0, 32, (rows, num_entries), generator=generator) << 40) + torch.randint(
+            0, 2**16, (rows, num_entries), generator=generator
+        )
     if kind == "ties":  # a few values: the threshold's value is shared, the first ties by position are taken
         return torch.randint(-3, 3, (rows, num_entries), generator=generator) * (1 << 40)
     if kind == "equal":  # nothing varies
@@ -48,7 +52,7 @@ def draw_keys(generator: torch.Generator, kind: str, rows: int, num_entries: int
     return keys
 
 
-@pytest.mark.parametrize("kind", ["wide", "narrow", "ties", "equal", "extreme"])
+@pytest.mark.parametrize("kind", ["wide", "narrow", "clustered", "ties", "equal", "extreme"])
 @pytest.mark.parametrize("num_entries", [1, 70, triton_selection.ENTRIES_PER_STEP + 300])
 def test_top_positions_are_the_stable_sorts_first_entries(seed, kind, num_entries):
     generator = torch.Generator().manual_seed(seed)
