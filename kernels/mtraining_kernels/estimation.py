@@ -268,17 +268,15 @@ def rank_candidates(
 
 
 def _selected_list(
-    scores: torch.Tensor, indices: torch.Tensor, num_forced: int, counts: torch.Tensor, width: int, seq_len: int
+    scores: torch.Tensor, num_forced: int, counts: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`index_list` of the :func:`rank_candidates` ranking for fixed ``counts [...]``, by the Triton selection
-    alone: the first ``counts`` candidates come out ascending, so neither the ranking nor the list needs a sort.
-    ``scores``/``indices [..., m]`` int64 with indices ascending, counts ≤ width < m."""
-    keys = torch.where(indices < num_forced, FORCED_KEY, scores)
-    candidates = keys.shape[-1]
-    rows = keys.reshape(-1, candidates)
-    positions = _triton_selection().top_positions(rows, counts.reshape(-1), width).view(*keys.shape[:-1], width)
-    chosen = indices.gather(-1, positions.long().clamp(max=candidates - 1))
-    return torch.where(positions < candidates, chosen, seq_len).int(), counts.int()
+    """:func:`index_list` of the :func:`rank_candidates` ranking of all candidates 0 … m−1 (``scores [..., m]``
+    int64, m = N) for fixed ``counts [...]`` ≤ width < m, by the Triton selection alone: the first ``counts``
+    candidates come out ascending and padded with m, so neither the ranking nor the list needs a sort."""
+    candidates = scores.shape[-1]
+    rows = scores.reshape(-1, candidates)
+    positions = _triton_selection().top_positions(rows, counts.reshape(-1), width, num_forced)
+    return positions.view(*scores.shape[:-1], width), counts.int()
 
 
 def top_p_counts(
@@ -657,8 +655,9 @@ def select_index(
     for scores, indices, num_forced, width, sizes in kinds:
         if sizes is not None:
             counts = to_device(sizes, scores.device).expand(scores.shape[:-1])
-            if candidates_ascending and width < scores.shape[-1] and uses_triton(implementation, scores):
-                lists.append(_selected_list(scores, indices, num_forced, counts, width, seq_len))
+            all_positions = candidates_ascending and scores.shape[-1] == seq_len
+            if all_positions and width < seq_len and uses_triton(implementation, scores):
+                lists.append(_selected_list(scores, num_forced, counts, width))
                 continue
         ranked_scores, ranked_indices = rank_candidates(
             scores, indices, num_forced, width, candidates_ascending, implementation

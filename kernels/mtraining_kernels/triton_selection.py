@@ -27,14 +27,23 @@ TIED_FRACTION = 16  # the scratch row holds n / 16 keys
 
 
 @triton.jit
-def _tied_histogram(SOURCE, length, known, threshold, shift, steps, RADIX: tl.constexpr, STEP: tl.constexpr):
-    """Histogram ``[2^RADIX]`` of the digit at ``shift`` of SOURCE[0 : length]'s keys tied with ``threshold`` on the
-    ``known`` bits (keys read with the sign bit flipped, see the kernel)."""
+def _load_keys(SOURCE, positions, inside, num_forced):
+    """int64 keys at ``positions`` of SOURCE, the largest key at positions below ``num_forced`` (forced entries)."""
+    keys = tl.load(SOURCE + positions, mask=inside, other=0)
+    return tl.where(positions < num_forced, 2**63 - 1, keys)
+
+
+@triton.jit
+def _tied_histogram(
+    SOURCE, length, num_forced, known, threshold, shift, steps, RADIX: tl.constexpr, STEP: tl.constexpr
+):
+    """Histogram ``[2^RADIX]`` of the digit at ``shift`` of SOURCE[0 : length]'s keys (see :func:`_load_keys`) tied
+    with ``threshold`` on the ``known`` bits (keys read with the sign bit flipped, see the kernel)."""
     sign = tl.full([], 1, tl.int64) << 63
     histogram = tl.zeros([1 << RADIX], dtype=tl.int32)
     for start in range(0, length, STEP):
         inside = start + steps < length
-        flipped = tl.load(SOURCE + start + steps, mask=inside, other=0) ^ sign
+        flipped = _load_keys(SOURCE, start + steps, inside, num_forced) ^ sign
         digit = ((flipped >> shift) & ((1 << RADIX) - 1)).to(tl.int32)
         histogram += tl.histogram(digit, 1 << RADIX, mask=inside & ((flipped & known) == threshold))
     return histogram
@@ -47,6 +56,7 @@ def _top_positions_kernel(
     SCRATCH,
     OUT,
     num_entries,
+    num_forced,
     width,
     scratch_len,
     stride_keys,
@@ -55,8 +65,8 @@ def _top_positions_kernel(
     STEP: tl.constexpr,
 ):
     """Row ``program_id(0)`` of KEYS ``[R, n]`` (int64): OUT ``[R, width]`` (int32) gets the positions of its
-    first COUNTS[row] entries by (key desc, position asc), ascending, then ``num_entries`` up to ``width``.
-    SCRATCH ``[R, scratch_len]`` int64 is working memory.
+    first COUNTS[row] entries by (key desc, position asc), ascending, then ``num_entries`` up to ``width``; the
+    entries at positions below ``num_forced`` rank first. SCRATCH ``[R, scratch_len]`` int64 is working memory.
 
     Digits are read from the keys with the sign bit flipped (their order as unsigned numbers); ``threshold``
     holds the bits found so far in that form, ``known`` is their mask (always the top bits, so a masked key
@@ -74,7 +84,7 @@ def _top_positions_kernel(
     smallest = tl.full([], 2**63 - 1, tl.int64)
     for start in range(0, num_entries, STEP):
         inside = start + steps < num_entries
-        keys = tl.load(keys_row + start + steps, mask=inside, other=0)
+        keys = _load_keys(keys_row, start + steps, inside, num_forced)
         largest = tl.maximum(largest, tl.max(tl.where(inside, keys, largest), axis=0))
         smallest = tl.minimum(smallest, tl.min(tl.where(inside, keys, smallest), axis=0))
     varying = largest ^ smallest
@@ -91,9 +101,10 @@ def _top_positions_kernel(
     shift = tl.maximum(top_bit - RADIX + 1, 0)
     source = keys_row  # the keys the passes read: the row, then the tied ones alone
     source_len = num_entries
+    source_forced = num_forced
     done = (count == 0) | (top_bit < 0)
     while done == 0:
-        histogram = _tied_histogram(source, source_len, known, threshold, shift, steps, RADIX, STEP)
+        histogram = _tied_histogram(source, source_len, source_forced, known, threshold, shift, steps, RADIX, STEP)
         at_least = tied - tl.cumsum(histogram, 0) + histogram  # tied entries whose digit is ≥ the bin
         chosen = tl.max(tl.where(at_least >= remaining, bins, -1), axis=0)  # nonempty, since remaining ≥ 1
         in_chosen = tl.sum(tl.where(bins == chosen, histogram, 0), axis=0)
@@ -107,12 +118,13 @@ def _top_positions_kernel(
             copied = 0
             for start in range(0, num_entries, STEP):
                 inside = start + steps < num_entries
-                keys = tl.load(keys_row + start + steps, mask=inside, other=0)
+                keys = _load_keys(keys_row, start + steps, inside, num_forced)
                 keep = inside & (((keys ^ sign) & known) == threshold)
                 tl.store(scratch_row + copied + tl.cumsum(keep.to(tl.int32), 0) - 1, keys, mask=keep)
                 copied += tl.sum(keep.to(tl.int32), axis=0)
             source = scratch_row
             source_len = tied
+            source_forced = 0
 
     # above the threshold: taken; tied with it: the first `remaining` in position order
     bound = threshold ^ sign
@@ -121,7 +133,7 @@ def _top_positions_kernel(
     for start in range(0, num_entries, STEP):
         positions = start + steps
         inside = positions < num_entries
-        masked = ((tl.load(keys_row + positions, mask=inside, other=0) ^ sign) & known) ^ sign
+        masked = ((_load_keys(keys_row, positions, inside, num_forced) ^ sign) & known) ^ sign
         equal = inside & (masked == bound)
         tied_rank = tied_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
         take = (inside & (masked > bound)) | (equal & (tied_rank < remaining))
@@ -134,9 +146,10 @@ def _top_positions_kernel(
         tl.store(out_row + slots, num_entries, mask=(slots >= count) & (slots < width))
 
 
-def top_positions(keys: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+def top_positions(keys: torch.Tensor, counts: torch.Tensor, width: int, num_forced: int = 0) -> torch.Tensor:
     """Per row of ``keys [R, n]`` (int64), the positions of its first ``counts[r]`` entries ranked by key
-    descending, then position ascending: int32 ``[R, width]``, ascending, padded with n.
+    descending, then position ascending, positions below ``num_forced`` first (as if their key were the largest):
+    int32 ``[R, width]``, ascending, padded with n.
 
     ``counts [R]`` (any integer dtype) must lie in [0, width] and ``width`` ≤ n; they are not read on the host.
     """
@@ -159,6 +172,7 @@ def top_positions(keys: torch.Tensor, counts: torch.Tensor, width: int) -> torch
             scratch,
             out,
             num_entries,
+            num_forced,
             width,
             scratch_len,
             keys.stride(0),

@@ -61,9 +61,12 @@ def test_top_positions_are_the_stable_sorts_first_entries(seed, kind, num_entrie
     width = max(1, num_entries // 3)
     counts = torch.randint(0, width + 1, (rows,), generator=generator)
     counts[0], counts[-1] = width, 0  # a full row and an empty one
-    got = triton_selection.top_positions(keys, counts, width)
+    num_forced = int(torch.randint(0, 2 * width + 1, (), generator=generator))  # fewer or more than a row takes
+    got = triton_selection.top_positions(keys, counts, width, num_forced)
     assert got.dtype == torch.int32
-    assert torch.equal(got, sorted_selection(keys, counts, width)), f"seed={seed} {kind} n={num_entries}"
+    forced_keys = torch.where(torch.arange(num_entries) < num_forced, FORCED_KEY, keys)
+    expected = sorted_selection(forced_keys, counts, width)
+    assert torch.equal(got, expected), f"seed={seed} {kind} n={num_entries} forced={num_forced}"
 
 
 @pytest.mark.parametrize("ascending", [True, False])
