@@ -80,13 +80,16 @@ def _top_positions_kernel(
     bins = tl.arange(0, 1 << RADIX)
     sign = tl.full([], 1, tl.int64) << 63
 
-    largest = tl.full([], -(2**63 - 1), tl.int64) - 1
-    smallest = tl.full([], 2**63 - 1, tl.int64)
+    anchor = _load_keys(keys_row, 0, True, num_forced)  # a key of the row, standing in for lanes past its end
+    largest = tl.zeros([STEP], dtype=tl.int64) + anchor  # per lane, reduced across the block after the loop
+    smallest = largest
     for start in range(0, num_entries, STEP):
         inside = start + steps < num_entries
-        keys = _load_keys(keys_row, start + steps, inside, num_forced)
-        largest = tl.maximum(largest, tl.max(tl.where(inside, keys, largest), axis=0))
-        smallest = tl.minimum(smallest, tl.min(tl.where(inside, keys, smallest), axis=0))
+        keys = tl.where(inside, _load_keys(keys_row, start + steps, inside, num_forced), anchor)
+        largest = tl.maximum(largest, keys)
+        smallest = tl.minimum(smallest, keys)
+    largest = tl.max(largest, axis=0)
+    smallest = tl.min(smallest, axis=0)
     varying = largest ^ smallest
     top_bit = tl.full([], -1, tl.int32)
     while varying != 0:
