@@ -1,8 +1,8 @@
 """Triton kernel of the estimation's selection (DESIGN.md §2.2): each row's best entries by radix select, no sort.
 
-``estimation.rank_candidates`` ranks all N candidates of a (sample, head) row by a stable sort of their int64
-keys, then keeps the first few thousand. :func:`top_positions` finds the same set without sorting. One program
-per row:
+``estimation.rank_candidates`` is defined as a stable sort of a (sample, head) row's N int64 keys, of which the first
+few thousand are kept. :func:`top_positions` finds the same set without sorting (the estimation's path on CUDA).
+One program per row:
 
 1. reads the row's largest and smallest key: the bits above the highest one that differs are every key's;
 2. narrows a threshold down the remaining bits, 8 per pass, with a histogram of the keys still tied with it on
