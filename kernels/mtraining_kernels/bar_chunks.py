@@ -89,12 +89,20 @@ def _distinct(sorted_keys: Tensor, size: int, padding: int) -> tuple[Tensor, Ten
     return distinct.scatter_(0, run_of_position, sorted_keys), run_of_position, runs_before
 
 
+def _marked(marked: Tensor, size: int) -> Tensor:
+    """The positions of the true entries of bool ``marked [T]``, ascending, then T, ``[size]`` (size ≥ their number);
+    without a host sync."""
+    return torch.nonzero_static(marked, size=size, fill_value=marked.numel()).squeeze(1)
+
+
 def bar_chunks_by_column(
     bar_ptr: Tensor, bar_col: Tensor, first: int, last: int, key_len: int, kv_heads: int, vertical_width: int
 ) -> BarChunks:
     """The :class:`BarChunks` of bar lists ``bar_ptr`` int32 ``[W, b, Hq, nb+1]`` (absolute offsets, rows back
     to back in ``bar_col[first:last]``), local key columns in ``[0, key_len)``, for ``kv_heads`` KV heads;
-    ``vertical_width`` bounds the distinct bar columns of one (z, h) over all W sources (Vmax). No host sync."""
+    ``vertical_width`` bounds the distinct bar columns of one (z, h) over all W sources (Vmax). No host sync, and no
+    sort of the E bar entries: the distinct slots and pairs are marked in tables over every (head, column), bool
+    ``[W·b·Hq·key_len]``, and every (chunk, query block), int64 ``[C·nb]``, then compacted in order."""
     world, batch, heads, num_blocks = bar_ptr.shape[0], bar_ptr.shape[1], bar_ptr.shape[2], bar_ptr.shape[3] - 1
     group = heads // kv_heads
     device = bar_ptr.device
@@ -111,11 +119,12 @@ def bar_chunks_by_column(
     counts = (bar_ptr[..., 1:] - bar_ptr[..., :-1]).reshape(-1)
     list_row = torch.repeat_interleave(arange(counts.numel()), counts, output_size=entries)
     entry_head, entry_qblock = list_row // num_blocks, list_row % num_blocks
-    # slots: the distinct (head, column), ascending
+    # slots: the distinct (head, column), ascending: marked in a table over every (head, column)
     num_slot_rows = min(entries, per_source * verticals)
-    sorted_slot_keys, entry_order = torch.sort(entry_head * key_len + bar_col[first:last].long())
-    slot_key, slot_of_sorted, _ = _distinct(sorted_slot_keys, num_slot_rows, num_heads * key_len)
-    slot_of_entry = torch.empty_like(slot_of_sorted).scatter_(0, entry_order, slot_of_sorted)
+    entry_slot_key = entry_head * key_len + bar_col[first:last].long()
+    marked = torch.zeros(num_heads * key_len, dtype=torch.bool, device=device).index_fill_(0, entry_slot_key, True)
+    slot_key = _marked(marked, num_slot_rows)
+    slot_of_entry = torch.searchsorted(slot_key, entry_slot_key)
     head_slots = torch.searchsorted(slot_key, arange(num_heads + 1) * key_len)  # [H+1]
     slot_head = slot_key // key_len  # num_heads on padding
     slot_column = slot_key % key_len
@@ -134,11 +143,13 @@ def bar_chunks_by_column(
     # pairs: the distinct (chunk, query block), ascending, and their membership words
     slot_chunk = head_chunks[slot_head] + slot_rank // width
     slot_bit = torch.bitwise_left_shift(torch.ones_like(slot_rank), slot_rank % width)
-    sorted_pair_keys, pair_order = torch.sort(slot_chunk[slot_of_entry] * num_blocks + entry_qblock)
-    num_pair_rows = min(entries, num_chunk_rows * num_blocks)
-    pair_key, pair_of_sorted, _ = _distinct(sorted_pair_keys, num_pair_rows, num_chunk_rows * num_blocks)
-    pair_bits = torch.zeros(num_pair_rows, dtype=torch.int64, device=device)  # distinct bits per pair: sum = OR
-    pair_bits.index_add_(0, pair_of_sorted, slot_bit[slot_of_entry[pair_order]])
+    # a table over every (chunk, query block) adds each entry's bit, distinct per pair: the sum is their OR
+    num_pairs = num_chunk_rows * num_blocks
+    pair_words = torch.zeros(num_pairs, dtype=torch.int64, device=device)
+    pair_words.index_add_(0, slot_chunk[slot_of_entry] * num_blocks + entry_qblock, slot_bit[slot_of_entry])
+    num_pair_rows = min(entries, num_pairs)
+    pair_key = _marked(pair_words != 0, num_pair_rows)
+    pair_bits = torch.where(pair_key < num_pairs, pair_words[pair_key.clamp(max=max(num_pairs - 1, 0))], 0)
     pair_ptr = torch.searchsorted(pair_key, arange(num_chunk_rows + 1) * num_blocks)
     # targets: the distinct (w, z, KV head, column) of the slots, each slot listed in GQA member order
     targets_per_source = batch * kv_heads * key_len
