@@ -156,12 +156,12 @@ def top_positions(keys: torch.Tensor, counts: torch.Tensor, width: int, num_forc
 
     ``counts [R]`` (any integer dtype) must lie in [0, width] and ``width`` ≤ n; they are not read on the host.
     """
-    rows, num_entries = keys.shape
-    if keys.dtype != torch.int64 or counts.shape != (rows,):
+    if keys.dim() != 2 or keys.dtype != torch.int64 or counts.shape != keys.shape[:1]:
         raise ValueError(
             f"keys must be int64 [R, n] and counts [R]; got {keys.dtype} {tuple(keys.shape)}, counts "
             f"{tuple(counts.shape)}"
         )
+    rows, num_entries = keys.shape
     if not 0 <= width <= num_entries:
         raise ValueError(f"width={width} must lie in [0, n={num_entries}]")
     keys = keys.contiguous()

@@ -108,6 +108,7 @@ def test_static_lists_by_selection_equal_the_sorted_lists(seed):
     "keys, counts, width, word",
     [
         (torch.zeros(2, 8, dtype=torch.int32), torch.ones(2), 4, "int64"),
+        (torch.zeros(2, 2, 8, dtype=torch.long), torch.ones(2), 4, r"\[R, n\]"),
         (torch.zeros(2, 8, dtype=torch.long), torch.ones(3), 4, "counts"),
         (torch.zeros(2, 8, dtype=torch.long), torch.ones(2), 9, "width=9"),
     ],
