@@ -307,13 +307,14 @@ def _triton_lists(v_idx: Tensor, hit: Tensor, layout: Layout, rank: int, seq_len
     for c, count in zip(candidates, counts):
         triton_index.count_rows(c, count)
     row_starts = F.pad(torch.cumsum(counts.view(len(candidates), -1), 1), (1, 0))  # int64 [lists, W·b·Hq·nb + 1]
+    starts32 = row_starts.to(torch.int32)  # queued before the host read, so that only the writes wait on it
+    pointers = [_csr_pointers(starts, shape) for starts in starts32]
     totals = row_starts[:, -1].tolist()
     for total in totals:
-        _check_list_total(total)
-    row_starts = row_starts.to(torch.int32)
+        _check_list_total(total)  # before any list is written: an overflowing total wrapped in starts32
     return [
-        (_csr_pointers(starts, shape), triton_index.write_rows(c, starts[:-1], total))
-        for c, starts, total in zip(candidates, row_starts, totals)
+        (ptr, triton_index.write_rows(c, starts[:-1], total))
+        for c, ptr, starts, total in zip(candidates, pointers, starts32, totals)
     ]
 
 
