@@ -27,8 +27,8 @@ N, the pattern and the tensor).
 Timing: CUDA events around the forward and around the backward (``torch.autograd.grad``) of each
 repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
 (``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
-budget on the structured inputs) plus the conversion (``convert_index`` and the block lists by key that
-the backward reads, ``BlockBarIndex.blocks_by_key``), without the content checks, as training converts its
+budget on the structured inputs) plus the conversion (``convert_index``, which also builds the block lists by key
+that the backward reads), without the content checks, as training converts its
 own estimated index; the deterministic rows add ``bar_chunks_ms``, the bars' lists by column that their
 backward reads (``BlockBarIndex.bar_chunks``, built once per index, so the timed backwards find them built).
 Each index step is timed twice: ``convert_ms``/
@@ -286,10 +286,9 @@ def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, ti
 HOST_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
 
 
-def converted_lists(v_idx, s_idx, seq_len: int):
-    """The conversion as a training layer runs it on its own estimated index (no content checks), with the
-    block lists by key that the backward reads."""
-    return convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len, check_contents=False).blocks_by_key
+def converted_lists(v_idx, s_idx, seq_len: int) -> BlockBarIndex:
+    """The conversion as a training layer runs it on its own estimated index (no content checks)."""
+    return convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len, check_contents=False)
 
 
 def deterministic_timings(index: BlockBarIndex, kv_heads: int, timings: dict[str, float]) -> dict[str, float]:

@@ -1,9 +1,9 @@
-"""Host-side profile of the index conversion (``convert_index`` and ``BlockBarIndex.blocks_by_key``) on one GPU.
+"""Host-side profile of the index conversion (``convert_index``, the block lists by key included) on one GPU.
 
 Builds an estimated index of ``b = 1``, N = ``--seq-len`` (131072), Hq = ``--heads`` (16; Hkv 2, d 128, the
 Qwen2.5-3B shape) with ``estimate_vertical_slash`` on random bf16 q/k and ``StaticBudget(*--budget)``, warms up,
-then prints ``torch.profiler``'s CPU-only table (by self CPU time) around ``--calls`` conversions and their
-``blocks_by_key``, and the wall ms per call (``time.perf_counter`` between ``torch.cuda.synchronize`` calls).
+then prints ``torch.profiler``'s CPU-only table (by self CPU time) around ``--calls`` conversions, and the
+wall ms per call (``time.perf_counter`` between ``torch.cuda.synchronize`` calls).
 
 ``--check-contents 0`` converts with ``check_contents=False`` (the trusted path of our training pipeline); ``1``
 converts as a user call does, and passes no keyword, so it also runs on a tree from before the keyword.
@@ -73,41 +73,22 @@ def main(argv=None) -> None:
     def convert():
         return convert_index(v_idx, s_idx, layout, 0, seq_len, **keywords)
 
-    def convert_and_transpose():
-        return convert().blocks_by_key
-
     for _ in range(3):  # compiles the Triton kernels, fills the caches
-        convert_and_transpose()
+        index = convert()
     torch.cuda.synchronize()
 
-    indices = [convert() for _ in range(args.calls)]  # fresh indices: blocks_by_key is built once per index
-    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for index in indices:
+        for _ in range(args.calls):
             with torch.profiler.record_function("convert_index"):
                 convert()
-            with torch.profiler.record_function("blocks_by_key"):
-                index.blocks_by_key
         torch.cuda.synchronize()
-    index = indices[0]
     print(
         f"# N={seq_len} Hq={args.heads} budget={tuple(args.budget)} check_contents={bool(args.check_contents)}: "
-        f"{index.blk_col.numel() // 2} blocks, {index.bar_col.numel()} bars; {args.calls} calls of each"
+        f"{index.blk_col.numel() // 2} blocks, {index.bar_col.numel()} bars; {args.calls} calls"
     )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.row_limit))
-
-    def transpose_fresh():
-        fresh = convert()
-        torch.cuda.synchronize()
-        return wall_ms(lambda: fresh.blocks_by_key, 1)[0]
-
-    timings = {
-        "convert_index": wall_ms(convert, args.wall_calls),
-        "blocks_by_key": [transpose_fresh() for _ in range(args.wall_calls)],
-        "convert_index + blocks_by_key": wall_ms(convert_and_transpose, args.wall_calls),
-    }
-    for name, times in timings.items():
-        print(f"# wall ms per call, {name}: median {statistics.median(times):.3f}, min {min(times):.3f}")
+    times = wall_ms(convert, args.wall_calls)
+    print(f"# wall ms per call, convert_index: median {statistics.median(times):.3f}, min {min(times):.3f}")
 
 
 if __name__ == "__main__":

@@ -27,11 +27,13 @@ from .host_copies import to_device
 from .index import (
     BlockBarIndex,
     block_and_position_tables,
+    block_lists_by_key,
     block_tables,
     convert_index,
     csr_offsets,
     lists_of_bar_entries,
     lists_of_rows,
+    transposed_rows,
 )
 from .layout import BLOCK_SIZE, Layout
 from .vertical_slash import slash_block_hits
@@ -159,8 +161,10 @@ def convert_document_index(index: DocumentIndex, layout: Layout, rank: int) -> B
     blk_ptr, blk_col = _block_lists(documents, hit, layout, rank)
     query_blocks, _ = block_tables(layout, rank, seq_len, index.v_idx.device)
     bar_ptr, bar_col = _bar_lists(index, hit, query_blocks, layout)
+    key_ptr, key_qblock = block_lists_by_key(blk_ptr, blk_col, 0, blk_col.numel())
     width = index.v_idx.shape[1] * index.v_idx.shape[3]
-    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout, width, doc_ids)
+    lists = (blk_ptr, blk_col, bar_ptr, bar_col, key_ptr, key_qblock)
+    return BlockBarIndex(*lists, seq_len, layout.world_size, rank, layout, width, doc_ids)
 
 
 def convert_document_index_slow(index: DocumentIndex, layout: Layout, rank: int) -> BlockBarIndex:
@@ -205,6 +209,9 @@ def convert_document_index_slow(index: DocumentIndex, layout: Layout, rank: int)
     device = index.v_idx.device
     blk_ptr, blk_col = lists_of_rows(blk_rows, shape, device)
     bar_ptr, bar_col = lists_of_rows(bar_rows, shape, device)
+    key_ptr, key_qblock = lists_of_rows(transposed_rows(blk_rows, shape), shape, device)
     doc_ids = local_document_ids(documents, layout)
     width = index.v_idx.shape[1] * index.v_idx.shape[3]
-    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout, width, doc_ids)
+    return BlockBarIndex(
+        blk_ptr, blk_col, bar_ptr, bar_col, key_ptr, key_qblock, seq_len, world, rank, layout, width, doc_ids
+    )

@@ -12,7 +12,8 @@ the conversion lists
   diagonal block and verticals beyond it are non-causal, so no bar ever needs a causal mask.
 
 Both lists are CSR: row (w, b, h, i) spans ``col[ptr[w, b, h, i] : ptr[w, b, h, i + 1]]`` with
-absolute offsets, and ``ptr[w, b, h, nb]`` is where the next row group starts.
+absolute offsets, and ``ptr[w, b, h, nb]`` is where the next row group starts. The block lists also come
+transposed, by key block (row (w, b, h, j): the i whose list holds j), for the key-major backward.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class BlockBarIndex:
     chunk (0 … 2·nb−1), ascending per query block, a listed 128-key block j always as the consecutive
     pair 2j, 2j+1 (the Triton forward reads each pair as one tile). bar_ptr int32 ``[W, b, Hq, nb+1]``,
     bar_col int32 ``[total]``: local key columns of the source chunk (0 … N_loc−1), ascending per query
-    block.
+    block. key_ptr int32 ``[W, b, Hq, nb+1]``, key_qblock int32 ``[total/2]``: the block lists by key, CSR
+    over (w, b, Hq, local key block j), each row the local query blocks i whose row holds block j, ascending
+    (:func:`block_lists_by_key`; the key-major backward reads them).
 
     ``vertical_width``: the width of the vertical lists converted, Vmax of ``v_idx [b, Hq, Vmax]`` (m_max·Vmax
     of a packed index's): no (sample, query head) has more distinct bar columns over all sources, which bounds
@@ -57,6 +60,8 @@ class BlockBarIndex:
     blk_col: Tensor
     bar_ptr: Tensor
     bar_col: Tensor
+    key_ptr: Tensor
+    key_qblock: Tensor
     seq_len: int
     world_size: int
     rank: int
@@ -73,17 +78,10 @@ class BlockBarIndex:
         """The source rank a flat ring reads at ``step``: (rank − step) mod W."""
         return (self.rank - step) % self.world_size
 
-    @functools.cached_property
-    def blocks_by_key(self) -> tuple[Tensor, Tensor]:
-        """The block lists transposed for a key-major backward, built once per index without a host sync
-        (like a BlockMask's transposed lists): see :func:`block_lists_by_key`."""
-        return block_lists_by_key(self.blk_ptr, self.blk_col, 0, self.blk_col.numel())
-
     def key_lists(self, source: int) -> tuple[Tensor, Tensor]:
         """(key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32) of the step reading ``source``, for the
         launchers' ``key_lists`` keyword."""
-        key_ptr, key_qblock = self.blocks_by_key
-        return key_ptr[source], key_qblock
+        return self.key_ptr[source], self.key_qblock
 
     @functools.cached_property
     def _bar_chunks_by_kv_heads(self) -> dict[int, BarChunks]:
@@ -292,14 +290,16 @@ def _bar_candidates(v_idx: Tensor, hit: Tensor, tables, layout: Layout, seq_len:
 
 
 def _triton_lists(v_idx: Tensor, hit: Tensor, layout: Layout, rank: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
-    """[(blk_ptr, blk_col), (bar_ptr, bar_col)] by the Triton kernels of ``triton_index``: a count pass per list,
-    their offsets, one host read of both lists' sizes (the only one), a write pass per list."""
+    """[(blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col)] by the Triton kernels of ``triton_index``:
+    a count pass per list, their offsets, one host read of the lists' sizes (the only one), a write pass per
+    list."""
     from . import triton_index  # Triton is imported only where its kernels run
 
     tables = _kernel_block_tables(layout, rank, seq_len, v_idx.device)
     kernel_hit = triton_index.kernel_hits(hit)
     candidates = [
         triton_index.block_candidates(tables, kernel_hit),
+        triton_index.key_candidates(tables, kernel_hit),
         _bar_candidates(v_idx, kernel_hit, tables, layout, seq_len),
     ]
     shape = (layout.world_size, *v_idx.shape[:2], tables.query_blocks.numel())
@@ -345,12 +345,14 @@ def convert_index(
     use_triton = uses_triton(implementation, v_idx)  # the Triton list kernels are triton_index.py's
     hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
     if use_triton:
-        (blk_ptr, blk_col), (bar_ptr, bar_col) = _triton_lists(v_idx, hit, layout, rank, seq_len)
+        (blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col) = _triton_lists(v_idx, hit, layout, rank, seq_len)
     else:
         query_blocks, source_blocks = block_tables(layout, rank, seq_len, v_idx.device)
         blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
+        key_ptr, key_qblock = block_lists_by_key(blk_ptr, blk_col, 0, blk_col.numel())
         bar_ptr, bar_col = _bar_lists(v_idx, hit, query_blocks, layout, seq_len)
-    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, layout.world_size, rank, layout, v_idx.shape[-1])
+    lists = (blk_ptr, blk_col, bar_ptr, bar_col, key_ptr, key_qblock)
+    return BlockBarIndex(*lists, seq_len, layout.world_size, rank, layout, v_idx.shape[-1])
 
 
 def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> BlockBarIndex:
@@ -395,7 +397,10 @@ def convert_index_slow(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, 
     shape = (world, batch, heads, nb)
     blk_ptr, blk_col = lists_of_rows(blk_rows, shape, v_idx.device)
     bar_ptr, bar_col = lists_of_rows(bar_rows, shape, v_idx.device)
-    return BlockBarIndex(blk_ptr, blk_col, bar_ptr, bar_col, seq_len, world, rank, layout, v_idx.shape[-1])
+    key_ptr, key_qblock = lists_of_rows(transposed_rows(blk_rows, shape), shape, v_idx.device)
+    return BlockBarIndex(
+        blk_ptr, blk_col, bar_ptr, bar_col, key_ptr, key_qblock, seq_len, world, rank, layout, v_idx.shape[-1]
+    )
 
 
 def block_and_position_tables(
@@ -411,6 +416,17 @@ def block_and_position_tables(
         for local, position in enumerate(layout.global_positions(seq_len, w).tolist()):
             owner_local[position] = (w, local)
     return query_blocks, source_blocks, owner_local
+
+
+def transposed_rows(blk_rows: list[list[int]], shape: tuple[int, int, int, int]) -> list[list[int]]:
+    """The block lists by key from the block lists (one list of sub-tiles per row (w, b, h, i)): per row
+    (w, b, h, j) the query blocks i whose row holds block j (sub-tiles 2j, 2j+1), ascending."""
+    nb = shape[-1]
+    by_key: list[list[int]] = []
+    for group in range(len(blk_rows) // nb):
+        rows = blk_rows[group * nb : (group + 1) * nb]
+        by_key += [[i for i in range(nb) if 2 * j in rows[i]] for j in range(nb)]
+    return by_key
 
 
 def lists_of_rows(row_lists: list[list[int]], shape: tuple[int, int, int, int], device) -> tuple[Tensor, Tensor]:

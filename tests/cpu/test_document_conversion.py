@@ -13,7 +13,7 @@ from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.reference import packed_vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
 
-FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
+FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col", "key_ptr", "key_qblock")
 LAYOUTS = [Layout(kind, world) for world in (1, 2, 3) for kind in ("contiguous", "zigzag", "striped", "skewed")]
 LAYOUTS.append(Layout("striped", 2, 256))
 

@@ -10,7 +10,7 @@ from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.reference import vertical_slash_mask
 from mtraining_kernels.vertical_slash import full_index
 
-FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
+FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col", "key_ptr", "key_qblock")
 
 
 def random_index(

@@ -23,7 +23,7 @@ from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.vertical_slash import slash_block_hits
 
 pytestmark = pytest.mark.gpu
-FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col")
+FIELDS = ("blk_ptr", "blk_col", "bar_ptr", "bar_col", "key_ptr", "key_qblock")
 
 
 def convert(backend: str, v_idx, s_idx, layout: Layout, rank: int, seq_len: int) -> index.BlockBarIndex:
