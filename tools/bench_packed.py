@@ -81,8 +81,8 @@ def flex_check(q, k, v, dout, dense_lists, block_mask, scale: float, backend: st
 
 
 def conversion_step(doc_index: DocumentIndex):
-    """The conversion of ``doc_index`` to the single device's lists, with the block lists by key, as a call."""
-    return lambda: convert_document_index(doc_index, SINGLE, 0).blocks_by_key
+    """The conversion of ``doc_index`` to the single device's lists (the block lists by key included), as a call."""
+    return lambda: convert_document_index(doc_index, SINGLE, 0)
 
 
 def estimation_step(q, k, index: DocumentIndex, min_sparse_length: int):
