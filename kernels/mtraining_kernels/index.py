@@ -19,6 +19,7 @@ transposed, by key block (row (w, b, h, j): the i whose list holds j), for the k
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -279,43 +280,26 @@ def _kernel_block_tables(layout: Layout, rank: int, seq_len: int, device):
     return triton_index.block_tables(source_blocks, query_blocks)
 
 
-def _bar_candidates(v_idx: Tensor, hit: Tensor, tables, layout: Layout, seq_len: int):
-    """The Triton bar-list candidates from ``hit`` int8 ``[b·Hq, NB]`` and the kernels' block ``tables``:
-    :func:`_bar_lists` without the int64 ``[b, Hq, nb, Vmax]`` temporaries and the sort."""
-    from .triton_index import bar_candidates
-
-    column = v_idx.clamp(max=seq_len - 1)  # in v_idx's dtype: int32 key blocks are the kernels' already
-    owner, local = layout.to_local(column, seq_len)
-    return bar_candidates(owner, local, column // BLOCK_SIZE, tables.query_blocks, hit, layout.world_size)
-
-
 def _triton_lists(v_idx: Tensor, hit: Tensor, layout: Layout, rank: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
-    """[(blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col)] by the Triton kernels of ``triton_index``:
-    a count pass per list, their offsets, one host read of the lists' sizes (the only one), a write pass per
-    list."""
+    """[(blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col)] by the Triton kernel of ``triton_index``:
+    one launch counts every list's rows, then their offsets, one host read of the lists' sizes (the only one),
+    and one launch writes them. No int64 ``[b, Hq, nb, Vmax]`` temporaries, no sort."""
     from . import triton_index  # Triton is imported only where its kernels run
 
     tables = _kernel_block_tables(layout, rank, seq_len, v_idx.device)
-    kernel_hit = triton_index.kernel_hits(hit)
-    candidates = [
-        triton_index.block_candidates(tables, kernel_hit),
-        triton_index.key_candidates(tables, kernel_hit),
-        _bar_candidates(v_idx, kernel_hit, tables, layout, seq_len),
-    ]
+    column = v_idx.clamp(max=seq_len - 1)  # in v_idx's dtype: int32 key blocks are the kernels' already
+    owner, local = layout.to_local(column, seq_len)
+    candidates = triton_index.list_candidates(tables, hit, column // BLOCK_SIZE, owner, local)
     shape = (layout.world_size, *v_idx.shape[:2], tables.query_blocks.numel())
-    counts = torch.empty((len(candidates), *shape), dtype=torch.int32, device=v_idx.device)
-    for c, count in zip(candidates, counts):
-        triton_index.count_rows(c, count)
-    row_starts = F.pad(torch.cumsum(counts.view(len(candidates), -1), 1), (1, 0))  # int64 [lists, W·b·Hq·nb + 1]
-    starts32 = row_starts.to(torch.int32)  # queued before the host read, so that only the writes wait on it
+    counts = torch.empty((triton_index.NUM_LISTS, math.prod(shape)), dtype=torch.int32, device=v_idx.device)
+    triton_index.count_rows(candidates, counts)
+    row_starts = F.pad(torch.cumsum(counts, 1), (1, 0))  # int64 [lists, W·b·Hq·nb + 1]
+    starts32 = row_starts.to(torch.int32)  # queued before the host read, so that only the write waits on it
     pointers = [_csr_pointers(starts, shape) for starts in starts32]
     totals = row_starts[:, -1].tolist()
     for total in totals:
         _check_list_total(total)  # before any list is written: an overflowing total wrapped in starts32
-    return [
-        (ptr, triton_index.write_rows(c, starts[:-1], total))
-        for c, ptr, starts, total in zip(candidates, pointers, starts32, totals)
-    ]
+    return list(zip(pointers, triton_index.write_rows(candidates, starts32, totals)))
 
 
 def convert_index(

@@ -4,8 +4,8 @@ PyTorch ones.
 The PyTorch conversion (``index._block_lists`` / ``index._bar_lists``) materialises a bool
 ``[W, b, Hq, nb, nb]`` block mask and int64 ``[b, Hq, nb, Vmax]`` bar distances, then runs ``nonzero`` and
 a sort of every bar entry (about 135 M at 512K with 4K verticals on one GPU), and
-``index.block_lists_by_key`` sorts every block. Here one kernel runs twice per list, one program per row
-(source rank w, b, query head h, local block):
+``index.block_lists_by_key`` sorts every block. Here one kernel runs twice, one program per (source rank w,
+b, query head h, local block), which handles that row of every list:
 
 * :func:`count_rows` — how many entries each row has (the caller turns the counts into CSR offsets);
 * :func:`write_rows` — the entries themselves, stored from each row's offset in candidate order.
@@ -19,6 +19,8 @@ A row's candidates are a range of an ascending list (its bound from ``torch.sear
 * **bars** (row: query block qb) — the verticals with kb < qb, kept when source w owns them and their block
   is not active; stored as local columns, which every layout keeps in global order, so the lists equal the
   sorted PyTorch ones.
+
+A program's block row (query block i) and by-key row (key block i) have about nb candidates together.
 """
 
 from __future__ import annotations
@@ -32,95 +34,153 @@ import triton.language as tl
 CANDIDATES_PER_STEP = 128  # candidates one program reads per loop step
 
 
-# the three lists of one conversion
-_BLOCKS, _BARS, _KEYS = (tl.constexpr(i) for i in range(3))
+# the lists of one conversion, in the order of every per-list tensor here
+_BLOCKS, _KEYS, _BARS = (tl.constexpr(i) for i in range(3))
+NUM_LISTS = 3
 
 
 @triton.jit
-def _list_rows_kernel(
-    KEY_BLOCK,
+def _list_row(
+    w,
+    own_block,
+    first,
+    last,
+    CANDIDATE_BLOCK,
     OWNER,
     VALUE,
-    BOUND,
-    HIT,
-    QUERY_BLOCK,
+    HIT_ROW,
     ROW_START,
     COUNT,
     COL,
-    cand_stride_bh,
-    cand_stride_w,
-    bound_stride_bh,
-    bound_stride_w,
-    num_global_blocks,
-    num_local_blocks,
-    batch_heads,
     LIST: tl.constexpr,
     WRITE: tl.constexpr,
     STEP: tl.constexpr,
 ):
-    """One row (w, b·Hq, ``program_id(0)``) of one list: count its entries, or write them from ROW_START[row].
-    Blocks and bars: the row is local query block i, its candidates source w's key blocks (or verticals) before
-    ``BOUND``; keys: the row is source w's local key block j, its candidates this rank's query blocks from
-    ``BOUND`` on. The block diagonal of a (query, key) pair is HIT's column."""
-    i = tl.program_id(0)
-    bh = tl.program_id(1)
-    w = tl.program_id(2)
-    row = (w * batch_heads + bh) * num_local_blocks + i
-    candidates = bh * cand_stride_bh + w * cand_stride_w
-    bound = tl.load(BOUND + bh * bound_stride_bh + w * bound_stride_w + i)
-    if LIST == _KEYS:
-        own_block = tl.load(KEY_BLOCK + candidates + i)
-        first, last = bound, num_local_blocks
-    else:
-        own_block = tl.load(QUERY_BLOCK + i)
-        first, last = 0, bound
+    """Counts one row's entries into COUNT, or writes them into COL from ROW_START's offset, over its candidates
+    ``first`` … ``last`` − 1 (blocks CANDIDATE_BLOCK, bars' OWNER and VALUE too, at the same offsets). A
+    candidate is active when HIT_ROW holds its block diagonal with ``own_block`` (the row's)."""
     found = 0
     for start in range(first, last, STEP):
         offsets = start + tl.arange(0, STEP)
         inside = offsets < last
+        candidate_block = tl.load(CANDIDATE_BLOCK + offsets, mask=inside, other=0)
         if LIST == _KEYS:
-            distance = tl.load(QUERY_BLOCK + offsets, mask=inside, other=0) - own_block
+            distance = candidate_block - own_block
         else:
-            distance = own_block - tl.load(KEY_BLOCK + candidates + offsets, mask=inside, other=0)
+            distance = own_block - candidate_block
         if LIST == _BARS:
-            inside = inside & (tl.load(OWNER + candidates + offsets, mask=inside, other=-1) == w)
-        active = tl.load(HIT + bh * num_global_blocks + distance, mask=inside, other=0)
+            inside = inside & (tl.load(OWNER + offsets, mask=inside, other=-1) == w)
+        active = tl.load(HIT_ROW + distance, mask=inside, other=0)
         if LIST == _BARS:
             take = inside & (active == 0)
         else:
             take = inside & (active != 0)
         if WRITE:
             rank_in_row = found + tl.cumsum(take.to(tl.int32), 0) - 1
+            row_start = tl.load(ROW_START)
             if LIST == _BARS:
-                column = tl.load(VALUE + candidates + offsets, mask=take, other=0)
-                tl.store(COL + tl.load(ROW_START + row) + rank_in_row, column, mask=take)
+                column = tl.load(VALUE + offsets, mask=take, other=0)
+                tl.store(COL + row_start + rank_in_row, column, mask=take)
             elif LIST == _KEYS:
-                tl.store(COL + tl.load(ROW_START + row) + rank_in_row, offsets, mask=take)
+                tl.store(COL + row_start + rank_in_row, offsets, mask=take)
             else:
-                position = tl.load(ROW_START + row) + 2 * rank_in_row
+                position = row_start + 2 * rank_in_row
                 tl.store(COL + position, 2 * offsets, mask=take)
                 tl.store(COL + position + 1, 2 * offsets + 1, mask=take)
         found += tl.sum(take.to(tl.int32), 0)
     if not WRITE:
         if LIST == _BLOCKS:
-            tl.store(COUNT + row, 2 * found)  # two sub-tiles per block
+            tl.store(COUNT, 2 * found)  # two sub-tiles per block
         else:
-            tl.store(COUNT + row, found)
+            tl.store(COUNT, found)
 
 
-class ListCandidates(NamedTuple):
-    """One list's candidates in kernel form (int32, contiguous); build with :func:`block_candidates`,
-    :func:`key_candidates` or :func:`bar_candidates`."""
-
-    kind: int  # which list: _BLOCKS, _BARS or _KEYS
-    key_block: torch.Tensor  # blocks, keys: source key blocks [W, nb]; bars: verticals' key blocks [b·Hq, V]
-    owner: torch.Tensor  # bars: the verticals' source ranks [b·Hq, V] (otherwise key_block, unread)
-    value: torch.Tensor  # bars: the verticals' local columns [b·Hq, V] (otherwise key_block, unread)
-    bound: torch.Tensor  # blocks [W, nb], bars [b·Hq, nb]: candidates before query block i; keys [W, nb]: first
-    hit: torch.Tensor  # int8 [b·Hq, NB] of kernel_hits, hit[bh, δ] = block diagonal δ is active
-    query_blocks: torch.Tensor  # [nb] global ids of this rank's query blocks
-    world_size: int
-    batch_heads: int
+@triton.jit
+def _list_rows_kernel(
+    QUERY_BLOCK,
+    SOURCE_BLOCK,
+    BLOCK_BOUND,
+    KEY_FIRST,
+    BAR_BLOCK,
+    BAR_OWNER,
+    BAR_COLUMN,
+    BAR_BOUND,
+    HIT,
+    ROW_START,
+    COUNT,
+    BLOCK_COL,
+    KEY_COL,
+    BAR_COL,
+    num_global_blocks,
+    num_local_blocks,
+    batch_heads,
+    bar_width,
+    WRITE: tl.constexpr,
+    STEP: tl.constexpr,
+):
+    """Row (w, b·Hq, local block ``program_id(0)``) of every list, counted (COUNT ``[lists, rows]``) or written
+    (ROW_START ``[lists, rows + 1]``); tables as :class:`ListCandidates` holds them."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    w = tl.program_id(2)
+    nb = num_local_blocks
+    num_rows = tl.num_programs(2) * batch_heads * nb
+    row = (w * batch_heads + bh) * nb + i
+    hit_row = HIT + bh * num_global_blocks
+    query_block = tl.load(QUERY_BLOCK + i)
+    source_blocks = SOURCE_BLOCK + w * nb
+    bars = bh * bar_width
+    # blocks: query block i against source w's key blocks up to it
+    _list_row(
+        w,
+        query_block,
+        0,
+        tl.load(BLOCK_BOUND + w * nb + i),
+        source_blocks,
+        source_blocks,
+        source_blocks,
+        hit_row,
+        ROW_START + row,
+        COUNT + row,
+        BLOCK_COL,
+        _BLOCKS,
+        WRITE,
+        STEP,
+    )
+    # keys: source w's key block i against this rank's query blocks from it on
+    _list_row(
+        w,
+        tl.load(source_blocks + i),
+        tl.load(KEY_FIRST + w * nb + i),
+        nb,
+        QUERY_BLOCK,
+        QUERY_BLOCK,
+        QUERY_BLOCK,
+        hit_row,
+        ROW_START + (num_rows + 1) + row,
+        COUNT + num_rows + row,
+        KEY_COL,
+        _KEYS,
+        WRITE,
+        STEP,
+    )
+    # bars: query block i against the (sample, head)'s verticals before it
+    _list_row(
+        w,
+        query_block,
+        0,
+        tl.load(BAR_BOUND + bh * nb + i),
+        BAR_BLOCK + bars,
+        BAR_OWNER + bars,
+        BAR_COLUMN + bars,
+        hit_row,
+        ROW_START + 2 * (num_rows + 1) + row,
+        COUNT + 2 * num_rows + row,
+        BAR_COL,
+        _BARS,
+        WRITE,
+        STEP,
+    )
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -146,92 +206,68 @@ def block_tables(source_blocks: torch.Tensor, query_blocks: torch.Tensor) -> Blo
     return BlockTables(queries, key_block, prefix, first_query)
 
 
-def kernel_hits(hit: torch.Tensor) -> torch.Tensor:
-    """bool ``hit [b, Hq, NB]`` as the kernels read it: int8 ``[b·Hq, NB]``, the same bytes (no copy when
-    ``hit`` is contiguous)."""
-    return hit.reshape(-1, hit.shape[-1]).contiguous().view(torch.int8)
+class ListCandidates(NamedTuple):
+    """The candidates of one conversion's lists in kernel form (int32, contiguous): build with
+    :func:`list_candidates`."""
+
+    tables: BlockTables
+    hit: torch.Tensor  # int8 [b·Hq, NB], hit[bh, δ] = block diagonal δ is active
+    bar_block: torch.Tensor  # [b·Hq, V] the verticals' key blocks, ascending per row
+    bar_owner: torch.Tensor  # [b·Hq, V] their source ranks
+    bar_column: torch.Tensor  # [b·Hq, V] their local columns in the owner's chunk
+    bar_bound: torch.Tensor  # [b·Hq, nb] how many verticals are in key blocks before query block i
 
 
-def _table_candidates(kind: int, tables: BlockTables, bound: torch.Tensor, hit: torch.Tensor) -> ListCandidates:
-    key_block = tables.source_blocks
-    world = key_block.shape[0]
-    return ListCandidates(kind, key_block, key_block, key_block, bound, hit, tables.query_blocks, world, hit.shape[0])
-
-
-def block_candidates(tables: BlockTables, hit: torch.Tensor) -> ListCandidates:
-    """The block lists' candidates: ``tables`` of :func:`block_tables`, ``hit`` int8 ``[b·Hq, NB]`` of
-    :func:`kernel_hits`."""
-    return _table_candidates(_BLOCKS.value, tables, tables.prefix, hit)
-
-
-def key_candidates(tables: BlockTables, hit: torch.Tensor) -> ListCandidates:
-    """The block lists by key (``index.block_lists_by_key``'s, row (w, b, h, j) the local query blocks i whose
-    block list holds j, ascending): ``tables`` and ``hit`` as in :func:`block_candidates`."""
-    return _table_candidates(_KEYS.value, tables, tables.first_query, hit)
-
-
-def bar_candidates(
-    owner: torch.Tensor,
-    local: torch.Tensor,
-    key_block: torch.Tensor,
-    query_blocks: torch.Tensor,
-    hit: torch.Tensor,
-    world_size: int,
+def list_candidates(
+    tables: BlockTables, hit: torch.Tensor, key_block: torch.Tensor, owner: torch.Tensor, local: torch.Tensor
 ) -> ListCandidates:
-    """The verticals' ``owner``, ``local`` column and ``key_block``, each ``[b, Hq, V]`` (ascending per row, any
-    integer dtype); ``query_blocks`` int32 ``[nb]`` (:attr:`BlockTables.query_blocks`), ``hit`` int8
-    ``[b·Hq, NB]`` of :func:`kernel_hits`."""
-    rows = key_block.shape[0] * key_block.shape[1]
-    blocks = _int32(key_block.reshape(rows, -1))
-    prefix = torch.searchsorted(blocks, query_blocks.expand(rows, -1).contiguous(), out_int32=True)
-    return ListCandidates(
-        _BARS.value,
-        blocks,
-        _int32(owner.reshape(rows, -1)),
-        _int32(local.reshape(rows, -1)),
-        prefix,
-        hit,
-        query_blocks,
-        world_size,
-        rows,
-    )
+    """``tables`` of :func:`block_tables`; bool ``hit [b, Hq, NB]``; the verticals' ``key_block``, ``owner`` and
+    ``local`` column, each ``[b, Hq, V]``, ascending per row, any integer dtype."""
+    rows = hit.shape[0] * hit.shape[1]
+    kernel_hit = hit.reshape(rows, hit.shape[-1]).contiguous().view(torch.int8)  # the same bytes
+    bar_block = _int32(key_block.reshape(rows, -1))
+    query_blocks = tables.query_blocks.expand(rows, -1).contiguous()
+    bar_bound = torch.searchsorted(bar_block, query_blocks, out_int32=True)
+    owner, local = _int32(owner.reshape(rows, -1)), _int32(local.reshape(rows, -1))
+    return ListCandidates(tables, kernel_hit, bar_block, owner, local, bar_bound)
 
 
-def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, col: torch.Tensor, write: bool) -> None:
-    num_local_blocks = c.query_blocks.numel()
-    width = c.key_block.shape[1]
-    bars = c.kind == _BARS.value
-    cand_strides = (width, 0) if bars else (0, width)
-    bound_strides = (num_local_blocks, 0) if bars else (0, num_local_blocks)
-    _list_rows_kernel[(num_local_blocks, c.batch_heads, c.world_size)](
-        c.key_block,
-        c.owner,
-        c.value,
-        c.bound,
+def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, cols: list, write: bool) -> None:
+    tables = c.tables
+    world, num_local_blocks = tables.source_blocks.shape
+    batch_heads, num_global_blocks = c.hit.shape
+    _list_rows_kernel[(num_local_blocks, batch_heads, world)](
+        tables.query_blocks,
+        tables.source_blocks,
+        tables.prefix,
+        tables.first_query,
+        c.bar_block,
+        c.bar_owner,
+        c.bar_column,
+        c.bar_bound,
         c.hit,
-        c.query_blocks,
         row_start,
         counts,
-        col,
-        *cand_strides,
-        *bound_strides,
-        c.hit.shape[1],
+        *cols,
+        num_global_blocks,
         num_local_blocks,
-        c.batch_heads,
-        LIST=c.kind,
+        batch_heads,
+        c.bar_block.shape[1],
         WRITE=write,
         STEP=CANDIDATES_PER_STEP,
     )
 
 
 def count_rows(c: ListCandidates, counts: torch.Tensor) -> None:
-    """Write the entries per row into ``counts``, contiguous int32 of W·b·Hq·nb elements in row order (w, b·Hq, i)."""
-    _launch(c, counts, counts, counts, write=False)  # row_start and col are not read
+    """Write each list's entries per row into ``counts``, contiguous int32 ``[NUM_LISTS, W·b·Hq·nb]`` (blocks, by
+    key, bars; rows in the order (w, b·Hq, local block))."""
+    _launch(c, counts, counts, [counts] * NUM_LISTS, write=False)  # no row start is read, no entry written
 
 
-def write_rows(c: ListCandidates, row_start: torch.Tensor, total: int) -> torch.Tensor:
-    """The entries, int32 ``[total]``: row r's at ``row_start[r] …`` (rows as :func:`count_rows`'s, flattened)."""
-    col = torch.empty(total, dtype=torch.int32, device=c.key_block.device)
-    if total:
-        _launch(c, _int32(row_start), row_start, col, write=True)
-    return col
+def write_rows(c: ListCandidates, row_starts: torch.Tensor, totals: list[int]) -> list[torch.Tensor]:
+    """The lists' entries, int32 ``[totals[l]]`` each: row r of list l from ``row_starts[l, r]`` on (``row_starts``
+    contiguous int32 ``[NUM_LISTS, W·b·Hq·nb + 1]``, rows as :func:`count_rows`'s)."""
+    cols = [torch.empty(total, dtype=torch.int32, device=c.hit.device) for total in totals]
+    if any(totals):
+        _launch(c, row_starts, row_starts, cols, write=True)  # no count is written
+    return cols

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from bench_attention import budget_pattern, median_ms
 from host_reads import device_syncs
 
-from mtraining_kernels import index
+from mtraining_kernels import index, triton_index
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
 from mtraining_kernels.vertical_slash import slash_block_hits
 
@@ -48,8 +48,8 @@ def test_triton_lists_equal_the_pytorch_lists(seed, seq_len, kind, world):
 
 def test_auto_uses_triton_on_cuda(seed, monkeypatch):
     calls = []
-    original = index._bar_candidates
-    monkeypatch.setattr(index, "_bar_candidates", lambda *args: calls.append(1) or original(*args))
+    original = triton_index.list_candidates
+    monkeypatch.setattr(triton_index, "list_candidates", lambda *args: calls.append(1) or original(*args))
     v_idx, s_idx, _ = budget_pattern(1, 2, 8192, 0.9, "cuda", torch.Generator().manual_seed(seed))
     convert("auto", v_idx, s_idx, Layout("contiguous", 1), 0, 8192)
     assert calls == [1]
