@@ -1,4 +1,4 @@
-"""The Triton bar-list kernels (kernels/mtraining_kernels/triton_index.py) run by Triton's CPU interpreter:
+"""The Triton list kernel (kernels/mtraining_kernels/triton_index.py) run by Triton's CPU interpreter:
 the conversion with them equals the PyTorch conversion element for element, for every layout, W and rank."""
 
 import importlib
@@ -104,3 +104,26 @@ def test_the_unchecked_triton_conversion_reads_the_host_once(seed):
     assert [site.split(" ")[1] for site in reads.sites] == ["tolist"], reads.sites
     for field in FIELDS:
         assert torch.equal(getattr(unchecked, field), getattr(checked, field)), f"seed={seed}: {field} differs"
+
+
+def test_after_its_host_read_the_conversion_launches_only_the_write(seed, monkeypatch):
+    """One kernel launch counts the three lists (blocks, by key, bars) before the host read of their sizes and one
+    writes them after it: on a GPU the host launches nothing else while the device waits for it."""
+    generator = torch.Generator().manual_seed(seed)
+    layout, seq_len = Layout("striped", 2), 2 * 2 * BLOCK_SIZE * 3
+    v_idx, s_idx = random_index(generator, 2, 3, seq_len, 24, 24)
+    timeline: list[str] = []
+    kernel_type = type(triton_index._list_rows_kernel)
+    launch = kernel_type.run
+
+    def recorded_launch(kernel, *args, **kwargs):
+        timeline.append(f"launch {kernel.fn.__name__}")
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", recorded_launch)
+    with HostReads() as reads:
+        reads.sites = timeline  # host reads and launches in one order
+        got = index.convert_index(v_idx, s_idx, layout, 1, seq_len, "triton", check_contents=False)
+    steps = [event if event.startswith("launch") else event.split(" ")[1] for event in timeline]  # "file:line op"
+    assert steps == ["launch _list_rows_kernel", "tolist", "launch _list_rows_kernel"], timeline
+    assert got.blk_col.numel() and got.key_qblock.numel() == got.blk_col.numel() // 2 and got.bar_col.numel()
