@@ -1,5 +1,5 @@
 """The Triton list kernel (kernels/mtraining_kernels/triton_index.py) run by Triton's CPU interpreter:
-the conversion with them equals the PyTorch conversion element for element, for every layout, W and rank."""
+the conversion with it equals the PyTorch conversion element for element, for every layout, W and rank."""
 
 import importlib
 import os
