@@ -27,9 +27,9 @@ N, the pattern and the tensor).
 Timing: CUDA events around the forward and around the backward (``torch.autograd.grad``) of each
 repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
 (``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
-budget on the structured inputs) plus the conversion (``convert_index``, which also builds the block lists by key
-that the backward reads), without the content checks, as training converts its
-own estimated index; the deterministic rows add ``bar_chunks_ms``, the bars' lists by column that their
+budget on the structured inputs) plus the conversion (``convert_index``, which also builds the block lists by
+key that the backward reads), without the content checks, as training converts its own estimated index; the
+deterministic rows add ``bar_chunks_ms``, the bars' lists by column that their
 backward reads (``BlockBarIndex.bar_chunks``, built once per index, so the timed backwards find them built).
 Each index step is timed twice: ``convert_ms``/
 ``estimate_ms``/``index_ms`` with the events recorded as the host launches the step, so a host-bound step
@@ -286,7 +286,7 @@ def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, ti
 HOST_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
 
 
-def converted_lists(v_idx, s_idx, seq_len: int) -> BlockBarIndex:
+def converted_index(v_idx, s_idx, seq_len: int) -> BlockBarIndex:
     """The conversion as a training layer runs it on its own estimated index (no content checks)."""
     return convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len, check_contents=False)
 
@@ -311,7 +311,7 @@ def index_steps(q, k, v_idx, s_idx, seq_len: int) -> tuple[Callable, Callable]:
     counts = ((v_idx < seq_len).sum(-1).max().item(), (s_idx < seq_len).sum(-1).max().item())
     budget = StaticBudget(int(counts[0]), int(counts[1]))
     return (
-        lambda: converted_lists(v_idx, s_idx, seq_len),
+        lambda: converted_index(v_idx, s_idx, seq_len),
         lambda: estimate_vertical_slash(q, k, budget),
     )
 
@@ -520,7 +520,7 @@ def main(argv=None) -> None:
                 block_v_idx, block_s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, block_gen)
                 index = convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len)
                 timings = step_timings(
-                    {"convert": lambda: converted_lists(block_v_idx, block_s_idx, seq_len)},
+                    {"convert": lambda: converted_index(block_v_idx, block_s_idx, seq_len)},
                     3,
                 )
                 pattern = dict(
@@ -606,7 +606,7 @@ def main(argv=None) -> None:
                     profile_index({f"top-P {budget.p} estimation": estimate}, f"{shape} N={seq_len}, structured q/k")
                 timings = step_timings(
                     {
-                        "convert": lambda: converted_lists(v_idx, s_idx, seq_len),
+                        "convert": lambda: converted_index(v_idx, s_idx, seq_len),
                         "estimate": estimate,
                     },
                     3,
