@@ -298,6 +298,7 @@ def estimate_document_index(
             top_p,
             length,
             slashes=not block_slashes,
+            consecutive_key_run=length,  # both position lists are aranges
         )
         groups.append(ScoredGroup(group, v_scores, s_scores))
     index = assemble_document_index(documents, sparse, groups, budget, q_heads, sink_tokens, local_window)

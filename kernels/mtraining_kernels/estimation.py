@@ -461,6 +461,7 @@ def estimate_from_last_queries(
         seq_len,
         implementation=implementation,
         slashes=not block_slashes,
+        consecutive_key_run=seq_len,  # both position lists are aranges
     )
 
     total_mass = v_scores.sum(dim=-1) if top_p else None  # = s_scores.sum(-1) exactly
@@ -537,11 +538,15 @@ def scores_of_keys(
     reduce_rows: RowReduction | None = None,
     implementation: str = "auto",
     slashes: bool = True,
+    consecutive_key_run: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`vertical_and_slash_scores` of :func:`estimation_logits`, without storing the logits on Triton.
 
     The arguments are those two functions'. With Triton every pass recomputes its tiles of logits on the
     tensor cores (the same bits each time); with PyTorch ops the logits are built once, as defined above.
+    ``consecutive_key_run``: the caller guarantees consecutive ``q_positions`` and ``k_positions`` made of runs
+    of this many consecutive positions (the first from key 0), or None; where every tile of the Triton passes
+    then lies in one run, they skip their check of it. The scores are the same.
     """
     if not uses_triton(implementation, k):
         logits = _torch_estimation_logits(q_rows, q_positions, k, k_positions, softmax_scale)
@@ -549,21 +554,25 @@ def scores_of_keys(
             logits, top_p, q_positions, k_positions, seq_len, reduce_rows, implementation, slashes
         )
     source = _triton_estimation().QueryKeyTiles(q_rows, k, softmax_scale)
-    return _triton_scores(source, top_p, q_positions, k_positions, seq_len, reduce_rows, slashes)
+    return _triton_scores(source, top_p, q_positions, k_positions, seq_len, reduce_rows, slashes, consecutive_key_run)
 
 
-def _triton_scores(source, top_p, q_positions, k_positions, seq_len, reduce_rows, slashes):
+def _triton_scores(source, top_p, q_positions, k_positions, seq_len, reduce_rows, slashes, consecutive_key_run=None):
     """The Triton passes over ``source`` (stored logits or ``QueryKeyTiles``): (V, partial S or None)."""
     kernels, rules = _triton_estimation(), _fixed_point_rules()
+    run = consecutive_key_run
+    consecutive_keys = run is not None and (run >= k_positions.numel() or run % kernels.KEYS_PER_TILE == 0)
     if not top_p:
-        return kernels.static_scores(source, q_positions, k_positions, seq_len, rules)
+        return kernels.static_scores(source, q_positions, k_positions, seq_len, rules, consecutive_keys)
     row_max = kernels.row_maxima(source, q_positions, k_positions)
     if reduce_rows is not None:
         row_max = reduce_rows(row_max, "max")
     row_sums = kernels.exp_row_sums(source, q_positions, k_positions, row_max, rules)
     if reduce_rows is not None:
         row_sums = reduce_rows(row_sums, "sum")
-    return kernels.top_p_scores(source, q_positions, k_positions, seq_len, row_max, row_sums, rules, slashes)
+    return kernels.top_p_scores(
+        source, q_positions, k_positions, seq_len, row_max, row_sums, rules, slashes, consecutive_keys
+    )
 
 
 def _all_candidates(scores: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,16 @@ class Layout:
                 + f"; use {lower or unit} or {lower + unit}"
             )
 
+    def run_length(self, seq_len: int) -> int:
+        """How many consecutive global positions each run of a rank's chunk holds, the runs back to back in local
+        order from local position 0: N/W (contiguous), N/(2W) (zigzag) or the granularity (striped, skewed)."""
+        self.validate(seq_len)
+        if self.kind == "contiguous":
+            return seq_len // self.world_size
+        if self.kind == "zigzag":
+            return seq_len // (2 * self.world_size)
+        return self.granularity
+
     def local_len(self, seq_len: int) -> int:
         self.validate(seq_len)
         return seq_len // self.world_size

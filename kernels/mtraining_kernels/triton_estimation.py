@@ -14,8 +14,10 @@ int64 fixed-point scores on the GPU from logits that are never stored:
   (top-P; int64 atomics), then the scores: V(j) of a tile's columns (all rows are in the tile, a plain
   store) and the partial slash sums S(s). With consecutive key and row positions (the whole sequence, a
   document, a 128-token block of a shard) a tile's diagonals are gathered in registers and each is added
-  with one int64 atomic; otherwise every pair is added at its own offset. One more pass stores the logits
-  (:func:`estimation_logits`), with the same dot code.
+  with one int64 atomic; otherwise every pair is added at its own offset. A caller whose positions are
+  consecutive in every tile says so (``consecutive_keys``): the pass then neither checks each tile nor
+  compiles the per-pair branch, whose registers cost the static pass a third of its programs per
+  multiprocessor. One more pass stores the logits (:func:`estimation_logits`), with the same dot code.
 * The integer arithmetic is the PyTorch code's, step for step (fp64 clamp and rounding, the fp64 polynomial
   exponential), so the scores of given logits are bit-equal to ``mtraining_kernels.estimation``'s; integer
   atomics are exact in any order.
@@ -202,19 +204,36 @@ def _logit_tile(
 
 @triton.jit
 def _add_slash_sums(
-    terms, in_tile, rows, cols, first_col, row_ok, col_ok, Q_POS, K_POS, SUMS, seq_len, BLOCK: tl.constexpr
+    terms,
+    in_tile,
+    rows,
+    cols,
+    first_col,
+    row_ok,
+    col_ok,
+    Q_POS,
+    K_POS,
+    SUMS,
+    seq_len,
+    BLOCK: tl.constexpr,
+    CONSECUTIVE: tl.constexpr,
 ):
     """Adds the int64 ``terms [BLOCK, BLOCK]`` of one tile into SUMS ``[seq_len]`` at their offsets s = i − j
     (terms of pairs with j > i are 0). Consecutive rows and keys: diagonal e = r − u + BLOCK − 1 of the tile
-    holds one offset, gathered in registers and added with one atomic; otherwise one atomic per pair."""
+    holds one offset, gathered in registers and added with one atomic; otherwise one atomic per pair.
+    ``CONSECUTIVE``: the caller guarantees consecutive positions, so neither the check nor the per-pair
+    branch is compiled (their registers cost the pass a program per multiprocessor)."""
     steps = tl.arange(0, BLOCK)
     q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
     k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
     first_q = tl.load(Q_POS)
     first_k = tl.load(K_POS + first_col)
-    broken = tl.sum((row_ok & (q_pos != first_q + rows)).to(tl.int32), axis=0) + tl.sum(
-        (col_ok & (k_pos != first_k + steps)).to(tl.int32), axis=0
-    )
+    if CONSECUTIVE:
+        broken = 0
+    else:
+        broken = tl.sum((row_ok & (q_pos != first_q + rows)).to(tl.int32), axis=0) + tl.sum(
+            (col_ok & (k_pos != first_k + steps)).to(tl.int32), axis=0
+        )
     if broken == 0:
         lowest = first_q - first_k - (BLOCK - 1)  # the offset of diagonal e = 0
         r = rows[:, None]
@@ -269,6 +288,7 @@ def _key_tile_kernel(
     FROM_QK: tl.constexpr,
     TOP_P: tl.constexpr,
     SLASHES: tl.constexpr,
+    CONSECUTIVE: tl.constexpr,
     NUM_COEFFICIENTS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -366,6 +386,7 @@ def _key_tile_kernel(
                 SLASH + head_offset * seq_len,
                 seq_len,
                 BLOCK,
+                CONSECUTIVE,
             )
 
 
@@ -468,6 +489,7 @@ def _run_pass(
     vertical: torch.Tensor | None = None,
     slash: torch.Tensor | None = None,
     seq_len: int = 0,
+    consecutive_keys: bool = False,
 ) -> None:
     """Launches one pass of :func:`_key_tile_kernel`; unused buffers may be None (any tensor stands in)."""
     batch, q_heads, num_rows, num_keys = tiles.shape
@@ -493,6 +515,7 @@ def _run_pass(
         PASS=pass_number,
         TOP_P=row_max is not None and pass_number == _SCORES.value,
         SLASHES=slash is not None,
+        CONSECUTIVE=consecutive_keys,
         NUM_COEFFICIENTS=len(rules.exp2_coefficients) if rules is not None else 1,
         BLOCK=KEYS_PER_TILE,
         num_warps=NUM_WARPS,
@@ -549,7 +572,17 @@ def exp_row_sums(
     return row_sums
 
 
-def _score_sums(source, q_positions, k_positions, seq_len, rules, row_max=None, denominators=None, slashes=True):
+def _score_sums(
+    source,
+    q_positions,
+    k_positions,
+    seq_len,
+    rules,
+    row_max=None,
+    denominators=None,
+    slashes=True,
+    consecutive_keys=False,
+):
     """(V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without ``slashes``), int64; top-P when
     ``row_max`` is given."""
     tiles = _tiles(source, q_positions, k_positions)
@@ -568,21 +601,29 @@ def _score_sums(source, q_positions, k_positions, seq_len, rules, row_max=None, 
         vertical=vertical,
         slash=slash,
         seq_len=seq_len,
+        consecutive_keys=consecutive_keys,
     )
     return vertical, slash
 
 
 def static_scores(
-    source, q_positions: torch.Tensor, k_positions: torch.Tensor, seq_len: int, rules: FixedPointRules
+    source,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    seq_len: int,
+    rules: FixedPointRules,
+    consecutive_keys: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Static scores of the source's keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]``), int64.
 
     ``source`` as in :func:`row_maxima`. Terms are round(clamp(ℓ, ±limit)·2^32), 0 where masked; V(j) is
     their column sum, or ``rules.incomplete_score`` when the column has a masked logit; S(s) sums the pairs
     with q_positions[i] − k_positions[j] = s ≥ 0. Equal to the PyTorch ``static_logit_fixed_point``,
-    ``vertical_scores`` and ``slash_partial_sums`` of the same logits.
+    ``vertical_scores`` and ``slash_partial_sums`` of the same logits. ``consecutive_keys``: the caller
+    guarantees that ``q_positions`` are consecutive and so is every tile of ``KEYS_PER_TILE`` keys of
+    ``k_positions`` (keys t·64 … t·64 + 63); the pass then skips its per-tile check (wrong sums otherwise).
     """
-    return _score_sums(source, q_positions, k_positions, seq_len, rules)
+    return _score_sums(source, q_positions, k_positions, seq_len, rules, consecutive_keys=consecutive_keys)
 
 
 def top_p_scores(
@@ -594,6 +635,7 @@ def top_p_scores(
     row_sums: torch.Tensor,
     rules: FixedPointRules,
     slashes: bool = True,
+    consecutive_keys: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Top-P scores of the source's keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without
     ``slashes``), int64.
@@ -601,8 +643,11 @@ def top_p_scores(
     Terms are the masses P = round(E·2^32 / (L·Z_i)) with ``row_max`` and ``row_sums`` (int64 Z_i·2^32)
     ``[b, Hq, L]`` over all keys of the sequence; V and S sum them as in :func:`static_scores`. Equal to
     the PyTorch ``probability_fixed_point``, ``vertical_scores`` and ``slash_partial_sums``.
+    ``consecutive_keys`` as in :func:`static_scores`.
     """
     shape = _tiles(source, q_positions, k_positions).shape
     row_max = _row_stats(shape, row_max, "row_max", torch.float32)
     denominators = _row_stats(shape, row_sums, "row_sums", torch.int64).double() * shape[2]
-    return _score_sums(source, q_positions, k_positions, seq_len, rules, row_max, denominators, slashes)
+    return _score_sums(
+        source, q_positions, k_positions, seq_len, rules, row_max, denominators, slashes, consecutive_keys
+    )

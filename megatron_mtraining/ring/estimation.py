@@ -203,7 +203,16 @@ def estimate_vertical_slash_distributed(
     q_rows = broadcast_last_rows(q_local, layout, seq_len, last_q, group)
     block_slashes = top_p and budget.block_slashes
     v_scores, partials = scores_of_keys(
-        q_rows, q_positions, k_local, k_positions, scale, top_p, seq_len, all_reduce, slashes=not block_slashes
+        q_rows,
+        q_positions,
+        k_local,
+        k_positions,
+        scale,
+        top_p,
+        seq_len,
+        all_reduce,
+        slashes=not block_slashes,
+        consecutive_key_run=layout.run_length(seq_len),
     )
     # a rank's key positions ascend in every layout, so its owned offsets N − 1 − position descend: flipped,
     # both candidate lists are ascending and their ranking needs no sort by index

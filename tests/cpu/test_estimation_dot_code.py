@@ -40,18 +40,21 @@ def wgmma_lines(kernel, constants, dtype):
 
 shape = dict(HEAD_DIM=128, DIM_PAD=128, IEEE=False, BLOCK=kernels.KEYS_PER_TILE)
 passes = (
-    (kernels._STORED_LOGITS, False),
-    (kernels._ROW_MAXIMA, False),
-    (kernels._ROW_SUMS, True),
-    (kernels._SCORES, False),
-    (kernels._SCORES, True),
+    (kernels._STORED_LOGITS, False, False),
+    (kernels._ROW_MAXIMA, False, False),
+    (kernels._ROW_SUMS, True, False),
+    (kernels._SCORES, False, False),
+    (kernels._SCORES, True, False),
+    (kernels._SCORES, False, True),
+    (kernels._SCORES, True, True),
 )
 for dtype in ("bf16", "fp16"):
     sequences = {}
-    for pass_number, top_p in passes:
-        constants = dict(PASS=pass_number, FROM_QK=True, TOP_P=top_p, SLASHES=True, NUM_COEFFICIENTS=14, **shape)
-        sequences[(int(pass_number), top_p)] = wgmma_lines(kernels._key_tile_kernel, constants, dtype)
-    stored = sequences[(int(kernels._STORED_LOGITS), False)]
+    for pass_number, top_p, consecutive in passes:
+        flags = dict(TOP_P=top_p, SLASHES=True, CONSECUTIVE=consecutive)
+        constants = dict(PASS=pass_number, FROM_QK=True, NUM_COEFFICIENTS=14, **flags, **shape)
+        sequences[(int(pass_number), top_p, consecutive)] = wgmma_lines(kernels._key_tile_kernel, constants, dtype)
+    stored = sequences[(int(kernels._STORED_LOGITS), False, False)]
     assert any("mma_async" in line for line in stored), f"{dtype}: no wgmma in the PTX"
     for key, lines in sequences.items():
         assert lines == stored, f"{dtype}: pass {key} issues other tensor-core instructions than the stored logits"

@@ -50,6 +50,19 @@ def test_positions_are_a_permutation_and_agree_with_shard(case):
         assert bool((pos[1:] > pos[:-1]).all()), f"{layout} rank {r}"
 
 
+@settings(max_examples=150, deadline=None)
+@given(layouts_and_lengths())
+def test_each_run_of_a_chunk_is_consecutive(case):
+    """Every ``run_length`` positions of a rank's chunk, from local position 0, are consecutive global positions
+    (the estimation's Triton passes rely on it to skip their per-tile check)."""
+    layout, n = case
+    run = layout.run_length(n)
+    assert (n // layout.world_size) % run == 0, f"{layout} N={n}: runs of {run} do not tile a chunk"
+    for r in range(layout.world_size):
+        runs = layout.global_positions(n, r).view(-1, run)
+        assert torch.equal(runs - runs[:, :1], torch.arange(run).expand_as(runs)), f"{layout} N={n} rank {r}"
+
+
 def test_formulas_match_design_table_examples():
     # N = 16, W = 2: zigzag chunks of 4 → rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
     assert global_positions("zigzag", 16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]

@@ -173,6 +173,46 @@ def test_scores_of_a_key_split_add_up_exactly(seed, kind, top_p):
     assert torch.equal(summed_s, expected_s), f"seed={seed} {kind}: partial S do not add up to S"
 
 
+@pytest.mark.parametrize(
+    "kind, granularity, skips_check",
+    [
+        ("contiguous", 128, True),
+        ("zigzag", 128, True),
+        ("striped", 64, True),
+        ("skewed", 128, True),
+        ("striped", 32, False),
+    ],
+)
+@pytest.mark.parametrize("top_p", [False, True], ids=["static", "top_p"])
+def test_runs_of_consecutive_keys_give_the_same_scores(seed, kind, granularity, skips_check, top_p, monkeypatch):
+    """Each rank's shard of a layout, its run length given: the same integers as without it. The passes skip
+    their per-tile position check where every 64-key tile lies in one run, and keep it for runs of 32."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_len, rows = 512, 64
+    layout = Layout(kind, 2, granularity=granularity)
+    q, k = draw_qk(gen, 1, seq_len, 2, 1, 16, torch.float16)
+    q_positions = torch.arange(seq_len - rows, seq_len)
+    flags = []
+    run_pass = triton_estimation._run_pass
+    monkeypatch.setattr(
+        triton_estimation,
+        "_run_pass",
+        lambda *args, **kwargs: flags.append(kwargs.get("consecutive_keys", False)) or run_pass(*args, **kwargs),
+    )
+    for rank in range(2):
+        positions = layout.global_positions(seq_len, rank)
+        keys = k[:, positions]
+        arguments = (q[:, seq_len - rows :], q_positions, keys, positions, 0.3, top_p, seq_len)
+        told = estimation.scores_of_keys(
+            *arguments, implementation="triton", consecutive_key_run=layout.run_length(seq_len)
+        )
+        flags_told, flags[:] = flags[-1], []
+        untold = estimation.scores_of_keys(*arguments, implementation="triton")
+        assert flags_told is skips_check and flags[-1] is False, f"{kind}: {flags_told}, {flags}"
+        for name, a, b in zip(("V", "S"), told, untold):
+            assert torch.equal(a, b), f"seed={seed} {kind} rank {rank} {name}: {int((a != b).sum())} scores differ"
+
+
 @pytest.mark.parametrize("top_p", [False, True], ids=["static", "top_p"])
 def test_rounding_edge_cases_match(seed, top_p):
     """Crafted logits: exact halves of 2^-32 (round half to even), tiny and huge values, the static

@@ -99,11 +99,14 @@ def test_fused_scores_are_the_pytorch_scores_of_the_same_logits(seed, mode):
     expected = estimation.vertical_and_slash_scores(
         logits, mode == "top_p", q_positions, k_positions, seq_len, implementation="torch"
     )
-    for source in ("stored", "fused"):
+    for source in ("stored", "fused", "fused, consecutive keys"):
         if source == "stored":
             got = estimation.vertical_and_slash_scores(logits, mode == "top_p", q_positions, k_positions, seq_len)
         else:
-            got = estimation.scores_of_keys(q_rows, q_positions, k, k_positions, scale, mode == "top_p", seq_len)
+            run = seq_len if source == "fused, consecutive keys" else None  # the passes skip their check
+            got = estimation.scores_of_keys(
+                q_rows, q_positions, k, k_positions, scale, mode == "top_p", seq_len, consecutive_key_run=run
+            )
         for name, a, b in zip(("V", "S"), got, expected):
             assert torch.equal(a, b), f"seed={seed} {mode} {source} {name}: {int((a != b).sum())} differ"
 
@@ -112,8 +115,8 @@ def test_fused_scores_are_the_pytorch_scores_of_the_same_logits(seed, mode):
 @pytest.mark.parametrize("split", ["striped", "shuffled"])
 def test_scores_of_a_key_split_add_up(seed, mode, split):
     """Four shards of keys, each scored alone from q and k (runs of 128 positions, a rank's keys in distributed
-    estimation; or random keys, the pair-by-pair path): V and the row statistics per shard, and the sum of
-    the partial S, equal one device's."""
+    estimation, said to be consecutive per tile as that estimator does; or random keys, the pair-by-pair path):
+    V and the row statistics per shard, and the sum of the partial S, equal one device's."""
     seq_len, layout = 16384, Layout("striped", 4)
     q, k = draw_qk(seed, 1, seq_len, 8, 2, 128, torch.bfloat16)
     q_positions, k_positions = positions(seq_len)
@@ -131,10 +134,11 @@ def test_scores_of_a_key_split_add_up(seed, mode, split):
         if split == "striped"
         else torch.randperm(seq_len, generator=gen, device=DEVICE).chunk(4)
     )
+    consecutive = split == "striped"
     for rank, shard in enumerate(shards):
         source = triton_estimation.QueryKeyTiles(q_rows, k[:, shard], scale)
         if mode == "static":
-            local_v, local_s = triton_estimation.static_scores(source, q_positions, shard, seq_len, rules)
+            local_v, local_s = triton_estimation.static_scores(source, q_positions, shard, seq_len, rules, consecutive)
         else:
             local_max = triton_estimation.row_maxima(source, q_positions, shard)
             local_sums = triton_estimation.exp_row_sums(source, q_positions, shard, row_max, rules)
@@ -142,7 +146,7 @@ def test_scores_of_a_key_split_add_up(seed, mode, split):
             expected_sums = estimation.exp_fixed_point(logits[..., shard], row_max).sum(dim=-1)
             assert torch.equal(local_sums, expected_sums), f"seed={seed} rank {rank}: row sums"
             local_v, local_s = triton_estimation.top_p_scores(
-                source, q_positions, shard, seq_len, row_max, row_sums, rules
+                source, q_positions, shard, seq_len, row_max, row_sums, rules, consecutive_keys=consecutive
             )
         assert torch.equal(local_v, expected_v[..., shard]), f"seed={seed} {mode} {split} rank {rank}: V differs"
         summed_s += local_s
@@ -295,6 +299,9 @@ def time_passes(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int = 1
         "row maxima": lambda: triton_estimation.row_maxima(source, q_positions, k_positions),
         "row sums": lambda: triton_estimation.exp_row_sums(source, q_positions, k_positions, row_max, rules),
         "static V + S": lambda: triton_estimation.static_scores(source, q_positions, k_positions, seq_len, rules),
+        "static V + S, consecutive keys": lambda: triton_estimation.static_scores(
+            source, q_positions, k_positions, seq_len, rules, consecutive_keys=True
+        ),
         "top-P V + S": lambda: triton_estimation.top_p_scores(
             source, q_positions, k_positions, seq_len, row_max, row_sums, rules
         ),
