@@ -29,12 +29,12 @@ repetition, after warm-up; the median is reported. ``index_ms`` is the index est
 (``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
 budget on the structured inputs) plus the conversion (``convert_index``, which also builds the block lists by
 key that the backward reads), without the content checks, as training converts its own estimated index; the
-deterministic rows add ``bar_chunks_ms``, the bars' lists by column that their
-backward reads (``BlockBarIndex.bar_chunks``, built once per index, so the timed backwards find them built).
-Each index step is timed twice: ``convert_ms``/
-``estimate_ms``/``index_ms`` with the events recorded as the host launches the step, so a host-bound step
-measures the host; ``*_queued_ms`` behind a ``QUEUE_LEAD_MS`` sleep kernel that lets the host queue the whole
-step first, so they measure the GPU's time plus whatever host time follows a host sync inside the step.
+deterministic rows add ``bar_chunks_ms``, the bars' lists by column that their backward reads
+(``BlockBarIndex.bar_chunks``, built once per index, so the timed backwards find them built). Each index step
+is timed twice: ``convert_ms``/``estimate_ms``/``index_ms`` with the events recorded as the host launches the
+step, so a host-bound step measures the host; ``*_queued_ms`` behind a ``QUEUE_LEAD_MS`` sleep kernel that lets
+the host queue the whole step first, so they measure the GPU's time plus whatever host time follows a host sync
+inside the step.
 FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed forward 4·|M|·d·Hq
 (|M| per head), backward 2.5× forward.
 
