@@ -3,8 +3,8 @@
 The tensor-core logits are held to the fp64 definition within fp32 rounding and to themselves bit for bit
 whichever keys share a tile; the integer scores of the fused passes to the PyTorch scoring of the same
 logits (``torch.equal``), per key shard too, the index to the PyTorch selection, and the ranking by radix select
-to the ranking by sort. Shapes up to
-N = 32K, GQA 8:1 and 1:1, d = 48, 64 and 128, bf16, fp16 and fp32, static and top-P budgets.
+to the ranking by sort. Shapes up to N = 32K (the ranking up to 128K), GQA 8:1 and 1:1, d = 48, 64 and 128,
+bf16, fp16 and fp32, static and top-P budgets.
 
 Run as a script to time one layer's estimation, each Triton pass, the PyTorch path against the Triton one and the
 per-document estimation of packed mixtures (not a test): ``python tests/gpu/test_estimation_gpu.py 131072 524288``.
