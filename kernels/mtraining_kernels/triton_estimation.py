@@ -122,8 +122,8 @@ def _score_terms(
     if TOP_P:
         row_max = tl.load(ROW_MAX + rows, mask=row_ok, other=0.0)
         denominator = tl.load(DENOMINATOR + rows, mask=row_ok, other=1.0)
-        exp_values = _exp_fixed_point(logits, row_max[:, None], counted, CONSTANTS, NUM_COEFFICIENTS)
-        terms = _round_to_integer(exp_values.to(tl.float64) * one / denominator[:, None]).to(tl.int64)
+        exp_values = _exp_fixed_point(logits, row_max[None, :], counted, CONSTANTS, NUM_COEFFICIENTS)
+        terms = _round_to_integer(exp_values.to(tl.float64) * one / denominator[None, :]).to(tl.int64)
     else:
         limit = tl.load(CONSTANTS + _STATIC_LIMIT).to(tl.float32)
         terms = _static_fixed_point(logits, limit, one.to(tl.float32))
@@ -144,9 +144,9 @@ def _static_fixed_point(logits, limit, one):
 
 @triton.jit
 def _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr):
-    """Pointers ``[rows, cols]`` into LOGITS ``[b, Hq, L, n]`` (unit stride over keys)."""
-    ptrs = LOGITS + sample * stride_lb + head.to(tl.int64) * stride_lh + rows[:, None].to(tl.int64) * stride_lr
-    return ptrs + cols[None, :]
+    """Pointers ``[cols, rows]`` into LOGITS ``[b, Hq, L, n]`` (unit stride over keys)."""
+    ptrs = LOGITS + sample * stride_lb + head.to(tl.int64) * stride_lh + rows[None, :].to(tl.int64) * stride_lr
+    return ptrs + cols[:, None]
 
 
 @triton.jit
@@ -180,8 +180,10 @@ def _logit_tile(
     DIM_PAD: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """fp32 logits ``[rows, cols]`` of one tile, −inf where the key comes after the row; from q and k (one dot),
-    or loaded from LOGITS ``[b, Hq, L, n]``. Entries outside the tile are unspecified (the caller masks them)."""
+    """fp32 logits ``[cols, rows]`` of one tile (keys first), −inf where the key comes after the row; from k and q
+    (one dot), or loaded from LOGITS ``[b, Hq, L, n]``. Entries outside the tile are unspecified (the caller masks
+    them). Keys first: the tensor-core layout spreads a tile's first axis over the warps, so sums over the rows
+    (V, the slash diagonals) stay inside each warp's quads."""
     if FROM_QK:
         dims = tl.arange(0, DIM_PAD)
         dim_ok = dims < HEAD_DIM
@@ -190,15 +192,15 @@ def _logit_tile(
         q = tl.load(q_ptrs + dims[None, :] * stride_qd, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         k = tl.load(k_ptrs + dims[None, :] * stride_kd, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
         if IEEE:
-            products = tl.dot(q, tl.trans(k), input_precision="ieee")
+            products = tl.dot(k, tl.trans(q), input_precision="ieee")
         else:
-            products = tl.dot(q, tl.trans(k))
+            products = tl.dot(k, tl.trans(q))
         q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
         k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
-        logits = tl.where(k_pos[None, :] > q_pos[:, None], float("-inf"), products * scale)
+        logits = tl.where(k_pos[:, None] > q_pos[None, :], float("-inf"), products * scale)
     else:
         ptrs = _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr)
-        logits = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        logits = tl.load(ptrs, mask=col_ok[:, None] & row_ok[None, :], other=0.0)
     return logits
 
 
@@ -218,9 +220,10 @@ def _add_slash_sums(
     BLOCK: tl.constexpr,
     CONSECUTIVE: tl.constexpr,
 ):
-    """Adds the int64 ``terms [BLOCK, BLOCK]`` of one tile into SUMS ``[seq_len]`` at their offsets s = i − j
-    (terms of pairs with j > i are 0). Consecutive rows and keys: diagonal e = r − u + BLOCK − 1 of the tile
-    holds one offset, gathered in registers and added with one atomic; otherwise one atomic per pair.
+    """Adds the int64 ``terms [BLOCK keys, BLOCK rows]`` of one tile into SUMS ``[seq_len]`` at their offsets
+    s = i − j (terms of pairs with j > i are 0). Consecutive rows and keys: diagonal e = r − u + BLOCK − 1 of
+    the tile (row r, key u) holds one offset; one gather over the keys lines up diagonals d and d + BLOCK in
+    line d, whose two sums are added with one atomic each. Otherwise one atomic per pair.
     ``CONSECUTIVE``: the caller guarantees consecutive positions, so neither the check nor the per-pair
     branch is compiled (their registers cost the pass a program per multiprocessor)."""
     steps = tl.arange(0, BLOCK)
@@ -236,17 +239,18 @@ def _add_slash_sums(
         )
     if broken == 0:
         lowest = first_q - first_k - (BLOCK - 1)  # the offset of diagonal e = 0
-        r = rows[:, None]
-        for half in tl.static_range(2):  # diagonals e = half·BLOCK + t, t = 0 … BLOCK − 1
-            column = r - steps[None, :] + (BLOCK - 1) - half * BLOCK
-            on_diagonal = (column >= 0) & (column < BLOCK)
-            picked = tl.gather(terms, tl.where(on_diagonal, column, 0), axis=1)
+        d = steps[:, None]
+        r = rows[None, :]
+        # line d, row r: key u = (r − d + BLOCK − 1) mod BLOCK, on diagonal d if r <= d, else on d + BLOCK
+        lined_up = tl.gather(terms, (r - d + (BLOCK - 1)) % BLOCK, axis=0)
+        for half in tl.static_range(2):  # diagonals e = half·BLOCK + d, d = 0 … BLOCK − 1
+            on_diagonal = (r > d) if half else (r <= d)
+            total = tl.sum(tl.where(on_diagonal, lined_up, 0), axis=1)
             diagonal_offsets = lowest + half * BLOCK + steps
-            total = tl.sum(tl.where(on_diagonal, picked, 0), axis=0)
             diagonal_kept = (diagonal_offsets >= 0) & (diagonal_offsets < seq_len)
             tl.atomic_add(SUMS + diagonal_offsets, total, mask=diagonal_kept, sem="relaxed")
     else:
-        pair_offsets = q_pos[:, None] - k_pos[None, :]
+        pair_offsets = q_pos[None, :] - k_pos[:, None]
         pair_kept = in_tile & (pair_offsets >= 0) & (pair_offsets < seq_len)
         tl.atomic_add(SUMS + pair_offsets, terms, mask=pair_kept, sem="relaxed")
 
@@ -311,7 +315,7 @@ def _key_tile_kernel(
     cols = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < num_rows
     col_ok = cols < num_keys
-    in_tile = row_ok[:, None] & col_ok[None, :]
+    in_tile = col_ok[:, None] & row_ok[None, :]
     logits = _logit_tile(
         Q,
         K,
@@ -347,13 +351,13 @@ def _key_tile_kernel(
         ptrs = _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr)
         tl.store(ptrs, logits, mask=in_tile)
     elif PASS == _ROW_MAXIMA:
-        tile_max = tl.max(tl.where(in_tile, logits, float("-inf")), axis=1)
+        tile_max = tl.max(tl.where(in_tile, logits, float("-inf")), axis=0)
         tl.store(TILE_MAX + (row_stats + rows) * num_tiles + tile, tile_max, mask=row_ok)
     elif PASS == _ROW_SUMS:
         row_max = tl.load(ROW_MAX + row_stats + rows, mask=row_ok, other=0.0)
         counted = in_tile & (logits != float("-inf"))
-        exp_values = _exp_fixed_point(logits, row_max[:, None], counted, CONSTANTS, NUM_COEFFICIENTS)
-        tl.atomic_add(ROW_SUMS + row_stats + rows, tl.sum(exp_values, axis=1), mask=row_ok, sem="relaxed")
+        exp_values = _exp_fixed_point(logits, row_max[None, :], counted, CONSTANTS, NUM_COEFFICIENTS)
+        tl.atomic_add(ROW_SUMS + row_stats + rows, tl.sum(exp_values, axis=0), mask=row_ok, sem="relaxed")
     else:
         masked = in_tile & (logits == float("-inf"))
         terms = _score_terms(
@@ -367,9 +371,9 @@ def _key_tile_kernel(
             TOP_P,
             NUM_COEFFICIENTS,
         )
-        scores = tl.sum(terms, axis=0)
+        scores = tl.sum(terms, axis=1)
         if not TOP_P:
-            scores = tl.where(tl.max(masked.to(tl.int32), axis=0) > 0, incomplete_score, scores)
+            scores = tl.where(tl.max(masked.to(tl.int32), axis=1) > 0, incomplete_score, scores)
         head_offset = sample * num_heads + head
         tl.store(VERTICAL + head_offset * num_keys + cols, scores, mask=col_ok)
         if SLASHES:
