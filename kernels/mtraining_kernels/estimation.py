@@ -267,16 +267,22 @@ def rank_candidates(
     return scores.gather(-1, order), indices.gather(-1, order)
 
 
-def _selected_list(
-    scores: torch.Tensor, num_forced: int, counts: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`index_list` of the :func:`rank_candidates` ranking of all candidates 0 … m−1 (``scores [..., m]``
-    int64, m = N) for fixed ``counts [...]`` ≤ width < m, by the Triton selection alone: the first ``counts``
-    candidates come out ascending and padded with m, so neither the ranking nor the list needs a sort."""
-    candidates = scores.shape[-1]
-    rows = scores.reshape(-1, candidates)
-    positions = _triton_selection().top_positions(rows, counts.reshape(-1), width, num_forced)
-    return positions.view(*scores.shape[:-1], width), counts.int()
+def _selected_lists(
+    kinds: list[tuple[torch.Tensor, int, torch.Tensor, int]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`index_list` of the :func:`rank_candidates` ranking of all candidates 0 … m−1, for each kind
+    ``(scores [..., m] int64 with m = N, num_forced, counts [...] ≤ width, width < m)``, by the Triton selection
+    alone, every kind in one launch: the first ``counts`` candidates come out ascending and padded with m, so
+    neither the ranking nor the list needs a sort."""
+    groups = [
+        _triton_selection().SelectionRows(scores.reshape(-1, scores.shape[-1]), counts.reshape(-1), width, num_forced)
+        for scores, num_forced, counts, width in kinds
+    ]
+    positions = _triton_selection().top_positions_of_groups(groups)
+    return [
+        (chosen.view(*scores.shape[:-1], width), counts.int())
+        for chosen, (scores, _, counts, width) in zip(positions, kinds)
+    ]
 
 
 def top_p_counts(
@@ -660,21 +666,24 @@ def select_index(
     block_slashes = isinstance(budget, TopPBudget) and budget.block_slashes
     if not block_slashes:
         kinds.append((s_scores, s_indices, local_window, s_width, s_sizes))
-    lists = []
-    for scores, indices, num_forced, width, sizes in kinds:
+    lists = {}
+    selected = []  # the kinds whose lists the Triton selection writes alone, in one launch
+    for kind, (scores, indices, num_forced, width, sizes) in enumerate(kinds):
         if sizes is not None:
             counts = to_device(sizes, scores.device).expand(scores.shape[:-1])
             all_positions = candidates_ascending and scores.shape[-1] == seq_len
             if all_positions and width < seq_len and uses_triton(implementation, scores):
-                lists.append(_selected_list(scores, num_forced, counts, width))
+                selected.append((kind, (scores, num_forced, counts, width)))
                 continue
         ranked_scores, ranked_indices = rank_candidates(
             scores, indices, num_forced, width, candidates_ascending, implementation
         )
         if sizes is None:
             counts = top_p_counts(ranked_scores, num_forced, total_mass, budget.p, budget.effective_cap(seq_len))
-        lists.append(index_list(ranked_indices, counts, width, seq_len))
+        lists[kind] = index_list(ranked_indices, counts, width, seq_len)
+    if selected:
+        lists.update(zip((kind for kind, _ in selected), _selected_lists([args for _, args in selected])))
     if block_slashes:
-        lists.append(_block_slash_index(s_scores, budget, total_mass, seq_len, local_window))
-    (v_idx, v_cnt), (s_idx, s_cnt) = lists
+        lists[1] = _block_slash_index(s_scores, budget, total_mass, seq_len, local_window)
+    (v_idx, v_cnt), (s_idx, s_cnt) = lists[0], lists[1]
     return VerticalSlashIndex(v_idx, s_idx, v_cnt, s_cnt)

@@ -16,6 +16,8 @@ first ``count``. Random scores need about four reads of the row; equal keys all 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -53,29 +55,52 @@ def _tied_histogram(
 def _top_positions_kernel(
     KEYS,
     COUNTS,
-    SCRATCH,
     OUT,
-    num_entries,
-    num_forced,
-    width,
+    SECOND_KEYS,
+    SECOND_COUNTS,
+    SECOND_OUT,
+    SCRATCH,
+    first_rows,
+    entries,
+    second_entries,
+    forced,
+    second_forced,
+    widths,
+    second_widths,
     scratch_len,
     stride_keys,
+    second_stride_keys,
     stride_out,
+    second_stride_out,
     RADIX: tl.constexpr,
     STEP: tl.constexpr,
 ):
-    """Row ``program_id(0)`` of KEYS ``[R, n]`` (int64): OUT ``[R, width]`` (int32) gets the positions of its
-    first COUNTS[row] entries by (key desc, position asc), ascending, then ``num_entries`` up to ``width``; the
-    entries at positions below ``num_forced`` rank first. SCRATCH ``[R, scratch_len]`` int64 is working memory.
+    """Program r < ``first_rows`` takes row r of the first group, the others row r − ``first_rows`` of the second
+    (SECOND_*, second_*): of KEYS ``[R, n]`` (int64, n = ``entries``), OUT ``[R, widths]`` (int32) gets the
+    positions of its first COUNTS[row] entries by (key desc, position asc), ascending, then n up to the width;
+    the entries at positions below ``forced`` rank first. SCRATCH ``[rows of both, scratch_len]`` int64 is
+    working memory.
 
     Digits are read from the keys with the sign bit flipped (their order as unsigned numbers); ``threshold``
     holds the bits found so far in that form, ``known`` is their mask (always the top bits, so a masked key
     flipped back compares as a signed number in the keys' order)."""
-    row = tl.program_id(0).to(tl.int64)
-    keys_row = KEYS + row * stride_keys
-    scratch_row = SCRATCH + row * scratch_len
-    out_row = OUT + row * stride_out
-    count = tl.load(COUNTS + row).to(tl.int32)
+    program = tl.program_id(0).to(tl.int64)
+    scratch_row = SCRATCH + program * scratch_len
+    zero = tl.zeros([], dtype=tl.int32)
+    if program < first_rows:
+        keys_row = KEYS + program * stride_keys
+        out_row = OUT + program * stride_out
+        count = tl.load(COUNTS + program).to(tl.int32)
+        num_entries = zero + entries  # a tensor in both branches, even if the launch made the int a constant
+        num_forced = zero + forced
+        width = zero + widths
+    else:
+        keys_row = SECOND_KEYS + (program - first_rows) * second_stride_keys
+        out_row = SECOND_OUT + (program - first_rows) * second_stride_out
+        count = tl.load(SECOND_COUNTS + program - first_rows).to(tl.int32)
+        num_entries = zero + second_entries
+        num_forced = zero + second_forced
+        width = zero + second_widths
     steps = tl.arange(0, STEP)
     bins = tl.arange(0, 1 << RADIX)
     sign = tl.full([], 1, tl.int64) << 63
@@ -149,39 +174,68 @@ def _top_positions_kernel(
         tl.store(out_row + slots, num_entries, mask=(slots >= count) & (slots < width))
 
 
-def top_positions(keys: torch.Tensor, counts: torch.Tensor, width: int, num_forced: int = 0) -> torch.Tensor:
-    """Per row of ``keys [R, n]`` (int64), the positions of its first ``counts[r]`` entries ranked by key
-    descending, then position ascending, positions below ``num_forced`` first (as if their key were the largest):
-    int32 ``[R, width]``, ascending, padded with n.
+class SelectionRows(NamedTuple):
+    """Rows to select from: ``keys [R, n]`` int64; per row the first ``counts [R]`` (any integer dtype, in
+    [0, width], not read on the host) by key descending, then position ascending, positions below ``num_forced``
+    first (as if their key were the largest); ``width`` ≤ n slots per row."""
 
-    ``counts [R]`` (any integer dtype) must lie in [0, width] and ``width`` ≤ n; they are not read on the host.
-    """
-    if keys.dim() != 2 or keys.dtype != torch.int64 or counts.shape != keys.shape[:1]:
-        raise ValueError(
-            f"keys must be int64 [R, n] and counts [R]; got {keys.dtype} {tuple(keys.shape)}, counts "
-            f"{tuple(counts.shape)}"
-        )
-    rows, num_entries = keys.shape
-    if not 0 <= width <= num_entries:
-        raise ValueError(f"width={width} must lie in [0, n={num_entries}]")
-    keys = keys.contiguous()
-    out = torch.empty(rows, width, dtype=torch.int32, device=keys.device)
-    if rows and width:
-        scratch_len = num_entries // TIED_FRACTION
-        scratch = torch.empty(rows, max(scratch_len, 1), dtype=torch.int64, device=keys.device)
+    keys: torch.Tensor
+    counts: torch.Tensor
+    width: int
+    num_forced: int = 0
+
+
+def top_positions(keys: torch.Tensor, counts: torch.Tensor, width: int, num_forced: int = 0) -> torch.Tensor:
+    """The chosen positions of :class:`SelectionRows` ``(keys, counts, width, num_forced)``: int32 ``[R, width]``,
+    ascending, padded with n."""
+    return top_positions_of_groups([SelectionRows(keys, counts, width, num_forced)])[0]
+
+
+def top_positions_of_groups(groups: list[SelectionRows]) -> list[torch.Tensor]:
+    """:func:`top_positions` of one or two groups of rows (say the vertical and the slash scores) in one launch, so
+    their rows run side by side: a program per row, and a batch of rows seldom fills the GPU."""
+    if not 1 <= len(groups) <= 2:
+        raise ValueError(f"{len(groups)} groups of rows; one launch selects from one or two")
+    for keys, counts, width, _ in groups:
+        if keys.dim() != 2 or keys.dtype != torch.int64 or counts.shape != keys.shape[:1]:
+            raise ValueError(
+                f"keys must be int64 [R, n] and counts [R]; got {keys.dtype} {tuple(keys.shape)}, counts "
+                f"{tuple(counts.shape)}"
+            )
+        if not 0 <= width <= keys.shape[1]:
+            raise ValueError(f"width={width} must lie in [0, n={keys.shape[1]}]")
+    if groups[-1].keys.device != groups[0].keys.device:
+        raise ValueError(f"both groups' keys must be on one device, got {[g.keys.device.type for g in groups]}")
+    groups = [group._replace(keys=group.keys.contiguous(), counts=group.counts.contiguous()) for group in groups]
+    outs = [torch.empty(g.keys.shape[0], g.width, dtype=torch.int32, device=g.keys.device) for g in groups]
+    busy = [(group, out) for group, out in zip(groups, outs) if out.numel()]
+    if busy:
+        first, second = busy[0], busy[-1]  # one group: the second is the first again, and no program reaches it
+        rows = sum(out.shape[0] for _, out in busy)
+        scratch_len = max(max(group.keys.shape[1] // TIED_FRACTION, 1) for group, _ in busy)
+        scratch = torch.empty(rows, scratch_len, dtype=torch.int64, device=first[1].device)
         _top_positions_kernel[(rows,)](
-            keys,
-            counts.contiguous(),
+            first[0].keys,
+            first[0].counts,
+            first[1],
+            second[0].keys,
+            second[0].counts,
+            second[1],
             scratch,
-            out,
-            num_entries,
-            num_forced,
-            width,
+            first[1].shape[0],
+            first[0].keys.shape[1],
+            second[0].keys.shape[1],
+            first[0].num_forced,
+            second[0].num_forced,
+            first[0].width,
+            second[0].width,
             scratch_len,
-            keys.stride(0),
-            out.stride(0),
+            first[0].keys.stride(0),
+            second[0].keys.stride(0),
+            first[1].stride(0),
+            second[1].stride(0),
             RADIX=RADIX_BITS,
             STEP=ENTRIES_PER_STEP,
             num_warps=NUM_WARPS,
         )
-    return out
+    return outs

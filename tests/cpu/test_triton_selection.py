@@ -69,6 +69,37 @@ def test_top_positions_are_the_stable_sorts_first_entries(seed, kind, num_entrie
     assert torch.equal(got, expected), f"seed={seed} {kind} n={num_entries} forced={num_forced}"
 
 
+class LaunchCount:
+    """Stands in for the selection kernel: counts its launches and runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_two_groups_in_one_launch_are_each_groups_selection(seed, monkeypatch):
+    """Rows of two groups (other lengths, widths, forced counts, strides) selected in one launch: each group's
+    positions are its own sort's, as if selected alone."""
+    generator = torch.Generator().manual_seed(seed)
+    first_keys = draw_keys(generator, "clustered", 3, 300)
+    second_keys = draw_keys(generator, "ties", 6, triton_selection.ENTRIES_PER_STEP + 70)  # another length
+    groups = [
+        triton_selection.SelectionRows(first_keys, torch.tensor([64, 0, 17]), 64, 5),
+        triton_selection.SelectionRows(second_keys, torch.randint(0, 129, (6,), generator=generator), 128, 100),
+    ]
+    launches = LaunchCount(triton_selection._top_positions_kernel)
+    monkeypatch.setattr(triton_selection, "_top_positions_kernel", launches)
+    got = triton_selection.top_positions_of_groups(groups)
+    assert launches.grids == [(9,)], f"one launch of a program per row of both groups, got grids {launches.grids}"
+    for number, (chosen, (keys, counts, width, num_forced)) in enumerate(zip(got, groups)):
+        forced_keys = torch.where(torch.arange(keys.shape[1]) < num_forced, FORCED_KEY, keys)
+        expected = sorted_selection(forced_keys, counts, width)
+        assert torch.equal(chosen, expected), f"seed={seed}: group {number} differs from its own selection"
+
+
 @pytest.mark.parametrize("ascending", [True, False])
 def test_rank_candidates_with_the_kernel_equals_the_sort(seed, ascending):
     """The Triton ranking keeps the same candidates in the same order, forced entries first."""
@@ -116,3 +147,11 @@ def test_static_lists_by_selection_equal_the_sorted_lists(seed):
 def test_bad_selection_input_raises_value_error_naming_it(keys, counts, width, word):
     with pytest.raises(ValueError, match=word):
         triton_selection.top_positions(keys, counts, width)
+
+
+def test_three_groups_or_two_devices_raise_value_error():
+    rows = triton_selection.SelectionRows(torch.zeros(2, 8, dtype=torch.long), torch.ones(2), 4)
+    with pytest.raises(ValueError, match="3 groups"):
+        triton_selection.top_positions_of_groups([rows] * 3)
+    with pytest.raises(ValueError, match="one device"):
+        triton_selection.top_positions_of_groups([rows, rows._replace(keys=rows.keys.to("meta"))])

@@ -24,7 +24,7 @@ from bench_attention import QUEUE_LEAD_MS, median_ms
 from document_mixtures import MIXTURES
 
 from mtraining_kernels import estimation, triton_estimation
-from mtraining_kernels.budget import StaticBudget, TopPBudget
+from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
 from mtraining_kernels.document_index import estimate_document_index
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.layout import Layout
@@ -294,6 +294,7 @@ def time_passes(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int = 1
     row_sums = triton_estimation.exp_row_sums(source, q_positions, k_positions, row_max, rules)
     v_scores, s_scores = triton_estimation.static_scores(source, q_positions, k_positions, seq_len, rules)
     keys = k_positions.expand_as(v_scores)
+    static_lists = StaticHeadBudgets.uniform(StaticBudget(1000, 6000), q_heads)
     steps = {
         "stored logits": lambda: triton_estimation.estimation_logits(rows, q_positions, k, k_positions, dim**-0.5),
         "row maxima": lambda: triton_estimation.row_maxima(source, q_positions, k_positions),
@@ -312,6 +313,9 @@ def time_passes(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int = 1
         "rank S": lambda: estimation.rank_candidates(s_scores, keys, 100, 6016, True),
         "rank V by sort": lambda: estimation.rank_candidates(v_scores, keys, 30, 1024, True, "torch"),
         "rank S by sort": lambda: estimation.rank_candidates(s_scores, keys, 100, 6016, True, "torch"),
+        "static lists V and S, one selection": lambda: estimation.select_index(
+            v_scores, keys, s_scores, keys, static_lists, None, seq_len, 30, 100, candidates_ascending=True
+        ),
         "static estimation": lambda: estimation.estimate_vertical_slash(q, k, StaticBudget(1000, 6000)),
     }
     timings = {name: round(median_ms(step, 10, QUEUE_LEAD_MS), 3) for name, step in steps.items()}
