@@ -205,10 +205,10 @@ def _check_list_total(total: int) -> None:
 
 
 def _csr_pointers(row_starts: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """Row starts int32 ``[W·b·Hq·nb + 1]`` (the last one the list's total) → absolute offsets int32
-    ``[W, b, Hq, nb+1]``, ``ptr[..., nb]`` the next group's first."""
+    """Row starts int32 ``[..., W·b·Hq·nb + 1]`` (the last one the list's total; leading dims: several lists) →
+    absolute offsets int32 ``[..., W, b, Hq, nb+1]``, ``ptr[..., nb]`` the next group's first, in one copy."""
     nb = shape[-1]
-    return row_starts.unfold(0, nb + 1, nb).contiguous().view(*shape[:-1], nb + 1)
+    return row_starts.unfold(-1, nb + 1, nb).contiguous().view(*row_starts.shape[:-1], *shape[:-1], nb + 1)
 
 
 def csr_offsets(row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -280,12 +280,14 @@ def _kernel_block_tables(layout: Layout, rank: int, seq_len: int, device):
     return triton_index.block_tables(source_blocks, query_blocks)
 
 
-def _triton_lists(v_idx: Tensor, hit: Tensor, layout: Layout, rank: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
-    """[(blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col)] by the Triton kernel of ``triton_index``:
-    one launch counts every list's rows, then their offsets, one host read of the lists' sizes (the only one),
-    and one launch writes them. No int64 ``[b, Hq, nb, Vmax]`` temporaries, no sort."""
+def _triton_lists(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
+    """[(blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col)] by the Triton kernels of ``triton_index``:
+    one launch finds the slashes' block hits, one counts every list's rows, then their offsets, one host read of
+    the lists' sizes (the only one), and one launch writes them. No int64 ``[b, Hq, nb, Vmax]`` temporaries, no
+    sort."""
     from . import triton_index  # Triton is imported only where its kernels run
 
+    hit = triton_index.slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
     tables = _kernel_block_tables(layout, rank, seq_len, v_idx.device)
     column = v_idx.clamp(max=seq_len - 1)  # in v_idx's dtype: int32 key blocks are the kernels' already
     owner, local = layout.to_local(column, seq_len)
@@ -295,7 +297,7 @@ def _triton_lists(v_idx: Tensor, hit: Tensor, layout: Layout, rank: int, seq_len
     triton_index.count_rows(candidates, counts)
     row_starts = F.pad(torch.cumsum(counts, 1), (1, 0))  # int64 [lists, W·b·Hq·nb + 1]
     starts32 = row_starts.to(torch.int32)  # queued before the host read, so that only the write waits on it
-    pointers = [_csr_pointers(starts, shape) for starts in starts32]
+    pointers = _csr_pointers(starts32, shape).unbind(0)
     totals = row_starts[:, -1].tolist()
     for total in totals:
         _check_list_total(total)  # before any list is written: an overflowing total wrapped in starts32
@@ -326,11 +328,12 @@ def convert_index(
     _check_inputs(v_idx, s_idx, layout, rank, seq_len)
     if check_contents:
         _check_contents(v_idx, s_idx, seq_len)
-    use_triton = uses_triton(implementation, v_idx)  # the Triton list kernels are triton_index.py's
-    hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
-    if use_triton:
-        (blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col) = _triton_lists(v_idx, hit, layout, rank, seq_len)
+    if uses_triton(implementation, v_idx):  # the Triton list kernels are triton_index.py's
+        (blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col) = _triton_lists(
+            v_idx, s_idx, layout, rank, seq_len
+        )
     else:
+        hit = slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
         query_blocks, source_blocks = block_tables(layout, rank, seq_len, v_idx.device)
         blk_ptr, blk_col = _block_lists(hit, query_blocks, source_blocks)
         key_ptr, key_qblock = block_lists_by_key(blk_ptr, blk_col, 0, blk_col.numel())

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 CANDIDATES_PER_STEP = 128  # candidates one program reads per loop step
+HITS_PER_STEP = 1024  # block diagonals or slash offsets one program of the block hits handles per loop step
 
 
 # the lists of one conversion, in the order of every per-list tensor here
@@ -181,6 +182,41 @@ def _list_rows_kernel(
         WRITE,
         STEP,
     )
+
+
+@triton.jit
+def _block_hits_kernel(S_IDX, HIT, slash_width, num_blocks, stride_s, BLOCK_SIZE: tl.constexpr, STEP: tl.constexpr):
+    """Row ``program_id(0)`` of ``s_idx [b·Hq, Smax]`` → HIT ``[b·Hq, NB]`` (int8): 1 at the block distances δ the
+    row's valid offsets s switch on (δ = ⌊s/B⌋ and ⌈s/B⌉ < NB) and at δ = 0, 0 elsewhere."""
+    row = tl.program_id(0).to(tl.int64)
+    hit_row = HIT + row * num_blocks
+    slash_row = S_IDX + row * stride_s
+    steps = tl.arange(0, STEP)
+    for start in range(0, num_blocks, STEP):
+        tl.store(hit_row + start + steps, tl.zeros([STEP], dtype=tl.int8), mask=start + steps < num_blocks)
+    tl.debug_barrier()  # every zero lands before any thread writes a one
+    ones = tl.full([STEP], 1, dtype=tl.int8)
+    for start in range(0, slash_width, STEP):
+        inside = start + steps < slash_width
+        offset = tl.load(slash_row + start + steps, mask=inside, other=0).to(tl.int64)
+        offset = tl.where((offset >= 0) & (offset < num_blocks * BLOCK_SIZE), offset, 0)  # the sentinel N: δ = 0
+        tl.store(hit_row + offset // BLOCK_SIZE, ones, mask=inside)
+        tl.store(hit_row + tl.minimum((offset + BLOCK_SIZE - 1) // BLOCK_SIZE, num_blocks - 1), ones, mask=inside)
+    tl.store(hit_row + steps, ones, mask=steps == 0)
+
+
+def slash_block_hits(s_idx: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """``vertical_slash.slash_block_hits`` of ``s_idx [b, Hq, Smax]`` in one launch: bool ``[b, Hq, NB]``,
+    contiguous (the PyTorch ops take about fourteen)."""
+    batch, heads, width = s_idx.shape
+    hit = torch.empty(batch, heads, num_blocks, dtype=torch.bool, device=s_idx.device)
+    rows = s_idx.reshape(batch * heads, width)
+    if width and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    _block_hits_kernel[(batch * heads,)](
+        rows, hit.view(torch.int8), width, num_blocks, rows.stride(0), BLOCK_SIZE=block_size, STEP=HITS_PER_STEP
+    )
+    return hit
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

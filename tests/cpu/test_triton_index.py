@@ -19,6 +19,7 @@ from test_index import FIELDS, random_index
 
 from mtraining_kernels import index, triton_index
 from mtraining_kernels.layout import BLOCK_SIZE, Layout
+from mtraining_kernels.vertical_slash import slash_block_hits
 
 if type(triton_index._list_rows_kernel).__name__ != "InterpretedFunction":
     importlib.reload(triton_index)  # imported earlier without the interpreter flag
@@ -107,8 +108,9 @@ def test_the_unchecked_triton_conversion_reads_the_host_once(seed):
 
 
 def test_after_its_host_read_the_conversion_launches_only_the_write(seed, monkeypatch):
-    """One kernel launch counts the three lists (blocks, by key, bars) before the host read of their sizes and one
-    writes them after it: on a GPU the host launches nothing else while the device waits for it."""
+    """One kernel launch finds the block hits and one counts the three lists (blocks, by key, bars) before the host
+    read of their sizes, and one writes them after it: on a GPU the host launches nothing else while the device
+    waits for it."""
     generator = torch.Generator().manual_seed(seed)
     layout, seq_len = Layout("striped", 2), 2 * 2 * BLOCK_SIZE * 3
     v_idx, s_idx = random_index(generator, 2, 3, seq_len, 24, 24)
@@ -125,5 +127,29 @@ def test_after_its_host_read_the_conversion_launches_only_the_write(seed, monkey
         reads.sites = timeline  # host reads and launches in one order
         got = index.convert_index(v_idx, s_idx, layout, 1, seq_len, "triton", check_contents=False)
     steps = [event if event.startswith("launch") else event.split(" ")[1] for event in timeline]  # "file:line op"
-    assert steps == ["launch _list_rows_kernel", "tolist", "launch _list_rows_kernel"], timeline
+    launches = ["launch _block_hits_kernel", "launch _list_rows_kernel", "tolist", "launch _list_rows_kernel"]
+    assert steps == launches, timeline
     assert got.blk_col.numel() and got.key_qblock.numel() == got.blk_col.numel() // 2 and got.bar_col.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_triton_block_hits_equal_the_pytorch_ones(seed, dtype):
+    """The hits kernel against ``vertical_slash.slash_block_hits``: rows longer than a loop step of offsets and of
+    blocks, sentinels N, offsets on block edges, and out-of-range values (which switch on δ = 0 only)."""
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = triton_index.HITS_PER_STEP + 37
+    seq_len = num_blocks * BLOCK_SIZE
+    width = triton_index.HITS_PER_STEP + 300
+    s_idx = torch.randint(0, seq_len, (2, 3, width), generator=generator)
+    s_idx[:, :, :40] = torch.randint(0, num_blocks, (2, 3, 40), generator=generator) * BLOCK_SIZE  # block edges
+    s_idx[:, :, 40:60] = seq_len  # sentinels
+    s_idx[0, 1, 60:70] = torch.tensor([-1, -BLOCK_SIZE, seq_len + 1, 2 * seq_len, seq_len - 1, 1, 127, 128, 129, 0])
+    s_idx[1, 2] = seq_len  # a row of sentinels only
+    s_idx = s_idx.to(dtype)
+    expected = slash_block_hits(s_idx, num_blocks, BLOCK_SIZE)
+    got = triton_index.slash_block_hits(s_idx, num_blocks, BLOCK_SIZE)
+    assert got.dtype == torch.bool and got.is_contiguous()
+    assert torch.equal(got, expected), f"seed={seed} {dtype}: {(got != expected).nonzero()[:5].tolist()}"
+    assert torch.equal(
+        triton_index.slash_block_hits(s_idx[..., :0], 5, BLOCK_SIZE), slash_block_hits(s_idx[..., :0], 5)
+    )
