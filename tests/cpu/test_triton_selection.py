@@ -117,8 +117,11 @@ def test_rank_candidates_with_the_kernel_equals_the_sort(seed, ascending):
         assert torch.equal(a, b), f"seed={seed} ascending={ascending}: ranked {name} differ"
 
 
-def test_static_lists_by_selection_equal_the_sorted_lists(seed):
-    """A static budget's lists straight from the kernel (no ranking sort, no list sort) are the sorted path's."""
+def test_static_lists_by_selection_equal_the_sorted_lists(seed, monkeypatch):
+    """A static budget's lists straight from the kernel (no ranking sort, no list sort) are the sorted path's; the
+    vertical and the slash rows are selected in one launch."""
+    launches = LaunchCount(triton_selection._top_positions_kernel)
+    monkeypatch.setattr(triton_selection, "_top_positions_kernel", launches)
     generator = torch.Generator().manual_seed(seed)
     batch, heads, seq_len = 2, 3, 700
     v_scores = torch.randint(-(2**45), 2**45, (batch, heads, seq_len), generator=generator)
@@ -131,6 +134,7 @@ def test_static_lists_by_selection_equal_the_sorted_lists(seed):
         )
         for implementation in ("torch", "triton")
     }
+    assert launches.grids == [(2 * batch * heads,)], f"one launch for both lists, got grids {launches.grids}"
     for name, got, expected in zip(lists["triton"]._fields, lists["triton"], lists["torch"]):
         assert torch.equal(got, expected), f"seed={seed}: {name} differs"
 
