@@ -251,20 +251,48 @@ def rank_candidates(
     CUDA tensors), "torch" or "triton": with Triton the first ``limit`` are selected by
     :func:`mtraining_kernels.triton_selection.top_positions` and only they are sorted; the same result.
     """
-    if not indices_ascending:
-        by_index = indices.argsort(dim=-1, stable=True)
-        indices = indices.gather(-1, by_index)
-        scores = scores.gather(-1, by_index)
-    keys = torch.where(indices < num_forced, FORCED_KEY, scores)
-    candidates = keys.shape[-1]
-    if limit < candidates and uses_triton(implementation, keys):  # the first `limit` found without a sort, then ranked
-        rows = keys.reshape(-1, candidates)
+    return rank_candidate_groups([(scores, indices, num_forced, limit)], indices_ascending, implementation)[0]
+
+
+def rank_candidate_groups(
+    groups: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+    indices_ascending: bool = False,
+    implementation: str = "auto",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`rank_candidates` of each group ``(scores, indices, num_forced, limit)`` (say the verticals and the
+    slashes); with Triton the selections of both groups are one launch, so their rows run side by side."""
+    keyed = []
+    for scores, indices, num_forced, limit in groups:
+        if not indices_ascending:
+            by_index = indices.argsort(dim=-1, stable=True)
+            indices = indices.gather(-1, by_index)
+            scores = scores.gather(-1, by_index)
+        keyed.append((scores, indices, torch.where(indices < num_forced, FORCED_KEY, scores), limit))
+    selected = [
+        i for i, (_, _, keys, limit) in enumerate(keyed) if limit < keys.shape[-1] and uses_triton(implementation, keys)
+    ]
+    first = dict(zip(selected, _first_positions([keyed[i][2:] for i in selected]))) if selected else {}
+    ranked = []
+    for i, (scores, indices, keys, limit) in enumerate(keyed):
+        if i in first:  # the first `limit` found without a sort, then only they are ranked
+            order = first[i].gather(-1, torch.argsort(-keys.gather(-1, first[i]), dim=-1, stable=True))
+        else:
+            order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]  # ties keep index order
+        ranked.append((scores.gather(-1, order), indices.gather(-1, order)))
+    return ranked
+
+
+def _first_positions(keyed: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """For each ``(keys [..., m] int64, limit < m)``, the positions of the first ``limit`` by (key desc, position
+    asc), ascending: int64 ``[..., limit]``, by the Triton selection, every group in one launch."""
+    selection = _triton_selection()
+    groups = []
+    for keys, limit in keyed:
+        rows = keys.reshape(-1, keys.shape[-1])
         counts = torch.full((rows.shape[0],), limit, dtype=torch.int32, device=keys.device)
-        chosen = _triton_selection().top_positions(rows, counts, limit).long().view(*keys.shape[:-1], limit)
-        order = chosen.gather(-1, torch.argsort(-keys.gather(-1, chosen), dim=-1, stable=True))
-    else:
-        order = torch.argsort(-keys, dim=-1, stable=True)[..., :limit]  # ties keep index order
-    return scores.gather(-1, order), indices.gather(-1, order)
+        groups.append(selection.SelectionRows(rows, counts, limit))
+    positions = selection.top_positions_of_groups(groups)
+    return [chosen.long().view(*keys.shape[:-1], limit) for chosen, (keys, limit) in zip(positions, keyed)]
 
 
 def _selected_lists(
@@ -668,21 +696,21 @@ def select_index(
         kinds.append((s_scores, s_indices, local_window, s_width, s_sizes))
     lists = {}
     selected = []  # the kinds whose lists the Triton selection writes alone, in one launch
+    ranked = []  # the kinds ranked first (their selections in one launch too), with their counts if fixed
     for kind, (scores, indices, num_forced, width, sizes) in enumerate(kinds):
-        if sizes is not None:
-            counts = to_device(sizes, scores.device).expand(scores.shape[:-1])
-            all_positions = candidates_ascending and scores.shape[-1] == seq_len
-            if all_positions and width < seq_len and uses_triton(implementation, scores):
-                selected.append((kind, (scores, num_forced, counts, width)))
-                continue
-        ranked_scores, ranked_indices = rank_candidates(
-            scores, indices, num_forced, width, candidates_ascending, implementation
-        )
-        if sizes is None:
-            counts = top_p_counts(ranked_scores, num_forced, total_mass, budget.p, budget.effective_cap(seq_len))
-        lists[kind] = index_list(ranked_indices, counts, width, seq_len)
+        counts = None if sizes is None else to_device(sizes, scores.device).expand(scores.shape[:-1])
+        all_positions = candidates_ascending and scores.shape[-1] == seq_len
+        if counts is not None and all_positions and width < seq_len and uses_triton(implementation, scores):
+            selected.append((kind, (scores, num_forced, counts, width)))
+        else:
+            ranked.append((kind, (scores, indices, num_forced, width), counts))
     if selected:
         lists.update(zip((kind for kind, _ in selected), _selected_lists([args for _, args in selected])))
+    rankings = rank_candidate_groups([group for _, group, _ in ranked], candidates_ascending, implementation)
+    for (kind, (_, _, num_forced, width), counts), (ranked_scores, ranked_indices) in zip(ranked, rankings):
+        if counts is None:
+            counts = top_p_counts(ranked_scores, num_forced, total_mass, budget.p, budget.effective_cap(seq_len))
+        lists[kind] = index_list(ranked_indices, counts, width, seq_len)
     if block_slashes:
         lists[1] = _block_slash_index(s_scores, budget, total_mass, seq_len, local_window)
     (v_idx, v_cnt), (s_idx, s_cnt) = lists[0], lists[1]

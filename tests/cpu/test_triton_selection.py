@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 pytest.importorskip("triton")
 
 from mtraining_kernels import triton_selection
-from mtraining_kernels.budget import StaticHeadBudgets
+from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget
 from mtraining_kernels.estimation import FORCED_KEY, INCOMPLETE_SCORE, rank_candidates, select_index
 
 if type(triton_selection._top_positions_kernel).__name__ != "InterpretedFunction":
@@ -135,6 +135,28 @@ def test_static_lists_by_selection_equal_the_sorted_lists(seed, monkeypatch):
         for implementation in ("torch", "triton")
     }
     assert launches.grids == [(2 * batch * heads,)], f"one launch for both lists, got grids {launches.grids}"
+    for name, got, expected in zip(lists["triton"]._fields, lists["triton"], lists["torch"]):
+        assert torch.equal(got, expected), f"seed={seed}: {name} differs"
+
+
+def test_top_p_lists_rank_both_kinds_with_one_selection_launch(seed, monkeypatch):
+    """A top-P budget ranks the vertical and the slash candidates (the counts come from the ranked masses): with
+    Triton both selections are one launch, and the lists are the sorted path's."""
+    launches = LaunchCount(triton_selection._top_positions_kernel)
+    monkeypatch.setattr(triton_selection, "_top_positions_kernel", launches)
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, seq_len = 2, 3, 700
+    v_scores = torch.randint(0, 2**40, (batch, heads, seq_len), generator=generator)
+    s_scores = torch.randint(0, 4, (batch, heads, seq_len), generator=generator) << 36  # ties at every limit
+    candidates = torch.arange(seq_len).expand(batch, heads, seq_len)
+    budget = TopPBudget(0.15, cap=200)
+    lists = {
+        implementation: select_index(
+            v_scores, candidates, s_scores, candidates, budget, v_scores.sum(-1), seq_len, 5, 30, True, implementation
+        )
+        for implementation in ("torch", "triton")
+    }
+    assert launches.grids == [(2 * batch * heads,)], f"one launch for both rankings, got grids {launches.grids}"
     for name, got, expected in zip(lists["triton"]._fields, lists["triton"], lists["torch"]):
         assert torch.equal(got, expected), f"seed={seed}: {name} differs"
 

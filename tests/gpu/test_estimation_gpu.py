@@ -311,6 +311,9 @@ def time_passes(seq_len: int, q_heads: int = 16, kv_heads: int = 2, dim: int = 1
         ),
         "rank V": lambda: estimation.rank_candidates(v_scores, keys, 30, 1024, True),
         "rank S": lambda: estimation.rank_candidates(s_scores, keys, 100, 6016, True),
+        "rank V and S, one selection": lambda: estimation.rank_candidate_groups(
+            [(v_scores, keys, 30, 1024), (s_scores, keys, 100, 6016)], True
+        ),
         "rank V by sort": lambda: estimation.rank_candidates(v_scores, keys, 30, 1024, True, "torch"),
         "rank S by sort": lambda: estimation.rank_candidates(s_scores, keys, 100, 6016, True, "torch"),
         "static lists V and S, one selection": lambda: estimation.select_index(
