@@ -4,8 +4,9 @@ PyTorch ones.
 The PyTorch conversion (``index._block_lists`` / ``index._bar_lists``) materialises a bool
 ``[W, b, Hq, nb, nb]`` block mask and int64 ``[b, Hq, nb, Vmax]`` bar distances, then runs ``nonzero`` and
 a sort of every bar entry (about 135 M at 512K with 4K verticals on one GPU), and
-``index.block_lists_by_key`` sorts every block. Here one kernel runs twice, one program per (source rank w,
-b, query head h, local block), which handles that row of every list:
+``index.block_lists_by_key`` sorts every block. Here :func:`slash_block_hits` first turns the slash lists into
+the block hits (one launch), then one kernel runs twice, one program per (source rank w, b, query head h, local
+block), which handles that row of every list:
 
 * :func:`count_rows` — how many entries each row has (the caller turns the counts into CSR offsets);
 * :func:`write_rows` — the entries themselves, stored from each row's offset in candidate order.
