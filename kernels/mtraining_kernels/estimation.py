@@ -38,6 +38,7 @@ reduction it needs for top-P; :func:`select_index` ranks the union of every rank
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Literal, NamedTuple
 
@@ -480,9 +481,8 @@ def estimate_from_last_queries(
     budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
 
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
-    device = q_last.device
-    q_positions = torch.arange(seq_len - last_q, seq_len, device=device)
-    k_positions = torch.arange(seq_len, device=device)
+    k_positions = _positions(seq_len, q_last.device)
+    q_positions = k_positions[seq_len - last_q :]
     top_p = isinstance(budget, TopPBudget)
     block_slashes = top_p and budget.block_slashes
     v_scores, s_scores = scores_of_keys(
@@ -503,9 +503,9 @@ def estimate_from_last_queries(
         s_scores = block_diagonal_scores(v_scores, k_positions, seq_len)
     return select_index(
         v_scores,
-        _all_candidates(v_scores),
+        k_positions.expand_as(v_scores),  # every key is a candidate column, every offset 0 … N−1 a slash
         s_scores,
-        _all_candidates(s_scores),
+        _all_candidates(s_scores) if block_slashes else k_positions.expand_as(s_scores),
         budget,
         total_mass,
         seq_len,
@@ -609,6 +609,12 @@ def _triton_scores(source, top_p, q_positions, k_positions, seq_len, reduce_rows
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _positions(seq_len: int, device: torch.device) -> torch.Tensor:
+    """0 … seq_len − 1 (int64) on ``device``, built once per length: shared, so read it, never write it."""
+    return torch.arange(seq_len, device=device)
+
+
 def _all_candidates(scores: torch.Tensor) -> torch.Tensor:
     """Indices 0 … N−1 (key columns or offsets) for scores ``[b, Hq, N]``."""
     return torch.arange(scores.shape[-1], device=scores.device).expand(scores.shape)
@@ -689,7 +695,10 @@ def select_index(
     ``implementation``: :func:`rank_candidates`'s.
     """
     v_width, s_width = list_widths(budget, seq_len)
-    v_sizes, s_sizes = (None, None) if isinstance(budget, TopPBudget) else (budget.v_size, budget.s_size)
+    if isinstance(budget, TopPBudget):
+        v_sizes = s_sizes = None
+    else:  # int32 on the host, so that one copy brings both and no cast runs on the device
+        v_sizes, s_sizes = to_device(torch.stack((budget.v_size, budget.s_size)).int(), v_scores.device)
     kinds = [(v_scores, v_indices, sink_tokens, v_width, v_sizes)]
     block_slashes = isinstance(budget, TopPBudget) and budget.block_slashes
     if not block_slashes:
@@ -698,7 +707,7 @@ def select_index(
     selected = []  # the kinds whose lists the Triton selection writes alone, in one launch
     ranked = []  # the kinds ranked first (their selections in one launch too), with their counts if fixed
     for kind, (scores, indices, num_forced, width, sizes) in enumerate(kinds):
-        counts = None if sizes is None else to_device(sizes, scores.device).expand(scores.shape[:-1])
+        counts = None if sizes is None else sizes.expand(scores.shape[:-1])
         all_positions = candidates_ascending and scores.shape[-1] == seq_len
         if counts is not None and all_positions and width < seq_len and uses_triton(implementation, scores):
             selected.append((kind, (scores, num_forced, counts, width)))
