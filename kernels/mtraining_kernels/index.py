@@ -289,9 +289,7 @@ def _triton_lists(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
 
     hit = triton_index.slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
     tables = _kernel_block_tables(layout, rank, seq_len, v_idx.device)
-    column = v_idx.clamp(max=seq_len - 1)  # in v_idx's dtype: int32 key blocks are the kernels' already
-    owner, local = layout.to_local(column, seq_len)
-    candidates = triton_index.list_candidates(tables, hit, column // BLOCK_SIZE, owner, local)
+    candidates = triton_index.list_candidates(tables, hit, v_idx, BLOCK_SIZE)
     shape = (layout.world_size, *v_idx.shape[:2], tables.query_blocks.numel())
     counts = torch.empty((triton_index.NUM_LISTS, math.prod(shape)), dtype=torch.int32, device=v_idx.device)
     triton_index.count_rows(candidates, counts)

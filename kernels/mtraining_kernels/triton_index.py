@@ -54,24 +54,29 @@ def _list_row(
     ROW_START,
     COUNT,
     COL,
+    seq_len,
     LIST: tl.constexpr,
     WRITE: tl.constexpr,
     STEP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Counts one row's entries into COUNT, or writes them into COL from ROW_START's offset, over its candidates
-    ``first`` … ``last`` − 1 (blocks CANDIDATE_BLOCK, bars' OWNER and VALUE too, at the same offsets). A
+    ``first`` … ``last`` − 1 of CANDIDATE_BLOCK (blocks), or of the verticals CANDIDATE_BLOCK (bars: columns,
+    the sentinel N counting as N − 1, with OWNER and VALUE the owner and local index of every global block). A
     candidate is active when HIT_ROW holds its block diagonal with ``own_block`` (the row's)."""
     found = 0
     for start in range(first, last, STEP):
         offsets = start + tl.arange(0, STEP)
         inside = offsets < last
         candidate_block = tl.load(CANDIDATE_BLOCK + offsets, mask=inside, other=0)
+        if LIST == _BARS:
+            column = tl.minimum(candidate_block.to(tl.int64), seq_len - 1)
+            candidate_block = column // BLOCK
+            inside = inside & (tl.load(OWNER + candidate_block, mask=inside, other=-1) == w)
         if LIST == _KEYS:
             distance = candidate_block - own_block
         else:
             distance = own_block - candidate_block
-        if LIST == _BARS:
-            inside = inside & (tl.load(OWNER + offsets, mask=inside, other=-1) == w)
         active = tl.load(HIT_ROW + distance, mask=inside, other=0)
         if LIST == _BARS:
             take = inside & (active == 0)
@@ -81,8 +86,8 @@ def _list_row(
             rank_in_row = found + tl.cumsum(take.to(tl.int32), 0) - 1
             row_start = tl.load(ROW_START)
             if LIST == _BARS:
-                column = tl.load(VALUE + offsets, mask=take, other=0)
-                tl.store(COL + row_start + rank_in_row, column, mask=take)
+                local = tl.load(VALUE + candidate_block, mask=take, other=0) * BLOCK + column % BLOCK
+                tl.store(COL + row_start + rank_in_row, local.to(tl.int32), mask=take)
             elif LIST == _KEYS:
                 tl.store(COL + row_start + rank_in_row, offsets, mask=take)
             else:
@@ -98,14 +103,30 @@ def _list_row(
 
 
 @triton.jit
+def _verticals_before(VERTICALS, width, query_block, seq_len, BLOCK: tl.constexpr):
+    """How many of the ascending ``VERTICALS[0 : width]`` (the sentinel N counting as N − 1) lie in key blocks
+    before ``query_block``: a binary search."""
+    low = 0
+    high = width
+    while low < high:
+        middle = (low + high) // 2
+        block = tl.minimum(tl.load(VERTICALS + middle).to(tl.int64), seq_len - 1) // BLOCK
+        if block < query_block:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+@triton.jit
 def _list_rows_kernel(
     QUERY_BLOCK,
     SOURCE_BLOCK,
     BLOCK_BOUND,
     KEY_FIRST,
-    BAR_BLOCK,
-    BAR_OWNER,
-    BAR_COLUMN,
+    VERTICALS,
+    BLOCK_OWNER,
+    BLOCK_LOCAL,
     BAR_BOUND,
     HIT,
     ROW_START,
@@ -119,9 +140,11 @@ def _list_rows_kernel(
     bar_width,
     WRITE: tl.constexpr,
     STEP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Row (w, b·Hq, local block ``program_id(0)``) of every list, counted (COUNT ``[lists, rows]``) or written
-    (ROW_START ``[lists, rows + 1]``); tables as :class:`ListCandidates` holds them."""
+    (ROW_START ``[lists, rows + 1]``); tables as :class:`ListCandidates` holds them. Counting also stores how many
+    verticals lie before each query block (BAR_BOUND ``[b·Hq, nb]``), which writing reads."""
     i = tl.program_id(0)
     bh = tl.program_id(1)
     w = tl.program_id(2)
@@ -131,7 +154,13 @@ def _list_rows_kernel(
     hit_row = HIT + bh * num_global_blocks
     query_block = tl.load(QUERY_BLOCK + i)
     source_blocks = SOURCE_BLOCK + w * nb
-    bars = bh * bar_width
+    seq_len = num_global_blocks * BLOCK
+    verticals = VERTICALS + bh * bar_width
+    if WRITE:
+        bar_bound = tl.load(BAR_BOUND + bh * nb + i)
+    else:
+        bar_bound = _verticals_before(verticals, bar_width, query_block, seq_len, BLOCK)
+        tl.store(BAR_BOUND + bh * nb + i, bar_bound)  # the same value from every source w
     # blocks: query block i against source w's key blocks up to it
     _list_row(
         w,
@@ -145,9 +174,11 @@ def _list_rows_kernel(
         ROW_START + row,
         COUNT + row,
         BLOCK_COL,
+        seq_len,
         _BLOCKS,
         WRITE,
         STEP,
+        BLOCK,
     )
     # keys: source w's key block i against this rank's query blocks from it on
     _list_row(
@@ -162,26 +193,30 @@ def _list_rows_kernel(
         ROW_START + (num_rows + 1) + row,
         COUNT + num_rows + row,
         KEY_COL,
+        seq_len,
         _KEYS,
         WRITE,
         STEP,
+        BLOCK,
     )
     # bars: query block i against the (sample, head)'s verticals before it
     _list_row(
         w,
         query_block,
         0,
-        tl.load(BAR_BOUND + bh * nb + i),
-        BAR_BLOCK + bars,
-        BAR_OWNER + bars,
-        BAR_COLUMN + bars,
+        bar_bound,
+        verticals,
+        BLOCK_OWNER,
+        BLOCK_LOCAL,
         hit_row,
         ROW_START + 2 * (num_rows + 1) + row,
         COUNT + 2 * num_rows + row,
         BAR_COL,
+        seq_len,
         _BARS,
         WRITE,
         STEP,
+        BLOCK,
     )
 
 
@@ -232,6 +267,8 @@ class BlockTables(NamedTuple):
     source_blocks: torch.Tensor  # [W, nb] global ids of every source's key blocks, ascending per source
     prefix: torch.Tensor  # [W, nb] how many of source w's key blocks are ≤ query block i
     first_query: torch.Tensor  # [W, nb] how many query blocks are < source w's key block j
+    block_owner: torch.Tensor  # [NB] the source rank holding each global block
+    block_local: torch.Tensor  # [NB] its index among that source's blocks
 
 
 def block_tables(source_blocks: torch.Tensor, query_blocks: torch.Tensor) -> BlockTables:
@@ -240,33 +277,34 @@ def block_tables(source_blocks: torch.Tensor, query_blocks: torch.Tensor) -> Blo
     key_block, queries = _int32(source_blocks), _int32(query_blocks)
     prefix = torch.searchsorted(key_block, queries.expand(world, nb).contiguous(), right=True, out_int32=True)
     first_query = torch.searchsorted(queries, key_block, out_int32=True)
-    return BlockTables(queries, key_block, prefix, first_query)
+    block_owner = torch.empty(world * nb, dtype=torch.int32, device=key_block.device)
+    block_local = torch.empty_like(block_owner)
+    positions = torch.arange(world * nb, dtype=torch.int32, device=key_block.device)
+    block_owner[key_block.long().flatten()] = positions // nb
+    block_local[key_block.long().flatten()] = positions % nb
+    return BlockTables(queries, key_block, prefix, first_query, block_owner, block_local)
 
 
 class ListCandidates(NamedTuple):
-    """The candidates of one conversion's lists in kernel form (int32, contiguous): build with
+    """The candidates of one conversion's lists in kernel form (contiguous): build with
     :func:`list_candidates`."""
 
     tables: BlockTables
     hit: torch.Tensor  # int8 [b·Hq, NB], hit[bh, δ] = block diagonal δ is active
-    bar_block: torch.Tensor  # [b·Hq, V] the verticals' key blocks, ascending per row
-    bar_owner: torch.Tensor  # [b·Hq, V] their source ranks
-    bar_column: torch.Tensor  # [b·Hq, V] their local columns in the owner's chunk
-    bar_bound: torch.Tensor  # [b·Hq, nb] how many verticals are in key blocks before query block i
+    verticals: torch.Tensor  # int32 or int64 [b·Hq, V] the vertical columns, ascending per row, N the sentinel
+    bar_bound: torch.Tensor  # int32 [b·Hq, nb] how many verticals lie before query block i: counting writes it
+    block_size: int
 
 
-def list_candidates(
-    tables: BlockTables, hit: torch.Tensor, key_block: torch.Tensor, owner: torch.Tensor, local: torch.Tensor
-) -> ListCandidates:
-    """``tables`` of :func:`block_tables`; bool ``hit [b, Hq, NB]``; the verticals' ``key_block``, ``owner`` and
-    ``local`` column, each ``[b, Hq, V]``, ascending per row, any integer dtype."""
+def list_candidates(tables: BlockTables, hit: torch.Tensor, v_idx: torch.Tensor, block_size: int) -> ListCandidates:
+    """``tables`` of :func:`block_tables`; bool ``hit [b, Hq, NB]``; ``v_idx [b, Hq, V]`` (int32 or int64) ascending
+    per row, padded with N. The kernels read the verticals as they are: their blocks, owners and local columns come
+    from the tables."""
     rows = hit.shape[0] * hit.shape[1]
     kernel_hit = hit.reshape(rows, hit.shape[-1]).contiguous().view(torch.int8)  # the same bytes
-    bar_block = _int32(key_block.reshape(rows, -1))
-    query_blocks = tables.query_blocks.expand(rows, -1).contiguous()
-    bar_bound = torch.searchsorted(bar_block, query_blocks, out_int32=True)
-    owner, local = _int32(owner.reshape(rows, -1)), _int32(local.reshape(rows, -1))
-    return ListCandidates(tables, kernel_hit, bar_block, owner, local, bar_bound)
+    verticals = v_idx.reshape(rows, v_idx.shape[-1]).contiguous()
+    bar_bound = torch.empty(rows, tables.query_blocks.numel(), dtype=torch.int32, device=hit.device)
+    return ListCandidates(tables, kernel_hit, verticals, bar_bound, block_size)
 
 
 def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, cols: list, write: bool) -> None:
@@ -278,9 +316,9 @@ def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, co
         tables.source_blocks,
         tables.prefix,
         tables.first_query,
-        c.bar_block,
-        c.bar_owner,
-        c.bar_column,
+        c.verticals,
+        tables.block_owner,
+        tables.block_local,
         c.bar_bound,
         c.hit,
         row_start,
@@ -289,9 +327,10 @@ def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, co
         num_global_blocks,
         num_local_blocks,
         batch_heads,
-        c.bar_block.shape[1],
+        c.verticals.shape[1],
         WRITE=write,
         STEP=CANDIDATES_PER_STEP,
+        BLOCK=c.block_size,
     )
 
 
