@@ -38,7 +38,6 @@ reduction it needs for top-P; :func:`select_index` ranks the union of every rank
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, Literal, NamedTuple
 
@@ -609,10 +608,16 @@ def _triton_scores(source, top_p, q_positions, k_positions, seq_len, reduce_rows
     )
 
 
-@functools.lru_cache(maxsize=16)
+_POSITIONS: dict[torch.device, torch.Tensor] = {}  # per device, 0 … n − 1 for the longest n asked so far
+
+
 def _positions(seq_len: int, device: torch.device) -> torch.Tensor:
-    """0 … seq_len − 1 (int64) on ``device``, built once per length: shared, so read it, never write it."""
-    return torch.arange(seq_len, device=device)
+    """0 … seq_len − 1 (int64) on ``device``: a prefix of one tensor per device, rebuilt only for a longer length
+    (documents of many lengths share it). Shared, so read it, never write it."""
+    positions = _POSITIONS.get(device)
+    if positions is None or positions.numel() < seq_len:
+        positions = _POSITIONS[device] = torch.arange(seq_len, device=device)
+    return positions[:seq_len]
 
 
 def _all_candidates(scores: torch.Tensor) -> torch.Tensor:
