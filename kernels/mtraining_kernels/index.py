@@ -205,10 +205,10 @@ def _check_list_total(total: int) -> None:
 
 
 def _csr_pointers(row_starts: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """Row starts int32 ``[..., W·b·Hq·nb + 1]`` (the last one the list's total; leading dims: several lists) →
-    absolute offsets int32 ``[..., W, b, Hq, nb+1]``, ``ptr[..., nb]`` the next group's first, in one copy."""
+    """Row starts int32 ``[W·b·Hq·nb + 1]`` (the last one the list's total) → absolute offsets int32
+    ``[W, b, Hq, nb+1]``, ``ptr[..., nb]`` the next group's first."""
     nb = shape[-1]
-    return row_starts.unfold(-1, nb + 1, nb).contiguous().view(*row_starts.shape[:-1], *shape[:-1], nb + 1)
+    return row_starts.unfold(0, nb + 1, nb).contiguous().view(*shape[:-1], nb + 1)
 
 
 def csr_offsets(row_counts: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -283,8 +283,8 @@ def _kernel_block_tables(layout: Layout, rank: int, seq_len: int, device):
 def _triton_lists(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
     """[(blk_ptr, blk_col), (key_ptr, key_qblock), (bar_ptr, bar_col)] by the Triton kernels of ``triton_index``:
     one launch finds the slashes' block hits, one counts every list's rows, then their offsets, one host read of
-    the lists' sizes (the only one), and one launch writes them. No int64 ``[b, Hq, nb, Vmax]`` temporaries, no
-    sort."""
+    the lists' sizes (the only one), and one launch writes them with their int32 offsets. No int64
+    ``[b, Hq, nb, Vmax]`` temporaries, no sort."""
     from . import triton_index  # Triton is imported only where its kernels run
 
     hit = triton_index.slash_block_hits(s_idx, seq_len // BLOCK_SIZE, BLOCK_SIZE)  # [b, Hq, NB]
@@ -294,12 +294,11 @@ def _triton_lists(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
     counts = torch.empty((triton_index.NUM_LISTS, math.prod(shape)), dtype=torch.int32, device=v_idx.device)
     triton_index.count_rows(candidates, counts)
     row_starts = F.pad(torch.cumsum(counts, 1), (1, 0))  # int64 [lists, W·b·Hq·nb + 1]
-    starts32 = row_starts.to(torch.int32)  # queued before the host read, so that only the write waits on it
-    pointers = _csr_pointers(starts32, shape).unbind(0)
     totals = row_starts[:, -1].tolist()
     for total in totals:
-        _check_list_total(total)  # before any list is written: an overflowing total wrapped in starts32
-    return list(zip(pointers, triton_index.write_rows(candidates, starts32, totals)))
+        _check_list_total(total)  # before any list is written: the lists' offsets are int32
+    pointers, cols = triton_index.write_rows(candidates, row_starts, totals)
+    return list(zip(pointers.view(triton_index.NUM_LISTS, *shape[:-1], shape[-1] + 1).unbind(0), cols))
 
 
 def convert_index(

@@ -39,6 +39,7 @@ HITS_PER_STEP = 1024  # block diagonals or slash offsets one program of the bloc
 # the lists of one conversion, in the order of every per-list tensor here
 _BLOCKS, _KEYS, _BARS = (tl.constexpr(i) for i in range(3))
 NUM_LISTS = 3
+_NUM_LISTS = tl.constexpr(NUM_LISTS)
 
 
 @triton.jit
@@ -131,6 +132,7 @@ def _list_rows_kernel(
     HIT,
     ROW_START,
     COUNT,
+    POINTERS,
     BLOCK_COL,
     KEY_COL,
     BAR_COL,
@@ -143,8 +145,9 @@ def _list_rows_kernel(
     BLOCK: tl.constexpr,
 ):
     """Row (w, b·Hq, local block ``program_id(0)``) of every list, counted (COUNT ``[lists, rows]``) or written
-    (ROW_START ``[lists, rows + 1]``); tables as :class:`ListCandidates` holds them. Counting also stores how many
-    verticals lie before each query block (BAR_BOUND ``[b·Hq, nb]``), which writing reads."""
+    (from ROW_START ``[lists, rows + 1]`` int64, also into the CSR offsets POINTERS ``[lists, W·b·Hq, nb + 1]``
+    int32); tables as :class:`ListCandidates` holds them. Counting also stores how many verticals lie before each
+    query block (BAR_BOUND ``[b·Hq, nb]``), which writing reads."""
     i = tl.program_id(0)
     bh = tl.program_id(1)
     w = tl.program_id(2)
@@ -161,6 +164,14 @@ def _list_rows_kernel(
     else:
         bar_bound = _verticals_before(verticals, bar_width, query_block, seq_len, BLOCK)
         tl.store(BAR_BOUND + bh * nb + i, bar_bound)  # the same value from every source w
+    if WRITE:  # each row's offset, and the next group's first after the group's last row
+        group_pointers = POINTERS + (w * batch_heads + bh) * (nb + 1) + i
+        for lst in tl.static_range(_NUM_LISTS):
+            row_start = ROW_START + lst * (num_rows + 1) + row
+            pointer = group_pointers + lst * (num_rows + tl.num_programs(2) * batch_heads)
+            tl.store(pointer, tl.load(row_start).to(tl.int32))
+            if i == nb - 1:
+                tl.store(pointer + 1, tl.load(row_start + 1).to(tl.int32))
     # blocks: query block i against source w's key blocks up to it
     _list_row(
         w,
@@ -307,7 +318,9 @@ def list_candidates(tables: BlockTables, hit: torch.Tensor, v_idx: torch.Tensor,
     return ListCandidates(tables, kernel_hit, verticals, bar_bound, block_size)
 
 
-def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, cols: list, write: bool) -> None:
+def _launch(
+    c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, pointers: torch.Tensor, cols: list, write: bool
+) -> None:
     tables = c.tables
     world, num_local_blocks = tables.source_blocks.shape
     batch_heads, num_global_blocks = c.hit.shape
@@ -323,6 +336,7 @@ def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, co
         c.hit,
         row_start,
         counts,
+        pointers,
         *cols,
         num_global_blocks,
         num_local_blocks,
@@ -337,13 +351,19 @@ def _launch(c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, co
 def count_rows(c: ListCandidates, counts: torch.Tensor) -> None:
     """Write each list's entries per row into ``counts``, contiguous int32 ``[NUM_LISTS, W·b·Hq·nb]`` (blocks, by
     key, bars; rows in the order (w, b·Hq, local block))."""
-    _launch(c, counts, counts, [counts] * NUM_LISTS, write=False)  # no row start is read, no entry written
+    _launch(c, counts, counts, counts, [counts] * NUM_LISTS, write=False)  # no row start read, nothing written
 
 
-def write_rows(c: ListCandidates, row_starts: torch.Tensor, totals: list[int]) -> list[torch.Tensor]:
-    """The lists' entries, int32 ``[totals[l]]`` each: row r of list l from ``row_starts[l, r]`` on (``row_starts``
-    contiguous int32 ``[NUM_LISTS, W·b·Hq·nb + 1]``, rows as :func:`count_rows`'s)."""
-    cols = [torch.empty(total, dtype=torch.int32, device=c.hit.device) for total in totals]
-    if any(totals):
-        _launch(c, row_starts, row_starts, cols, write=True)  # no count is written
-    return cols
+def write_rows(
+    c: ListCandidates, row_starts: torch.Tensor, totals: list[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The lists' CSR offsets, int32 ``[NUM_LISTS, W, b, Hq, nb + 1]`` (absolute, ``[..., nb]`` the next group's
+    first), and their entries, int32 ``[totals[l]]`` each: row r of list l from ``row_starts[l, r]`` on
+    (``row_starts`` contiguous int64 ``[NUM_LISTS, W·b·Hq·nb + 1]``, rows as :func:`count_rows`'s; every total
+    below 2^31)."""
+    world, nb = c.tables.source_blocks.shape
+    device = c.hit.device
+    pointers = torch.empty(NUM_LISTS, world, *c.bar_bound.shape[:1], nb + 1, dtype=torch.int32, device=device)
+    cols = [torch.empty(total, dtype=torch.int32, device=device) for total in totals]
+    _launch(c, row_starts, row_starts, pointers, cols, write=True)  # no count is written
+    return pointers, cols
