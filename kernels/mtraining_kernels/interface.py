@@ -100,6 +100,7 @@ class _SparseAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.softmax_scale, ctx.backend, ctx.deterministic = index, softmax_scale, backend, deterministic
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zeros are made for it
         return out, lse
 
     @staticmethod
@@ -208,6 +209,7 @@ class _DenseAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.setup = (causal, softmax_scale, impl)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zeros are made for it
         return out, lse
 
     @staticmethod

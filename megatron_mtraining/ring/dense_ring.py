@@ -233,6 +233,7 @@ class DenseRingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, kv, out_cast, lse)
         ctx.setup = (groups, impl, scale, grad_wire)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None: no zeros are made for it
         return out_cast, lse
 
     @staticmethod
