@@ -262,6 +262,33 @@ def test_estimated_index_is_the_selection_of_the_same_logits(seed, budget):
         assert torch.equal(a, b), f"seed={seed} {name}: the Triton path selects a different index"
 
 
+@pytest.mark.parametrize(
+    "budget, passes",
+    [
+        (StaticHeadBudgets(torch.tensor([40, 64, 33, 90]), torch.tensor([110, 128, 101, 200])), 1),
+        (TopPBudget(0.9, 128), 3),
+        (TopPBudget(0.9, 128, block_slashes=True), 3),
+    ],
+    ids=["static", "top_p", "top_p_block_slashes"],
+)
+def test_an_estimation_launches_its_passes_and_one_selection(seed, budget, passes, monkeypatch):
+    """Kernel launches of one estimation, in order: the scores passes (static: one; top-P: row maxima, row sums,
+    scores), then a single selection launch for the vertical and the slash lists together (on a GPU every launch
+    is host time and a gap on the device)."""
+    launches = []
+    kernel_type = type(triton_estimation._key_tile_kernel)
+    launch = kernel_type.run
+
+    def recorded_launch(kernel, *args, **kwargs):
+        launches.append(kernel.fn.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", recorded_launch)
+    q, k = draw_qk(torch.Generator().manual_seed(seed), 1, 384, 4, 1, 32, torch.bfloat16)
+    estimation.estimate_vertical_slash(q, k, budget, implementation="triton")
+    assert launches == ["_key_tile_kernel"] * passes + ["_top_positions_kernel"], launches
+
+
 def _logits_inputs():
     q_rows, k = torch.randn(1, 64, 2, 16), torch.randn(1, 128, 1, 16)
     return dict(
