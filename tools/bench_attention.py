@@ -152,6 +152,7 @@ def measure(forward: Callable, backward: Callable, warmup: int, reps: int) -> tu
 
 
 QUEUE_LEAD_MS = 20.0  # the GPU sleeps this long before a queued timing starts: longer than a step's host time
+INDEX_REPS = 10  # repetitions of each index step (after one warm-up call); the median is reported
 
 
 @functools.cache
@@ -256,10 +257,10 @@ def run_flex(
     q, k, v, dout, index: BlockBarIndex, build_mask: Callable, scale: float, warmup: int, reps: int, title: str
 ) -> dict:
     """Flex on ``build_mask()``'s BlockMask, cross-checked against ours on ``index`` (:func:`flex_check`), then
-    timed: fwd_ms, bwd_ms, mask_ms and mask_queued_ms (the BlockMask construction, median of 3, as the index
+    timed: fwd_ms, bwd_ms, mask_ms and mask_queued_ms (the BlockMask construction, median of INDEX_REPS, as the index
     steps are timed) and flex_check."""
     block_mask = build_mask()
-    mask_ms, mask_queued_ms = median_ms(build_mask, 3), median_ms(build_mask, 3, QUEUE_LEAD_MS)
+    mask_ms, mask_queued_ms = median_ms(build_mask, INDEX_REPS), median_ms(build_mask, INDEX_REPS, QUEUE_LEAD_MS)
     check = flex_check(q, k, v, dout, index, block_mask, scale, title)
     torch.cuda.reset_peak_memory_stats()
     fwd_ms, bwd_ms = time_flex(q, k, v, dout, block_mask, scale, warmup, reps)
@@ -295,7 +296,7 @@ def deterministic_timings(index: BlockBarIndex, kv_heads: int, timings: dict[str
     """``timings`` plus ``bar_chunks_ms``/``bar_chunks_queued_ms``, the deterministic backward's bar lists by
     column (``BlockBarIndex.bar_chunks``, built on a fresh copy of the index each time, as its cache would
     otherwise answer), added to the index sums."""
-    chunks = step_timings({"bar_chunks": lambda: dataclasses.replace(index).bar_chunks(0, kv_heads)}, 3)
+    chunks = step_timings({"bar_chunks": lambda: dataclasses.replace(index).bar_chunks(0, kv_heads)}, INDEX_REPS)
     return {
         **timings,
         "bar_chunks_ms": chunks["bar_chunks_ms"],
@@ -459,7 +460,7 @@ def main(argv=None) -> None:
                 density = mask_density(v_idx, s_idx, seq_len)
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
                 convert, estimate = index_steps(q.detach(), k.detach(), v_idx, s_idx, seq_len)
-                timings = step_timings({"convert": convert, "estimate": estimate}, 3)
+                timings = step_timings({"convert": convert, "estimate": estimate}, INDEX_REPS)
                 pattern = dict(
                     target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW, verticals=int(v_idx.shape[-1])
                 )
@@ -521,7 +522,7 @@ def main(argv=None) -> None:
                 index = convert_index(block_v_idx, block_s_idx, Layout("contiguous", 1), 0, seq_len)
                 timings = step_timings(
                     {"convert": lambda: converted_index(block_v_idx, block_s_idx, seq_len)},
-                    3,
+                    INDEX_REPS,
                 )
                 pattern = dict(
                     target_sparsity=sparsity,
@@ -609,7 +610,7 @@ def main(argv=None) -> None:
                         "convert": lambda: converted_index(v_idx, s_idx, seq_len),
                         "estimate": estimate,
                     },
-                    3,
+                    INDEX_REPS,
                 )
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
                 extra = dict(

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("triton")
 
-from mtraining_kernels import estimation, triton_estimation
+from mtraining_kernels import estimation, triton_estimation, triton_selection
 from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget
 from mtraining_kernels.layout import Layout
 
@@ -271,9 +271,9 @@ def test_estimated_index_is_the_selection_of_the_same_logits(seed, budget):
     ],
     ids=["static", "top_p", "top_p_block_slashes"],
 )
-def test_an_estimation_launches_its_passes_and_one_selection(seed, budget, passes, monkeypatch):
+def test_an_estimation_launches_its_passes_then_one_selection(seed, budget, passes, monkeypatch):
     """Kernel launches of one estimation, in order: the scores passes (static: one; top-P: row maxima, row sums,
-    scores), then a single selection launch for the vertical and the slash lists together (on a GPU every launch
+    scores), then one selection (its stages) for the vertical and the slash lists together (on a GPU every launch
     is host time and a gap on the device)."""
     launches = []
     kernel_type = type(triton_estimation._key_tile_kernel)
@@ -286,7 +286,8 @@ def test_an_estimation_launches_its_passes_and_one_selection(seed, budget, passe
     monkeypatch.setattr(kernel_type, "run", recorded_launch)
     q, k = draw_qk(torch.Generator().manual_seed(seed), 1, 384, 4, 1, 32, torch.bfloat16)
     estimation.estimate_vertical_slash(q, k, budget, implementation="triton")
-    assert launches == ["_key_tile_kernel"] * passes + ["_top_positions_kernel"], launches
+    selection = ["_selection_kernel"] * (triton_selection.LEVELS + 1)
+    assert launches == ["_key_tile_kernel"] * passes + selection, launches
 
 
 def _logits_inputs():

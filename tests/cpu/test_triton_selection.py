@@ -1,5 +1,5 @@
-"""The selection kernel (kernels/mtraining_kernels/triton_selection.py) run by Triton's CPU interpreter: each row's
-first entries by (key desc, position asc) are those of a stable sort, on keys built to stress every pass."""
+"""The selection kernels (kernels/mtraining_kernels/triton_selection.py) run by Triton's CPU interpreter: each row's
+first entries by (key desc, position asc) are those of a stable sort, on keys built to stress every level."""
 
 import importlib
 import os
@@ -18,7 +18,7 @@ from mtraining_kernels import triton_selection
 from mtraining_kernels.budget import StaticHeadBudgets, TopPBudget
 from mtraining_kernels.estimation import FORCED_KEY, INCOMPLETE_SCORE, rank_candidates, select_index
 
-if type(triton_selection._top_positions_kernel).__name__ != "InterpretedFunction":
+if type(triton_selection._selection_kernel).__name__ != "InterpretedFunction":
     importlib.reload(triton_selection)  # imported earlier without the interpreter flag
 
 
@@ -42,6 +42,8 @@ def draw_keys(generator: torch.Generator, kind: str, rows: int, num_entries: int
         return (torch.randint(0, 32, (rows, num_entries), generator=generator) << 40) + torch.randint(
             0, 2**16, (rows, num_entries), generator=generator
         )
+    if kind == "one_class":  # no level leaves few keys: nothing is copied, the last passes read the row; ties
+        return 2**45 + torch.randint(0, 40, (rows, num_entries), generator=generator) * 2**10
     if kind == "ties":  # a few values: the threshold's value is shared, the first ties by position are taken
         return torch.randint(-3, 3, (rows, num_entries), generator=generator) * (1 << 40)
     if kind == "equal":  # nothing varies
@@ -52,8 +54,12 @@ def draw_keys(generator: torch.Generator, kind: str, rows: int, num_entries: int
     return keys
 
 
-@pytest.mark.parametrize("kind", ["wide", "narrow", "clustered", "ties", "equal", "extreme"])
-@pytest.mark.parametrize("num_entries", [1, 70, triton_selection.ENTRIES_PER_STEP + 300])
+@pytest.mark.parametrize("kind", ["wide", "narrow", "clustered", "one_class", "ties", "equal", "extreme"])
+@pytest.mark.parametrize(
+    "num_entries",
+    [1, 70, triton_selection.ENTRIES_PER_STEP + 300, triton_selection.CHUNKS * triton_selection.ENTRIES_PER_STEP + 300],
+    ids=["one", "short", "chunks_shorter_than_a_step", "chunks_of_two_steps"],
+)
 def test_top_positions_are_the_stable_sorts_first_entries(seed, kind, num_entries):
     generator = torch.Generator().manual_seed(seed)
     rows = 3
@@ -69,20 +75,29 @@ def test_top_positions_are_the_stable_sorts_first_entries(seed, kind, num_entrie
     assert torch.equal(got, expected), f"seed={seed} {kind} n={num_entries} forced={num_forced}"
 
 
-class LaunchCount:
-    """Stands in for the selection kernel: counts its launches and runs it."""
+class RecordedLaunches:
+    """Stands in for the selection kernel: records each launch as (stage, grid) and runs it."""
 
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
+    def __init__(self, monkeypatch):
+        self.launches, self.kernel = [], triton_selection._selection_kernel
+        monkeypatch.setattr(triton_selection, "_selection_kernel", self)
 
     def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
+        def launch(*args, **kwargs):
+            self.launches.append((kwargs["STAGE"], grid))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+    def assert_one_selection(self, rows: int) -> None:
+        """One selection of ``rows`` rows: its stages in order, each of CHUNKS programs per row."""
+        expected = [(stage, (rows, triton_selection.CHUNKS)) for stage in range(triton_selection.LEVELS + 1)]
+        assert self.launches == expected, f"one selection of {rows} rows, got launches {self.launches}"
 
 
-def test_two_groups_in_one_launch_are_each_groups_selection(seed, monkeypatch):
-    """Rows of two groups (other lengths, widths, forced counts, strides) selected in one launch: each group's
-    positions are its own sort's, as if selected alone."""
+def test_two_groups_in_one_selection_are_each_groups_own(seed, monkeypatch):
+    """Rows of two groups (other lengths, widths, forced counts) selected together, in the same launches: each
+    group's positions are its own sort's, as if selected alone."""
     generator = torch.Generator().manual_seed(seed)
     first_keys = draw_keys(generator, "clustered", 3, 300)
     second_keys = draw_keys(generator, "ties", 6, triton_selection.ENTRIES_PER_STEP + 70)  # another length
@@ -90,10 +105,9 @@ def test_two_groups_in_one_launch_are_each_groups_selection(seed, monkeypatch):
         triton_selection.SelectionRows(first_keys, torch.tensor([64, 0, 17]), 64, 5),
         triton_selection.SelectionRows(second_keys, torch.randint(0, 129, (6,), generator=generator), 128, 100),
     ]
-    launches = LaunchCount(triton_selection._top_positions_kernel)
-    monkeypatch.setattr(triton_selection, "_top_positions_kernel", launches)
+    launches = RecordedLaunches(monkeypatch)
     got = triton_selection.top_positions_of_groups(groups)
-    assert launches.grids == [(9,)], f"one launch of a program per row of both groups, got grids {launches.grids}"
+    launches.assert_one_selection(9)
     for number, (chosen, (keys, counts, width, num_forced)) in enumerate(zip(got, groups)):
         forced_keys = torch.where(torch.arange(keys.shape[1]) < num_forced, FORCED_KEY, keys)
         expected = sorted_selection(forced_keys, counts, width)
@@ -119,9 +133,8 @@ def test_rank_candidates_with_the_kernel_equals_the_sort(seed, ascending):
 
 def test_static_lists_by_selection_equal_the_sorted_lists(seed, monkeypatch):
     """A static budget's lists straight from the kernel (no ranking sort, no list sort) are the sorted path's; the
-    vertical and the slash rows are selected in one launch."""
-    launches = LaunchCount(triton_selection._top_positions_kernel)
-    monkeypatch.setattr(triton_selection, "_top_positions_kernel", launches)
+    vertical and the slash rows are selected together."""
+    launches = RecordedLaunches(monkeypatch)
     generator = torch.Generator().manual_seed(seed)
     batch, heads, seq_len = 2, 3, 700
     v_scores = torch.randint(-(2**45), 2**45, (batch, heads, seq_len), generator=generator)
@@ -134,16 +147,15 @@ def test_static_lists_by_selection_equal_the_sorted_lists(seed, monkeypatch):
         )
         for implementation in ("torch", "triton")
     }
-    assert launches.grids == [(2 * batch * heads,)], f"one launch for both lists, got grids {launches.grids}"
+    launches.assert_one_selection(2 * batch * heads)
     for name, got, expected in zip(lists["triton"]._fields, lists["triton"], lists["torch"]):
         assert torch.equal(got, expected), f"seed={seed}: {name} differs"
 
 
-def test_top_p_lists_rank_both_kinds_with_one_selection_launch(seed, monkeypatch):
+def test_top_p_lists_rank_both_kinds_with_one_selection(seed, monkeypatch):
     """A top-P budget ranks the vertical and the slash candidates (the counts come from the ranked masses): with
-    Triton both selections are one launch, and the lists are the sorted path's."""
-    launches = LaunchCount(triton_selection._top_positions_kernel)
-    monkeypatch.setattr(triton_selection, "_top_positions_kernel", launches)
+    Triton both rankings are one selection, and the lists are the sorted path's."""
+    launches = RecordedLaunches(monkeypatch)
     generator = torch.Generator().manual_seed(seed)
     batch, heads, seq_len = 2, 3, 700
     v_scores = torch.randint(0, 2**40, (batch, heads, seq_len), generator=generator)
@@ -156,7 +168,7 @@ def test_top_p_lists_rank_both_kinds_with_one_selection_launch(seed, monkeypatch
         )
         for implementation in ("torch", "triton")
     }
-    assert launches.grids == [(2 * batch * heads,)], f"one launch for both rankings, got grids {launches.grids}"
+    launches.assert_one_selection(2 * batch * heads)
     for name, got, expected in zip(lists["triton"]._fields, lists["triton"], lists["torch"]):
         assert torch.equal(got, expected), f"seed={seed}: {name} differs"
 
