@@ -1,9 +1,9 @@
-"""Triton kernels of the estimation's selection (DESIGN.md §2.2): each row's best entries by radix select, no sort.
+"""Triton kernel of the estimation's selection (DESIGN.md §2.2): each row's best entries by radix select, no sort.
 
 ``estimation.rank_candidates`` is defined as a stable sort of a (sample, head) row's N int64 keys, of which the first
 few thousand are kept. :func:`top_positions` finds the same set without sorting (the estimation's path on CUDA).
-Each row is split into ``CHUNKS`` chunks, one program each, and four launches narrow an interval of keys that holds
-the row's last chosen key (the threshold):
+Each row is split into ``CHUNKS`` chunks, one program each, and four launches (stages of one kernel) narrow an
+interval of keys that holds the row's last chosen key (the threshold):
 
 1. a histogram per chunk of every key's magnitude class (sign, then |key| in half octaves: a monotone map, so one
    pass places the threshold whatever the keys' range);
@@ -14,7 +14,8 @@ the row's last chosen key (the threshold):
    its chunk's chosen positions: the keys above the threshold, and the first ones equal to it, in position order.
 
 The order ranked is (key descending, position ascending), a strict total order, so the set is exactly the sort's
-first ``count``. Random scores need about four reads of the row, spread over all its chunks.
+first ``count``. Random scores need about three reads of the row, spread over all its chunks, and a few of the
+copied keys.
 """
 
 from __future__ import annotations
