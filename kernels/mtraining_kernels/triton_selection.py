@@ -9,7 +9,7 @@ interval of keys that holds the row's last chosen key (the threshold):
    pass places the threshold whatever the keys' range);
 2. twice, every program first sums the chunks' histograms of the levels so far (each the same way, so all agree on
    the interval), then histograms the next 8 bits of its chunk's keys inside it, or, once few keys are left in it
-   (at most 1/``TIED_FRACTION`` of the row), copies those to a scratch row in position order;
+   (n / 16, or n / 4 at the last level), copies those to a scratch row in position order;
 3. every program finishes the narrowing on the scratch row (or on the row, if it never got that small) and writes
    its chunk's chosen positions: the keys above the threshold, and the first ones equal to it, in position order.
 
@@ -31,7 +31,7 @@ CHUNKS = 8  # programs per row
 LEVELS = 3  # histogram levels over whole rows: the magnitude class, then two 8-bit digits
 ENTRIES_PER_STEP = 2048  # entries one program reads per loop step (8 per thread)
 NUM_WARPS = 8
-TIED_FRACTION = 16  # the scratch row holds n / 16 keys
+TIED_FRACTION = 4  # the scratch row holds n / 4 keys (the levels before the last copy at most n / 16)
 
 
 @triton.jit
@@ -119,6 +119,17 @@ def _choose_bin_of_chunks(PARTIALS, remaining, CHUNKS: tl.constexpr, BINS: tl.co
 
 
 @triton.jit
+def _copies(tied, scratch_len, level: tl.constexpr, LEVELS: tl.constexpr):
+    """Whether the launch of ``level`` may copy the ``tied`` keys to the scratch row: at most a quarter of it (n / 16)
+    before the last level, where one more level would shrink them, and all of it (n / 4) at the last, where the
+    alternative is narrowing on the whole row."""
+    limit = scratch_len
+    if level < LEVELS - 1:
+        limit = scratch_len // 4
+    return tied <= limit
+
+
+@triton.jit
 def _narrowed(
     PARTIALS_ROW,
     count,
@@ -136,7 +147,7 @@ def _narrowed(
     low, high = _class_bounds(chosen)
     copied_at = tl.full([], LEVELS, tl.int32)
     for level in tl.static_range(1, LEVELS_READ):
-        few = tied <= scratch_len
+        few = _copies(tied, scratch_len, level, LEVELS)
         copied_at = tl.where(few & (copied_at == LEVELS), level, copied_at)
         if (few == 0) & (remaining != tied) & (low != high):
             shift = _digit_shift(low, high)
@@ -209,14 +220,14 @@ def _narrow(
     BINS: tl.constexpr,
     STEP: tl.constexpr,
 ):
-    """Level ``LEVEL`` ≥ 1 of the chunk keys_row[begin : end]: once the levels before it leave at most
-    ``scratch_len`` keys in the threshold's interval, the first launch to see it copies them to SCRATCH_ROW (in
-    position order, chunk after chunk); while more are left and the threshold is not yet found, PARTIALS_ROW[LEVEL,
+    """Level ``LEVEL`` ≥ 1 of the chunk keys_row[begin : end]: once the levels before it leave few keys in the
+    threshold's interval (:func:`_copies`), the first launch to see it copies them to SCRATCH_ROW (in position
+    order, chunk after chunk); while more are left and the threshold is not yet found, PARTIALS_ROW[LEVEL,
     chunk] counts the next 8 bits of the chunk's keys in the interval."""
     low, high, remaining, tied, _above, inside, copied_at = _narrowed(
         PARTIALS_ROW, count, scratch_len, LEVEL, LEVELS, CHUNKS, BINS
     )
-    if tied <= scratch_len:
+    if _copies(tied, scratch_len, LEVEL, LEVELS):
         if copied_at == LEVELS:
             steps = tl.arange(0, STEP)
             copied = tl.sum(tl.where(tl.arange(0, CHUNKS) < chunk, inside, 0), axis=0)  # by the earlier chunks

@@ -42,6 +42,8 @@ def draw_keys(generator: torch.Generator, kind: str, rows: int, num_entries: int
         return (torch.randint(0, 32, (rows, num_entries), generator=generator) << 40) + torch.randint(
             0, 2**16, (rows, num_entries), generator=generator
         )
+    if kind == "offset":  # one class holds half the row, one level more a few: copied at the last level
+        return 3 * 2**44 + (torch.randn(rows, num_entries, generator=generator, dtype=torch.float64) * 2**36).long()
     if kind == "one_class":  # no level leaves few keys: nothing is copied, the last passes read the row; ties
         return 2**45 + torch.randint(0, 40, (rows, num_entries), generator=generator) * 2**10
     if kind == "ties":  # a few values: the threshold's value is shared, the first ties by position are taken
@@ -54,7 +56,7 @@ def draw_keys(generator: torch.Generator, kind: str, rows: int, num_entries: int
     return keys
 
 
-@pytest.mark.parametrize("kind", ["wide", "narrow", "clustered", "one_class", "ties", "equal", "extreme"])
+@pytest.mark.parametrize("kind", ["wide", "narrow", "clustered", "offset", "one_class", "ties", "equal", "extreme"])
 @pytest.mark.parametrize(
     "num_entries",
     [1, 70, triton_selection.ENTRIES_PER_STEP + 300, triton_selection.CHUNKS * triton_selection.ENTRIES_PER_STEP + 300],
