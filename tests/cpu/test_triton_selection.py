@@ -1,4 +1,4 @@
-"""The selection kernels (kernels/mtraining_kernels/triton_selection.py) run by Triton's CPU interpreter: each row's
+"""The selection kernel (kernels/mtraining_kernels/triton_selection.py) run by Triton's CPU interpreter: each row's
 first entries by (key desc, position asc) are those of a stable sort, on keys built to stress every level."""
 
 import importlib
