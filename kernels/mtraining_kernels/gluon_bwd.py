@@ -4,18 +4,17 @@ A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b))
 head of its GQA group, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
 ``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
 
-* the MMA partition (8 warps) — transposed scores Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ, Pᵀ = exp2(c·Sᵀ − lse₂),
-  dSᵀ = Pᵀ ⊙ (dPᵀ − delta); dv += Pᵀ·dO and dk += dSᵀ·q in registers, Pᵀ and dSᵀ the products' register
-  operands (each warpgroup holds the same 64 keys of all four); dq_slice = scale·dS·k from dSᵀ in shared
-  memory, into a shared buffer (double-buffered, rows padded against bank conflicts);
-* the loader (1 warp) — each slice's q, dO, lse and delta rows by tensor-memory copies, two stages ahead;
+* the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
+  dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
+  in parts of 64 columns, into a shared buffer (double-buffered, rows padded against bank conflicts);
+* the loader (1 warp) — the slices' q and dO by tensor-memory copies, two stages ahead;
 * the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
 ``triton_bwd`` (whose query-major pass recomputes S and dP). The bars and the deterministic mode stay
 with ``triton_bwd``. Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
-(read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition); lse, delta contiguous fp32
-``[b, Hq, N]`` (read as ``[b·Hq, N]``); dq, dk, dv fp32. Written in the Gluon API of
+(read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 compiles without spills
+but has not run on a GPU yet); lse, delta fp32 ``[b, Hq, N]``; dq, dk, dv fp32. Written in the Gluon API of
 Triton 3.6.
 """
 
@@ -61,26 +60,15 @@ def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _row_vector(row, ROWS: gl.constexpr):
-    """The unswizzled ``[1, ROWS]`` fp32 tile ``row`` as a vector ``[ROWS]``."""
-    return row._reinterpret(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-
-
-@gluon.jit
 def _loader(
     q_desc,
     do_desc,
-    lse_desc,
-    delta_desc,
     q_bufs,
     do_bufs,
-    lse_bufs,
-    delta_bufs,
     ready_bars,
     empty_bars,
     key_lists,
     seq_len,
-    num_heads,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
@@ -95,13 +83,10 @@ def _loader(
             slot = step % STAGES
             mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
             ready = ready_bars.index(slot)
-            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes)
             coords = [sample * seq_len + first_row, head * HEAD_DIM]
             tma.async_copy_global_to_shared(q_desc, coords, ready, q_bufs.index(slot))
             tma.async_copy_global_to_shared(do_desc, coords, ready, do_bufs.index(slot))
-            row_coords = [sample * num_heads + head, first_row]
-            tma.async_copy_global_to_shared(lse_desc, row_coords, ready, lse_bufs.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, row_coords, ready, delta_bufs.index(slot))
             step += 1
 
 
@@ -146,6 +131,9 @@ def _dq_writer(
 def _mma_partition(
     smem,
     bars,
+    LSE,
+    DELTA,
+    lse_strides,
     DK,
     DV,
     dkv_strides,
@@ -159,87 +147,85 @@ def _mma_partition(
     PAD: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
 ):
-    """``smem`` = (k, v, q stages, dO stages, lse stages, delta stages, dSᵀ, dq chunks); ``bars`` = (k/v, ready,
-    empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head)."""
-    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_chunks = smem
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks); ``bars`` = (k/v, ready, empty, dq ready,
+    dq empty); ``lse_strides`` = (batch, head) of LSE and DELTA; ``dkv_strides`` = (batch, token, head)."""
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks = smem
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
-    # Transposed scores: Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ [BLOCK, ROWS], each warpgroup 64 of the keys, so Pᵀ and dSᵀ
-    # stay in registers as the left operands of dv += Pᵀ·dO and dk += dSᵀ·q (same keys per warpgroup);
-    # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dSᵀ goes through shared memory once, for
-    # dq = dS·k [ROWS, HEAD_DIM]: 4 warps along the rows, 2 along the columns.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, ROWS, 16]
+    # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
+    # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
+    # budget (a whole [64, 128] dq tile spills).
+    DQ_COLUMNS: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK // 2, 16]
+    )
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DQ_COLUMNS // 2, 16]
     )
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
     )
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HEAD_DIM // 2, 16]
-    )
-    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     dtype: gl.constexpr = k_smem.dtype
     rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
     dq_slices = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout)
 
-    keys = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, st_layout))
-    offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(0, st_layout))
+    k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+    offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, 0)
     step = 0
     for member in range(0, key_lists[7]):
-        _, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        lse_offset = sample * lse_strides[0] + head * lse_strides[1]
         for s in range(start, end):
             qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             q_rows = first_row + offs_q
+            lse = gl.load(LSE + lse_offset + q_rows)
+            delta = gl.load(DELTA + lse_offset + q_rows)
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
             slot = step % STAGES
             mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
             q_s = q_bufs.index(slot)
             do_s = do_bufs.index(slot)
-            st_tok = warpgroup_mma(
-                k_smem,
-                q_s.permute((1, 0)),
-                gl.zeros([BLOCK, ROWS], gl.float32, st_layout),
+            s_tok = warpgroup_mma(
+                q_s, k_smem.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_layout), use_acc=False, is_async=True
+            )
+            dp_tok = warpgroup_mma(
+                do_s,
+                v_smem.permute((1, 0)),
+                gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
                 use_acc=False,
                 is_async=True,
             )
-            dpt_tok = warpgroup_mma(
-                v_smem,
-                do_s.permute((1, 0)),
-                gl.zeros([BLOCK, ROWS], gl.float32, st_layout),
-                use_acc=False,
-                is_async=True,
-            )
-            scores = warpgroup_mma_wait(1, deps=[st_tok])
-            lse = _row_vector(lse_bufs.index(slot), ROWS).load(gl.SliceLayout(0, st_layout))
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
-            probs = gl.exp2(scores * qk_scale_log2 - lse2[None, :])
+            scores = warpgroup_mma_wait(1, deps=[s_tok])
+            probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
             if CAUSAL_DIAG:
                 off_diagonal = key_block != qblock
-                probs = gl.where(off_diagonal | (keys[:, None] <= q_rows[None, :]), probs, 0.0)
-            dprobs = warpgroup_mma_wait(0, deps=[dpt_tok])
-            delta = _row_vector(delta_bufs.index(slot), ROWS).load(gl.SliceLayout(0, st_layout))
-            dscores = (probs * (dprobs - delta[None, :])).to(dtype)
-            dv_tok = warpgroup_mma(gl.convert_layout(probs.to(dtype), operand_layout), do_s, dv, is_async=True)
-            dk_tok = warpgroup_mma(gl.convert_layout(dscores, operand_layout), q_s, dk, is_async=True)
-            ds_smem.store(dscores)
+                probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
+            ps_smem.store(probs.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            dq_tok = warpgroup_mma(
-                ds_smem.permute((1, 0)),
-                k_smem,
-                gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout),
-                use_acc=False,
-                is_async=True,
-            )
-            dv, dk = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok])
+            dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
+            dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
+            dscores = (probs * (dprobs - delta[:, None])).to(dtype)
+            dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
+            ps_smem.store(dscores)
+            fence_async_shared()
+            gl.thread_barrier()
+            dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
             gl.thread_barrier()
             mbarrier.arrive(empty_bars.index(slot), count=1)
             dq_slot = step % 2
             mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
-            dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            dq_slices.index(dq_slot).store(dq * softmax_scale)
+            for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                dq_tok = warpgroup_mma(
+                    ps_smem, k_part, gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout), use_acc=False, is_async=True
+                )
+                dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
             gl.thread_barrier()
             mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
             step += 1
@@ -259,8 +245,8 @@ def one_pass_backward_kernel(
     do_desc,
     k_desc,
     v_desc,
-    lse_desc,
-    delta_desc,
+    LSE,
+    DELTA,
     DQ,
     DK,
     DV,
@@ -269,7 +255,8 @@ def one_pass_backward_kernel(
     seq_len,
     stride_kpb,
     stride_kph,
-    num_heads,
+    stride_lb,
+    stride_lh,
     stride_gqb,
     stride_gqn,
     stride_gqh,
@@ -298,10 +285,8 @@ def one_pass_backward_kernel(
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK, ROWS], ds_layout)
+    ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
     chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
     dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -329,8 +314,11 @@ def one_pass_backward_kernel(
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_chunks),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
+                    LSE,
+                    DELTA,
+                    (stride_lb, stride_lh),
                     DK,
                     DV,
                     (stride_gkb, stride_gkn, stride_gkh),
@@ -350,17 +338,12 @@ def one_pass_backward_kernel(
                 (
                     q_desc,
                     do_desc,
-                    lse_desc,
-                    delta_desc,
                     q_bufs,
                     do_bufs,
-                    lse_bufs,
-                    delta_bufs,
                     ready_bars,
                     empty_bars,
                     key_lists,
                     seq_len,
-                    num_heads,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
@@ -397,13 +380,6 @@ def _rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t.view(batch * length, heads * dim), [rows, dim], layout)
 
 
-def _lse_rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Descriptor of contiguous fp32 ``[b, Hq, N]`` tensor ``t`` as ``[b·Hq, N]``, copying ``[1, rows]`` tiles."""
-    batch, heads, length = t.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # one row, unswizzled
-    return TensorDescriptor.from_tensor(t.view(batch * heads, length), [1, rows], layout)
-
-
 def one_pass_backward(
     q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag: bool, softmax_scale: float
 ) -> None:
@@ -417,8 +393,8 @@ def one_pass_backward(
         _rows_descriptor(dout, QUERY_ROWS),
         _rows_descriptor(k, BLOCK),
         _rows_descriptor(v, BLOCK),
-        _lse_rows_descriptor(lse, QUERY_ROWS),
-        _lse_rows_descriptor(delta, QUERY_ROWS),
+        lse,
+        delta,
         dq,
         dk,
         dv,
@@ -427,7 +403,8 @@ def one_pass_backward(
         length,
         key_ptr.stride(0),
         key_ptr.stride(1),
-        heads,
+        lse.stride(0),
+        lse.stride(1),
         dq.stride(0),
         dq.stride(1),
         dq.stride(2),

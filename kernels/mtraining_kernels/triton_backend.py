@@ -162,18 +162,18 @@ def _copies_tiles(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _one_pass_backward(q, k, v, dout, lse, delta, dk, dv, deterministic: bool, documents: bool):
+def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bool):
     """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): the
-    default (atomic) mode without documents, on Hopper (sm_90), head dim 128, q, k, v, dO, lse and delta contiguous
-    and 16-byte-aligned (tensor-memory copies), and the Triton release whose Gluon API the kernel is written in and
-    was tested with (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes between releases)."""
+    default (atomic) mode without documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned
+    operands, and the Triton release whose Gluon API the kernel is written in and was tested with
+    (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes between releases)."""
     if deterministic or documents or _interpreting() or q.device.type != "cuda":
         return None
     if not triton.__version__.startswith(ONE_PASS_TRITON):
         return None
     if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] != 128 or dk.stride() != dv.stride():
         return None
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, dout, lse, delta)):
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, dout)):
         return None
     from .gluon_bwd import one_pass_backward  # Gluon only where it runs
 
@@ -382,7 +382,7 @@ def block_bar_backward(
         key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr))
     key_ptr, key_qblock = key_lists
     tma = _copies_tiles(q, k, v, dout)
-    one_pass = _one_pass_backward(q, k, v, dout, lse, delta, dk, dv, deterministic, document_flag["DOCUMENTS"])
+    one_pass = _one_pass_backward(q, k, v, dout, dk, dv, deterministic, document_flag["DOCUMENTS"])
 
     def query_major_pass(dq_out, fresh: bool, block_tiles: bool) -> None:
         query_major_backward_kernel[(num_blocks, heads, batch)](
