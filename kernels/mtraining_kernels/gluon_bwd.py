@@ -13,9 +13,9 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
 ``triton_bwd`` (whose query-major pass recomputes S and dP). The bars and the deterministic mode stay
 with ``triton_bwd``. Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
-(read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 compiles without spills
-but has not run on a GPU yet); lse, delta fp32 ``[b, Hq, N]``; dq, dk, dv fp32. Written in the Gluon API of
-Triton 3.6.
+(read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
+than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta fp32 ``[b, Hq, N]``; dq, dk, dv
+fp32. Written in the Gluon API of Triton 3.6.
 """
 
 from __future__ import annotations
