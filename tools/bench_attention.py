@@ -25,7 +25,9 @@ backward) on the same inputs and mask; the Flex rows record ``flex_check`` (max 
 N, the pattern and the tensor).
 
 Timing: CUDA events around the forward and around the backward (``torch.autograd.grad``) of each
-repetition, after warm-up; the median is reported. ``index_ms`` is the index estimation
+repetition, after warm-up; the median is reported. Up to ``QUEUED_MAX_LEN`` every row is also timed queued
+(``fwd_queued_ms``/``bwd_queued_ms``: each repetition behind a ``QUEUE_LEAD_MS`` sleep kernel, so the GPU's time
+without the host's launch time, as in training where the host runs ahead). ``index_ms`` is the index estimation
 (``mtraining_kernels.estimation.estimate_vertical_slash`` with the pattern's static budget, or the top-P
 budget on the structured inputs) plus the conversion (``convert_index``, which also builds the block lists by
 key that the backward reads), without the content checks, as training converts its own estimated index; the
@@ -131,14 +133,21 @@ def mask_density(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> floa
 
 
 # ---------------------------------------------------------------------------------------- timing
-def measure(forward: Callable, backward: Callable, warmup: int, reps: int) -> tuple[float, float]:
-    """Median forward and backward milliseconds (CUDA events), ``backward(forward())`` per repetition."""
+def measure(
+    forward: Callable, backward: Callable, warmup: int, reps: int, queue_lead_ms: float = 0.0
+) -> tuple[float, float]:
+    """Median forward and backward milliseconds (CUDA events), ``backward(forward())`` per repetition. With
+    ``queue_lead_ms`` the GPU first sleeps that long in each repetition, so the host has queued the repetition's
+    launches before its start event fires: the GPU's time, plus the host time after any host sync inside."""
     for _ in range(warmup):
         backward(forward())
     torch.cuda.synchronize()
+    lead_cycles = int(queue_lead_ms * sleep_cycles_per_ms()) if queue_lead_ms else 0
     fwd, bwd = [], []
     for _ in range(reps):
         start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         start.record()
         result = forward()
         middle.record()
@@ -153,6 +162,7 @@ def measure(forward: Callable, backward: Callable, warmup: int, reps: int) -> tu
 
 QUEUE_LEAD_MS = 20.0  # the GPU sleeps this long before a queued timing starts: longer than a step's host time
 INDEX_REPS = 10  # repetitions of each index step (after one warm-up call); the median is reported
+QUEUED_MAX_LEN = 131072  # attention rows are also timed queued up to this N; beyond, launches are < 1 % of a step
 
 
 @functools.cache
@@ -200,20 +210,33 @@ def step_timings(steps: dict[str, Callable], reps: int) -> dict[str, float]:
     return timings
 
 
+def fwd_bwd_timings(time_fn: Callable[[float], tuple[float, float]], seq_len: int) -> dict[str, float]:
+    """``fwd_ms``/``bwd_ms`` from ``time_fn(0.0)`` (events recorded as the host launches) and, for N up to
+    ``QUEUED_MAX_LEN``, ``fwd_queued_ms``/``bwd_queued_ms`` from ``time_fn(QUEUE_LEAD_MS)`` (the GPU's time)."""
+    fwd_ms, bwd_ms = time_fn(0.0)
+    timings = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms)
+    if seq_len <= QUEUED_MAX_LEN:
+        timings["fwd_queued_ms"], timings["bwd_queued_ms"] = time_fn(QUEUE_LEAD_MS)
+    return timings
+
+
 def grads_of(inputs, dout):
     return lambda out: torch.autograd.grad(out, inputs, dout)
 
 
-def time_sparse(q, k, v, dout, index: BlockBarIndex, deterministic: bool, warmup: int, reps: int):
+def time_sparse(
+    q, k, v, dout, index: BlockBarIndex, deterministic: bool, warmup: int, reps: int, queue_lead_ms: float = 0.0
+):
     return measure(
         lambda: sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic),
         grads_of((q, k, v), dout),
         warmup,
         reps,
+        queue_lead_ms,
     )
 
 
-def time_sdpa(backend: SDPBackend, q, k, v, dout, warmup: int, reps: int):
+def time_sdpa(backend: SDPBackend, q, k, v, dout, warmup: int, reps: int, queue_lead_ms: float = 0.0):
     """q ``[b, N, Hq, d]``; SDPA gets ``[b, H, N, d]`` copies with K/V repeated to Hq heads."""
     group = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2).contiguous().detach().requires_grad_()
@@ -225,14 +248,20 @@ def time_sdpa(backend: SDPBackend, q, k, v, dout, warmup: int, reps: int):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
 
-    return measure(forward, grads_of((qh, kh, vh), douth), warmup, reps)
+    return measure(forward, grads_of((qh, kh, vh), douth), warmup, reps, queue_lead_ms)
 
 
-def time_flex(q, k, v, dout, block_mask, scale: float, warmup: int, reps: int):
+def time_flex(q, k, v, dout, block_mask, scale: float, warmup: int, reps: int, queue_lead_ms: float = 0.0):
     """q ``[b, N, Hq, d]``; Flex gets heads-first ``[b, H, N, d]`` copies (made outside the timing)."""
     qh, kh, vh = (heads_first(x).requires_grad_() for x in (q, k, v))
     douth = heads_first(dout)
-    return measure(lambda: flex_forward(qh, kh, vh, block_mask, scale), grads_of((qh, kh, vh), douth), warmup, reps)
+    return measure(
+        lambda: flex_forward(qh, kh, vh, block_mask, scale),
+        grads_of((qh, kh, vh), douth),
+        warmup,
+        reps,
+        queue_lead_ms,
+    )
 
 
 def flex_check(q, k, v, dout, index: BlockBarIndex, block_mask, scale: float, title: str) -> dict:
@@ -257,14 +286,14 @@ def run_flex(
     q, k, v, dout, index: BlockBarIndex, build_mask: Callable, scale: float, warmup: int, reps: int, title: str
 ) -> dict:
     """Flex on ``build_mask()``'s BlockMask, cross-checked against ours on ``index`` (:func:`flex_check`), then
-    timed: fwd_ms, bwd_ms, mask_ms and mask_queued_ms (the BlockMask construction, median of INDEX_REPS, as the index
-    steps are timed) and flex_check."""
+    timed: :func:`fwd_bwd_timings`, mask_ms and mask_queued_ms (the BlockMask construction, median of INDEX_REPS,
+    as the index steps are timed) and flex_check."""
     block_mask = build_mask()
     mask_ms, mask_queued_ms = median_ms(build_mask, INDEX_REPS), median_ms(build_mask, INDEX_REPS, QUEUE_LEAD_MS)
     check = flex_check(q, k, v, dout, index, block_mask, scale, title)
     torch.cuda.reset_peak_memory_stats()
-    fwd_ms, bwd_ms = time_flex(q, k, v, dout, block_mask, scale, warmup, reps)
-    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, mask_ms=mask_ms, mask_queued_ms=mask_queued_ms, flex_check=check)
+    timings = fwd_bwd_timings(functools.partial(time_flex, q, k, v, dout, block_mask, scale, warmup, reps), q.shape[1])
+    return dict(**timings, mask_ms=mask_ms, mask_queued_ms=mask_queued_ms, flex_check=check)
 
 
 def profile_kernels(q, k, v, dout, index: BlockBarIndex, deterministic: bool, title: str) -> None:
@@ -430,9 +459,12 @@ def main(argv=None) -> None:
             else ""
         )
         queued = f" (queued {row['index_queued_ms']:.2f})" if "index_queued_ms" in row else ""
+        attention_queued = (
+            f" (queued {row['fwd_queued_ms']:.2f}/{row['bwd_queued_ms']:.2f})" if "fwd_queued_ms" in row else ""
+        )
         print(
             f"{row['shape']:10s} N={n:7d} {row['impl']:24s} density={row['density']:.4f} "
-            f"fwd={row['fwd_ms']:9.2f} bwd={row['bwd_ms']:9.2f} index={row['index_ms']:7.2f}{queued} ms "
+            f"fwd/bwd={row['fwd_ms']:.2f}/{row['bwd_ms']:.2f}{attention_queued} index={row['index_ms']:.2f}{queued} ms "
             f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{check}",
             flush=True,
         )
@@ -483,11 +515,12 @@ def main(argv=None) -> None:
                         )
                 for deterministic in modes:
                     torch.cuda.reset_peak_memory_stats()
-                    fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, deterministic, args.warmup, args.reps)
                     record(
                         impl="mtraining_deterministic" if deterministic else "mtraining",
-                        fwd_ms=fwd_ms,
-                        bwd_ms=bwd_ms,
+                        **fwd_bwd_timings(
+                            functools.partial(time_sparse, q, k, v, dout, index, deterministic, args.warmup, args.reps),
+                            seq_len,
+                        ),
                         **common,
                         **(
                             dict(extra, **deterministic_timings(index, k.shape[2], timings)) if deterministic else extra
@@ -531,11 +564,11 @@ def main(argv=None) -> None:
                     verticals=0,
                 )
                 torch.cuda.reset_peak_memory_stats()
-                fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, args.reps)
                 record(
                     impl="mtraining_blocks",
-                    fwd_ms=fwd_ms,
-                    bwd_ms=bwd_ms,
+                    **fwd_bwd_timings(
+                        functools.partial(time_sparse, q, k, v, dout, index, False, args.warmup, args.reps), seq_len
+                    ),
                     **timings,
                     **common,
                     **pattern,
@@ -567,8 +600,15 @@ def main(argv=None) -> None:
                 v_idx, s_idx = full_index(args.batch, heads, seq_len, device=device)
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
                 torch.cuda.reset_peak_memory_stats()
-                fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, dense_reps)
-                record(impl="mtraining_dense", fwd_ms=fwd_ms, bwd_ms=bwd_ms, density=1.0, index_ms=0.0, **common)
+                record(
+                    impl="mtraining_dense",
+                    **fwd_bwd_timings(
+                        functools.partial(time_sparse, q, k, v, dout, index, False, args.warmup, dense_reps), seq_len
+                    ),
+                    density=1.0,
+                    index_ms=0.0,
+                    **common,
+                )
                 del index
 
             for impl, backend, limit in (
@@ -579,13 +619,16 @@ def main(argv=None) -> None:
                     continue
                 torch.cuda.reset_peak_memory_stats()
                 try:
-                    fwd_ms, bwd_ms = time_sdpa(
-                        backend, q.detach(), k.detach(), v.detach(), dout, args.warmup, dense_reps
+                    sdpa_timings = fwd_bwd_timings(
+                        functools.partial(
+                            time_sdpa, backend, q.detach(), k.detach(), v.detach(), dout, args.warmup, dense_reps
+                        ),
+                        seq_len,
                     )
                 except RuntimeError as err:
                     print(f"# {impl} at N={seq_len} failed: {str(err).splitlines()[0]}", file=sys.stderr)
                     continue
-                record(impl=impl, fwd_ms=fwd_ms, bwd_ms=bwd_ms, density=1.0, index_ms=0.0, **common)
+                record(impl=impl, **sdpa_timings, density=1.0, index_ms=0.0, **common)
 
             if budgets:  # own generator: the structured q/k must not depend on which fixed budgets ran
                 q, k = (
@@ -622,8 +665,14 @@ def main(argv=None) -> None:
                     **timings,
                 )
                 torch.cuda.reset_peak_memory_stats()
-                fwd_ms, bwd_ms = time_sparse(q, k, v, dout, index, False, args.warmup, args.reps)
-                record(impl="mtraining", fwd_ms=fwd_ms, bwd_ms=bwd_ms, **common, **extra)
+                record(
+                    impl="mtraining",
+                    **fwd_bwd_timings(
+                        functools.partial(time_sparse, q, k, v, dout, index, False, args.warmup, args.reps), seq_len
+                    ),
+                    **common,
+                    **extra,
+                )
                 del index
             del q, k, v, dout
 
@@ -645,10 +694,16 @@ def speedup(base: dict, row: dict) -> dict:
     }
 
 
+def queued_ms(row: dict) -> float | None:
+    """fwd+bwd ms timed queued (the GPU's time; see :func:`fwd_bwd_timings`), or None where not timed."""
+    return row["fwd_queued_ms"] + row["bwd_queued_ms"] if "fwd_queued_ms" in row else None
+
+
 def with_speedups(row: dict, rows: list[dict]) -> dict:
     """``row`` plus its speed-ups over the rows of ``rows`` at the same shape and N in the same run, where there
     are such rows: ``vs_sdpa_cudnn`` and ``vs_sdpa_flash``, and ``vs_flex`` over its ``FLEX_PEER`` row of the
-    same target sparsity (fixed-budget patterns only)."""
+    same target sparsity (fixed-budget patterns only), and ``vs_flex_queued`` (fwd+bwd) where both were timed
+    queued."""
     enriched = dict(row)
 
     def same_run(r: dict) -> bool:
@@ -665,6 +720,8 @@ def with_speedups(row: dict, rows: list[dict]) -> dict:
     )
     if base:
         enriched["vs_flex"] = speedup(base, row)
+        if queued_ms(base) and queued_ms(row):
+            enriched["vs_flex_queued"] = queued_ms(base) / queued_ms(row)
     return enriched
 
 
@@ -673,13 +730,14 @@ def write_table(rows: list[dict], path: str) -> None:
         [
             f"GPU {rows[0]['gpu']}, torch {rows[0]['torch']}, commit {rows[0]['commit']}, {rows[0]['date']}; "
             "causal bf16, batch 1; ms are medians of CUDA-event timings; index ms queued: the index steps with the "
-            "host's launches queued ahead of the GPU (GPU time plus the host time after its syncs); × Flex: over "
+            "host's launches queued ahead of the GPU (GPU time plus the host time after its syncs), and fwd+bwd "
+            f"queued likewise (N ≤ {QUEUED_MAX_LEN}); × Flex: over "
             "FlexAttention on the same pattern, whose index ms is its BlockMask construction (plus the estimation).",
             "",
-            "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | index ms | index ms queued "
-            "| dense-eq TFLOP/s (fwd/bwd/all) | actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) | × Flex (fwd/bwd/all) "
-            "| × flash (all) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| shape | N | impl | density | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd ms queued | index ms "
+            "| index ms queued | dense-eq TFLOP/s (fwd/bwd/all) | actual TFLOP/s (all) | × cuDNN (fwd/bwd/all) "
+            "| × Flex (fwd/bwd/all) | × Flex queued (all) | × flash (all) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         if rows
         else []
@@ -701,12 +759,14 @@ def write_table(rows: list[dict], path: str) -> None:
             f"{r['fwd_ms']:.2f}",
             f"{r['bwd_ms']:.2f}",
             f"{r['fwd_ms'] + r['bwd_ms']:.2f}",
+            f"{queued_ms(r):.2f}" if queued_ms(r) else "–",
             f"{r['index_ms']:.2f}",
             f"{r['index_queued_ms']:.2f}" if "index_queued_ms" in r else "–",
             f"{de['fwd']:.0f}/{de['bwd']:.0f}/{de['fwd_bwd']:.0f}",
             f"{ac['fwd_bwd']:.0f}",
             ratios(r.get("vs_sdpa_cudnn")),
             ratios(r.get("vs_flex")),
+            f"{r['vs_flex_queued']:.2f}" if "vs_flex_queued" in r else "–",
             f"{fl['fwd_bwd']:.2f}" if fl else "–",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")

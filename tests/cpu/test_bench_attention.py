@@ -63,7 +63,7 @@ def test_report_only_uses_the_latest_run_and_its_own_cudnn(tmp_path):
     body = [line for line in text.splitlines() if line.startswith("| qwen2.5-3b") or line.startswith("| mha")]
     assert len(body) == 6, text
     cells = [line.split(" | ") for line in body]
-    all_speedups = {(c[0].lstrip("| "), c[2]): c[11].split("/")[-1] for c in cells}
+    all_speedups = {(c[0].lstrip("| "), c[2]): c[12].split("/")[-1] for c in cells}
     assert all_speedups == {
         ("qwen2.5-3b", "sdpa_cudnn"): "–",
         ("qwen2.5-3b", "mtraining"): "12.00",  # 10.00: old run
@@ -72,7 +72,7 @@ def test_report_only_uses_the_latest_run_and_its_own_cudnn(tmp_path):
         ("mha", "sdpa_cudnn"): "–",
         ("mha", "mtraining"): "8.00",
     }, text
-    queued = {(c[0].lstrip("| "), c[2]): c[8] for c in cells if c[2] in ("mtraining", "mtraining_deterministic")}
+    queued = {(c[0].lstrip("| "), c[2]): c[9] for c in cells if c[2] in ("mtraining", "mtraining_deterministic")}
     assert queued == {  # rows from before the queued timing have none
         ("qwen2.5-3b", "mtraining"): "0.50",
         ("qwen2.5-3b", "mtraining_deterministic"): "–",
@@ -122,6 +122,43 @@ def test_a_run_without_cudnn_rows_writes_no_plot_and_says_so(tmp_path, capsys):
     bench_attention.write_plot(rows, str(plot))
     assert not plot.exists()
     assert "no sdpa_cudnn rows" in capsys.readouterr().err
+
+
+def test_block_only_rows_compare_with_flex_launched_and_queued(tmp_path):
+    """A block-only row against its Flex peer of the same run: × Flex from the launched timings, × Flex queued from
+    the queued ones, and the queued fwd+bwd in its own column; a row without queued timings shows none."""
+    rows = [
+        row(NEW, "qwen2.5-3b", "sdpa_cudnn", 100.0, 300.0, seq_len=32768),
+        row(NEW, "qwen2.5-3b", "mtraining_blocks", 1.0, 2.0, seq_len=32768, fwd_queued_ms=0.5, bwd_queued_ms=1.0),
+        row(NEW, "qwen2.5-3b", "flex_attention_blocks", 1.5, 1.5, seq_len=32768, fwd_queued_ms=1.0, bwd_queued_ms=1.0),
+        row(NEW, "qwen2.5-3b", "mtraining", 1.0, 3.0, seq_len=32768),
+    ]
+    table = tmp_path / "table.md"
+    bench_attention.write_table(rows, str(table))
+    cells = {
+        c[2]: c for c in (line.split(" | ") for line in table.read_text().splitlines() if line.startswith("| qwen"))
+    }
+    assert cells["mtraining_blocks"][7] == "1.50" and cells["mtraining_blocks"][13] == "1.50/0.75/1.00"
+    assert cells["mtraining_blocks"][14] == "1.33"  # 2.0 ms queued Flex / 1.5 ms queued ours
+    assert cells["flex_attention_blocks"][7] == "2.00"
+    assert cells["mtraining"][7] == "–" and cells["mtraining"][14] == "–"
+
+
+def test_queued_attention_timings_stop_at_their_length_limit():
+    """fwd_bwd_timings asks for the launched timing always and the queued one (behind the sleep) only up to
+    QUEUED_MAX_LEN."""
+    leads = []
+
+    def time_fn(lead):
+        leads.append(lead)
+        return (1.0, 2.0) if lead == 0.0 else (0.5, 1.5)
+
+    limit = bench_attention.QUEUED_MAX_LEN
+    short = bench_attention.fwd_bwd_timings(time_fn, limit)
+    assert short == dict(fwd_ms=1.0, bwd_ms=2.0, fwd_queued_ms=0.5, bwd_queued_ms=1.5)
+    assert leads == [0.0, bench_attention.QUEUE_LEAD_MS]
+    assert bench_attention.fwd_bwd_timings(time_fn, 2 * limit) == dict(fwd_ms=1.0, bwd_ms=2.0)
+    assert leads[2:] == [0.0]
 
 
 def test_step_timings_record_both_timings_of_each_step_and_their_sums(monkeypatch):
