@@ -426,7 +426,10 @@ def block_bar_backward(
 
     if one_pass is not None:  # the bars (writing a fresh dq), then the block tiles in one pass, adding dq
         dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
-        query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
+        if bar_col.numel():
+            query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
+        elif fresh_dq:  # no bars at all (a block-only pattern): the bars' pass would only write the zeros
+            dq_sum.zero_()
         one_pass(
             q,
             k,
