@@ -267,11 +267,6 @@ def test_hopper_default_backward_takes_the_one_pass(seed):
     q, k, v, dout = make_qkv_dout(1, 1024, 4, 2, 128, torch.bfloat16, DEVICE, gen)
     dk = torch.zeros(k.shape, device=DEVICE)
     dv = torch.zeros_like(dk)
-    lse = torch.zeros(1, 4, 1024, device=DEVICE)
-    delta = torch.zeros_like(lse)
-    operands = (q, k, v, dout, lse, delta, dk, dv)
-    assert triton_backend._one_pass_backward(*operands, False, False) is not None
-    assert triton_backend._one_pass_backward(*operands, True, False) is None
-    assert triton_backend._one_pass_backward(*operands, False, True) is None
-    unaligned_lse = torch.zeros(4 * 1024 + 1, device=DEVICE)[1:].view(1, 4, 1024)
-    assert triton_backend._one_pass_backward(q, k, v, dout, unaligned_lse, delta, dk, dv, False, False) is None
+    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, False, False) is not None
+    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, True, False) is None
+    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, False, True) is None
