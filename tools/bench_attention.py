@@ -450,24 +450,7 @@ def main(argv=None) -> None:
         rows.append(row)
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
-        check = (
-            (
-                f" mask={row['mask_ms']:.2f} ms, vs ours max rel RMSE "
-                f"{max(e['rel_rmse'] for e in row['flex_check'].values()):.1e}"
-            )
-            if "flex_check" in row
-            else ""
-        )
-        queued = f" (queued {row['index_queued_ms']:.2f})" if "index_queued_ms" in row else ""
-        attention_queued = (
-            f" (queued {row['fwd_queued_ms']:.2f}/{row['bwd_queued_ms']:.2f})" if "fwd_queued_ms" in row else ""
-        )
-        print(
-            f"{row['shape']:10s} N={n:7d} {row['impl']:24s} density={row['density']:.4f} "
-            f"fwd/bwd={row['fwd_ms']:.2f}/{row['bwd_ms']:.2f}{attention_queued} index={row['index_ms']:.2f}{queued} ms "
-            f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{check}",
-            flush=True,
-        )
+        print(row_summary(row), flush=True)
 
     for shape in args.shapes:
         heads, kv_heads, dim = SHAPES[shape]
@@ -681,6 +664,22 @@ def main(argv=None) -> None:
 
 
 # ---------------------------------------------------------------------------------------- reports
+def row_summary(row: dict) -> str:
+    """One line of the run's log for a recorded row: timings (queued ones in parentheses), index, TFLOP/s and,
+    for Flex rows, the mask's time and the cross-check's worst relative RMSE."""
+    worst = max(e["rel_rmse"] for e in row["flex_check"].values()) if "flex_check" in row else None
+    check = f" mask={row['mask_ms']:.2f} ms, vs ours max rel RMSE {worst:.1e}" if worst is not None else ""
+    queued = f" (queued {row['index_queued_ms']:.2f})" if "index_queued_ms" in row else ""
+    attention_queued = (
+        f" (queued {row['fwd_queued_ms']:.2f}/{row['bwd_queued_ms']:.2f})" if "fwd_queued_ms" in row else ""
+    )
+    return (
+        f"{row['shape']:10s} N={row['seq_len']:7d} {row['impl']:24s} density={row['density']:.4f} "
+        f"fwd/bwd={row['fwd_ms']:.2f}/{row['bwd_ms']:.2f}{attention_queued} index={row['index_ms']:.2f}{queued} ms "
+        f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{check}"
+    )
+
+
 def latest_run(rows: list[dict]) -> list[dict]:
     """The rows of the last run in an appended JSONL: those with the last row's ``date`` (one per run)."""
     return [r for r in rows if r["date"] == rows[-1]["date"]] if rows else []

@@ -144,6 +144,17 @@ def test_block_only_rows_compare_with_flex_launched_and_queued(tmp_path):
     assert cells["mtraining"][7] == "–" and cells["mtraining"][14] == "–"
 
 
+def test_row_summary_shows_the_queued_timings_and_the_flex_check():
+    """The log line of a row: its queued attention and index timings where it has them, Flex's cross-check."""
+    flex = row(NEW, "qwen2.5-3b", "flex_attention_blocks", 1.5, 1.5, seq_len=32768, fwd_queued_ms=1.0)
+    flex.update(bwd_queued_ms=1.25, index_queued_ms=0.5, mask_ms=2.0, flex_check={"out": {"rel_rmse": 2e-3}})
+    line = bench_attention.row_summary(flex)
+    assert "fwd/bwd=1.50/1.50 (queued 1.00/1.25) index=2.00 (queued 0.50) ms" in line
+    assert line.endswith("mask=2.00 ms, vs ours max rel RMSE 2.0e-03")
+    plain = bench_attention.row_summary(row(NEW, "qwen2.5-3b", "mtraining", 12.0, 28.0))
+    assert "fwd/bwd=12.00/28.00 index=2.00 ms" in plain and "queued" not in plain and "mask" not in plain
+
+
 def test_queued_attention_timings_stop_at_their_length_limit():
     """fwd_bwd_timings asks for the launched timing always and the queued one (behind the sleep) only up to
     QUEUED_MAX_LEN."""
