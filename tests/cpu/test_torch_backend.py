@@ -161,8 +161,11 @@ def test_launchers_match_reference(seed, dtype, batch, blocks, heads, kv_heads, 
             torch.testing.assert_close(x, ref, rtol=1e-9, atol=1e-11, msg=lambda m: f"seed={seed} {name}: {m}")
     else:
         low_out, low_lse, low_grads = reference_with_grads(q, k, v, mask, dout, torch.float32)
+        # ε: d fp32 roundings (at least 32). dS = P ⊙ (dP − δ) with δ = rowsum(out ⊙ dO) cancels in rows that
+        # one key dominates, and dP and δ are fp32 sums of d products in other orders than the reference's
+        # (DESIGN.md §6); a wrong list entry costs 10^4 times this budget.
         for name, x, ref, low in zip(names, ours, refs, (low_out, low_lse, *low_grads)):
-            assert_fa_rule(name, x, ref, low, 2.0**-20, seed)
+            assert_fa_rule(name, x, ref, low, max(dim, 32) * 2.0**-24, seed)
 
 
 @pytest.mark.parametrize(
