@@ -11,8 +11,7 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
   order, so repeated backwards are bitwise equal (lists from ``mtraining_kernels.bar_chunks``).
   On Hopper the default mode (head dim 128, no documents) computes the block tiles in one pass instead
   (``mtraining_kernels.gluon_bwd``: dk/dv key-block-major, dq added by atomics); the query-major pass
-  then takes the bars alone. The forward, on Hopper (head dim 128, no documents), is
-  ``mtraining_kernels.gluon_fwd``'s warp-specialised kernel.
+  then takes the bars alone.
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
 head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
@@ -181,23 +180,6 @@ def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bo
     return one_pass_backward
 
 
-def _hopper_forward(q, k, v, documents: bool):
-    """``gluon_fwd.block_bar_forward`` where it applies, else None (``triton_fwd``): without documents, on
-    Hopper (sm_90), head dim 128, contiguous 16-byte-aligned q/k/v, and the Triton release of
-    :data:`ONE_PASS_TRITON` (the Gluon API the kernel is written in)."""
-    if documents or _interpreting() or q.device.type != "cuda":
-        return None
-    if not triton.__version__.startswith(ONE_PASS_TRITON):
-        return None
-    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] != 128:
-        return None
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
-        return None
-    from .gluon_fwd import block_bar_forward  # Gluon only where it runs
-
-    return block_bar_forward
-
-
 def _tile_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of ``[b, N, H, d]`` tensor ``t`` copying ``[1, rows, 1, d]`` tiles (one (sample, head))."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]])
@@ -264,23 +246,6 @@ def block_bar_forward(
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the running lse [b, Hq, Nq]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    hopper_forward = _hopper_forward(q, k, v, document_flag["DOCUMENTS"])
-    if hopper_forward is not None:
-        hopper_forward(
-            q,
-            k,
-            v,
-            blk_ptr,
-            blk_col,
-            bar_ptr,
-            bar_col,
-            out,
-            lse,
-            causal_diag=bool(causal_diag),
-            qk_scale_log2=softmax_scale * LOG2E,
-            fresh=bool(fresh),
-        )
-        return
     tma = _copies_tiles(k, v)
     k_desc, v_desc = (_tile_descriptor(t, BLOCK_SIZE) for t in (k, v)) if tma else (k, v)
     block_bar_forward_kernel[(num_blocks, heads, batch)](

@@ -74,10 +74,8 @@ def test_one_packed_document_is_bitwise_the_unpacked_path(seed, deterministic):
         inputs = [x.clone().requires_grad_() for x in (q, k, v)]
         out, lse = sparse_attention(*inputs, lists, backend="triton", return_lse=True, deterministic=deterministic)
         results.append((out, lse, *torch.autograd.grad(out, inputs, dout)))
-    # on Hopper the unpacked forward is the Gluon kernel (documents keep the Triton one): equal within rounding
-    same_forward = triton_backend._hopper_forward(q, k, v, False) is None
     for name, packed, unpacked in zip(NAMES, *results):
-        if same_forward and (deterministic or name in ("out", "lse")):
+        if deterministic or name in ("out", "lse"):
             assert torch.equal(packed, unpacked), f"seed={seed} {name}"
         else:
             torch.testing.assert_close(packed, unpacked, rtol=1.6e-2, atol=1e-3, msg=f"seed={seed} {name}")
@@ -174,7 +172,7 @@ def test_unaligned_inputs_take_pointer_gathers_and_match_reference(seed, determi
     context = f"seed={seed} unaligned deterministic={deterministic}"
     for name, a, r, lo in zip(("out", "dq", "dk", "dv"), ours, (ref[0], *ref[2:]), (low[0], *low[2:])):
         assert_close_fa(name, a, r, lo, dtype, context)
-    if deterministic and triton_backend._hopper_forward(q, k, v, False) is None:
+    if deterministic:
         aligned = single_device_attention(q, k, v, dout, index, deterministic=True)
         for name, a, b in zip(("out", "dq", "dk", "dv"), aligned, ours):
             assert torch.equal(a, b), f"{context}: {name} differs between the tile paths"
@@ -272,34 +270,3 @@ def test_hopper_default_backward_takes_the_one_pass(seed):
     assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, False, False) is not None
     assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, True, False) is None
     assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, False, True) is None
-
-
-def test_hopper_forward_takes_the_gluon_kernel(seed):
-    """On Hopper (the Triton release of the Gluon kernels), d = 128 without documents takes ``gluon_fwd``; d = 64,
-    documents and unaligned inputs keep ``triton_fwd``."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward is for Hopper")
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v, _ = make_qkv_dout(1, 1024, 4, 2, 128, torch.bfloat16, DEVICE, gen)
-    assert triton_backend._hopper_forward(q, k, v, False) is not None
-    assert triton_backend._hopper_forward(q, k, v, True) is None
-    assert triton_backend._hopper_forward(*(off_alignment(x) for x in (q, k, v)), False) is None
-    q64, k64, v64, _ = make_qkv_dout(1, 1024, 4, 2, 64, torch.bfloat16, DEVICE, gen)
-    assert triton_backend._hopper_forward(q64, k64, v64, False) is None
-
-
-@pytest.mark.parametrize("layout", [Layout("contiguous", 1), Layout("striped", 2)], ids=lambda x: x.kind)
-def test_query_blocks_with_hundreds_of_bars_match_reference(seed, layout):
-    """300 verticals per head: the last query blocks list about 280 bars, so the bar loop runs two full tiles
-    and a partial one (the Gluon forward gathers 128 columns a tile, one tile ahead); W = 2 merges steps."""
-    seq_len, heads = 4096, 4
-    gen = torch.Generator().manual_seed(seed)
-    columns = [torch.randperm(seq_len, generator=gen)[:300].sort().values for _ in range(heads)]
-    v_idx = torch.stack(columns).to(torch.int32).view(1, heads, -1)
-    s_idx = torch.tensor([[[0, 700]] * heads], dtype=torch.int32)
-    q, k, v, dout = make_qkv_dout(1, seq_len, heads, 2, 128, torch.bfloat16, DEVICE, gen)
-    ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, layout)
-    ref = reference_attention(q, k, v, dout, v_idx, s_idx, torch.float32)
-    low = reference_attention(q, k, v, dout, v_idx, s_idx, torch.bfloat16)
-    for name, a, r, lo in zip(NAMES, ours, ref, low):
-        assert_close_fa(name, a, r, lo, torch.bfloat16, f"seed={seed} {layout.kind} 300 verticals per head")
