@@ -11,12 +11,8 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 * the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
-``triton_bwd`` (whose query-major pass recomputes S and dP). The bars stay with ``triton_bwd``. In the
-deterministic mode the writer adds each (head, query block)'s dq slices in the order of the key blocks
-(a semaphore per (sample, head, query block): each key block waits for those before it in the query
-block's forward list, found by binary search), so dq is bitwise repeatable; dk/dv are sums in registers.
-
-Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
+``triton_bwd`` (whose query-major pass recomputes S and dP). The bars and the deterministic mode stay
+with ``triton_bwd``. Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
 (read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
 than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta fp32 ``[b, Hq, N]``; dq, dk, dv
 fp32. Written in the Gluon API of Triton 3.6.
@@ -95,25 +91,6 @@ def _loader(
 
 
 @gluon.jit
-def _key_block_rank(ordering, sample, head, qblock, key_block):
-    """How many key blocks before ``key_block`` the forward list of (sample, head, qblock) holds: a binary
-    search of its sub-tile entries (ascending pairs 2j, 2j + 1) for 2·key_block. ``ordering`` = (SEMAPHORES,
-    its batch and head strides, BLK_PTR, BLK_COL, BLK_PTR's batch and head strides)."""
-    BLK_PTR, BLK_COL, stride_pb, stride_ph = ordering[3], ordering[4], ordering[5], ordering[6]
-    list_row = sample * stride_pb + head * stride_ph + qblock
-    first = gl.load(BLK_PTR + list_row)
-    low = first
-    high = gl.load(BLK_PTR + list_row + 1)
-    while low < high:
-        middle = (low + high) // 2
-        if gl.load(BLK_COL + middle) < 2 * key_block:
-            low = middle + 1
-        else:
-            high = middle
-    return (low - first) // 2
-
-
-@gluon.jit
 def _dq_writer(
     DQ,
     dq_strides,
@@ -121,48 +98,31 @@ def _dq_writer(
     dq_ready_bars,
     dq_empty_bars,
     key_lists,
-    ordering,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     CHUNK: gl.constexpr,
     WARPS: gl.constexpr,
-    DETERMINISTIC: gl.constexpr,
 ):
     """Drains each dq slice (``dq_chunks``: 2 buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
-    (strides ``dq_strides`` = (batch, token, head)); ``ordering`` as in :func:`_key_block_rank`."""
+    (strides ``dq_strides`` = (batch, token, head))."""
     CHUNKS: gl.constexpr = ROWS // CHUNK
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     stride_gqb, stride_gqn, stride_gqh = dq_strides
-    # DETERMINISTIC: each (query block, head)'s dq takes the key blocks' adds in ascending order, through a
-    # semaphore per (sample, head, query block) that each writer thread increments (release) after its adds
-    lanes = gl.arange(0, WARPS * 32, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    sample = key_lists[6]
     step = 0
     for member in range(0, key_lists[7]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
-        dq_head = DQ + sample * stride_gqb + head * stride_gqh
+        dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
         for s in range(start, end):
-            qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             slot = step % 2
             mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
-            if DETERMINISTIC:
-                semaphores = ordering[0] + (lanes * 0 + (sample * ordering[1] + head * ordering[2] + qblock))
-                nothing = lanes * 0
-                if s % (BLOCK // ROWS) == 0:
-                    target = _key_block_rank(ordering, sample, head, qblock, key_lists[4]) * (WARPS * 32)
-                    seen = gl.atomic_add(semaphores, nothing, sem="acquire")
-                    while gl.min(seen, 0) != target:
-                        seen = gl.atomic_add(semaphores, nothing, sem="acquire")
             ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
             for c in range(CHUNKS):
                 rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
                 gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
-            if DETERMINISTIC:
-                if s % (BLOCK // ROWS) == BLOCK // ROWS - 1:
-                    gl.atomic_add(semaphores, nothing + 1, sem="release")
             mbarrier.arrive(dq_empty_bars.index(slot), count=1)
             step += 1
 
@@ -292,9 +252,6 @@ def one_pass_backward_kernel(
     DV,
     KEY_PTR,
     KEY_QBLOCK,
-    SEMAPHORES,
-    BLK_PTR,
-    BLK_COL,
     seq_len,
     stride_kpb,
     stride_kph,
@@ -306,10 +263,6 @@ def one_pass_backward_kernel(
     stride_gkb,
     stride_gkn,
     stride_gkh,
-    stride_sb,
-    stride_sh,
-    stride_pb,
-    stride_ph,
     group_size,
     softmax_scale,
     qk_scale_log2,
@@ -321,7 +274,6 @@ def one_pass_backward_kernel(
     PAD: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
-    DETERMINISTIC: gl.constexpr,
 ):
     """Grid (nb, Hkv, b). KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
     KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``)."""
@@ -407,13 +359,11 @@ def one_pass_backward_kernel(
                     dq_ready_bars,
                     dq_empty_bars,
                     key_lists,
-                    (SEMAPHORES, stride_sb, stride_sh, BLK_PTR, BLK_COL, stride_pb, stride_ph),
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
                     CHUNK,
                     WRITER_WARPS,
-                    DETERMINISTIC,
                 ),
             ),
         ],
@@ -431,34 +381,13 @@ def _rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def one_pass_backward(
-    q,
-    k,
-    v,
-    dout,
-    lse,
-    delta,
-    dq,
-    dk,
-    dv,
-    key_ptr,
-    key_qblock,
-    blk_ptr,
-    blk_col,
-    *,
-    causal_diag: bool,
-    softmax_scale: float,
-    deterministic: bool,
+    q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag: bool, softmax_scale: float
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
     (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``); shapes and dtypes as in the module docstring,
-    checked by the caller. ``deterministic``: each query block's dq takes its key blocks' adds in ascending
-    order (the forward lists ``blk_ptr``/``blk_col`` give each key block's place), so repeated calls are
-    bitwise equal."""
+    checked by the caller."""
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
-    semaphores = (
-        torch.zeros(batch, heads, length // BLOCK, dtype=torch.int32, device=q.device) if deterministic else key_ptr
-    )
     one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
         _rows_descriptor(q, QUERY_ROWS),
         _rows_descriptor(dout, QUERY_ROWS),
@@ -471,9 +400,6 @@ def one_pass_backward(
         dv,
         key_ptr,
         key_qblock,
-        semaphores,
-        blk_ptr,
-        blk_col,
         length,
         key_ptr.stride(0),
         key_ptr.stride(1),
@@ -485,10 +411,6 @@ def one_pass_backward(
         dk.stride(0),
         dk.stride(1),
         dk.stride(2),
-        semaphores.stride(0) if deterministic else 0,
-        semaphores.stride(1) if deterministic else 0,
-        blk_ptr.stride(0),
-        blk_ptr.stride(1),
         heads // kv_heads,
         softmax_scale,
         softmax_scale * LOG2E.value,
@@ -500,6 +422,5 @@ def one_pass_backward(
         PAD=DQ_PAD,
         WRITER_WARPS=WRITER_WARPS,
         CAUSAL_DIAG=bool(causal_diag),
-        DETERMINISTIC=bool(deterministic),
         num_warps=MMA_WARPS,
     )

@@ -9,9 +9,9 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
   (registers, no atomics). The bars' dk/dv: by default fp32 atomics in the query-major pass;
   ``deterministic=True``: per chunk of distinct bar columns, reduced over the GQA group in a fixed
   order, so repeated backwards are bitwise equal (lists from ``mtraining_kernels.bar_chunks``).
-  On Hopper (head dim 128, no documents) both modes compute the block tiles in one pass instead
-  (``mtraining_kernels.gluon_bwd``: dk/dv key-block-major, dq added by atomics, in the deterministic mode in
-  the key blocks' order); the query-major pass then takes the bars alone.
+  On Hopper the default mode (head dim 128, no documents) computes the block tiles in one pass instead
+  (``mtraining_kernels.gluon_bwd``: dk/dv key-block-major, dq added by atomics); the query-major pass
+  then takes the bars alone.
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
 head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
@@ -162,12 +162,12 @@ def _copies_tiles(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _one_pass_backward(q, k, v, dout, dk, dv, documents: bool):
-    """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): without
-    documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned operands, and the Triton release
-    whose Gluon API the kernel is written in and was tested with (:data:`ONE_PASS_TRITON`; Gluon is
-    experimental and its API changes between releases). Both modes: the deterministic one orders dq's adds."""
-    if documents or _interpreting() or q.device.type != "cuda":
+def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bool):
+    """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): the
+    default (atomic) mode without documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned
+    operands, and the Triton release whose Gluon API the kernel is written in and was tested with
+    (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes between releases)."""
+    if deterministic or documents or _interpreting() or q.device.type != "cuda":
         return None
     if not triton.__version__.startswith(ONE_PASS_TRITON):
         return None
@@ -382,7 +382,7 @@ def block_bar_backward(
         key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr))
     key_ptr, key_qblock = key_lists
     tma = _copies_tiles(q, k, v, dout)
-    one_pass = _one_pass_backward(q, k, v, dout, dk, dv, document_flag["DOCUMENTS"])
+    one_pass = _one_pass_backward(q, k, v, dout, dk, dv, deterministic, document_flag["DOCUMENTS"])
 
     def query_major_pass(dq_out, fresh: bool, block_tiles: bool) -> None:
         query_major_backward_kernel[(num_blocks, heads, batch)](
@@ -442,50 +442,47 @@ def block_bar_backward(
             dv,
             key_ptr,
             key_qblock,
-            blk_ptr,
-            blk_col,
             causal_diag=bool(causal_diag),
             softmax_scale=softmax_scale,
-            deterministic=deterministic,
         )
         if dq_sum is not dq:
             dq.copy_(dq_sum)
-    else:
-        query_major_pass(dq, fresh=bool(fresh_dq), block_tiles=True)
-        query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
-        key_major_backward_kernel[(num_blocks, kv_heads, batch)](
-            q,
-            k,
-            v,
-            dout,
-            *((_tile_descriptor(q, query_rows), _tile_descriptor(dout, query_rows)) if tma else (q, dout)),
-            lse,
-            delta,
-            dk,
-            dv,
-            key_ptr,
-            key_qblock,
-            *documents[:2],
-            *operand_strides,
-            *_bhs(dk),
-            *_bhs(dv),
-            key_ptr.stride(0),
-            key_ptr.stride(1),
-            lse.stride(0),
-            lse.stride(1),
-            documents[2],
-            num_blocks,
-            heads,
-            group,
-            softmax_scale,
-            qk_scale_log2,
-            CAUSAL_DIAG=bool(causal_diag),
-            HEAD_DIM=dim,
-            BLOCK_M=BLOCK_SIZE,
-            TMA=tma,
-            **document_flag,
-            **KEY_MAJOR_CONFIG,
-        )
+        return
+    query_major_pass(dq, fresh=bool(fresh_dq), block_tiles=True)
+    query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
+    key_major_backward_kernel[(num_blocks, kv_heads, batch)](
+        q,
+        k,
+        v,
+        dout,
+        *((_tile_descriptor(q, query_rows), _tile_descriptor(dout, query_rows)) if tma else (q, dout)),
+        lse,
+        delta,
+        dk,
+        dv,
+        key_ptr,
+        key_qblock,
+        *documents[:2],
+        *operand_strides,
+        *_bhs(dk),
+        *_bhs(dv),
+        key_ptr.stride(0),
+        key_ptr.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        documents[2],
+        num_blocks,
+        heads,
+        group,
+        softmax_scale,
+        qk_scale_log2,
+        CAUSAL_DIAG=bool(causal_diag),
+        HEAD_DIM=dim,
+        BLOCK_M=BLOCK_SIZE,
+        TMA=tma,
+        **document_flag,
+        **KEY_MAJOR_CONFIG,
+    )
     if not deterministic:
         return
 
