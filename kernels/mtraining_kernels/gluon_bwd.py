@@ -1,11 +1,8 @@
-"""One-pass backward on Hopper, warp-specialised (Gluon; DESIGN.md §2.6): the block tiles, then the bars.
+"""One-pass backward of the block tiles on Hopper, warp-specialised (Gluon; DESIGN.md §2.6).
 
-Block tiles (:func:`one_pass_backward`): a program owns the dk/dv of one 128-key block of one KV head (grid
-(nb, Hkv, b)). It walks, for each query head of its GQA group, the query blocks that list the block (the
-key-major lists ``KEY_PTR`` / ``KEY_QBLOCK``) in 64-row slices. Bars (its second launch, ``BARS``): a
-program owns one item of ``bar_words.BarWords``: a chunk of 128 bar columns of one query head and at most
-``walk`` query blocks of its walk. It gathers their k/v rows once and walks those query blocks in 64-row
-slices, masking each with the block's membership words. Either way every product of a slice is computed once:
+A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b)). It walks, for each query
+head of its GQA group, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
+``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
 
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
   dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
@@ -13,18 +10,15 @@ slices, masking each with the block's membership words. Either way every product
 * the loader (1 warp) — the slices' q and dO by tensor-memory copies, two stages ahead;
 * the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
 
-So the backward computes 5 matrix products per tile, against 7 for the two passes of ``triton_bwd`` (whose
-query-major pass recomputes S and dP). A block program adds its dk/dv rows once; a bar program adds them
-with atomics (the chunks of a group's heads, and the items of a chunk, share rows). The deterministic mode and
-packed documents stay with ``triton_bwd``. Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]``
-contiguous bf16/fp16 (read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 runs
-correctly but slower than the two passes); lse, delta fp32 ``[b, Hq, N]``; dq, dk, dv fp32. Written in the
-Gluon API of Triton 3.6.
+So the backward computes 5 matrix products per tile, against 7 for the two passes of
+``triton_bwd`` (whose query-major pass recomputes S and dP). The bars and the deterministic mode stay
+with ``triton_bwd``. Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
+(read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
+than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta fp32 ``[b, Hq, N]``; dq, dk, dv
+fp32. Written in the Gluon API of Triton 3.6.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from triton.experimental import gluon
@@ -38,10 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .bar_words import BarWords
-
 LOG2E = gl.constexpr(1.4426950408889634)
-BLOCK = 128  # keys per program: one block of the lists, or one chunk of bar columns (bar_words)
+BLOCK = 128  # keys per program: one block of the lists
 QUERY_ROWS = 64  # query rows per slice
 STAGES = 2  # q/dO slices in flight
 DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
@@ -51,31 +43,19 @@ MMA_WARPS = 8
 
 
 @gluon.jit
-def _member_slices(key_lists, member, BLOCK: gl.constexpr, ROWS: gl.constexpr, BARS: gl.constexpr):
-    """(query head, first slice, end slice) of GQA member ``member`` in the program's list. Block tiles:
-    ``key_lists`` = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size);
-    bars: (ITEMS, WORDS, item_row, words_row, chunk, head, sample, 1), the walk [first, end) of query
-    blocks at ITEMS + item_row + 2."""
-    if BARS:
-        head = key_lists[5]
-        first = gl.load(key_lists[0] + key_lists[2] + 2)
-        end = gl.load(key_lists[0] + key_lists[2] + 3)
-    else:
-        KEY_PTR, _, stride_kpb, stride_kph, key_block, kv_head, sample, group_size = key_lists
-        head = kv_head * group_size + member
-        list_row = sample * stride_kpb + head * stride_kph + key_block
-        first = gl.load(KEY_PTR + list_row)
-        end = gl.load(KEY_PTR + list_row + 1)
-    return head, first * (BLOCK // ROWS), end * (BLOCK // ROWS)
+def _member_slices(key_lists, member, BLOCK: gl.constexpr, ROWS: gl.constexpr):
+    """(query head, first slice, end slice) of GQA member ``member`` in the program's key-block list;
+    ``key_lists`` = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size)."""
+    KEY_PTR, _, stride_kpb, stride_kph, key_block, kv_head, sample, group_size = key_lists
+    head = kv_head * group_size + member
+    list_row = sample * stride_kpb + head * stride_kph + key_block
+    return head, gl.load(KEY_PTR + list_row) * (BLOCK // ROWS), gl.load(KEY_PTR + list_row + 1) * (BLOCK // ROWS)
 
 
 @gluon.jit
-def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr, BARS: gl.constexpr):
+def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr):
     """(query block, first local row) of slice ``s`` (of BLOCK // ROWS per listed query block)."""
-    if BARS:
-        qblock = s // (BLOCK // ROWS)
-    else:
-        qblock = gl.load(key_lists[1] + s // (BLOCK // ROWS))
+    qblock = gl.load(key_lists[1] + s // (BLOCK // ROWS))
     return qblock, qblock * BLOCK + (s % (BLOCK // ROWS)) * ROWS
 
 
@@ -93,14 +73,13 @@ def _loader(
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
-    BARS: gl.constexpr,
 ):
     sample = key_lists[6]
     step = 0
     for member in range(0, key_lists[7]):
-        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
         for s in range(start, end):
-            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
+            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             slot = step % STAGES
             mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
             ready = ready_bars.index(slot)
@@ -124,7 +103,6 @@ def _dq_writer(
     ROWS: gl.constexpr,
     CHUNK: gl.constexpr,
     WARPS: gl.constexpr,
-    BARS: gl.constexpr,
 ):
     """Drains each dq slice (``dq_chunks``: 2 buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
     (strides ``dq_strides`` = (batch, token, head))."""
@@ -135,10 +113,10 @@ def _dq_writer(
     stride_gqb, stride_gqn, stride_gqh = dq_strides
     step = 0
     for member in range(0, key_lists[7]):
-        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
         dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
         for s in range(start, end):
-            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
+            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             slot = step % 2
             mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
             ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
@@ -147,25 +125,6 @@ def _dq_writer(
                 gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
             mbarrier.arrive(dq_empty_bars.index(slot), count=1)
             step += 1
-
-
-@gluon.jit
-def _gather_bar_keys(k_smem, v_smem, bar_keys, sample, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
-    """Loads the chunk's k and v rows into shared memory (rows past its length are zero); ``bar_keys`` =
-    (K, V, the chunk's columns, their count, KV head, N, row stride of the 2-D views ``[b·N, Hkv·d]``)."""
-    K, V, COLUMNS, length, kv_head, seq_len, row_stride = bar_keys
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [8, 1], [1, 0])
-    slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    listed = slots < length
-    cols = gl.load(COLUMNS + slots, mask=listed, other=0)
-    rows = (sample * seq_len + cols).to(gl.int64) * row_stride + kv_head * HEAD_DIM
-    offsets = rows[:, None] + offs_d[None, :]
-    mask = listed[:, None] & (offs_d[None, :] < HEAD_DIM)
-    k_smem.store(gl.load(K + offsets, mask=mask, other=0.0))
-    v_smem.store(gl.load(V + offsets, mask=mask, other=0.0))
-    fence_async_shared()
-    gl.thread_barrier()
 
 
 @gluon.jit
@@ -179,7 +138,6 @@ def _mma_partition(
     DV,
     dkv_strides,
     key_lists,
-    bar_keys,
     softmax_scale,
     qk_scale_log2,
     HEAD_DIM: gl.constexpr,
@@ -188,11 +146,9 @@ def _mma_partition(
     STAGES: gl.constexpr,
     PAD: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
-    BARS: gl.constexpr,
 ):
     """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks); ``bars`` = (k/v, ready, empty, dq ready,
-    dq empty); ``lse_strides`` = (batch, head) of LSE and DELTA; ``dkv_strides`` = (batch, token, head);
-    ``bar_keys`` as in :func:`_gather_bar_keys` (bars only)."""
+    dq empty); ``lse_strides`` = (batch, head) of LSE and DELTA; ``dkv_strides`` = (batch, token, head)."""
     k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks = smem
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
@@ -217,25 +173,17 @@ def _mma_partition(
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
-    if BARS:
-        _gather_bar_keys(k_smem, v_smem, bar_keys, sample, HEAD_DIM, BLOCK)
-    else:
-        mbarrier.wait(kv_bar, 0)
-    slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+    mbarrier.wait(kv_bar, 0)
     step = 0
     for member in range(0, key_lists[7]):
-        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
         lse_offset = sample * lse_strides[0] + head * lse_strides[1]
         for s in range(start, end):
-            qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
+            qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             q_rows = first_row + offs_q
             lse = gl.load(LSE + lse_offset + q_rows)
             delta = gl.load(DELTA + lse_offset + q_rows)
             lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
-            if BARS:  # the block's two membership words, as scalars until the scores are in
-                words = key_lists[1] + key_lists[3] + qblock * 2
-                low_word = gl.load(words)
-                high_word = gl.load(words + 1)
             slot = step % STAGES
             mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
             q_s = q_bufs.index(slot)
@@ -255,10 +203,6 @@ def _mma_partition(
             if CAUSAL_DIAG:
                 off_diagonal = key_block != qblock
                 probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
-            if BARS:  # bit t of the words: slot t is a bar of the block's rows (in 32-bit quarters)
-                quarter = gl.where(slots < 64, low_word, high_word) >> (slots // 32 % 2 * 32).to(gl.int64)
-                is_bar = ((quarter.to(gl.int32) >> (slots % 32)) & 1) != 0
-                probs = gl.where(is_bar[None, :], probs, 0.0)
             ps_smem.store(probs.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
@@ -286,23 +230,13 @@ def _mma_partition(
             mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
             step += 1
 
+    k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
+    offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
     has_work = step > 0
-    if BARS:  # other heads of the group and other parts of the chunk add into the same rows
-        k_slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
-        listed = (k_slots < bar_keys[3]) & has_work
-        cols = gl.load(bar_keys[2] + k_slots, mask=listed, other=0)
-        rows = cols.to(gl.int64)[:, None] * dkv_strides[1]
-        offsets = sample * dkv_strides[0] + bar_keys[4] * dkv_strides[2] + rows + offs_d[None, :]
-        mask = listed[:, None] & (offs_d[None, :] < HEAD_DIM)
-        gl.atomic_add(DK + offsets, dk * softmax_scale, mask=mask, sem="relaxed")
-        gl.atomic_add(DV + offsets, dv, mask=mask, sem="relaxed")
-    else:
-        k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
-        rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
-        offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
-        gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
-        gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
+    gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
+    gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
 
 
 @gluon.jit
@@ -311,8 +245,6 @@ def one_pass_backward_kernel(
     do_desc,
     k_desc,
     v_desc,
-    K,
-    V,
     LSE,
     DELTA,
     DQ,
@@ -320,13 +252,7 @@ def one_pass_backward_kernel(
     DV,
     KEY_PTR,
     KEY_QBLOCK,
-    ITEMS,
-    WORDS,
-    COLUMN,
-    COUNT,
     seq_len,
-    heads,
-    num_chunks,
     stride_kpb,
     stride_kph,
     stride_lb,
@@ -348,12 +274,12 @@ def one_pass_backward_kernel(
     PAD: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
-    BARS: gl.constexpr,
 ):
-    """Block tiles: grid (nb, Hkv, b); KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
-    KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``).
-    Bars (``BARS``): grid (I,); program p walks item p of ITEMS int32 ``[I, 4]`` with WORDS, COLUMN and
-    COUNT of ``bar_words.BarWords`` (contiguous, ``num_chunks`` chunks per row)."""
+    """Grid (nb, Hkv, b). KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
+    KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``)."""
+    key_block = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    sample = gl.program_id(2)
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -377,30 +303,12 @@ def one_pass_backward_kernel(
         mbarrier.init(dq_empty_bars.index(i), count=1)
     fence_async_shared()
 
-    row_stride = heads // group_size * HEAD_DIM  # of the 2-D views [b·N, Hkv·d]
-    if BARS:
-        item_row = gl.program_id(0).to(gl.int64) * 4
-        row = gl.load(ITEMS + item_row)
-        chunk = gl.load(ITEMS + item_row + 1)
-        sample = row // heads
-        head = row % heads
-        chunk_row = row.to(gl.int64) * num_chunks + chunk
-        words_row = chunk_row * (seq_len // BLOCK) * 2
-        key_lists = (ITEMS, WORDS, item_row, words_row, chunk, head, sample, 1)
-        length = gl.minimum(gl.maximum(gl.load(COUNT + row) - chunk * BLOCK, 0), BLOCK)
-        empty = gl.load(ITEMS + item_row + 2) == gl.load(ITEMS + item_row + 3)
-        length = gl.where(empty, 0, length)  # an empty item gathers nothing
-        bar_keys = (K, V, COLUMN + chunk_row * BLOCK, length, head // group_size, seq_len, row_stride)
-    else:
-        sample = gl.program_id(2)
-        key_block = gl.program_id(0)
-        kv_head = gl.program_id(1)
-        kv_row = sample * seq_len + key_block * BLOCK
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
-        key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size)
-        bar_keys = (K, V, COLUMN, 0, kv_head, seq_len, row_stride)
+    kv_row = sample * seq_len + key_block * BLOCK
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
+
+    key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size)
     gl.warp_specialize(
         [
             (
@@ -415,7 +323,6 @@ def one_pass_backward_kernel(
                     DV,
                     (stride_gkb, stride_gkn, stride_gkh),
                     key_lists,
-                    bar_keys,
                     softmax_scale,
                     qk_scale_log2,
                     HEAD_DIM,
@@ -424,7 +331,6 @@ def one_pass_backward_kernel(
                     STAGES,
                     PAD,
                     CAUSAL_DIAG,
-                    BARS,
                 ),
             ),
             (
@@ -442,7 +348,6 @@ def one_pass_backward_kernel(
                     BLOCK,
                     ROWS,
                     STAGES,
-                    BARS,
                 ),
             ),
             (
@@ -459,7 +364,6 @@ def one_pass_backward_kernel(
                     ROWS,
                     CHUNK,
                     WRITER_WARPS,
-                    BARS,
                 ),
             ),
         ],
@@ -468,97 +372,37 @@ def one_pass_backward_kernel(
     )
 
 
-@functools.cache
-def _tile_layout(rows: int, dim: int, dtype: torch.dtype):
-    """Shared-memory layout of a ``[rows, dim]`` bf16/fp16 tile (the same for every launch of a shape)."""
-    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([rows, dim], element)
-
-
 def _rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of contiguous ``[b, N, H, d]`` tensor ``t`` as ``[b·N, H·d]``, copying ``[rows, d]`` tiles."""
     batch, length, heads, dim = t.shape
-    return TensorDescriptor.from_tensor(
-        t.view(batch * length, heads * dim), [rows, dim], _tile_layout(rows, dim, t.dtype)
-    )
+    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], element)
+    return TensorDescriptor.from_tensor(t.view(batch * length, heads * dim), [rows, dim], layout)
 
 
 def one_pass_backward(
-    q,
-    k,
-    v,
-    dout,
-    lse,
-    delta,
-    dq,
-    dk,
-    dv,
-    key_ptr,
-    key_qblock,
-    bar_words: BarWords | None,
-    *,
-    causal_diag: bool,
-    softmax_scale: float,
+    q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag: bool, softmax_scale: float
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
-    (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then over the bars by column
-    (``bar_words``, :class:`~mtraining_kernels.bar_words.BarWords` of this step, one program per item; dk/dv
-    added with atomics, as other programs share their rows; no launch where it is None). Shapes and dtypes as in
-    the module docstring, checked by the caller."""
+    (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``); shapes and dtypes as in the module docstring,
+    checked by the caller."""
     batch, length, heads, dim = q.shape
-    operands = (
+    kv_heads = k.shape[2]
+    one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
         _rows_descriptor(q, QUERY_ROWS),
         _rows_descriptor(dout, QUERY_ROWS),
         _rows_descriptor(k, BLOCK),
         _rows_descriptor(v, BLOCK),
-        k,
-        v,
         lse,
         delta,
         dq,
         dk,
         dv,
-    )
-    unused = key_ptr  # the other pass's lists
-    block_lists = (key_ptr, key_qblock, unused, unused, unused, unused)
-    _launch(
-        (length // BLOCK, k.shape[2], batch),
-        operands,
-        block_lists,
-        1,
-        key_ptr.stride()[:2],
-        q.shape,
-        softmax_scale,
-        causal_diag,
-        False,
-    )
-    if bar_words is not None:
-        bar_lists = (unused, unused, bar_words.items, bar_words.words, bar_words.column, bar_words.count)
-        _launch(
-            (bar_words.items.shape[0],),
-            operands,
-            bar_lists,
-            bar_words.words.shape[1],
-            (0, 0),
-            q.shape,
-            softmax_scale,
-            False,
-            True,
-        )
-
-
-def _launch(grid, operands, lists, num_chunks, key_strides, q_shape, softmax_scale, causal_diag: bool, bars: bool):
-    """One launch of :func:`one_pass_backward_kernel`: ``operands`` = (q, dO, k, v descriptors, k, v, lse, delta,
-    dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, ITEMS, WORDS, COLUMN, COUNT)."""
-    batch, length, heads, dim = q_shape
-    *_, k, _, lse, _, dq, dk, _ = operands
-    one_pass_backward_kernel[grid](
-        *operands,
-        *lists,
+        key_ptr,
+        key_qblock,
         length,
-        heads,
-        num_chunks,
-        *key_strides,
+        key_ptr.stride(0),
+        key_ptr.stride(1),
         lse.stride(0),
         lse.stride(1),
         dq.stride(0),
@@ -567,7 +411,7 @@ def _launch(grid, operands, lists, num_chunks, key_strides, q_shape, softmax_sca
         dk.stride(0),
         dk.stride(1),
         dk.stride(2),
-        heads // k.shape[2],
+        heads // kv_heads,
         softmax_scale,
         softmax_scale * LOG2E.value,
         HEAD_DIM=dim,
@@ -577,7 +421,6 @@ def _launch(grid, operands, lists, num_chunks, key_strides, q_shape, softmax_sca
         CHUNK=DQ_CHUNK,
         PAD=DQ_PAD,
         WRITER_WARPS=WRITER_WARPS,
-        CAUSAL_DIAG=causal_diag,
-        BARS=bars,
+        CAUSAL_DIAG=bool(causal_diag),
         num_warps=MMA_WARPS,
     )

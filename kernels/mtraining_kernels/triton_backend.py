@@ -34,7 +34,6 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
-from .bar_words import bar_words_by_column
 from .index import block_lists_by_key
 from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
@@ -164,10 +163,10 @@ def _copies_tiles(*tensors: torch.Tensor) -> bool:
 
 
 def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bool):
-    """The ``gluon_bwd`` module (its one-pass launchers) where it applies, else None (the two passes of
-    ``triton_bwd``): the default (atomic) mode without documents, on Hopper (sm_90), head dim 128, contiguous
-    16-byte-aligned operands, and the Triton release whose Gluon API the kernel is written in and was tested
-    with (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes between releases)."""
+    """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): the
+    default (atomic) mode without documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned
+    operands, and the Triton release whose Gluon API the kernel is written in and was tested with
+    (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes between releases)."""
     if deterministic or documents or _interpreting() or q.device.type != "cuda":
         return None
     if not triton.__version__.startswith(ONE_PASS_TRITON):
@@ -176,9 +175,9 @@ def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bo
         return None
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, dout)):
         return None
-    from . import gluon_bwd  # Gluon only where it runs
+    from .gluon_bwd import one_pass_backward  # Gluon only where it runs
 
-    return gluon_bwd
+    return one_pass_backward
 
 
 def _tile_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -339,7 +338,6 @@ def block_bar_backward(
     key_doc_ids=None,
     key_lists=None,
     bar_chunks=None,
-    bar_width: int | None = None,
     fresh_dq: bool = False,
 ) -> None:
     """Accumulate one step's gradients in place.
@@ -352,10 +350,6 @@ def block_bar_backward(
     ``deterministic`` uses no atomics; repeated calls on the same inputs are then bitwise equal. It reads
     the bars regrouped by column, ``bar_chunks`` (a :class:`~mtraining_kernels.bar_chunks.BarChunks`,
     ``BlockBarIndex.bar_chunks(source, Hkv)``); without it they are built here (one host sync).
-    ``bar_width`` bounds the distinct bar columns of one (sample, query head) in this step (the index's
-    ``vertical_width``): the one-pass backward on Hopper regroups the bars by column
-    (:func:`~mtraining_kernels.bar_words.bar_words_by_column`) in chunks sized by it; without it they are
-    counted here (one host sync).
     Document ids as in :func:`block_bar_forward`.
     ``fresh_dq``: dq holds nothing yet and this step is its only one: it is written, not added to, in its
     own dtype (q's, or fp32).
@@ -390,16 +384,53 @@ def block_bar_backward(
     tma = _copies_tiles(q, k, v, dout)
     one_pass = _one_pass_backward(q, k, v, dout, dk, dv, deterministic, document_flag["DOCUMENTS"])
 
-    if one_pass is not None:  # the block tiles, then the bars by column, each in one pass adding into dq
-        if dq.dtype != ACCUMULATOR_DTYPE:
-            dq_sum = torch.zeros(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
-        else:
-            dq_sum = dq.zero_() if fresh_dq else dq
-        bar_words = None  # the index has no verticals, or no step has bars
-        if bar_width != 0 and bar_col.numel():
-            multiprocessors = torch.cuda.get_device_properties(q.device).multi_processor_count
-            bar_words = bar_words_by_column(bar_ptr, bar_col, k.shape[1], bar_width, multiprocessors)
-        one_pass.one_pass_backward(
+    def query_major_pass(dq_out, fresh: bool, block_tiles: bool) -> None:
+        query_major_backward_kernel[(num_blocks, heads, batch)](
+            q,
+            k,
+            v,
+            *((_tile_descriptor(k, SUB_TILE), _tile_descriptor(v, SUB_TILE)) if tma else (k, v)),
+            dout,
+            lse,
+            delta,
+            dq_out,
+            dk,
+            dv,
+            blk_ptr,
+            blk_col,
+            bar_ptr,
+            bar_col,
+            *documents[:2],
+            *operand_strides,
+            *_bhs(dq_out),
+            *_bhs(dk),
+            *_bhs(dv),
+            lse.stride(0),
+            lse.stride(1),
+            blk_ptr.stride(0),
+            blk_ptr.stride(1),
+            documents[2],
+            num_blocks,
+            group,
+            softmax_scale,
+            qk_scale_log2,
+            CAUSAL_DIAG=bool(causal_diag),
+            ATOMIC_BAR_DKDV=not deterministic,
+            FRESH_DQ=fresh,
+            TMA=tma,
+            BLOCK_TILES=block_tiles,
+            **document_flag,
+            **tiles,
+            **QUERY_MAJOR_CONFIG,
+        )
+
+    if one_pass is not None:  # the bars (writing a fresh dq), then the block tiles in one pass, adding dq
+        dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
+        if bar_col.numel():
+            query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
+        elif fresh_dq:  # no bars at all (a block-only pattern): the bars' pass would only write the zeros
+            dq_sum.zero_()
+        one_pass(
             q,
             k,
             v,
@@ -411,50 +442,13 @@ def block_bar_backward(
             dv,
             key_ptr,
             key_qblock,
-            bar_words,
             causal_diag=bool(causal_diag),
             softmax_scale=softmax_scale,
         )
         if dq_sum is not dq:
             dq.copy_(dq_sum)
         return
-    query_major_backward_kernel[(num_blocks, heads, batch)](
-        q,
-        k,
-        v,
-        *((_tile_descriptor(k, SUB_TILE), _tile_descriptor(v, SUB_TILE)) if tma else (k, v)),
-        dout,
-        lse,
-        delta,
-        dq,
-        dk,
-        dv,
-        blk_ptr,
-        blk_col,
-        bar_ptr,
-        bar_col,
-        *documents[:2],
-        *operand_strides,
-        *_bhs(dq),
-        *_bhs(dk),
-        *_bhs(dv),
-        lse.stride(0),
-        lse.stride(1),
-        blk_ptr.stride(0),
-        blk_ptr.stride(1),
-        documents[2],
-        num_blocks,
-        group,
-        softmax_scale,
-        qk_scale_log2,
-        CAUSAL_DIAG=bool(causal_diag),
-        ATOMIC_BAR_DKDV=not deterministic,
-        FRESH_DQ=bool(fresh_dq),
-        TMA=tma,
-        **document_flag,
-        **tiles,
-        **QUERY_MAJOR_CONFIG,
-    )
+    query_major_pass(dq, fresh=bool(fresh_dq), block_tiles=True)
     query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
     key_major_backward_kernel[(num_blocks, kv_heads, batch)](
         q,
