@@ -1,0 +1,60 @@
+"""tools/kernel_ab.py's checks before any work: the trees given, and the device; and its comparison of results."""
+
+import pytest
+import torch
+from tool_modules import load_tool
+
+kernel_ab = load_tool("kernel_ab")
+
+
+def _tree(tmp_path, name):
+    package = tmp_path / name / "mtraining_kernels"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    return tmp_path / name
+
+
+def test_trees_are_named_folders_holding_the_package(tmp_path):
+    base, new = _tree(tmp_path, "base"), _tree(tmp_path, "new")
+    trees = kernel_ab.parse_trees([f"base={base}", f"new={new}"])
+    assert list(trees) == ["base", "new"] and trees["new"] == new.resolve()
+
+
+@pytest.mark.parametrize(
+    "specs, offending, message",
+    [
+        (["base"], "'base'", "NAME=FOLDER"),
+        (["=x", "b=y"], "'=x'", "NAME=FOLDER"),
+        (["base={base}"], "1 tree given", "an A/B needs at least two"),
+        (["base={base}", "base={base}"], "'base'", "given twice"),
+        (["base={base}", "new={tmp}/missing"], "missing", "holds no mtraining_kernels package"),
+    ],
+)
+def test_bad_trees_are_refused_naming_the_value(tmp_path, specs, offending, message):
+    base = _tree(tmp_path, "base")
+    with pytest.raises(SystemExit, match=message) as raised:
+        kernel_ab.parse_trees([spec.format(base=base, tmp=tmp_path) for spec in specs])
+    assert offending in str(raised.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_without_a_gpu_it_stops_before_starting_a_tree(tmp_path):
+    trees = [f"base={_tree(tmp_path, 'base')}", f"new={_tree(tmp_path, 'new')}"]
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        kernel_ab.main(["--trees", *trees, "--jsonl", str(tmp_path / "rows.jsonl")])
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_rounds_below_one_are_refused(tmp_path):
+    trees = [f"base={_tree(tmp_path, 'base')}", f"new={_tree(tmp_path, 'new')}"]
+    with pytest.raises(SystemExit, match="--rounds 0"):
+        kernel_ab.main(["--trees", *trees, "--rounds", "0"])
+
+
+def test_relative_max_difference_is_the_worst_tensor_scaled_by_its_reference():
+    first = [torch.tensor([1.0, -4.0]), torch.tensor([2.0, 2.0])]
+    results = [torch.tensor([1.0, -3.0]), torch.tensor([2.0, 2.5])]  # 1/4 and 0.5/2
+    assert kernel_ab.relative_max_difference(results, first) == pytest.approx(0.25)
+    assert kernel_ab.relative_max_difference(first, first) == 0.0
+    with pytest.raises(ValueError):
+        kernel_ab.relative_max_difference(results[:1], first)
