@@ -1,11 +1,11 @@
 """A/B of kernel trees: the Triton sparse attention of each tree, each in its own process, on the same inputs.
 
 A *tree* is a folder holding an ``mtraining_kernels`` package: ``kernels`` (the checkout's), or another revision's,
-extracted beside it (``git archive <rev> kernels | tar -x -C /tmp/<name>`` gives ``/tmp/<name>/kernels``; carry it
-to a device machine under an ignored path). Each tree runs in a fresh process with its folder first on
+extracted beside it (``git archive <rev> kernels | tar -x -C .ab/<name>`` gives ``.ab/<name>/kernels``; ``.ab/`` is
+ignored by git, so the device tool can carry it). Each tree runs in a fresh process with its folder first on
 ``PYTHONPATH``, so two revisions of the same modules never share a process or Triton's in-memory caches.
 
-For every N and tree, on one seed's inputs (Qwen2.5-3B shape by default, bf16, batch 1), both patterns of
+For every N and tree, on one seed's inputs (Qwen2.5-3B shape by default, bf16, batch 1), the ``--patterns`` of
 ``bench_attention.py``: ``vertical_slash`` (its fixed-budget pattern at ``--sparsity``) and ``block_only`` (a
 block-only pattern of the same mask area, ``flex_peer.block_only_pattern``). Per row:
 
@@ -17,9 +17,9 @@ block-only pattern of the same mask area, ``flex_peer.block_only_pattern``). Per
   dv against the first tree's results on the same inputs.
 
 ``--rounds R`` runs the trees in turn R times (A B A B …): clocks drift within a run, so a tree compared with
-another should be timed beside it. ``--profile`` prints each tree's CUDA time per kernel of one vertical-slash
-forward and backward at the largest N, on the first of ``--patterns``. Rows are appended to ``--jsonl``.
-Example: ``python tools/kernel_ab.py --trees base=/tmp/base/kernels new=kernels --seq-lens 32768 131072 524288``.
+another should be timed beside it. ``--profile`` prints each tree's CUDA time per kernel of one forward and
+backward at the largest N, on the first of ``--patterns``. Rows are appended to ``--jsonl``.
+Example: ``python tools/kernel_ab.py --trees base=.ab/base/kernels new=kernels --seq-lens 32768 131072 524288``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def parse_trees(specs: list[str]) -> dict[str, Path]:
         if not (path / "mtraining_kernels" / "__init__.py").is_file():
             raise SystemExit(
                 f"--trees {spec!r}: {path} holds no mtraining_kernels package; point at the folder that contains it "
-                "(for a revision: git archive <rev> kernels | tar -x -C /tmp/<name>, then /tmp/<name>/kernels)"
+                "(for a revision: git archive <rev> kernels | tar -x -C .ab/<name>, then .ab/<name>/kernels)"
             )
         trees[name] = path
     if len(trees) < 2:
