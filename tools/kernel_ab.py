@@ -13,6 +13,8 @@ block-only pattern of the same mask area, ``flex_peer.block_only_pattern``). Per
   ``fwd_queued_ms``/``bwd_queued_ms`` (N ≤ ``bench_attention.QUEUED_MAX_LEN``) behind a sleep kernel, the GPU's time;
 * ``host_fwd_ms``/``host_bwd_ms`` (N ≤ ``HOST_MAX_LEN``) — the host's time per call (``perf_counter``) while
   the GPU sleeps, so no call waits for it;
+* ``sm_clock_mhz`` (median), ``sm_clock_min_mhz``, ``power_max_w``, ``temperature_max_c`` — the GPU's state while
+  those were timed (``gpu_telemetry.py``), which tells a change in the code from one in the clocks;
 * ``rel_max_diff_vs_first`` (N ≤ ``QUEUED_MAX_LEN``) — the largest of max |Δ| / max |first| over out, dq, dk,
   dv against the first tree's results on the same inputs.
 
@@ -47,6 +49,7 @@ from bench_attention import (
     sleep_cycles_per_ms,
 )
 from flex_peer import block_only_pattern
+from gpu_telemetry import Telemetry
 from provenance import git_commit
 
 import mtraining_kernels
@@ -158,7 +161,13 @@ def run_tree(args) -> None:
             forwards[pattern] = forward = functools.partial(sparse_attention, q, k, v, index, backend="triton")
             torch.cuda.reset_peak_memory_stats()
             row = dict(common, pattern=pattern, seq_len=seq_len, sparsity=args.sparsity)
-            row.update(fwd_bwd_timings(lambda lead: measure(forward, backward, args.warmup, args.reps, lead), seq_len))
+            with Telemetry() as telemetry:
+                row.update(
+                    fwd_bwd_timings(lambda lead: measure(forward, backward, args.warmup, args.reps, lead), seq_len)
+                )
+            row.update(telemetry.summary)
+            if telemetry.note:
+                print(f"{args.tree} N={seq_len} {pattern}: {telemetry.note}", flush=True)
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if seq_len <= HOST_MAX_LEN:
                 row["host_fwd_ms"], row["host_bwd_ms"] = host_times(forward, backward)
@@ -179,7 +188,18 @@ def run_tree(args) -> None:
             profile(lambda: backward(forwards[pattern]()), f"{args.tree}, {pattern}, N={seq_len}")
 
 
-SUMMARY = ("tree", "round", "pattern", "seq_len", "fwd_ms", "bwd_ms", "fwd_queued_ms", "bwd_queued_ms", "host_bwd_ms")
+SUMMARY = (
+    "tree",
+    "round",
+    "pattern",
+    "seq_len",
+    "fwd_ms",
+    "bwd_ms",
+    "fwd_queued_ms",
+    "bwd_queued_ms",
+    "host_bwd_ms",
+    "sm_clock_mhz",
+)
 
 
 def profile(step, title: str) -> None:
