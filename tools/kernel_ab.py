@@ -69,7 +69,7 @@ def parse_trees(specs: list[str]) -> dict[str, Path]:
     for spec in specs:
         name, sep, folder = spec.partition("=")
         if not sep or not name or not folder:
-            raise SystemExit(f"--trees {spec!r}: give each tree as NAME=FOLDER, e.g. base=/tmp/base/kernels")
+            raise SystemExit(f"--trees {spec!r}: give each tree as NAME=FOLDER, e.g. base=.ab/base/kernels")
         if name in trees:
             raise SystemExit(f"--trees: the name {name!r} is given twice; give each tree its own name")
         path = Path(folder).resolve()
@@ -145,9 +145,9 @@ def run_tree(args) -> None:
         for t in (q, k, v):
             t.requires_grad_()
         v_idx, s_idx, _ = budget_pattern(1, heads, seq_len, args.sparsity, device, generator)
-        patterns = {
-            "vertical_slash": (v_idx, s_idx),
-            "block_only": block_only_pattern(
+        patterns = {  # built when asked for
+            "vertical_slash": lambda: (v_idx, s_idx),
+            "block_only": lambda: block_only_pattern(
                 mask_area(v_idx, s_idx, seq_len), seq_len, torch.Generator().manual_seed(args.seed)
             ),
         }
@@ -157,7 +157,7 @@ def run_tree(args) -> None:
 
         forwards = {}
         for pattern in args.patterns:
-            index = convert_index(*patterns[pattern], Layout("contiguous", 1), 0, seq_len)
+            index = convert_index(*patterns[pattern](), Layout("contiguous", 1), 0, seq_len)
             forwards[pattern] = forward = functools.partial(sparse_attention, q, k, v, index, backend="triton")
             torch.cuda.reset_peak_memory_stats()
             row = dict(common, pattern=pattern, seq_len=seq_len, sparsity=args.sparsity)
