@@ -50,22 +50,23 @@ class Telemetry:
     hold its samples in a buffer until it exits); then ``telemetry.summary`` is :func:`summarize`'s dict, empty
     where ``nvidia-smi`` is missing or printed nothing usable (``telemetry.note`` says why)."""
 
-    def __init__(self, device: int = 0, period_s: float = 0.1):
-        self.command = [
-            "nvidia-smi",
-            f"--id={nvidia_smi_id(device)}",
-            f"--query-gpu={QUERY}",
-            "--format=csv,noheader,nounits",
-        ]
-        self.period_s = period_s
+    def __init__(self, device: int = 0, period_s: float = 0.25):
         self.summary: dict[str, float] = {}
         self.note = ""
+        self.command = None
+        try:
+            gpu = nvidia_smi_id(device)
+        except (AssertionError, AttributeError, RuntimeError) as error:  # no CUDA, or a torch without PCI ids
+            self.note = f"no telemetry: no PCI address of CUDA device {device} ({error})"
+        else:
+            self.command = ["nvidia-smi", f"--id={gpu}", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"]
+        self.period_s = period_s
         self._lines: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
-        while True:
+        while self.command:
             try:
                 result = subprocess.run(self.command, capture_output=True, text=True, timeout=10)
             except (OSError, subprocess.TimeoutExpired) as error:

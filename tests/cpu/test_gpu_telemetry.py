@@ -49,3 +49,13 @@ def test_samples_are_taken_while_the_block_runs(monkeypatch):
         "temperature_max_c": 55.0,
     }
     assert telemetry.note == ""
+
+
+def test_without_a_pci_address_there_is_no_telemetry_and_no_error(monkeypatch):
+    def no_device(device):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setattr(gpu_telemetry, "nvidia_smi_id", no_device)
+    with gpu_telemetry.Telemetry() as telemetry:
+        pass
+    assert telemetry.summary == {} and "no PCI address" in telemetry.note
