@@ -213,29 +213,17 @@ def _mma_partition(
             ps_smem.store(dscores)
             fence_async_shared()
             gl.thread_barrier()
-            # dK and the first dq part go to the tensor cores back to back (both only read dS and k or q)
             dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
-            dq_tok = warpgroup_mma(
-                ps_smem,
-                k_smem.slice(0, DQ_COLUMNS, dim=1),
-                gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
-                use_acc=False,
-                is_async=True,
-            )
-            dk = warpgroup_mma_wait(1, deps=[dk_tok])
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
             gl.thread_barrier()
             mbarrier.arrive(empty_bars.index(slot), count=1)
             dq_slot = step % 2
             mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
             for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
-                if part > 0:
-                    dq_tok = warpgroup_mma(
-                        ps_smem,
-                        k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1),
-                        gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
-                        use_acc=False,
-                        is_async=True,
-                    )
+                k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                dq_tok = warpgroup_mma(
+                    ps_smem, k_part, gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout), use_acc=False, is_async=True
+                )
                 dq = warpgroup_mma_wait(0, deps=[dq_tok])
                 dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
             gl.thread_barrier()
