@@ -1,0 +1,143 @@
+"""Compile a kernels tree's one-pass Gluon backward for Hopper (sm_90a) on a machine without a GPU.
+
+Prints, per launch of ``gluon_bwd.one_pass_backward`` (the block tiles; the bars too where the tree has them),
+the shared memory, and ptxas's registers, spills and stack: what a kernel change costs before a GPU can time it.
+The tree's Gluon is written for one Triton release (``triton_backend.ONE_PASS_TRITON``); put that release first
+on ``PYTHONPATH`` (``pip install --target /tmp/triton36 triton==3.6.0 --no-deps``). No CUDA driver is needed:
+Triton compiles against a stand-in driver that reports an sm_90 target, and nothing is launched.
+Example: ``PYTHONPATH=/tmp/triton36 python tools/compile_sm90.py --kernels .ab/base/kernels``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+class StandInDriver:
+    """What Triton's JIT asks of the active driver to compile, for a GPU that is not there."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return HOPPER
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class CompileOnly:
+    """Stands for a ``@gluon.jit`` kernel: ``kernel[grid](...)`` compiles (``warmup``) and keeps the result."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.compiled.append(self.kernel.warmup(*args, grid=grid, **kwargs))
+
+        return launch
+
+
+def ptxas_report(ptx: str) -> str:
+    """ptxas -v's lines on registers, spills and stack for ``ptx`` (sm_90a)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        log = subprocess.run(
+            [str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(folder) / "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    lines = (log.stdout + log.stderr).splitlines()
+    return "\n".join(line.strip() for line in lines if re.search("registers|spill|stack", line))
+
+
+def one_pass_inputs(seq_len: int, heads: int, kv_heads: int, dim: int) -> dict:
+    """Zero CPU tensors shaped as the bench's Qwen2.5-3B backward (only shapes, strides and dtypes matter)."""
+    q, dout = (torch.zeros(1, seq_len, heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.zeros(1, seq_len, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    lse, delta = (torch.zeros(1, heads, seq_len) for _ in range(2))
+    dk, dv = (torch.zeros(1, seq_len, kv_heads, dim) for _ in range(2))
+    num_blocks = seq_len // 128
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        dout=dout,
+        lse=lse,
+        delta=delta,
+        dq=torch.zeros(q.shape),
+        dk=dk,
+        dv=dv,
+        key_ptr=torch.zeros(1, heads, num_blocks + 1, dtype=torch.int32),
+        key_qblock=torch.zeros(num_blocks * num_blocks, dtype=torch.int32),
+    )
+
+
+def bar_words_of(module, seq_len: int, rows: int):
+    """Zero ``BarWords`` of the tree's ``bar_words`` module: one chunk per row, one item per row."""
+    return module.BarWords(
+        column=torch.zeros(rows, module.BAR_WORD_COLUMNS, dtype=torch.int32),
+        count=torch.zeros(rows, dtype=torch.int32),
+        words=torch.zeros(rows, 1, seq_len // 128, 2, dtype=torch.int64),
+        items=torch.zeros(rows, 4, dtype=torch.int32),
+        walk=module.MIN_WALK,
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", default="kernels", help="the folder holding the tree's mtraining_kernels")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    args = parser.parse_args(argv)
+    folder = Path(args.kernels).resolve()
+    if not (folder / "mtraining_kernels" / "gluon_bwd.py").is_file():
+        raise SystemExit(f"--kernels {args.kernels}: no mtraining_kernels/gluon_bwd.py under {folder}")
+    if args.seq_len % 128:
+        raise SystemExit(f"--seq-len {args.seq_len}: give a multiple of 128")
+    sys.path.insert(0, str(folder))
+    wanted = importlib.import_module("mtraining_kernels.triton_backend").ONE_PASS_TRITON.rstrip(".")
+    if not triton.__version__.startswith(wanted):
+        raise SystemExit(
+            f"Triton {triton.__version__} is first on the path, but the tree's Gluon is written for {wanted}: "
+            f"pip install --target /tmp/triton{wanted.replace('.', '')} 'triton=={wanted}.*' --no-deps, then put that "
+            "folder first on PYTHONPATH"
+        )
+    driver.set_active(StandInDriver())
+    gluon_bwd = importlib.import_module("mtraining_kernels.gluon_bwd")
+    stand_in = CompileOnly(gluon_bwd.one_pass_backward_kernel)
+    gluon_bwd.one_pass_backward_kernel = stand_in
+    inputs = one_pass_inputs(args.seq_len, 16, 2, 128)
+    accepted = inspect.signature(gluon_bwd.one_pass_backward).parameters
+    if "bar_words" in accepted:  # a tree whose one pass also takes the bars by column: one chunk per row
+        inputs["bar_words"] = bar_words_of(importlib.import_module("mtraining_kernels.bar_words"), args.seq_len, 16)
+    gluon_bwd.one_pass_backward(**inputs, causal_diag=True, softmax_scale=128**-0.5)
+    print(f"tree {folder}, Triton {triton.__version__}, sm_90a")
+    for number, kernel in enumerate(stand_in.compiled):
+        print(f"launch {number}: shared memory {kernel.metadata.shared} B")
+        print(ptxas_report(kernel.asm["ptx"]))
+
+
+if __name__ == "__main__":
+    main()
