@@ -111,11 +111,11 @@ def host_times(forward, backward) -> tuple[float, float]:
 
 def run_tree(args) -> None:
     """Time this process's tree (the ``mtraining_kernels`` first on ``PYTHONPATH``) and append its rows."""
-    if not torch.cuda.is_available():
-        raise SystemExit("kernel_ab.py needs a CUDA device")
     loaded = Path(mtraining_kernels.__file__).resolve().parent.parent
     if loaded != Path(args.tree_path).resolve():
         raise SystemExit(f"tree {args.tree!r}: mtraining_kernels was imported from {loaded}, not {args.tree_path}")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"tree {args.tree!r} (mtraining_kernels from {loaded}): kernel_ab.py needs a CUDA device")
     heads, kv_heads, dim = SHAPES[args.shape]
     device = torch.device("cuda")
     common = dict(

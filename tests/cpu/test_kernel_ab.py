@@ -1,10 +1,15 @@
 """tools/kernel_ab.py's checks before any work: the trees given, and the device; and its comparison of results."""
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from tool_modules import load_tool
 
 kernel_ab = load_tool("kernel_ab")
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
 
 def _tree(tmp_path, name):
@@ -58,3 +63,21 @@ def test_relative_max_difference_is_the_worst_tensor_scaled_by_its_reference():
     assert kernel_ab.relative_max_difference(first, first) == 0.0
     with pytest.raises(ValueError):
         kernel_ab.relative_max_difference(results[:1], first)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tree's process would time it: this checks the plumbing")
+def test_each_tree_runs_in_a_process_that_imports_that_tree(tmp_path, monkeypatch, capfd):
+    """The parent starts the first tree's process with its folder first on PYTHONPATH; without a GPU that process
+    stops at the device check, after checking where its mtraining_kernels came from."""
+    copy = tmp_path / "copy"
+    shutil.copytree(
+        KERNELS / "mtraining_kernels", copy / "mtraining_kernels", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    monkeypatch.setattr(kernel_ab.torch.cuda, "is_available", lambda: True)  # the parent's check only
+    trees = [f"copy={copy}", f"repo={KERNELS}"]
+    with pytest.raises(subprocess.CalledProcessError):
+        kernel_ab.main(["--trees", *trees, "--jsonl", str(tmp_path / "rows.jsonl")])
+    assert (
+        f"tree 'copy' (mtraining_kernels from {copy.resolve()}): kernel_ab.py needs a CUDA device"
+        in capfd.readouterr().err
+    )
