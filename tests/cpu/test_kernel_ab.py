@@ -1,7 +1,9 @@
 """tools/kernel_ab.py's checks before any work: the trees given, and the device; and its comparison of results."""
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 from tool_modules import load_tool
 
 kernel_ab = load_tool("kernel_ab")
+kernel_ab_tree = load_tool("kernel_ab_tree")
+bench_attention = load_tool("bench_attention")
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
 
@@ -59,10 +63,27 @@ def test_rounds_below_one_are_refused(tmp_path):
 def test_relative_max_difference_is_the_worst_tensor_scaled_by_its_reference():
     first = [torch.tensor([1.0, -4.0]), torch.tensor([2.0, 2.0])]
     results = [torch.tensor([1.0, -3.0]), torch.tensor([2.0, 2.5])]  # 1/4 and 0.5/2
-    assert kernel_ab.relative_max_difference(results, first) == pytest.approx(0.25)
-    assert kernel_ab.relative_max_difference(first, first) == 0.0
+    assert kernel_ab_tree.relative_max_difference(results, first) == pytest.approx(0.25)
+    assert kernel_ab_tree.relative_max_difference(first, first) == 0.0
     with pytest.raises(ValueError):
-        kernel_ab.relative_max_difference(results[:1], first)
+        kernel_ab_tree.relative_max_difference(results[:1], first)
+
+
+def test_the_shapes_offered_are_the_benchmarks_shapes():
+    assert set(kernel_ab.SHAPE_NAMES) == set(bench_attention.SHAPES)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_the_driver_runs_without_any_kernels_on_its_path(tmp_path):
+    """Run as a user does (``python tools/kernel_ab.py``, no PYTHONPATH): the driver imports no tree, so it gets as
+    far as its device check."""
+    trees = [f"base={_tree(tmp_path, 'base')}", f"new={_tree(tmp_path, 'new')}"]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    script = Path(kernel_ab.__file__)
+    done = subprocess.run(
+        [sys.executable, str(script), "--trees", *trees], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "kernel_ab.py needs a CUDA device" in done.stderr, done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tree's process would time it: this checks the plumbing")
