@@ -7,8 +7,7 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
   dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
   in parts of 64 columns, into a shared buffer (double-buffered, rows padded against bank conflicts);
-* the loader (1 warp) — the slices' q and dO by tensor-memory copies, two stages ahead, and their rows'
-  lse and delta into shared memory beside them (off the MMA warps' path);
+* the loader (1 warp) — the slices' q and dO by tensor-memory copies, two stages ahead;
 * the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
@@ -66,10 +65,6 @@ def _loader(
     do_desc,
     q_bufs,
     do_bufs,
-    row_stats,
-    LSE,
-    DELTA,
-    lse_strides,
     ready_bars,
     empty_bars,
     key_lists,
@@ -80,22 +75,13 @@ def _loader(
     STAGES: gl.constexpr,
 ):
     sample = key_lists[6]
-    lse_bufs, delta_bufs = row_stats
-    rows_layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
-    offs_r = gl.arange(0, ROWS, layout=rows_layout)
     step = 0
     for member in range(0, key_lists[7]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
-        lse_offset = sample * lse_strides[0] + head * lse_strides[1]
         for s in range(start, end):
             _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-            lse = gl.load(LSE + lse_offset + first_row + offs_r)
-            delta = gl.load(DELTA + lse_offset + first_row + offs_r)
             slot = step % STAGES
             mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
-            lse_bufs.index(slot).store(lse)  # published by the arrival of the expect below
-            delta_bufs.index(slot).store(delta)
-            gl.thread_barrier()  # every lane's stores before the arrival
             ready = ready_bars.index(slot)
             mbarrier.expect(ready, 2 * q_desc.block_type.nbytes)
             coords = [sample * seq_len + first_row, head * HEAD_DIM]
@@ -163,7 +149,7 @@ def _mma_partition(
 ):
     """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks); ``bars`` = (k/v, ready, empty, dq ready,
     dq empty); ``lse_strides`` = (batch, head) of LSE and DELTA; ``dkv_strides`` = (batch, token, head)."""
-    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks = smem
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
     # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
@@ -191,14 +177,15 @@ def _mma_partition(
     step = 0
     for member in range(0, key_lists[7]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        lse_offset = sample * lse_strides[0] + head * lse_strides[1]
         for s in range(start, end):
             qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             q_rows = first_row + offs_q
+            lse = gl.load(LSE + lse_offset + q_rows)
+            delta = gl.load(DELTA + lse_offset + q_rows)
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
             slot = step % STAGES
             mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
-            lse = lse_bufs.index(slot).load(gl.SliceLayout(1, s_layout))
-            delta = delta_bufs.index(slot).load(gl.SliceLayout(1, s_layout))
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
             q_s = q_bufs.index(slot)
             do_s = do_bufs.index(slot)
             s_tok = warpgroup_mma(
@@ -302,9 +289,6 @@ def one_pass_backward_kernel(
     ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
     chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
     dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
-    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per stage: [ROWS]
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], stats_layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], stats_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -330,7 +314,7 @@ def one_pass_backward_kernel(
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     LSE,
                     DELTA,
@@ -356,10 +340,6 @@ def one_pass_backward_kernel(
                     do_desc,
                     q_bufs,
                     do_bufs,
-                    (lse_bufs, delta_bufs),
-                    LSE,
-                    DELTA,
-                    (stride_lb, stride_lh),
                     ready_bars,
                     empty_bars,
                     key_lists,
