@@ -57,18 +57,22 @@ class CompileOnly:
         return launch
 
 
-def ptxas_report(ptx: str) -> str:
-    """ptxas -v's lines on registers, spills and stack for ``ptx`` (sm_90a)."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+def ptxas_report(ptx: str, sass: Path | None = None) -> str:
+    """ptxas -v's lines on registers, spills and stack for ``ptx`` (sm_90a); with ``sass``, the machine code
+    (``cuobjdump -sass``) is written there, to find where the spills (``STL``/``LDL``) and barriers sit."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / "kernel.ptx"
+        source, cubin = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
         source.write_text(ptx)
         log = subprocess.run(
-            [str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(folder) / "kernel.cubin")],
+            [str(tools / "ptxas"), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(cubin)],
             capture_output=True,
             text=True,
             check=True,
         )
+        if sass is not None:
+            dump = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
+            sass.write_text(dump.stdout if dump.returncode == 0 else dump.stderr)
     lines = (log.stdout + log.stderr).splitlines()
     return "\n".join(line.strip() for line in lines if re.search("registers|spill|stack", line))
 
@@ -110,12 +114,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default="kernels", help="the folder holding the tree's mtraining_kernels")
     parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--sass", help="a folder to write each launch's machine code to (launch<n>.sass)")
     args = parser.parse_args(argv)
     folder = Path(args.kernels).resolve()
     if not (folder / "mtraining_kernels" / "gluon_bwd.py").is_file():
         raise SystemExit(f"--kernels {args.kernels}: no mtraining_kernels/gluon_bwd.py under {folder}")
     if args.seq_len % 128:
         raise SystemExit(f"--seq-len {args.seq_len}: give a multiple of 128")
+    if args.sass and not Path(args.sass).is_dir():
+        raise SystemExit(f"--sass {args.sass}: no such folder; create it first")
     sys.path.insert(0, str(folder))
     wanted = importlib.import_module("mtraining_kernels.triton_backend").ONE_PASS_TRITON.rstrip(".")
     if not triton.__version__.startswith(wanted):
@@ -136,7 +143,8 @@ def main(argv=None) -> None:
     print(f"tree {folder}, Triton {triton.__version__}, sm_90a")
     for number, kernel in enumerate(stand_in.compiled):
         print(f"launch {number}: shared memory {kernel.metadata.shared} B")
-        print(ptxas_report(kernel.asm["ptx"]))
+        sass = Path(args.sass) / f"launch{number}.sass" if args.sass else None
+        print(ptxas_report(kernel.asm["ptx"], sass))
 
 
 if __name__ == "__main__":

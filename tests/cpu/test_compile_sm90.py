@@ -1,5 +1,6 @@
 """tools/compile_sm90.py's refusals before any work (a folder without the kernels, a length the blocks do not
-divide, a Triton release other than the one the Gluon kernel is written for)."""
+divide, a missing folder for the machine code, a Triton release other than the one the Gluon kernel is written
+for)."""
 
 from pathlib import Path
 
@@ -21,6 +22,11 @@ def test_a_folder_without_the_kernels_is_refused(tmp_path):
 def test_a_length_that_is_not_whole_blocks_is_refused():
     with pytest.raises(SystemExit, match="--seq-len 1000: give a multiple of 128"):
         compile_sm90.main(["--kernels", KERNELS, "--seq-len", "1000"])
+
+
+def test_a_missing_folder_for_the_machine_code_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--sass .*missing: no such folder"):
+        compile_sm90.main(["--kernels", KERNELS, "--sass", str(tmp_path / "missing")])
 
 
 @pytest.mark.skipif(
