@@ -4,14 +4,11 @@ A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b))
 head of its GQA group, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
 ``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
 
-* two MMA warpgroups (4 warps each), one per half of the key block, with no barrier between them: each
-  computes S = q·k_hᵀ and dP = dO·v_hᵀ for its 64 keys, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
-  dv_h += Pᵀ·dO and dk_h += dSᵀ·q in registers (P, then dS, through its own shared buffer), and its dq
-  partial scale·dS·k_h ``[64, d]``, in two column halves, into its own shared buffer (rows padded against
-  bank conflicts);
+* the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
+  dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
+  in parts of 64 columns, into a shared buffer (double-buffered, rows padded against bank conflicts);
 * the loader (1 warp) — the slices' q and dO by tensor-memory copies, two stages ahead;
-* the dq writer (2 warps) — adds each slice's two dq partials into the fp32 dq with one vector atomic per
-  element.
+* the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
 ``triton_bwd`` (whose query-major pass recomputes S and dP). The bars and the deterministic mode stay
@@ -42,7 +39,7 @@ STAGES = 2  # q/dO slices in flight
 DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
 DQ_PAD = 8  # fp32 padding after each dq row in shared memory
 WRITER_WARPS = 2
-MMA_WARPS = 4  # the default partition: the first key half's warpgroup
+MMA_WARPS = 8
 
 
 @gluon.jit
@@ -60,30 +57,6 @@ def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr):
     """(query block, first local row) of slice ``s`` (of BLOCK // ROWS per listed query block)."""
     qblock = gl.load(key_lists[1] + s // (BLOCK // ROWS))
     return qblock, qblock * BLOCK + (s % (BLOCK // ROWS)) * ROWS
-
-
-@gluon.jit
-def _named_barrier(thread_ids, ASM: gl.constexpr):
-    """One ``bar.sync``/``bar.arrive`` of the two MMA warpgroups' 256 threads (``thread_ids``: one per thread)."""
-    gl.inline_asm_elementwise(ASM + " mov.u32 $0, 0;", "=r,r", [thread_ids], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _wait_turn(thread_ids, HALF: gl.constexpr):
-    """Wait until the other warpgroup has issued its S and dP products (named barrier 14 + HALF)."""
-    if HALF == 0:
-        _named_barrier(thread_ids, "bar.sync 14, 256;")
-    else:
-        _named_barrier(thread_ids, "bar.sync 15, 256;")
-
-
-@gluon.jit
-def _pass_turn(thread_ids, HALF: gl.constexpr):
-    """Let the other warpgroup issue its S and dP products."""
-    if HALF == 0:
-        _named_barrier(thread_ids, "bar.arrive 15, 256;")
-    else:
-        _named_barrier(thread_ids, "bar.arrive 14, 256;")
 
 
 @gluon.jit
@@ -131,8 +104,8 @@ def _dq_writer(
     CHUNK: gl.constexpr,
     WARPS: gl.constexpr,
 ):
-    """Adds each slice's two dq partials (``dq_chunks``: one buffer per key half, of ROWS // CHUNK chunks
-    [CHUNK, HEAD_DIM]) into DQ (strides ``dq_strides`` = (batch, token, head)) with one atomic per element."""
+    """Drains each dq slice (``dq_chunks``: 2 buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
+    (strides ``dq_strides`` = (batch, token, head))."""
     CHUNKS: gl.constexpr = ROWS // CHUNK
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
@@ -144,19 +117,18 @@ def _dq_writer(
         dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
         for s in range(start, end):
             _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-            mbarrier.wait(dq_ready_bars.index(0), step & 1)
-            mbarrier.wait(dq_ready_bars.index(1), step & 1)
+            slot = step % 2
+            mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
+            ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
             for c in range(CHUNKS):
-                rows = dq_chunks.index(c).load(layout) + dq_chunks.index(CHUNKS + c).load(layout)
-                chunk_rows = (first_row + c * CHUNK + offs_r).to(gl.int64)
-                gl.atomic_add(dq_head + chunk_rows[:, None] * stride_gqn + offs_d[None, :], rows, sem="relaxed")
-            mbarrier.arrive(dq_empty_bars.index(0), count=1)
-            mbarrier.arrive(dq_empty_bars.index(1), count=1)
+                rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
+            mbarrier.arrive(dq_empty_bars.index(slot), count=1)
             step += 1
 
 
 @gluon.jit
-def _mma_warpgroup(
+def _mma_partition(
     smem,
     bars,
     LSE,
@@ -168,7 +140,6 @@ def _mma_warpgroup(
     key_lists,
     softmax_scale,
     qk_scale_log2,
-    HALF: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
@@ -176,34 +147,32 @@ def _mma_warpgroup(
     PAD: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
 ):
-    """One warpgroup's half of the key block, keys HALF·BLOCK/2 …: its dk/dv ``[BLOCK/2, HEAD_DIM]`` in
-    registers and its dq partial ``[ROWS, HEAD_DIM]`` per slice, with no barrier shared with the other half.
-    ``smem`` = (k, v, q stages, dO stages, P/dS of both halves, dq chunks); ``bars`` = (k/v, ready, empty,
-    dq ready, dq empty); ``lse_strides`` = (batch, head) of LSE and DELTA; ``dkv_strides`` = (batch, token,
-    head)."""
-    k_smem, v_smem, q_bufs, do_bufs, ps_halves, dq_chunks = smem
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks); ``bars`` = (k/v, ready, empty, dq ready,
+    dq empty); ``lse_strides`` = (batch, head) of LSE and DELTA; ``dkv_strides`` = (batch, token, head)."""
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks = smem
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
-    KEYS: gl.constexpr = BLOCK // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
-    wide_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
+    # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
+    # budget (a whole [64, 128] dq tile spills).
+    DQ_COLUMNS: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK // 2, 16]
+    )
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DQ_COLUMNS // 2, 16]
+    )
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     dtype: gl.constexpr = k_smem.dtype
     rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
-    dq_slice = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout).index(HALF)
-    k_half = k_smem.slice(HALF * KEYS, KEYS, dim=0)
-    v_half = v_smem.slice(HALF * KEYS, KEYS, dim=0)
-    ps_smem = ps_halves.index(HALF)
+    dq_slices = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout)
 
-    k_cols = key_block * BLOCK + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+    k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, wide_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, wide_layout)
-    # ping-pong: the warpgroups take turns to issue S and dP, so one's softmax runs under the other's products
-    thread_ids = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    if HALF == 1:
-        _pass_turn(thread_ids, HALF)  # the first half goes first
+    dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, 0)
     step = 0
     for member in range(0, key_lists[7]):
@@ -219,14 +188,16 @@ def _mma_warpgroup(
             mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
             q_s = q_bufs.index(slot)
             do_s = do_bufs.index(slot)
-            _wait_turn(thread_ids, HALF)
             s_tok = warpgroup_mma(
-                q_s, k_half.permute((1, 0)), gl.zeros([ROWS, KEYS], gl.float32, s_layout), use_acc=False, is_async=True
+                q_s, k_smem.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_layout), use_acc=False, is_async=True
             )
             dp_tok = warpgroup_mma(
-                do_s, v_half.permute((1, 0)), gl.zeros([ROWS, KEYS], gl.float32, s_layout), use_acc=False, is_async=True
+                do_s,
+                v_smem.permute((1, 0)),
+                gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                use_acc=False,
+                is_async=True,
             )
-            _pass_turn(thread_ids, HALF)
             scores = warpgroup_mma_wait(1, deps=[s_tok])
             probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
             if CAUSAL_DIAG:
@@ -246,23 +217,21 @@ def _mma_warpgroup(
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             gl.thread_barrier()
             mbarrier.arrive(empty_bars.index(slot), count=1)
-            mbarrier.wait(dq_empty_bars.index(HALF), (step & 1) ^ 1)
-            for part in gl.static_range(2):  # two column halves: 32 registers each, not 64
+            dq_slot = step % 2
+            mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
+            for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
                 dq_tok = warpgroup_mma(
-                    ps_smem,
-                    k_half.slice(part * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1),
-                    gl.zeros([ROWS, HEAD_DIM // 2], gl.float32, s_layout),
-                    use_acc=False,
-                    is_async=True,
+                    ps_smem, k_part, gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout), use_acc=False, is_async=True
                 )
                 dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                dq_slice.slice(part * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1).store(dq * softmax_scale)
+                dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
             gl.thread_barrier()
-            mbarrier.arrive(dq_ready_bars.index(HALF), count=1)
+            mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
             step += 1
 
-    k_rows = key_block * BLOCK + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, wide_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, wide_layout))
+    k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
     offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
     has_work = step > 0
@@ -317,7 +286,7 @@ def one_pass_backward_kernel(
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ps_halves = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK // 2], ps_layout)
+    ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
     chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
     dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -328,7 +297,7 @@ def one_pass_backward_kernel(
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=2)  # one arrival per key half
+        mbarrier.init(empty_bars.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(dq_ready_bars.index(i), count=1)
         mbarrier.init(dq_empty_bars.index(i), count=1)
@@ -343,9 +312,9 @@ def one_pass_backward_kernel(
     gl.warp_specialize(
         [
             (
-                _mma_warpgroup,
+                _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_halves, dq_chunks),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     LSE,
                     DELTA,
@@ -356,7 +325,6 @@ def one_pass_backward_kernel(
                     key_lists,
                     softmax_scale,
                     qk_scale_log2,
-                    0,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
@@ -398,32 +366,9 @@ def one_pass_backward_kernel(
                     WRITER_WARPS,
                 ),
             ),
-            (
-                _mma_warpgroup,
-                (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_halves, dq_chunks),
-                    (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
-                    LSE,
-                    DELTA,
-                    (stride_lb, stride_lh),
-                    DK,
-                    DV,
-                    (stride_gkb, stride_gkn, stride_gkh),
-                    key_lists,
-                    softmax_scale,
-                    qk_scale_log2,
-                    1,
-                    HEAD_DIM,
-                    BLOCK,
-                    ROWS,
-                    STAGES,
-                    PAD,
-                    CAUSAL_DIAG,
-                ),
-            ),
         ],
-        [1, WRITER_WARPS, 4],
-        [24, 24, 240],
+        [1, WRITER_WARPS],
+        [24, 24],
     )
 
 
