@@ -72,7 +72,9 @@ def ptxas_report(ptx: str, sass: Path | None = None) -> str:
         )
         if sass is not None:
             dump = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
-            sass.write_text(dump.stdout if dump.returncode == 0 else dump.stderr)
+            if dump.returncode:
+                raise SystemExit(f"cuobjdump -sass failed on the compiled kernel: {dump.stderr.strip()}")
+            sass.write_text(dump.stdout)
     lines = (log.stdout + log.stderr).splitlines()
     return "\n".join(line.strip() for line in lines if re.search("registers|spill|stack", line))
 
