@@ -180,6 +180,23 @@ def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bo
     return one_pass_backward
 
 
+def _gluon_block_forward(q, k, v, out, bar_col, fresh: bool, documents: bool):
+    """``gluon_fwd.block_forward`` where it applies, else None (``triton_fwd``): one fresh step writing out in
+    q's dtype, no bars and no documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned operands,
+    and the Triton release of :data:`ONE_PASS_TRITON`. ``bar_col.numel()`` is a shape: no host sync."""
+    if not fresh or documents or bar_col.numel() or _interpreting() or q.device.type != "cuda":
+        return None
+    if not triton.__version__.startswith(ONE_PASS_TRITON) or out.dtype != q.dtype or not out.is_contiguous():
+        return None
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] != 128:
+        return None
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+        return None
+    from .gluon_fwd import block_forward  # Gluon only where it runs
+
+    return block_forward
+
+
 def _tile_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of ``[b, N, H, d]`` tensor ``t`` copying ``[1, rows, 1, d]`` tiles (one (sample, head))."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]])
@@ -246,6 +263,10 @@ def block_bar_forward(
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the running lse [b, Hq, Nq]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    block_forward = _gluon_block_forward(q, k, v, out, bar_col, fresh, document_flag["DOCUMENTS"])
+    if block_forward is not None:
+        block_forward(q, k, v, blk_ptr, blk_col, out, lse, causal_diag=causal_diag, softmax_scale=softmax_scale)
+        return
     tma = _copies_tiles(k, v)
     k_desc, v_desc = (_tile_descriptor(t, BLOCK_SIZE) for t in (k, v)) if tma else (k, v)
     block_bar_forward_kernel[(num_blocks, heads, batch)](
