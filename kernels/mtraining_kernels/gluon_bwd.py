@@ -7,14 +7,16 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
   dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
   in parts of 64 columns, into a shared buffer (double-buffered, rows padded against bank conflicts);
-* the loader (1 warp) — the slices' q and dO by tensor-memory copies, two stages ahead;
+* the loader (1 warp) — the slices' q and dO, and their rows' lse and delta, by tensor-memory copies, two
+  stages ahead (so the MMA warps read lse and delta from shared memory, not from global memory right before
+  their first use);
 * the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
 ``triton_bwd`` (whose query-major pass recomputes S and dP). The bars and the deterministic mode stay
 with ``triton_bwd``. Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
 (read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
-than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta fp32 ``[b, Hq, N]``; dq, dk, dv
+than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta contiguous fp32 ``[b, Hq, N]``; dq, dk, dv
 fp32. Written in the Gluon API of Triton 3.6.
 """
 
@@ -63,8 +65,12 @@ def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr):
 def _loader(
     q_desc,
     do_desc,
+    lse_desc,
+    delta_desc,
     q_bufs,
     do_bufs,
+    lse_bufs,
+    delta_bufs,
     ready_bars,
     empty_bars,
     key_lists,
@@ -83,10 +89,13 @@ def _loader(
             slot = step % STAGES
             mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
             ready = ready_bars.index(slot)
-            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes)
+            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
             coords = [sample * seq_len + first_row, head * HEAD_DIM]
             tma.async_copy_global_to_shared(q_desc, coords, ready, q_bufs.index(slot))
             tma.async_copy_global_to_shared(do_desc, coords, ready, do_bufs.index(slot))
+            stats_coords = [sample * key_lists[8] + head, first_row]
+            tma.async_copy_global_to_shared(lse_desc, stats_coords, ready, lse_bufs.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, stats_coords, ready, delta_bufs.index(slot))
             step += 1
 
 
@@ -131,9 +140,6 @@ def _dq_writer(
 def _mma_partition(
     smem,
     bars,
-    LSE,
-    DELTA,
-    lse_strides,
     DK,
     DV,
     dkv_strides,
@@ -147,9 +153,10 @@ def _mma_partition(
     PAD: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
 ):
-    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks); ``bars`` = (k/v, ready, empty, dq ready,
-    dq empty); ``lse_strides`` = (batch, head) of LSE and DELTA; ``dkv_strides`` = (batch, token, head)."""
-    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks = smem
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
+    ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head)."""
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
+    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
     # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
@@ -177,15 +184,16 @@ def _mma_partition(
     step = 0
     for member in range(0, key_lists[7]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
-        lse_offset = sample * lse_strides[0] + head * lse_strides[1]
         for s in range(start, end):
             qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             q_rows = first_row + offs_q
-            lse = gl.load(LSE + lse_offset + q_rows)
-            delta = gl.load(DELTA + lse_offset + q_rows)
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
             slot = step % STAGES
             mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+            lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
+            delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
+            lse = lse_s.load(gl.SliceLayout(1, s_layout))
+            delta = delta_s.load(gl.SliceLayout(1, s_layout))
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
             q_s = q_bufs.index(slot)
             do_s = do_bufs.index(slot)
             s_tok = warpgroup_mma(
@@ -245,8 +253,8 @@ def one_pass_backward_kernel(
     do_desc,
     k_desc,
     v_desc,
-    LSE,
-    DELTA,
+    lse_desc,
+    delta_desc,
     DQ,
     DK,
     DV,
@@ -255,8 +263,6 @@ def one_pass_backward_kernel(
     seq_len,
     stride_kpb,
     stride_kph,
-    stride_lb,
-    stride_lh,
     stride_gqb,
     stride_gqn,
     stride_gqh,
@@ -264,6 +270,7 @@ def one_pass_backward_kernel(
     stride_gkn,
     stride_gkh,
     group_size,
+    heads,
     softmax_scale,
     qk_scale_log2,
     HEAD_DIM: gl.constexpr,
@@ -289,6 +296,8 @@ def one_pass_backward_kernel(
     ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
     chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
     dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -308,17 +317,14 @@ def one_pass_backward_kernel(
     tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
 
-    key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size)
+    key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, heads)
     gl.warp_specialize(
         [
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
-                    LSE,
-                    DELTA,
-                    (stride_lb, stride_lh),
                     DK,
                     DV,
                     (stride_gkb, stride_gkn, stride_gkh),
@@ -338,8 +344,12 @@ def one_pass_backward_kernel(
                 (
                     q_desc,
                     do_desc,
+                    lse_desc,
+                    delta_desc,
                     q_bufs,
                     do_bufs,
+                    lse_bufs,
+                    delta_bufs,
                     ready_bars,
                     empty_bars,
                     key_lists,
@@ -380,6 +390,13 @@ def _rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t.view(batch * length, heads * dim), [rows, dim], layout)
 
 
+def _stats_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Descriptor of contiguous fp32 ``[b, Hq, N]`` row statistics ``t`` as ``[b·Hq, N]``, copying ``[1, rows]``."""
+    batch, heads, length = t.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor.from_tensor(t.view(batch * heads, length), [1, rows], layout)
+
+
 def one_pass_backward(
     q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag: bool, softmax_scale: float
 ) -> None:
@@ -393,8 +410,8 @@ def one_pass_backward(
         _rows_descriptor(dout, QUERY_ROWS),
         _rows_descriptor(k, BLOCK),
         _rows_descriptor(v, BLOCK),
-        lse,
-        delta,
+        _stats_descriptor(lse, QUERY_ROWS),
+        _stats_descriptor(delta, QUERY_ROWS),
         dq,
         dk,
         dv,
@@ -403,8 +420,6 @@ def one_pass_backward(
         length,
         key_ptr.stride(0),
         key_ptr.stride(1),
-        lse.stride(0),
-        lse.stride(1),
         dq.stride(0),
         dq.stride(1),
         dq.stride(2),
@@ -412,6 +427,7 @@ def one_pass_backward(
         dk.stride(1),
         dk.stride(2),
         heads // kv_heads,
+        heads,
         softmax_scale,
         softmax_scale * LOG2E.value,
         HEAD_DIM=dim,
