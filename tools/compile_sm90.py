@@ -1,7 +1,9 @@
 """Compile a kernels tree's one-pass Gluon backward for Hopper (sm_90a) on a machine without a GPU.
 
 Prints, per launch of ``gluon_bwd.one_pass_backward`` (the block tiles; the bars too where the tree has them),
-the shared memory, and ptxas's registers, spills and stack: what a kernel change costs before a GPU can time it.
+the shared memory, and ptxas's registers, spills and stack, for each variant the tree's one pass has (the
+default mode; dk/dv alone, ``dq=None``, for the deterministic mode; packed documents): what a kernel change
+costs before a GPU can time it.
 The tree's Gluon is written for one Triton release (``triton_backend.ONE_PASS_TRITON``); put that release first
 on ``PYTHONPATH`` (``pip install --target /tmp/triton36 triton==3.6.0 --no-deps``). No CUDA driver is needed:
 Triton compiles against a stand-in driver that reports an sm_90 target, and nothing is launched.
@@ -141,10 +143,18 @@ def main(argv=None) -> None:
     accepted = inspect.signature(gluon_bwd.one_pass_backward).parameters
     if "bar_words" in accepted:  # a tree whose one pass also takes the bars by column: one chunk per row
         inputs["bar_words"] = bar_words_of(importlib.import_module("mtraining_kernels.bar_words"), args.seq_len, 16)
-    gluon_bwd.one_pass_backward(**inputs, causal_diag=True, softmax_scale=128**-0.5)
+    variants = {"default": {}}
+    if "documents" in accepted:  # a tree whose one pass also serves the deterministic mode and packed documents
+        doc_ids = torch.zeros(1, args.seq_len, dtype=torch.int32)
+        variants.update(deterministic={"dq": None}, documents={"documents": (doc_ids, doc_ids)})
+    labels = []
+    for label, changes in variants.items():
+        before = len(stand_in.compiled)
+        gluon_bwd.one_pass_backward(**{**inputs, **changes}, causal_diag=True, softmax_scale=128**-0.5)
+        labels += [label] * (len(stand_in.compiled) - before)
     print(f"tree {folder}, Triton {triton.__version__}, sm_90a")
-    for number, kernel in enumerate(stand_in.compiled):
-        print(f"launch {number}: shared memory {kernel.metadata.shared} B")
+    for number, (label, kernel) in enumerate(zip(labels, stand_in.compiled)):
+        print(f"launch {number} ({label}): shared memory {kernel.metadata.shared} B")
         sass = Path(args.sass) / f"launch{number}.sass" if args.sass else None
         print(ptxas_report(kernel.asm["ptx"], sass))
 

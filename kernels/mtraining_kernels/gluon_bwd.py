@@ -13,8 +13,11 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 * the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
-``triton_bwd`` (whose query-major pass recomputes S and dP). The bars and the deterministic mode stay
-with ``triton_bwd``. Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
+``triton_bwd`` (whose query-major pass recomputes S and dP). The bars stay with ``triton_bwd``. Without a dq
+(the deterministic mode) the pass computes dk and dv alone, with no atomics (4 products; the writer idles), and
+``triton_bwd``'s query-major pass the block tiles' dq. Packed documents (``DOCUMENTS``): P is 0 where a query
+row's and a key's document ids differ, compared only where the query or the key block holds two documents.
+Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
 (read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
 than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta contiguous fp32 ``[b, Hq, N]``; dq, dk, dv
 fp32. Written in the Gluon API of Triton 3.6.
@@ -112,28 +115,30 @@ def _dq_writer(
     ROWS: gl.constexpr,
     CHUNK: gl.constexpr,
     WARPS: gl.constexpr,
+    WRITE_DQ: gl.constexpr,
 ):
     """Drains each dq slice (``dq_chunks``: 2 buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
-    (strides ``dq_strides`` = (batch, token, head))."""
+    (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
     CHUNKS: gl.constexpr = ROWS // CHUNK
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     stride_gqb, stride_gqn, stride_gqh = dq_strides
     step = 0
-    for member in range(0, key_lists[7]):
-        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
-        dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
-        for s in range(start, end):
-            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-            slot = step % 2
-            mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
-            ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
-            for c in range(CHUNKS):
-                rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
-                gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
-            mbarrier.arrive(dq_empty_bars.index(slot), count=1)
-            step += 1
+    if WRITE_DQ:
+        for member in range(0, key_lists[7]):
+            head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+            dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
+            for s in range(start, end):
+                _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+                slot = step % 2
+                mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
+                ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
+                for c in range(CHUNKS):
+                    rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                    gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
+                mbarrier.arrive(dq_empty_bars.index(slot), count=1)
+                step += 1
 
 
 @gluon.jit
@@ -144,6 +149,7 @@ def _mma_partition(
     DV,
     dkv_strides,
     key_lists,
+    documents,
     softmax_scale,
     qk_scale_log2,
     HEAD_DIM: gl.constexpr,
@@ -152,9 +158,12 @@ def _mma_partition(
     STAGES: gl.constexpr,
     PAD: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
+    WRITE_DQ: gl.constexpr,
+    DOCUMENTS: gl.constexpr,
 ):
     """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
-    ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head)."""
+    ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``documents`` = (QUERY_DOCS,
+    KEY_DOCS, stride_docb), read only with ``DOCUMENTS``."""
     k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
@@ -180,6 +189,10 @@ def _mma_partition(
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
+    QUERY_DOCS, KEY_DOCS, stride_docb = documents
+    if DOCUMENTS:  # the compare only where the key or the query block holds two documents
+        k_docs = gl.load(KEY_DOCS + sample * stride_docb + k_cols)
+        k_mixed = gl.min(k_docs, 0) != gl.max(k_docs, 0)
     mbarrier.wait(kv_bar, 0)
     step = 0
     for member in range(0, key_lists[7]):
@@ -211,6 +224,12 @@ def _mma_partition(
             if CAUSAL_DIAG:
                 off_diagonal = key_block != qblock
                 probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
+            if DOCUMENTS:
+                q_docs_base = QUERY_DOCS + sample * stride_docb
+                q_mixed = gl.load(q_docs_base + qblock * BLOCK) != gl.load(q_docs_base + qblock * BLOCK + BLOCK - 1)
+                if k_mixed | q_mixed:
+                    q_docs = gl.load(q_docs_base + q_rows)
+                    probs = gl.where(q_docs[:, None] == k_docs[None, :], probs, 0.0)
             ps_smem.store(probs.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
@@ -225,17 +244,22 @@ def _mma_partition(
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             gl.thread_barrier()
             mbarrier.arrive(empty_bars.index(slot), count=1)
-            dq_slot = step % 2
-            mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
-            for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
-                k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
-                dq_tok = warpgroup_mma(
-                    ps_smem, k_part, gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout), use_acc=False, is_async=True
-                )
-                dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
-            gl.thread_barrier()
-            mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
+            if WRITE_DQ:
+                dq_slot = step % 2
+                mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
+                for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                    k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                    dq_tok = warpgroup_mma(
+                        ps_smem,
+                        k_part,
+                        gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
+                        use_acc=False,
+                        is_async=True,
+                    )
+                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                    dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
+                gl.thread_barrier()
+                mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
             step += 1
 
     k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
@@ -260,6 +284,9 @@ def one_pass_backward_kernel(
     DV,
     KEY_PTR,
     KEY_QBLOCK,
+    QUERY_DOCS,
+    KEY_DOCS,
+    stride_docb,
     seq_len,
     stride_kpb,
     stride_kph,
@@ -281,6 +308,8 @@ def one_pass_backward_kernel(
     PAD: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
+    WRITE_DQ: gl.constexpr,
+    DOCUMENTS: gl.constexpr,
 ):
     """Grid (nb, Hkv, b). KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
     KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``)."""
@@ -329,6 +358,7 @@ def one_pass_backward_kernel(
                     DV,
                     (stride_gkb, stride_gkn, stride_gkh),
                     key_lists,
+                    (QUERY_DOCS, KEY_DOCS, stride_docb),
                     softmax_scale,
                     qk_scale_log2,
                     HEAD_DIM,
@@ -337,6 +367,8 @@ def one_pass_backward_kernel(
                     STAGES,
                     PAD,
                     CAUSAL_DIAG,
+                    WRITE_DQ,
+                    DOCUMENTS,
                 ),
             ),
             (
@@ -374,6 +406,7 @@ def one_pass_backward_kernel(
                     ROWS,
                     CHUNK,
                     WRITER_WARPS,
+                    WRITE_DQ,
                 ),
             ),
         ],
@@ -398,13 +431,31 @@ def _stats_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def one_pass_backward(
-    q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag: bool, softmax_scale: float
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    dq,
+    dk,
+    dv,
+    key_ptr,
+    key_qblock,
+    *,
+    causal_diag: bool,
+    softmax_scale: float,
+    documents=None,
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
     (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``); shapes and dtypes as in the module docstring,
-    checked by the caller."""
+    checked by the caller. ``dq`` None: dk and dv alone, without atomics (the deterministic mode, whose dq the
+    query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
+    None."""
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
+    dq_strides = dq.stride()[:3] if dq is not None else (0, 0, 0)
+    query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
     one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
         _rows_descriptor(q, QUERY_ROWS),
         _rows_descriptor(dout, QUERY_ROWS),
@@ -412,17 +463,18 @@ def one_pass_backward(
         _rows_descriptor(v, BLOCK),
         _stats_descriptor(lse, QUERY_ROWS),
         _stats_descriptor(delta, QUERY_ROWS),
-        dq,
+        dq if dq is not None else dk,
         dk,
         dv,
         key_ptr,
         key_qblock,
+        query_docs,
+        key_docs,
+        query_docs.stride(0) if documents is not None else None,
         length,
         key_ptr.stride(0),
         key_ptr.stride(1),
-        dq.stride(0),
-        dq.stride(1),
-        dq.stride(2),
+        *dq_strides,
         dk.stride(0),
         dk.stride(1),
         dk.stride(2),
@@ -438,5 +490,7 @@ def one_pass_backward(
         PAD=DQ_PAD,
         WRITER_WARPS=WRITER_WARPS,
         CAUSAL_DIAG=bool(causal_diag),
+        WRITE_DQ=dq is not None,
+        DOCUMENTS=documents is not None,
         num_warps=MMA_WARPS,
     )

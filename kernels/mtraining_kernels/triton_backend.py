@@ -162,12 +162,12 @@ def _copies_tiles(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _one_pass_backward(q, k, v, dout, dk, dv, deterministic: bool, documents: bool):
-    """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): the
-    default (atomic) mode without documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned
-    operands, and the Triton release whose Gluon API the kernel is written in and was tested with
-    (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes between releases)."""
-    if deterministic or documents or _interpreting() or q.device.type != "cuda":
+def _one_pass_backward(q, k, v, dout, dk, dv):
+    """``gluon_bwd.one_pass_backward`` where it applies, else None (the two passes of ``triton_bwd``): on Hopper
+    (sm_90), head dim 128, contiguous 16-byte-aligned operands, and the Triton release whose Gluon API the kernel
+    is written in and was tested with (:data:`ONE_PASS_TRITON`; Gluon is experimental and its API changes
+    between releases)."""
+    if _interpreting() or q.device.type != "cuda":
         return None
     if not triton.__version__.startswith(ONE_PASS_TRITON):
         return None
@@ -403,7 +403,8 @@ def block_bar_backward(
         key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr))
     key_ptr, key_qblock = key_lists
     tma = _copies_tiles(q, k, v, dout)
-    one_pass = _one_pass_backward(q, k, v, dout, dk, dv, deterministic, document_flag["DOCUMENTS"])
+    one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
+    one_pass_documents = documents[:2] if document_flag["DOCUMENTS"] else None
 
     def query_major_pass(dq_out, fresh: bool, block_tiles: bool) -> None:
         query_major_backward_kernel[(num_blocks, heads, batch)](
@@ -445,7 +446,8 @@ def block_bar_backward(
             **QUERY_MAJOR_CONFIG,
         )
 
-    if one_pass is not None:  # the bars (writing a fresh dq), then the block tiles in one pass, adding dq
+    if one_pass is not None and not deterministic:  # the bars (writing a fresh dq), then the block tiles in
+        # one pass, adding dq
         dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
         if bar_col.numel():
             query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
@@ -465,45 +467,64 @@ def block_bar_backward(
             key_qblock,
             causal_diag=bool(causal_diag),
             softmax_scale=softmax_scale,
+            documents=one_pass_documents,
         )
         if dq_sum is not dq:
             dq.copy_(dq_sum)
         return
     query_major_pass(dq, fresh=bool(fresh_dq), block_tiles=True)
-    query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
-    key_major_backward_kernel[(num_blocks, kv_heads, batch)](
-        q,
-        k,
-        v,
-        dout,
-        *((_tile_descriptor(q, query_rows), _tile_descriptor(dout, query_rows)) if tma else (q, dout)),
-        lse,
-        delta,
-        dk,
-        dv,
-        key_ptr,
-        key_qblock,
-        *documents[:2],
-        *operand_strides,
-        *_bhs(dk),
-        *_bhs(dv),
-        key_ptr.stride(0),
-        key_ptr.stride(1),
-        lse.stride(0),
-        lse.stride(1),
-        documents[2],
-        num_blocks,
-        heads,
-        group,
-        softmax_scale,
-        qk_scale_log2,
-        CAUSAL_DIAG=bool(causal_diag),
-        HEAD_DIM=dim,
-        BLOCK_M=BLOCK_SIZE,
-        TMA=tma,
-        **document_flag,
-        **KEY_MAJOR_CONFIG,
-    )
+    if one_pass is not None:  # deterministic: the block tiles' dk/dv in the one pass, without dq
+        one_pass(
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            None,
+            dk,
+            dv,
+            key_ptr,
+            key_qblock,
+            causal_diag=bool(causal_diag),
+            softmax_scale=softmax_scale,
+            documents=one_pass_documents,
+        )
+    else:  # the block tiles' dk/dv in the key-major pass
+        query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
+        key_major_backward_kernel[(num_blocks, kv_heads, batch)](
+            q,
+            k,
+            v,
+            dout,
+            *((_tile_descriptor(q, query_rows), _tile_descriptor(dout, query_rows)) if tma else (q, dout)),
+            lse,
+            delta,
+            dk,
+            dv,
+            key_ptr,
+            key_qblock,
+            *documents[:2],
+            *operand_strides,
+            *_bhs(dk),
+            *_bhs(dv),
+            key_ptr.stride(0),
+            key_ptr.stride(1),
+            lse.stride(0),
+            lse.stride(1),
+            documents[2],
+            num_blocks,
+            heads,
+            group,
+            softmax_scale,
+            qk_scale_log2,
+            CAUSAL_DIAG=bool(causal_diag),
+            HEAD_DIM=dim,
+            BLOCK_M=BLOCK_SIZE,
+            TMA=tma,
+            **document_flag,
+            **KEY_MAJOR_CONFIG,
+        )
     if not deterministic:
         return
 
