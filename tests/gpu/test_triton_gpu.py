@@ -257,16 +257,15 @@ def test_cpu_tensors_are_rejected():
         )
 
 
-def test_hopper_default_backward_takes_the_one_pass(seed):
-    """On Hopper, with the Triton release the Gluon kernel is written for, the default mode's block tiles take
-    the one pass (another release falls back to the two passes without a word: this test says so); the
-    deterministic and document modes do not."""
+def test_hopper_backward_takes_the_one_pass(seed):
+    """On Hopper, with the Triton release the Gluon kernel is written for, the block tiles of every mode (default,
+    deterministic, packed documents) take the one pass at head dim 128 (another release falls back to the two
+    passes without a word: this test says so); head dim 64 keeps the two passes."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the one-pass backward is for Hopper")
     gen = torch.Generator().manual_seed(seed)
-    q, k, v, dout = make_qkv_dout(1, 1024, 4, 2, 128, torch.bfloat16, DEVICE, gen)
-    dk = torch.zeros(k.shape, device=DEVICE)
-    dv = torch.zeros_like(dk)
-    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, False, False) is not None
-    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, True, False) is None
-    assert triton_backend._one_pass_backward(q, k, v, dout, dk, dv, False, True) is None
+    for dim, expected in ((128, True), (64, False)):
+        q, k, v, dout = make_qkv_dout(1, 1024, 4, 2, dim, torch.bfloat16, DEVICE, gen)
+        dk = torch.zeros(k.shape, device=DEVICE)
+        dv = torch.zeros_like(dk)
+        assert (triton_backend._one_pass_backward(q, k, v, dout, dk, dv) is not None) == expected, f"d={dim}"
