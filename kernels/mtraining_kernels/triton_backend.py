@@ -9,9 +9,10 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
   (registers, no atomics). The bars' dk/dv: by default fp32 atomics in the query-major pass;
   ``deterministic=True``: per chunk of distinct bar columns, reduced over the GQA group in a fixed
   order, so repeated backwards are bitwise equal (lists from ``mtraining_kernels.bar_chunks``).
-  On Hopper the default mode (head dim 128, no documents) computes the block tiles in one pass instead
-  (``mtraining_kernels.gluon_bwd``: dk/dv key-block-major, dq added by atomics); the query-major pass
-  then takes the bars alone.
+  On Hopper (head dim 128) the block tiles' dk/dv come from one warp-specialised pass instead
+  (``mtraining_kernels.gluon_bwd``, key-block-major). In the default mode it also adds their dq by atomics
+  and the query-major pass takes the bars alone; in the deterministic mode the query-major pass keeps the
+  blocks' dq. A fresh forward step without bars or documents takes ``mtraining_kernels.gluon_fwd``.
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
 head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
