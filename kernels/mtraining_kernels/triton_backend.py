@@ -10,9 +10,10 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
   ``deterministic=True``: per chunk of distinct bar columns, reduced over the GQA group in a fixed
   order, so repeated backwards are bitwise equal (lists from ``mtraining_kernels.bar_chunks``).
   On Hopper (head dim 128) the block tiles' dk/dv come from one warp-specialised pass instead
-  (``mtraining_kernels.gluon_bwd``, key-block-major). In the default mode it also adds their dq by atomics
-  and the query-major pass takes the bars alone; in the deterministic mode the query-major pass keeps the
-  blocks' dq. A fresh forward step without bars or documents takes ``mtraining_kernels.gluon_fwd``.
+  (``mtraining_kernels.gluon_bwd``, key-block-major). In the default mode without documents it also adds
+  their dq by atomics and the query-major pass takes the bars alone; in the deterministic mode (documents or
+  not) the query-major pass keeps the blocks' dq. The default mode with documents keeps the two passes.
+  A fresh forward step without bars or documents takes ``mtraining_kernels.gluon_fwd``.
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
 head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
@@ -447,8 +448,8 @@ def block_bar_backward(
             **QUERY_MAJOR_CONFIG,
         )
 
-    if one_pass is not None and not deterministic:  # the bars (writing a fresh dq), then the block tiles in
-        # one pass, adding dq
+    if one_pass is not None and not (deterministic or one_pass_documents):  # the bars (writing a fresh dq),
+        # then the block tiles in one pass, adding dq
         dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
         if bar_col.numel():
             query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
@@ -468,13 +469,12 @@ def block_bar_backward(
             key_qblock,
             causal_diag=bool(causal_diag),
             softmax_scale=softmax_scale,
-            documents=one_pass_documents,
         )
         if dq_sum is not dq:
             dq.copy_(dq_sum)
         return
     query_major_pass(dq, fresh=bool(fresh_dq), block_tiles=True)
-    if one_pass is not None:  # deterministic: the block tiles' dk/dv in the one pass, without dq
+    if one_pass is not None and deterministic:  # the block tiles' dk/dv in the one pass, without dq
         one_pass(
             q,
             k,
