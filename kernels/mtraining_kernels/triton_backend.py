@@ -448,8 +448,8 @@ def block_bar_backward(
             **QUERY_MAJOR_CONFIG,
         )
 
-    if one_pass is not None and not deterministic:  # the bars (writing a fresh dq), then the block tiles in one
-        # pass, adding dq
+    if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the bars (writing a
+        # fresh dq), then the block tiles in one pass, adding dq
         dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
         if bar_col.numel():
             query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
@@ -469,7 +469,6 @@ def block_bar_backward(
             key_qblock,
             causal_diag=bool(causal_diag),
             softmax_scale=softmax_scale,
-            documents=one_pass_documents,
         )
         if dq_sum is not dq:
             dq.copy_(dq_sum)
