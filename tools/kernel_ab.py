@@ -18,9 +18,10 @@ block-only pattern of the same mask area, ``flex_peer.block_only_pattern``). Per
 * ``rel_max_diff_vs_first`` (N ≤ ``QUEUED_MAX_LEN``) — the largest of max |Δ| / max |first| over out, dq, dk,
   dv against the first tree's results on the same inputs.
 
-``--rounds R`` runs the trees in turn R times (A B A B …): clocks drift within a run, so a tree compared with
-another should be timed beside it. ``--profile`` prints each tree's CUDA time per kernel of one forward and
-backward at the largest N, on the first of ``--patterns``. Rows are appended to ``--jsonl``.
+``--deterministic`` times every tree's deterministic mode instead of its default one (rows carry
+``deterministic``). ``--rounds R`` runs the trees in turn R times (A B A B …): clocks drift within a run, so a
+tree compared with another should be timed beside it. ``--profile`` prints each tree's CUDA time per kernel of
+one forward and backward at the largest N, on the first of ``--patterns``. Rows are appended to ``--jsonl``.
 This driver imports no kernels: each tree's process runs ``kernel_ab_tree.py`` with the tree first on
 ``PYTHONPATH``. Example: ``python tools/kernel_ab.py --trees base=.ab/base/kernels new=kernels --seq-lens 32768
 131072 524288``.
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--deterministic", action="store_true", help="time deterministic=True in every tree")
     parser.add_argument("--experiment", default="", help="what the trees are, recorded in every row")
     parser.add_argument("--jsonl", default="docs/benchmarks/kernel_ab.jsonl")
     return parser

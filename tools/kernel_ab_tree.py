@@ -85,6 +85,7 @@ def run_tree(args) -> None:
         commit=git_commit(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         experiment=args.experiment,
+        deterministic=args.deterministic,
     )
     for seq_len in args.seq_lens:
         torch.cuda.empty_cache()
@@ -109,7 +110,9 @@ def run_tree(args) -> None:
         forwards = {}
         for pattern in args.patterns:
             index = convert_index(*patterns[pattern](), Layout("contiguous", 1), 0, seq_len)
-            forwards[pattern] = forward = functools.partial(sparse_attention, q, k, v, index, backend="triton")
+            forwards[pattern] = forward = functools.partial(
+                sparse_attention, q, k, v, index, backend="triton", deterministic=args.deterministic
+            )
             torch.cuda.reset_peak_memory_stats()
             row = dict(common, pattern=pattern, seq_len=seq_len, sparsity=args.sparsity)
             with Telemetry() as telemetry:
