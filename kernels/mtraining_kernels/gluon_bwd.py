@@ -247,17 +247,17 @@ def _mma_partition(
             if WRITE_DQ:
                 dq_slot = step % 2
                 mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
-                dq_zeros = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
-                dq_tok0 = warpgroup_mma(
-                    ps_smem, k_smem.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
-                )
-                dq_tok1 = warpgroup_mma(
-                    ps_smem, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
-                )
-                dq0, dq1 = warpgroup_mma_wait(0, deps=[dq_tok0, dq_tok1])
-                dq_slice = dq_slices.index(dq_slot)
-                dq_slice.slice(0, DQ_COLUMNS, dim=1).store(dq0 * softmax_scale)
-                dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq1 * softmax_scale)
+                for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                    k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                    dq_tok = warpgroup_mma(
+                        ps_smem,
+                        k_part,
+                        gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
+                        use_acc=False,
+                        is_async=True,
+                    )
+                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                    dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
                 gl.thread_barrier()
                 mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
             step += 1
