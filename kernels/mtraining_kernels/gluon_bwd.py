@@ -241,28 +241,25 @@ def _mma_partition(
             fence_async_shared()
             gl.thread_barrier()
             dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
-            if WRITE_DQ:  # dq's two products issued behind dk's, one wait for the three
-                dq_zeros = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
-                dq_tok0 = warpgroup_mma(
-                    ps_smem, k_smem.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
-                )
-                dq_tok1 = warpgroup_mma(
-                    ps_smem, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
-                )
-                dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok0, dq_tok1])
-                gl.thread_barrier()
-                mbarrier.arrive(empty_bars.index(slot), count=1)
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+            if WRITE_DQ:
                 dq_slot = step % 2
                 mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
-                dq_slice = dq_slices.index(dq_slot)
-                dq_slice.slice(0, DQ_COLUMNS, dim=1).store(dq0 * softmax_scale)
-                dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq1 * softmax_scale)
+                for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                    k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                    dq_tok = warpgroup_mma(
+                        ps_smem,
+                        k_part,
+                        gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
+                        use_acc=False,
+                        is_async=True,
+                    )
+                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                    dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
                 gl.thread_barrier()
                 mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
-            else:
-                dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                gl.thread_barrier()
-                mbarrier.arrive(empty_bars.index(slot), count=1)
             step += 1
 
     k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
