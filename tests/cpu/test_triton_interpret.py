@@ -7,6 +7,7 @@ Triton 3.8: a 16×16 bf16 product off by 1e10), so bf16 is covered by the GPU te
 """
 
 import importlib
+import itertools
 import math
 import os
 
@@ -43,6 +44,7 @@ from mtraining_kernels.document_conversion import convert_document_index
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import sparse_attention
+from mtraining_kernels.layout import BLOCK_SIZE as BLOCK
 from mtraining_kernels.layout import Layout
 
 _interpreted = type(triton_fwd.block_bar_forward_kernel).__name__ == "InterpretedFunction"
@@ -419,3 +421,63 @@ def test_non_contiguous_inputs_are_accepted():
         **{**args, **strided, "out": out, "lse": lse}, causal_diag=True, softmax_scale=0.125
     )
     assert torch.equal(out, args["out"]) and torch.equal(lse, args["lse"])
+
+
+def _one_pass_stand_in(calls: list):
+    """``gluon_bwd.one_pass_backward`` in PyTorch (fp32), for machines without Hopper: the block tiles of the
+    key-major lists, dq added only when given one (the deterministic mode passes None), P zeroed across
+    documents; each call's mode is appended to ``calls``."""
+
+    def one_pass(
+        q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag, softmax_scale, documents=None
+    ):
+        calls.append({"dq": dq is not None, "documents": documents is not None})
+        batch, _, heads, _ = q.shape
+        group = heads // k.shape[2]
+        local = torch.arange(BLOCK)
+        for b, h in itertools.product(range(batch), range(heads)):
+            for j in range(key_ptr.shape[2] - 1):
+                keys = slice(j * BLOCK, (j + 1) * BLOCK)
+                k_j, v_j = k[b, keys, h // group].float(), v[b, keys, h // group].float()
+                for i in key_qblock[key_ptr[b, h, j] : key_ptr[b, h, j + 1]].tolist():
+                    rows = slice(i * BLOCK, (i + 1) * BLOCK)
+                    q_i, do_i = q[b, rows, h].float(), dout[b, rows, h].float()
+                    keep = (local[None, :] <= local[:, None]) | (not causal_diag or i != j)
+                    if documents is not None:
+                        keep = keep & (documents[0][b, rows, None] == documents[1][b, None, keys])
+                    keep = keep & (lse[b, h, rows, None] > float("-inf"))
+                    probs = torch.where(keep, torch.exp(softmax_scale * q_i @ k_j.T - lse[b, h, rows, None]), 0.0)
+                    dscores = probs * (do_i @ v_j.T - delta[b, h, rows, None])
+                    if dq is not None:
+                        dq[b, rows, h] += softmax_scale * dscores @ k_j
+                    dk[b, keys, h // group] += softmax_scale * dscores.T @ q_i
+                    dv[b, keys, h // group] += probs.T @ do_i
+
+    return one_pass
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, deterministic):
+    """Where the Hopper one pass applies (DESIGN.md §2.6), the backward hands it the block tiles with dq (default
+    mode), without dq (deterministic: the query-major pass keeps the blocks' dq), or not at all (default mode with
+    documents), and the passes around it complete the gradients: a PyTorch stand-in for the one pass, the
+    other passes interpreted, against the fp64 reference on a two-rank striped ring."""
+    calls = []
+    monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
+    generator = torch.Generator().manual_seed(seed)
+    seq_len, heads, kv_heads, dim, dtype, layout = 512, 2, 1, 64, torch.float16, Layout("striped", 2)
+    if packed:
+        index = packed_index_with_cross_document_bars(generator, seq_len, heads)
+        q, k, v, dout = make_qkv_dout(2, seq_len, heads, kv_heads, dim, dtype, "cpu", generator)
+        ours = packed_ring_attention(triton_backend, q, k, v, dout, index, layout, deterministic=deterministic)
+        ref, low = (packed_reference_attention(q, k, v, dout, index, t) for t in (torch.float64, dtype))
+    else:
+        v_idx, s_idx = make_index(1, heads, seq_len, "mixed", generator)
+        q, k, v, dout = make_qkv_dout(1, seq_len, heads, kv_heads, dim, dtype, "cpu", generator)
+        ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, layout, deterministic=deterministic)
+        ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
+    expected = [] if packed and not deterministic else [{"dq": not deterministic, "documents": packed}] * 4
+    assert calls == expected, f"one-pass calls {calls}, expected {expected} (W = 2: four backward steps)"
+    for name, a, r, lo in zip(NAMES, ours, ref, low):
+        assert_close_fa(name, a, r, lo, dtype, f"seed={seed} packed={packed} deterministic={deterministic}")
