@@ -25,7 +25,6 @@ fp32. Written in the Gluon API of Triton 3.6.
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -35,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gluon_descriptors import rows_descriptor, stats_descriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK = 128  # keys per program: one block of the lists
@@ -415,21 +415,6 @@ def one_pass_backward_kernel(
     )
 
 
-def _rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Descriptor of contiguous ``[b, N, H, d]`` tensor ``t`` as ``[b·N, H·d]``, copying ``[rows, d]`` tiles."""
-    batch, length, heads, dim = t.shape
-    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], element)
-    return TensorDescriptor.from_tensor(t.view(batch * length, heads * dim), [rows, dim], layout)
-
-
-def _stats_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Descriptor of contiguous fp32 ``[b, Hq, N]`` row statistics ``t`` as ``[b·Hq, N]``, copying ``[1, rows]``."""
-    batch, heads, length = t.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor.from_tensor(t.view(batch * heads, length), [1, rows], layout)
-
-
 def one_pass_backward(
     q,
     k,
@@ -457,12 +442,12 @@ def one_pass_backward(
     dq_strides = dq.stride()[:3] if dq is not None else (0, 0, 0)
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
     one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
-        _rows_descriptor(q, QUERY_ROWS),
-        _rows_descriptor(dout, QUERY_ROWS),
-        _rows_descriptor(k, BLOCK),
-        _rows_descriptor(v, BLOCK),
-        _stats_descriptor(lse, QUERY_ROWS),
-        _stats_descriptor(delta, QUERY_ROWS),
+        rows_descriptor(q, QUERY_ROWS),
+        rows_descriptor(dout, QUERY_ROWS),
+        rows_descriptor(k, BLOCK),
+        rows_descriptor(v, BLOCK),
+        stats_descriptor(lse, QUERY_ROWS),
+        stats_descriptor(delta, QUERY_ROWS),
         dq if dq is not None else dk,
         dk,
         dv,

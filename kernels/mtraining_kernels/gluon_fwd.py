@@ -19,7 +19,6 @@ in q's dtype and lse fp32 ``[b, Hq, N]``. Written in the Gluon API of Triton 3.6
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -29,7 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gluon_descriptors import rows_descriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -309,22 +309,14 @@ def block_forward_kernel(
     )
 
 
-def _rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Descriptor of contiguous ``[b, N, H, d]`` tensor ``t`` as ``[b·N, H·d]``, copying ``[rows, d]`` tiles."""
-    batch, length, heads, dim = t.shape
-    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], element)
-    return TensorDescriptor.from_tensor(t.view(batch * length, heads * dim), [rows, dim], layout)
-
-
 def block_forward(q, k, v, blk_ptr, blk_col, out, lse, *, causal_diag: bool, softmax_scale: float) -> None:
     """out, lse of the block tiles listed in ``blk_ptr`` int32 ``[b, Hq, nb+1]`` / ``blk_col``, written whole
     (``fresh``); shapes and dtypes as in the module docstring, checked by the caller."""
     batch, length, heads, dim = q.shape
     block_forward_kernel[(length // BLOCK, heads, batch)](
-        _rows_descriptor(q, BLOCK),
-        _rows_descriptor(k, BLOCK),
-        _rows_descriptor(v, BLOCK),
+        rows_descriptor(q, BLOCK),
+        rows_descriptor(k, BLOCK),
+        rows_descriptor(v, BLOCK),
         out,
         lse,
         blk_ptr,

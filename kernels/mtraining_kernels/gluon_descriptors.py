@@ -1,0 +1,22 @@
+"""Host tensor descriptors for the Gluon kernels' tensor-memory copies (``gluon_fwd``, ``gluon_bwd``)."""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+def rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Descriptor of contiguous ``[b, N, H, d]`` tensor ``t`` as ``[b·N, H·d]``, copying ``[rows, d]`` tiles."""
+    batch, length, heads, dim = t.shape
+    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], element)
+    return TensorDescriptor.from_tensor(t.view(batch * length, heads * dim), [rows, dim], layout)
+
+
+def stats_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Descriptor of contiguous fp32 ``[b, Hq, N]`` row statistics ``t`` as ``[b·Hq, N]``, copying ``[1, rows]``."""
+    batch, heads, length = t.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor.from_tensor(t.view(batch * heads, length), [1, rows], layout)
