@@ -406,7 +406,24 @@ def block_bar_backward(
     key_ptr, key_qblock = key_lists
     tma = _copies_tiles(q, k, v, dout)
     one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
-    one_pass_documents = documents[:2] if document_flag["DOCUMENTS"] else None
+
+    def one_pass_block_tiles(dq_out) -> None:  # dq_out None: dk and dv alone
+        one_pass(
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dq_out,
+            dk,
+            dv,
+            key_ptr,
+            key_qblock,
+            causal_diag=bool(causal_diag),
+            softmax_scale=softmax_scale,
+            documents=documents[:2] if document_flag["DOCUMENTS"] else None,
+        )
 
     def query_major_pass(dq_out, fresh: bool, block_tiles: bool) -> None:
         query_major_backward_kernel[(num_blocks, heads, batch)](
@@ -455,42 +472,13 @@ def block_bar_backward(
             query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
         elif fresh_dq:  # no bars at all (a block-only pattern): the bars' pass would only write the zeros
             dq_sum.zero_()
-        one_pass(
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dq_sum,
-            dk,
-            dv,
-            key_ptr,
-            key_qblock,
-            causal_diag=bool(causal_diag),
-            softmax_scale=softmax_scale,
-        )
+        one_pass_block_tiles(dq_sum)
         if dq_sum is not dq:
             dq.copy_(dq_sum)
         return
     query_major_pass(dq, fresh=bool(fresh_dq), block_tiles=True)
     if one_pass is not None and deterministic:  # the block tiles' dk/dv in the one pass, without dq
-        one_pass(
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            None,
-            dk,
-            dv,
-            key_ptr,
-            key_qblock,
-            causal_diag=bool(causal_diag),
-            softmax_scale=softmax_scale,
-            documents=one_pass_documents,
-        )
+        one_pass_block_tiles(None)
     else:  # the block tiles' dk/dv in the key-major pass
         query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
         key_major_backward_kernel[(num_blocks, kv_heads, batch)](
