@@ -439,7 +439,7 @@ def one_pass_backward(
     None."""
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
-    dq_strides = dq.stride()[:3] if dq is not None else (0, 0, 0)
+    dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
     one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
         rows_descriptor(q, QUERY_ROWS),
@@ -448,7 +448,7 @@ def one_pass_backward(
         rows_descriptor(v, BLOCK),
         stats_descriptor(lse, QUERY_ROWS),
         stats_descriptor(delta, QUERY_ROWS),
-        dq if dq is not None else dk,
+        dq,
         dk,
         dv,
         key_ptr,
