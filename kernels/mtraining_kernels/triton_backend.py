@@ -148,7 +148,7 @@ def _forward_config(dim: int) -> dict:
 
 QUERY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3}
 KEY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
-BAR_CHUNK_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
+BAR_CHUNK_CONFIG = {"num_warps": 4, "num_stages": 2, "QUERY_ROWS": 64}
 
 
 def _copies_tiles(*tensors: torch.Tensor) -> bool:
