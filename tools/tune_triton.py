@@ -9,14 +9,17 @@ This tool times candidates on this GPU, causal, bf16, ``[1, N, Hq, d]``:
   ``KEY_MAJOR_CONFIG`` (the blocks' dk/dv pass), each timed on the default backward (on Hopper, head dim
   128, the default backward's block tiles take ``gluon_bwd``'s one pass instead, whose layout is fixed
   in that module: there the dq pass walks the bars alone and the key-major config is unused);
+* ``bar_chunk`` candidates replace ``BAR_CHUNK_CONFIG`` (the deterministic mode's pass over the bars' dk/dv)
+  and are timed on the deterministic backward, on the sparse pattern only (the full one has no bars);
 
 each on the full causal pattern (our dense mode) and on a pattern calibrated to ``--sparsity``, next to
 torch SDPA cuDNN in the same run. Every candidate's output and gradients are compared with those of the
-current config (relative RMSE, bound ``--rmse-bound``), so a fast but wrong config cannot win. A
-candidate that does not compile (e.g. shared memory) is reported, not fatal. Prints a table; rows go to
-``--jsonl``.
+current config (relative RMSE, bound ``--rmse-bound``; the deterministic mode's with its own), so a fast
+but wrong config cannot win. A candidate that does not compile (e.g. shared memory) is reported, not fatal.
+``--kernels`` picks the families to sweep. Prints a table; rows go to ``--jsonl``.
 
     python tools/tune_triton.py --seq-len 131072 --jsonl /tmp/tune.jsonl
+    python tools/tune_triton.py --seq-len 131072 --kernels bar_chunk
 """
 
 from __future__ import annotations
@@ -44,9 +47,22 @@ KEY_MAJOR_CANDIDATES = tuple(
     for stages in (2, 3, 4)
     for rows in (32, 64)
 )
-KERNELS = ("forward", "backward", "key_major")
+BAR_CHUNK_CANDIDATES = tuple(
+    {"num_warps": warps, "num_stages": stages, "QUERY_ROWS": rows}
+    for warps in (4, 8)
+    for stages in (2, 3, 4)
+    for rows in (64, 128)
+)
+CANDIDATES = {
+    "forward": FORWARD_CANDIDATES,
+    "backward": BACKWARD_CANDIDATES,
+    "key_major": KEY_MAJOR_CANDIDATES,
+    "bar_chunk": BAR_CHUNK_CANDIDATES,
+}
+KERNELS = tuple(CANDIDATES)
 # the module-level launch config that each backward kernel's candidates replace
-BACKWARD_CONFIGS = {"backward": "QUERY_MAJOR_CONFIG", "key_major": "KEY_MAJOR_CONFIG"}
+BACKWARD_CONFIGS = {"backward": "QUERY_MAJOR_CONFIG", "key_major": "KEY_MAJOR_CONFIG", "bar_chunk": "BAR_CHUNK_CONFIG"}
+DETERMINISTIC_KERNELS = ("bar_chunk",)  # timed on the deterministic backward, the only one that launches them
 
 
 @contextlib.contextmanager
@@ -75,8 +91,8 @@ def relative_rmse(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).norm()) / norm if norm else float((got - expected).norm())
 
 
-def attention_outputs(q, k, v, dout, index) -> dict[str, torch.Tensor]:
-    out = sparse_attention(q, k, v, index, backend="triton")
+def attention_outputs(q, k, v, dout, index, deterministic: bool) -> dict[str, torch.Tensor]:
+    out = sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
 
@@ -91,22 +107,22 @@ def worst_rmse(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
     return name, errors[name]
 
 
-def sweep_pattern(pattern: str, q, k, v, dout, index, density: float, options, record) -> None:
-    """Time every candidate of both kernels on one pattern; ``record(**row)`` each result."""
-    baseline = attention_outputs(q, k, v, dout, index)
-    for kernel, candidates in (
-        ("forward", FORWARD_CANDIDATES),
-        ("backward", BACKWARD_CANDIDATES),
-        ("key_major", KEY_MAJOR_CANDIDATES),
-    ):
+def sweep_pattern(pattern: str, q, k, v, dout, index, density: float, kernels, options, record) -> None:
+    """Time every candidate of ``kernels`` on one pattern; ``record(**row)`` each result."""
+    baselines = {}  # by mode, from the current configs
+    for kernel in kernels:
+        deterministic = kernel in DETERMINISTIC_KERNELS
+        if deterministic not in baselines:
+            baselines[deterministic] = attention_outputs(q, k, v, dout, index, deterministic)
         current = current_config(kernel, q.shape[-1])
-        for config in candidates:
+        for config in CANDIDATES[kernel]:
             row = dict(pattern=pattern, density=density, kernel=kernel, config=config, current=config == current)
             try:
                 with patched(kernel, config):
-                    name, rmse = worst_rmse(attention_outputs(q, k, v, dout, index), baseline)
+                    outputs = attention_outputs(q, k, v, dout, index, deterministic)
+                    name, rmse = worst_rmse(outputs, baselines[deterministic])
                     fwd_ms, bwd_ms = measure(
-                        lambda: sparse_attention(q, k, v, index, backend="triton"),
+                        lambda: sparse_attention(q, k, v, index, backend="triton", deterministic=deterministic),
                         lambda out: torch.autograd.grad(out, (q, k, v), dout),
                         options.warmup,
                         options.reps,
@@ -137,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         default=5e-3,
         help="largest relative RMSE of out/dq/dk/dv against the current config",
     )
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jsonl", type=Path, default=None)
     options = parser.parse_args(argv)
@@ -195,10 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     record(pattern="dense", density=1.0, kernel="forward", config={"impl": "sdpa_cudnn"}, status="ok", ms=fwd_ms)
     record(pattern="dense", density=1.0, kernel="backward", config={"impl": "sdpa_cudnn"}, status="ok", ms=bwd_ms)
 
-    v_idx, s_idx = full_index(1, heads, options.seq_len, device=device)
-    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, options.seq_len)
-    sweep_pattern("dense", q, k, v, dout, index, 1.0, options, record)
-    del index
+    dense_kernels = [kernel for kernel in options.kernels if kernel not in DETERMINISTIC_KERNELS]  # no bars
+    if dense_kernels:
+        v_idx, s_idx = full_index(1, heads, options.seq_len, device=device)
+        index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, options.seq_len)
+        sweep_pattern("dense", q, k, v, dout, index, 1.0, dense_kernels, options, record)
+        del index
     v_idx, s_idx, _ = budget_pattern(1, heads, options.seq_len, options.sparsity, device, generator)
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, options.seq_len)
     sweep_pattern(
@@ -209,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         dout,
         index,
         mask_density(v_idx, s_idx, options.seq_len),
+        options.kernels,
         options,
         record,
     )
@@ -218,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     cudnn = {row["kernel"]: row["tflops_actual"] for row in rows if row["config"].get("impl") == "sdpa_cudnn"}
     for row in rows:
-        pass_of = "forward" if row["kernel"] == "forward" else "backward"  # a key_major row times the backward
+        pass_of = "forward" if row["kernel"] == "forward" else "backward"  # key_major, bar_chunk: a backward
         share = f"{row['tflops_actual'] / cudnn[pass_of]:.0%}" if "tflops_actual" in row else "–"
         ms = f"{row['ms']:.2f}" if "ms" in row else "–"
         tflops = f"{row['tflops_actual']:.1f}" if "tflops_actual" in row else "–"

@@ -38,6 +38,7 @@ def test_the_current_configs_are_among_the_candidates():
         assert tune_triton.current_config("forward", dim) in tune_triton.FORWARD_CANDIDATES
     assert tune_triton.current_config("backward", 128) in tune_triton.BACKWARD_CANDIDATES
     assert tune_triton.current_config("key_major", 128) in tune_triton.KEY_MAJOR_CANDIDATES
+    assert tune_triton.current_config("bar_chunk", 128) in tune_triton.BAR_CHUNK_CANDIDATES
 
 
 def test_key_major_patch_applies_inside_and_restores_after():
@@ -63,3 +64,12 @@ def test_worst_rmse_names_the_tensor_that_differs(seed):
 def test_refuses_to_run_without_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         tune_triton.main(["--seq-len", "4096"])
+
+
+def test_bar_chunk_patch_applies_inside_and_restores_after():
+    before = dict(triton_backend.BAR_CHUNK_CONFIG)
+    config = {"num_warps": 8, "num_stages": 4, "QUERY_ROWS": 128}
+    with tune_triton.patched("bar_chunk", config):
+        assert triton_backend.BAR_CHUNK_CONFIG == config
+    assert triton_backend.BAR_CHUNK_CONFIG == before
+    assert "bar_chunk" in tune_triton.DETERMINISTIC_KERNELS  # the only backward that launches it
