@@ -141,7 +141,8 @@ def _document_arguments(query_doc_ids, key_doc_ids, q: torch.Tensor, key_len: in
 # Picked from the compiler's resource report for sm_90 (no register spills, loads pipelined): the
 # forward uses 192-229 registers; the key-major passes walk a query block in 64-row slices, since
 # whole 128-row slices spill with dk/dv [64, d] held in registers. The query-major backward's three
-# pipeline stages were picked by timing (tools/tune_triton.py; the timings are in docs/benchmarks.md).
+# pipeline stages and the bar-chunk pass's four warps were picked by timing (tools/tune_triton.py; the
+# timings are in docs/benchmarks.md).
 def _forward_config(dim: int) -> dict:
     return {"num_warps": 4 if dim == 64 else 8, "num_stages": 3}
 
