@@ -76,20 +76,13 @@ def _loader(
     delta_bufs,
     ready_bars,
     empty_bars,
-    dq_ready_bars,
     key_lists,
     seq_len,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
-    WRITE_DQ: gl.constexpr,
 ):
-    """A slot is free again once the MMA partition is done with its slice: with ``WRITE_DQ``, when that slice's
-    dq is ready (the slot and the dq buffer share the index; q and dO are read before dq's products), else at
-    its ``empty_bars`` arrival."""
-    if WRITE_DQ:
-        gl.static_assert(STAGES == 2, "the q/dO slots follow the two dq buffers")
     sample = key_lists[6]
     step = 0
     for member in range(0, key_lists[7]):
@@ -97,10 +90,7 @@ def _loader(
         for s in range(start, end):
             _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             slot = step % STAGES
-            if WRITE_DQ:
-                mbarrier.wait(dq_ready_bars.index(slot), ((step // STAGES) & 1) ^ 1)
-            else:
-                mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
             ready = ready_bars.index(slot)
             mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
             coords = [sample * seq_len + first_row, head * HEAD_DIM]
@@ -252,7 +242,9 @@ def _mma_partition(
             gl.thread_barrier()
             dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
-            if WRITE_DQ:  # the q/dO slot goes back with the dq slice: one arrival, so one barrier fewer per slice
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+            if WRITE_DQ:
                 dq_slot = step % 2
                 mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
                 for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
@@ -268,9 +260,6 @@ def _mma_partition(
                     dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
                 gl.thread_barrier()
                 mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
-            else:
-                gl.thread_barrier()
-                mbarrier.arrive(empty_bars.index(slot), count=1)
             step += 1
 
     k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
@@ -395,14 +384,12 @@ def one_pass_backward_kernel(
                     delta_bufs,
                     ready_bars,
                     empty_bars,
-                    dq_ready_bars,
                     key_lists,
                     seq_len,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
                     STAGES,
-                    WRITE_DQ,
                 ),
             ),
             (
