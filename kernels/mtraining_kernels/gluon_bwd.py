@@ -6,8 +6,7 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
   dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
-  in halves of 64 columns, each into its own shared buffer (double-buffered, rows padded against bank
-  conflicts), and gives the slice's q/dO slot back to the loader with the slice's dq;
+  in parts of 64 columns, into a shared buffer (double-buffered, rows padded against bank conflicts);
 * the loader (1 warp) — the slices' q and dO, and their rows' lse and delta, by tensor-memory copies, two
   stages ahead (so the MMA warps read lse and delta from shared memory, not from global memory right before
   their first use);
@@ -42,9 +41,8 @@ LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK = 128  # keys per program: one block of the lists
 QUERY_ROWS = 64  # query rows per slice
 STAGES = 2  # q/dO slices in flight
-DQ_COLUMNS = gl.constexpr(64)  # dq is computed, buffered and added in two halves of 64 columns
-DQ_CHUNK = 4  # dq rows per atomic instruction of the writer (of one half)
-DQ_PAD = 8  # fp32 padding after each dq half-row in shared memory
+DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
+DQ_PAD = 8  # fp32 padding after each dq row in shared memory
 WRITER_WARPS = 2
 MMA_WARPS = 8
 
@@ -78,20 +76,13 @@ def _loader(
     delta_bufs,
     ready_bars,
     empty_bars,
-    dq_ready_bars,
     key_lists,
     seq_len,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
-    WRITE_DQ: gl.constexpr,
 ):
-    """A slot is free again once the MMA partition is done with its slice: with ``WRITE_DQ``, when that slice's
-    dq is ready (the slot and the dq buffer share the index; q and dO are read before dq's products), else at
-    its ``empty_bars`` arrival."""
-    if WRITE_DQ:
-        gl.static_assert(STAGES == 2, "the q/dO slots follow the two dq buffers")
     sample = key_lists[6]
     step = 0
     for member in range(0, key_lists[7]):
@@ -99,10 +90,7 @@ def _loader(
         for s in range(start, end):
             _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
             slot = step % STAGES
-            if WRITE_DQ:
-                mbarrier.wait(dq_ready_bars.index(slot), ((step // STAGES) & 1) ^ 1)
-            else:
-                mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
             ready = ready_bars.index(slot)
             mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
             coords = [sample * seq_len + first_row, head * HEAD_DIM]
@@ -118,7 +106,7 @@ def _loader(
 def _dq_writer(
     DQ,
     dq_strides,
-    dq_halves,
+    dq_chunks,
     dq_ready_bars,
     dq_empty_bars,
     key_lists,
@@ -129,13 +117,12 @@ def _dq_writer(
     WARPS: gl.constexpr,
     WRITE_DQ: gl.constexpr,
 ):
-    """Drains each dq slice (``dq_halves``: its two 64-column halves, each 2 buffers of ROWS // CHUNK chunks
-    [CHUNK, DQ_COLUMNS]) into DQ (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
+    """Drains each dq slice (``dq_chunks``: 2 buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
+    (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
     CHUNKS: gl.constexpr = ROWS // CHUNK
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // DQ_COLUMNS, DQ_COLUMNS // 4], [WARPS, 1], [1, 0])
-    gl.static_assert(CHUNK == WARPS * 128 // DQ_COLUMNS, "one chunk per instruction of the writer's warps")
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-    offs_d = gl.arange(0, DQ_COLUMNS, layout=gl.SliceLayout(0, layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     stride_gqb, stride_gqn, stride_gqh = dq_strides
     step = 0
     if WRITE_DQ:
@@ -148,9 +135,8 @@ def _dq_writer(
                 mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
                 ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
                 for c in range(CHUNKS):
-                    for half in gl.static_range(2):
-                        rows = dq_halves[half].index(slot * CHUNKS + c).load(layout)
-                        gl.atomic_add(ptrs + c * CHUNK * stride_gqn + half * DQ_COLUMNS, rows, sem="relaxed")
+                    rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                    gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
                 mbarrier.arrive(dq_empty_bars.index(slot), count=1)
                 step += 1
 
@@ -175,16 +161,17 @@ def _mma_partition(
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
 ):
-    """``smem`` = (k, v, q stages, dO stages, P/dS, dq halves, lse stages, delta stages); ``bars`` = (k/v,
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
     ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``documents`` = (QUERY_DOCS,
     KEY_DOCS, stride_docb), read only with ``DOCUMENTS``."""
-    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_halves, lse_bufs, delta_bufs = smem
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
     # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
     # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
     # budget (a whole [64, 128] dq tile spills).
+    DQ_COLUMNS: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK // 2, 16]
     )
@@ -195,12 +182,8 @@ def _mma_partition(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     dtype: gl.constexpr = k_smem.dtype
-    # each half in its own buffer, so the second half's store needs no barrier behind the first's
-    rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[DQ_COLUMNS, PAD]], [ROWS, DQ_COLUMNS], [1, 0])
-    dq_slices = (
-        dq_halves[0]._reinterpret(gl.float32, [2, ROWS, DQ_COLUMNS], rows_layout),
-        dq_halves[1]._reinterpret(gl.float32, [2, ROWS, DQ_COLUMNS], rows_layout),
-    )
+    rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
+    dq_slices = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout)
 
     k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -259,10 +242,12 @@ def _mma_partition(
             gl.thread_barrier()
             dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
-            if WRITE_DQ:  # the q/dO slot goes back with the dq slice: one arrival, so one barrier fewer per slice
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+            if WRITE_DQ:
                 dq_slot = step % 2
                 mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
-                for part in gl.static_range(2):
+                for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
                     k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
                     dq_tok = warpgroup_mma(
                         ps_smem,
@@ -272,12 +257,9 @@ def _mma_partition(
                         is_async=True,
                     )
                     dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                    dq_slices[part].index(dq_slot).store(dq * softmax_scale)
+                    dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
                 gl.thread_barrier()
                 mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
-            else:
-                gl.thread_barrier()
-                mbarrier.arrive(empty_bars.index(slot), count=1)
             step += 1
 
     k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
@@ -341,14 +323,8 @@ def one_pass_backward_kernel(
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
-    gl.static_assert(HEAD_DIM == 2 * DQ_COLUMNS, "dq in two halves")
-    chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for(
-        [[DQ_COLUMNS, PAD]], [CHUNK, DQ_COLUMNS], [1, 0]
-    )
-    dq_halves = (
-        gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, DQ_COLUMNS], chunk_layout),
-        gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, DQ_COLUMNS], chunk_layout),
-    )
+    chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
+    dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -376,7 +352,7 @@ def one_pass_backward_kernel(
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_halves, lse_bufs, delta_bufs),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     DK,
                     DV,
@@ -408,14 +384,12 @@ def one_pass_backward_kernel(
                     delta_bufs,
                     ready_bars,
                     empty_bars,
-                    dq_ready_bars,
                     key_lists,
                     seq_len,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
                     STAGES,
-                    WRITE_DQ,
                 ),
             ),
             (
@@ -423,7 +397,7 @@ def one_pass_backward_kernel(
                 (
                     DQ,
                     (stride_gqb, stride_gqn, stride_gqh),
-                    dq_halves,
+                    dq_chunks,
                     dq_ready_bars,
                     dq_empty_bars,
                     key_lists,
