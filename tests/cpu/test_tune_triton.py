@@ -41,12 +41,50 @@ def test_the_current_configs_are_among_the_candidates():
     assert tune_triton.current_config("bar_chunk", 128) in tune_triton.BAR_CHUNK_CANDIDATES
 
 
-def test_key_major_patch_applies_inside_and_restores_after():
-    before = dict(triton_backend.KEY_MAJOR_CONFIG)
-    config = {"num_warps": 4, "num_stages": 2, "QUERY_ROWS": 32}
-    with tune_triton.patched("key_major", config):
-        assert triton_backend.KEY_MAJOR_CONFIG == config
-    assert triton_backend.KEY_MAJOR_CONFIG == before
+@pytest.mark.parametrize(
+    ("kernel", "config_name", "config"),
+    [
+        ("key_major", "KEY_MAJOR_CONFIG", {"num_warps": 4, "num_stages": 2, "QUERY_ROWS": 32}),
+        ("bar_chunk", "BAR_CHUNK_CONFIG", {"num_warps": 8, "num_stages": 4, "QUERY_ROWS": 128}),
+    ],
+)
+def test_pass_config_patch_applies_inside_and_restores_after(kernel, config_name, config):
+    before = dict(getattr(triton_backend, config_name))
+    with tune_triton.patched(kernel, config):
+        assert getattr(triton_backend, config_name) == config
+    assert getattr(triton_backend, config_name) == before
+
+
+@pytest.mark.parametrize(("kernel", "deterministic"), [("backward", False), ("bar_chunk", True)])
+def test_each_pass_is_checked_and_timed_in_the_mode_that_launches_it(monkeypatch, kernel, deterministic):
+    """The default backward never launches the bar-chunk pass: its candidates are compared with, and timed on, the
+    deterministic backward, the others on the default one."""
+    modes = []
+    outputs = {name: torch.ones(2) for name in ("out", "dq", "dk", "dv")}
+
+    def fake_outputs(q, k, v, dout, index, deterministic):
+        modes.append(deterministic)
+        return outputs
+
+    def fake_sparse_attention(q, k, v, index, backend, deterministic):
+        modes.append(deterministic)
+
+    def fake_measure(forward, backward, warmup, reps):
+        forward()
+        return 1.0, 2.0
+
+    monkeypatch.setattr(tune_triton, "attention_outputs", fake_outputs)
+    monkeypatch.setattr(tune_triton, "sparse_attention", fake_sparse_attention)
+    monkeypatch.setattr(tune_triton, "measure", fake_measure)
+    rows = []
+    options = type("Options", (), {"warmup": 1, "reps": 1, "rmse_bound": 1e-3})
+    q = torch.zeros(1, 128, 16, 128)  # read for its head dim only
+    tune_triton.sweep_pattern(
+        "sparse", q, None, None, None, None, 0.05, [kernel], options, lambda **row: rows.append(row)
+    )
+    assert len(rows) == len(tune_triton.CANDIDATES[kernel]) and all(row["status"] == "ok" for row in rows)
+    assert all(row["ms"] == 2.0 for row in rows)  # the backward's time
+    assert modes and set(modes) == {deterministic}
 
 
 def test_worst_rmse_names_the_tensor_that_differs(seed):
@@ -64,12 +102,3 @@ def test_worst_rmse_names_the_tensor_that_differs(seed):
 def test_refuses_to_run_without_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         tune_triton.main(["--seq-len", "4096"])
-
-
-def test_bar_chunk_patch_applies_inside_and_restores_after():
-    before = dict(triton_backend.BAR_CHUNK_CONFIG)
-    config = {"num_warps": 8, "num_stages": 4, "QUERY_ROWS": 128}
-    with tune_triton.patched("bar_chunk", config):
-        assert triton_backend.BAR_CHUNK_CONFIG == config
-    assert triton_backend.BAR_CHUNK_CONFIG == before
-    assert "bar_chunk" in tune_triton.DETERMINISTIC_KERNELS  # the only backward that launches it
