@@ -1,9 +1,10 @@
-"""Compile a kernels tree's one-pass Gluon backward for Hopper (sm_90a) on a machine without a GPU.
+"""Compile a kernels tree's Gluon kernels for Hopper (sm_90a) on a machine without a GPU.
 
 Prints, per launch of ``gluon_bwd.one_pass_backward`` (the block tiles; the bars too where the tree has them),
 the shared memory, and ptxas's registers, spills and stack, for each variant the tree's one pass has (the
-default mode; dk/dv alone, ``dq=None``, for the deterministic mode, without and with packed documents): what
-a kernel change costs before a GPU can time it.
+default mode; dk/dv alone, ``dq=None``, for the deterministic mode, without and with packed documents), then
+the same for ``gluon_fwd.block_forward`` where the tree has it: what a kernel change costs before a GPU can
+time it. Two trees whose machine code (``--sass``) is the same differ in nothing a GPU would see.
 The tree's Gluon is written for one Triton release (``triton_backend.ONE_PASS_TRITON``); put that release first
 on ``PYTHONPATH`` (``pip install --target /tmp/triton36 triton==3.6.0 --no-deps``). No CUDA driver is needed:
 Triton compiles against a stand-in driver that reports an sm_90 target, and nothing is launched.
@@ -103,6 +104,22 @@ def one_pass_inputs(seq_len: int, heads: int, kv_heads: int, dim: int) -> dict:
     )
 
 
+def forward_inputs(seq_len: int, heads: int, kv_heads: int, dim: int) -> dict:
+    """Zero CPU tensors shaped as the bench's Qwen2.5-3B forward of the block tiles."""
+    q, out = (torch.zeros(1, seq_len, heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.zeros(1, seq_len, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    num_blocks = seq_len // 128
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        blk_ptr=torch.zeros(1, heads, num_blocks + 1, dtype=torch.int32),
+        blk_col=torch.zeros(num_blocks * num_blocks, dtype=torch.int32),
+        out=out,
+        lse=torch.zeros(1, heads, seq_len),
+    )
+
+
 def bar_words_of(module, seq_len: int, rows: int):
     """Zero ``BarWords`` of the tree's ``bar_words`` module: one chunk per row, one item per row."""
     return module.BarWords(
@@ -152,8 +169,15 @@ def main(argv=None) -> None:
         before = len(stand_in.compiled)
         gluon_bwd.one_pass_backward(**{**inputs, **changes}, causal_diag=True, softmax_scale=128**-0.5)
         labels += [label] * (len(stand_in.compiled) - before)
+    compiled = list(stand_in.compiled)
+    if (folder / "mtraining_kernels" / "gluon_fwd.py").is_file():
+        gluon_fwd = importlib.import_module("mtraining_kernels.gluon_fwd")
+        forward = gluon_fwd.block_forward_kernel = CompileOnly(gluon_fwd.block_forward_kernel)
+        gluon_fwd.block_forward(**forward_inputs(args.seq_len, 16, 2, 128), causal_diag=True, softmax_scale=128**-0.5)
+        labels += ["forward"] * len(forward.compiled)
+        compiled += forward.compiled
     print(f"tree {folder}, Triton {triton.__version__}, sm_90a")
-    for number, (label, kernel) in enumerate(zip(labels, stand_in.compiled)):
+    for number, (label, kernel) in enumerate(zip(labels, compiled)):
         print(f"launch {number} ({label}): shared memory {kernel.metadata.shared} B")
         sass = Path(args.sass) / f"launch{number}.sass" if args.sass else None
         print(ptxas_report(kernel.asm["ptx"], sass))

@@ -68,12 +68,7 @@ def _loader(
     q_desc,
     k_desc,
     v_desc,
-    q_smem,
-    k_bufs,
-    v_bufs,
-    q_bar,
-    ready_bars,
-    empty_bars,
+    buffers,
     lists,
     seq_len,
     HEAD_DIM: gl.constexpr,
@@ -81,7 +76,9 @@ def _loader(
     SUB_TILE: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """``lists`` = (BLK_COL, first entry, end entry, query block, head, KV head, sample)."""
+    """``buffers`` = (q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars); ``lists`` = (BLK_COL, first entry,
+    end entry, query block, head, KV head, sample)."""
+    q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars = buffers
     BLK_COL, start, end, qblock, head, kv_head, sample = lists
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [sample * seq_len + qblock * BLOCK, head * HEAD_DIM], q_bar, q_smem)
@@ -100,18 +97,7 @@ def _loader(
 
 @gluon.jit
 def _softmax_warpgroup(
-    q_smem,
-    k_bufs,
-    v_bufs,
-    q_bar,
-    ready_bars,
-    empty_bars,
-    OUT,
-    LSE,
-    out_strides,
-    lse_strides,
-    lists,
-    qk_scale_log2,
+    operands,
     HALF: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
@@ -120,7 +106,11 @@ def _softmax_warpgroup(
     CAUSAL_DIAG: gl.constexpr,
 ):
     """Rows HALF·BLOCK/2 … of the query block: acc ``[BLOCK/2, HEAD_DIM]`` fp32 in registers, written once.
-    ``out_strides`` = (batch, token, head) of OUT; ``lse_strides`` = (batch, head) of LSE."""
+    ``operands`` (both halves take the same) = (the loader's ``buffers``, OUT, LSE, out_strides, lse_strides,
+    lists, qk_scale_log2), with ``out_strides`` = (batch, token, head) of OUT and ``lse_strides`` = (batch, head)
+    of LSE."""
+    buffers, OUT, LSE, out_strides, lse_strides, lists, qk_scale_log2 = operands
+    q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars = buffers
     BLK_COL, start, end, qblock, head, kv_head, sample = lists
     ROWS: gl.constexpr = BLOCK // 2
     # S [ROWS, BLOCK] and acc [ROWS, HEAD_DIM] share one layout (d = BLOCK = 128): a row's statistics apply to both
@@ -235,43 +225,26 @@ def block_forward_kernel(
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrival per half
     fence_async_shared()
+    buffers = (q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars)
+    softmax_operands = (
+        buffers,
+        OUT,
+        LSE,
+        (stride_ob, stride_on, stride_oh),
+        (stride_lb, stride_lh),
+        lists,
+        qk_scale_log2,
+    )
     gl.warp_specialize(
         [
-            (
-                _softmax_warpgroup,
-                (
-                    q_smem,
-                    k_bufs,
-                    v_bufs,
-                    q_bar,
-                    ready_bars,
-                    empty_bars,
-                    OUT,
-                    LSE,
-                    (stride_ob, stride_on, stride_oh),
-                    (stride_lb, stride_lh),
-                    lists,
-                    qk_scale_log2,
-                    0,
-                    HEAD_DIM,
-                    BLOCK,
-                    SUB_TILE,
-                    STAGES,
-                    CAUSAL_DIAG,
-                ),
-            ),
+            (_softmax_warpgroup, (softmax_operands, 0, HEAD_DIM, BLOCK, SUB_TILE, STAGES, CAUSAL_DIAG)),
             (
                 _loader,
                 (
                     q_desc,
                     k_desc,
                     v_desc,
-                    q_smem,
-                    k_bufs,
-                    v_bufs,
-                    q_bar,
-                    ready_bars,
-                    empty_bars,
+                    buffers,
                     lists,
                     seq_len,
                     HEAD_DIM,
@@ -280,29 +253,7 @@ def block_forward_kernel(
                     STAGES,
                 ),
             ),
-            (
-                _softmax_warpgroup,
-                (
-                    q_smem,
-                    k_bufs,
-                    v_bufs,
-                    q_bar,
-                    ready_bars,
-                    empty_bars,
-                    OUT,
-                    LSE,
-                    (stride_ob, stride_on, stride_oh),
-                    (stride_lb, stride_lh),
-                    lists,
-                    qk_scale_log2,
-                    1,
-                    HEAD_DIM,
-                    BLOCK,
-                    SUB_TILE,
-                    STAGES,
-                    CAUSAL_DIAG,
-                ),
-            ),
+            (_softmax_warpgroup, (softmax_operands, 1, HEAD_DIM, BLOCK, SUB_TILE, STAGES, CAUSAL_DIAG)),
         ],
         [1, 4],
         [24, 240],
