@@ -1,10 +1,10 @@
 """Compile a kernels tree's Gluon kernels for Hopper (sm_90a) on a machine without a GPU.
 
 Prints, per launch of ``gluon_bwd.one_pass_backward`` (the block tiles; the bars too where the tree has them),
-the shared memory, and ptxas's registers, spills and stack, for each variant the tree's one pass has (the
-default mode; dk/dv alone, ``dq=None``, for the deterministic mode, without and with packed documents), then
-the same for ``gluon_fwd.block_forward`` where the tree has it: what a kernel change costs before a GPU can
-time it. Two trees whose machine code (``--sass``) is the same differ in nothing a GPU would see.
+the shared memory, ptxas's registers, spills and stack, and the thread barriers per iteration of the MMA loop
+(one slice of the one pass), for each variant the tree's one pass has (the default mode; dk/dv alone,
+``dq=None``, for the deterministic mode, without and with packed documents), then the same for
+``gluon_fwd.block_forward`` where the tree has it: what a kernel change costs before a GPU can time it. Two trees whose machine code (``--sass``) is the same differ in nothing a GPU would see.
 The tree's Gluon is written for one Triton release (``triton_backend.ONE_PASS_TRITON``); put that release first
 on ``PYTHONPATH`` (``pip install --target /tmp/triton36 triton==3.6.0 --no-deps``). No CUDA driver is needed:
 Triton compiles against a stand-in driver that reports an sm_90 target, and nothing is launched.
@@ -60,9 +60,34 @@ class CompileOnly:
         return launch
 
 
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")  # "/*28e0*/   HGMMA.64x64x16… ;" → address, instruction
+
+
+def mma_loop_barriers(sass: str) -> tuple[int, int] | None:
+    """(thread barriers, warpgroup MMA instructions) in the innermost loop that holds the kernel's first
+    ``HGMMA``: the smallest range from a backward branch's target to the branch that contains it (a slice of
+    the one pass, an iteration of the forward's block loop); None without one. Counts ``BAR.SYNC`` (the
+    partition barriers; not mbarrier waits)."""
+    code = [(int(address, 16), text) for address, text in SASS_LINE.findall(sass)]
+    first_mma = next((address for address, text in code if text.startswith("HGMMA")), None)
+    if first_mma is None:
+        return None
+    loops = []
+    for address, text in code:
+        branch = re.search(r"\bBRA (0x[0-9a-f]+)$", text)
+        if branch and int(branch.group(1), 16) <= first_mma <= address:
+            loops.append((int(branch.group(1), 16), address))
+    if not loops:
+        return None
+    start, end = min(loops, key=lambda loop: loop[1] - loop[0])
+    body = [text for address, text in code if start <= address <= end]
+    return sum("BAR.SYNC" in text for text in body), sum(text.startswith("HGMMA") for text in body)
+
+
 def ptxas_report(ptx: str, sass: Path | None = None) -> str:
-    """ptxas -v's lines on registers, spills and stack for ``ptx`` (sm_90a); with ``sass``, the machine code
-    (``cuobjdump -sass``) is written there, to find where the spills (``STL``/``LDL``) and barriers sit."""
+    """ptxas -v's lines on registers, spills and stack for ``ptx`` (sm_90a), and the barriers of its MMA loop
+    (:func:`mma_loop_barriers`, from ``cuobjdump -sass``); with ``sass``, the machine code is written there, to
+    find where the spills (``STL``/``LDL``) and barriers sit."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as folder:
         source, cubin = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
@@ -73,13 +98,18 @@ def ptxas_report(ptx: str, sass: Path | None = None) -> str:
             text=True,
             check=True,
         )
+        dump = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
+        if dump.returncode:
+            raise SystemExit(f"cuobjdump -sass failed on the compiled kernel: {dump.stderr.strip()}")
         if sass is not None:
-            dump = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
-            if dump.returncode:
-                raise SystemExit(f"cuobjdump -sass failed on the compiled kernel: {dump.stderr.strip()}")
             sass.write_text(dump.stdout)
-    lines = (log.stdout + log.stderr).splitlines()
-    return "\n".join(line.strip() for line in lines if re.search("registers|spill|stack", line))
+    lines = [
+        line.strip() for line in (log.stdout + log.stderr).splitlines() if re.search("registers|spill|stack", line)
+    ]
+    loop = mma_loop_barriers(dump.stdout)
+    if loop is not None:
+        lines.append(f"MMA loop: {loop[0]} thread barriers (BAR.SYNC) per iteration, {loop[1]} HGMMA")
+    return "\n".join(lines)
 
 
 def one_pass_inputs(seq_len: int, heads: int, kv_heads: int, dim: int) -> dict:

@@ -36,3 +36,36 @@ def test_another_triton_release_is_refused_naming_the_one_to_install():
     wanted = ONE_PASS_TRITON.rstrip(".")
     with pytest.raises(SystemExit, match=f"written for {wanted}: pip install"):
         compile_sm90.main(["--kernels", KERNELS])
+
+
+def _sass(*instructions: str) -> str:
+    """cuobjdump -sass lines, one instruction per 16 bytes from address 0."""
+    return "\n".join(
+        f"        /*{16 * n:04x}*/                   {text} ;          /* 0x0000000000000000 */"
+        for n, text in enumerate(instructions)
+    )
+
+
+def test_the_mma_loop_is_the_innermost_loop_around_the_first_warpgroup_mma():
+    sass = _sass(
+        "BAR.SYNC.DEFER_BLOCKING 0x1",  # 0x00: before the loops
+        "MOV R1, R2",  # 0x10: the outer loop starts
+        "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",  # 0x20: the inner loop starts
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R8+URZ+0x10], R13",
+        "@!P1 BRA 0xc0",  # 0x40: to the out-of-line retry
+        "HGMMA.64x64x16.F32.BF16 R184, gdesc[UR52], RZ, !UPT",
+        "HGMMA.64x64x16.F32.BF16 R184, gdesc[UR12], R184, gsb0",
+        "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",
+        "@P1 BRA 0x20",  # 0x80: the inner loop's back branch
+        "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",  # in the outer loop only
+        "@P0 BRA 0x10",  # 0xa0: the outer loop's back branch
+        "EXIT",
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R8+URZ+0x10], R13",  # 0xc0: the retry, back into the inner loop
+        "BRA 0x40",
+    )
+    assert compile_sm90.mma_loop_barriers(sass) == (2, 2)
+
+
+def test_code_without_a_warpgroup_mma_in_a_loop_has_no_mma_loop():
+    assert compile_sm90.mma_loop_barriers(_sass("BAR.SYNC.DEFER_BLOCKING 0x1", "@P0 BRA 0x0", "EXIT")) is None
+    assert compile_sm90.mma_loop_barriers(_sass("HGMMA.64x64x16.F32.BF16 R1, gdesc[UR4], RZ, !UPT", "EXIT")) is None
