@@ -2,9 +2,10 @@
 
 Prints, per launch of ``gluon_bwd.one_pass_backward`` (the block tiles; the bars too where the tree has them),
 the shared memory, ptxas's registers, spills and stack, and the thread barriers per iteration of the MMA loop
-(one slice of the one pass), for each variant the tree's one pass has (the default mode; dk/dv alone,
-``dq=None``, for the deterministic mode, without and with packed documents), then the same for
-``gluon_fwd.block_forward`` where the tree has it: what a kernel change costs before a GPU can time it. Two trees whose machine code (``--sass``) is the same differ in nothing a GPU would see.
+(one slice of the one pass), for each variant the tree's one pass has (the default mode and dk/dv alone,
+``dq=None``, for the deterministic mode, each without and with packed documents), then the same for
+``gluon_fwd.block_forward`` where the tree has it: what a kernel change costs before a GPU can time it. Two
+trees whose machine code (``--sass``) is the same differ in nothing a GPU would see.
 The tree's Gluon is written for one Triton release (``triton_backend.ONE_PASS_TRITON``); put that release first
 on ``PYTHONPATH`` (``pip install --target /tmp/triton36 triton==3.6.0 --no-deps``). No CUDA driver is needed:
 Triton compiles against a stand-in driver that reports an sm_90 target, and nothing is launched.
@@ -193,7 +194,11 @@ def main(argv=None) -> None:
     variants = {"default": {}}
     if "documents" in accepted:  # a tree whose one pass also serves the deterministic mode and packed documents
         doc_ids = torch.zeros(1, args.seq_len, dtype=torch.int32)
-        variants.update(deterministic={"dq": None}, deterministic_documents={"dq": None, "documents": (doc_ids,) * 2})
+        variants.update(
+            documents={"documents": (doc_ids,) * 2},
+            deterministic={"dq": None},
+            deterministic_documents={"dq": None, "documents": (doc_ids,) * 2},
+        )
     labels = []
     for label, changes in variants.items():
         before = len(stand_in.compiled)
