@@ -70,7 +70,8 @@ def mma_loop_barriers(sass: str) -> tuple[int, int] | None:
     the one pass, an iteration of the forward's block loop); None without one. Counts ``BAR.SYNC`` (the
     partition barriers; not mbarrier waits)."""
     code = [(int(address, 16), text) for address, text in SASS_LINE.findall(sass)]
-    first_mma = next((address for address, text in code if text.startswith("HGMMA")), None)
+    is_mma = [re.search(r"(^|\s)HGMMA\.", text) is not None for _, text in code]  # predicated ones too
+    first_mma = next((address for (address, _), mma in zip(code, is_mma) if mma), None)
     if first_mma is None:
         return None
     loops = []
@@ -81,8 +82,8 @@ def mma_loop_barriers(sass: str) -> tuple[int, int] | None:
     if not loops:
         return None
     start, end = min(loops, key=lambda loop: loop[1] - loop[0])
-    body = [text for address, text in code if start <= address <= end]
-    return sum("BAR.SYNC" in text for text in body), sum(text.startswith("HGMMA") for text in body)
+    body = [(text, mma) for (address, text), mma in zip(code, is_mma) if start <= address <= end]
+    return sum("BAR.SYNC" in text for text, _ in body), sum(mma for _, mma in body)
 
 
 def ptxas_report(ptx: str, sass: Path | None = None) -> str:

@@ -54,7 +54,7 @@ def test_the_mma_loop_is_the_innermost_loop_around_the_first_warpgroup_mma():
         "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R8+URZ+0x10], R13",
         "@!P1 BRA 0xc0",  # 0x40: to the out-of-line retry
         "HGMMA.64x64x16.F32.BF16 R184, gdesc[UR52], RZ, !UPT",
-        "HGMMA.64x64x16.F32.BF16 R184, gdesc[UR12], R184, gsb0",
+        "@P2 HGMMA.64x64x16.F32.BF16 R184, gdesc[UR12], R184, gsb0",
         "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",
         "@P1 BRA 0x20",  # 0x80: the inner loop's back branch
         "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",  # in the outer loop only
