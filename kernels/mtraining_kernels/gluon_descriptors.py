@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -10,13 +12,23 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 def rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of contiguous ``[b, N, H, d]`` tensor ``t`` as ``[b·N, H·d]``, copying ``[rows, d]`` tiles."""
     batch, length, heads, dim = t.shape
-    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, dim], element)
-    return TensorDescriptor.from_tensor(t.view(batch * length, heads * dim), [rows, dim], layout)
+    return TensorDescriptor.from_tensor(
+        t.view(batch * length, heads * dim), [rows, dim], _tile_layout(rows, dim, t.dtype)
+    )
 
 
 def stats_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of contiguous fp32 ``[b, Hq, N]`` row statistics ``t`` as ``[b·Hq, N]``, copying ``[1, rows]``."""
     batch, heads, length = t.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor.from_tensor(t.view(batch * heads, length), [1, rows], layout)
+    return TensorDescriptor.from_tensor(t.view(batch * heads, length), [1, rows], _STATS_LAYOUT)
+
+
+@functools.cache
+def _tile_layout(rows: int, dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared layout of a bf16/fp16 ``[rows, dim]`` tile, built once per shape (it is immutable; building
+    it is most of a descriptor's host time)."""
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([rows, dim], element)
+
+
+_STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
