@@ -1,11 +1,12 @@
 """Compile a kernels tree's Gluon kernels for Hopper (sm_90a) on a machine without a GPU.
 
 Prints, per launch of ``gluon_bwd.one_pass_backward`` (the block tiles; the bars too where the tree has them),
-the shared memory, ptxas's registers, spills and stack, and the thread barriers per iteration of the MMA loop
-(one slice of the one pass), for each variant the tree's one pass has (the default mode and dk/dv alone,
-``dq=None``, for the deterministic mode, each without and with packed documents), then the same for
-``gluon_fwd.block_forward`` where the tree has it: what a kernel change costs before a GPU can time it. Two
-trees whose machine code (``--sass``) is the same differ in nothing a GPU would see.
+the shared memory, ptxas's registers, spills and stack, and the thread barriers, warpgroup MMAs and spill
+instructions per iteration of the MMA loop (one slice of the one pass), for each variant the tree's one pass
+has (the default mode and dk/dv alone, ``dq=None``, for the deterministic mode, each without and with packed
+documents), then the same for ``gluon_fwd.block_forward`` where the tree has it: what a kernel change costs
+before a GPU can time it. Two trees whose machine code (``--sass``) is the same differ in nothing a GPU would
+see.
 The tree's Gluon is written for one Triton release (``triton_backend.ONE_PASS_TRITON``); put that release first
 on ``PYTHONPATH`` (``pip install --target /tmp/triton36 triton==3.6.0 --no-deps``). No CUDA driver is needed:
 Triton compiles against a stand-in driver that reports an sm_90 target, and nothing is launched.
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -64,11 +66,19 @@ class CompileOnly:
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")  # "/*28e0*/   HGMMA.64x64x16… ;" → address, instruction
 
 
-def mma_loop_barriers(sass: str) -> tuple[int, int] | None:
-    """(thread barriers, warpgroup MMA instructions) in the innermost loop that holds the kernel's first
-    ``HGMMA``: the smallest range from a backward branch's target to the branch that contains it (a slice of
-    the one pass, an iteration of the forward's block loop); None without one. Counts ``BAR.SYNC`` (the
-    partition barriers; not mbarrier waits)."""
+class MmaLoop(NamedTuple):
+    """What one iteration of the MMA loop executes, counted in its machine code."""
+
+    barriers: int  # BAR.SYNC: partition-wide thread barriers (not mbarrier waits)
+    mmas: int  # HGMMA: warpgroup matrix multiply-accumulates
+    spill_stores: int  # STL: stores to local memory (register spills)
+    spill_loads: int  # LDL: loads from local memory
+
+
+def mma_loop(sass: str) -> MmaLoop | None:
+    """The counts of the innermost loop that holds the kernel's first ``HGMMA``: the smallest range from a
+    backward branch's target to the branch that contains it (a slice of the one pass, an iteration of the
+    forward's block loop); None without one. Spills there cost every iteration, unlike ptxas's totals."""
     code = [(int(address, 16), text) for address, text in SASS_LINE.findall(sass)]
     is_mma = [re.search(r"(^|\s)HGMMA\.", text) is not None for _, text in code]  # predicated ones too
     first_mma = next((address for (address, _), mma in zip(code, is_mma) if mma), None)
@@ -83,7 +93,11 @@ def mma_loop_barriers(sass: str) -> tuple[int, int] | None:
         return None
     start, end = min(loops, key=lambda loop: loop[1] - loop[0])
     body = [(text, mma) for (address, text), mma in zip(code, is_mma) if start <= address <= end]
-    return sum("BAR.SYNC" in text for text, _ in body), sum(mma for _, mma in body)
+
+    def count(opcode: str) -> int:
+        return sum(re.search(rf"(^|\s){opcode}\b", text) is not None for text, _ in body)
+
+    return MmaLoop(count("BAR.SYNC"), sum(mma for _, mma in body), count("STL"), count("LDL"))
 
 
 def ptxas_report(ptx: str, sass: Path | None = None) -> str:
@@ -108,9 +122,12 @@ def ptxas_report(ptx: str, sass: Path | None = None) -> str:
     lines = [
         line.strip() for line in (log.stdout + log.stderr).splitlines() if re.search("registers|spill|stack", line)
     ]
-    loop = mma_loop_barriers(dump.stdout)
+    loop = mma_loop(dump.stdout)
     if loop is not None:
-        lines.append(f"MMA loop: {loop[0]} thread barriers (BAR.SYNC) per iteration, {loop[1]} HGMMA")
+        lines.append(
+            f"MMA loop, per iteration: {loop.barriers} thread barriers (BAR.SYNC), {loop.mmas} HGMMA, "
+            f"{loop.spill_stores} spill stores (STL), {loop.spill_loads} spill loads (LDL)"
+        )
     return "\n".join(lines)
 
 

@@ -52,20 +52,25 @@ def test_the_mma_loop_is_the_innermost_loop_around_the_first_warpgroup_mma():
         "MOV R1, R2",  # 0x10: the outer loop starts
         "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",  # 0x20: the inner loop starts
         "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R8+URZ+0x10], R13",
-        "@!P1 BRA 0xc0",  # 0x40: to the out-of-line retry
+        "@!P1 BRA 0x100",  # 0x40: to the out-of-line retry
         "HGMMA.64x64x16.F32.BF16 R184, gdesc[UR52], RZ, !UPT",
         "@P2 HGMMA.64x64x16.F32.BF16 R184, gdesc[UR12], R184, gsb0",
+        "STL.64 [R1+0x8], R20",
+        "LDL R21, [R1+0x10]",
+        "@P3 LDL.64 R22, [R1+0x18]",
         "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",
-        "@P1 BRA 0x20",  # 0x80: the inner loop's back branch
+        "@P1 BRA 0x20",  # 0xb0: the inner loop's back branch
         "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",  # in the outer loop only
-        "@P0 BRA 0x10",  # 0xa0: the outer loop's back branch
+        "STL [R1+0x20], R30",
+        "@P0 BRA 0x10",  # 0xe0: the outer loop's back branch
         "EXIT",
-        "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R8+URZ+0x10], R13",  # 0xc0: the retry, back into the inner loop
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R8+URZ+0x10], R13",  # 0x100: the retry, back into the inner loop
         "BRA 0x40",
     )
-    assert compile_sm90.mma_loop_barriers(sass) == (2, 2)
+    loop = compile_sm90.mma_loop(sass)
+    assert (loop.barriers, loop.mmas, loop.spill_stores, loop.spill_loads) == (2, 2, 1, 2)
 
 
 def test_code_without_a_warpgroup_mma_in_a_loop_has_no_mma_loop():
-    assert compile_sm90.mma_loop_barriers(_sass("BAR.SYNC.DEFER_BLOCKING 0x1", "@P0 BRA 0x0", "EXIT")) is None
-    assert compile_sm90.mma_loop_barriers(_sass("HGMMA.64x64x16.F32.BF16 R1, gdesc[UR4], RZ, !UPT", "EXIT")) is None
+    assert compile_sm90.mma_loop(_sass("BAR.SYNC.DEFER_BLOCKING 0x1", "@P0 BRA 0x0", "EXIT")) is None
+    assert compile_sm90.mma_loop(_sass("HGMMA.64x64x16.F32.BF16 R1, gdesc[UR4], RZ, !UPT", "EXIT")) is None
