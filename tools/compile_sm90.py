@@ -180,6 +180,21 @@ def bar_words_of(module, seq_len: int, rows: int):
     )
 
 
+def use_tree(folder: Path) -> None:
+    """Import ``mtraining_kernels`` from ``folder`` from now on, and compile against the stand-in driver; raise
+    ``SystemExit`` naming the release to install where the Triton first on the path is not the one the tree's
+    Gluon is written for."""
+    sys.path.insert(0, str(folder))
+    wanted = importlib.import_module("mtraining_kernels.triton_backend").ONE_PASS_TRITON.rstrip(".")
+    if not triton.__version__.startswith(wanted):
+        raise SystemExit(
+            f"Triton {triton.__version__} is first on the path, but the tree's Gluon is written for {wanted}: "
+            f"pip install --target /tmp/triton{wanted.replace('.', '')} 'triton=={wanted}.*' --no-deps, then put that "
+            "folder first on PYTHONPATH"
+        )
+    driver.set_active(StandInDriver())
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default="kernels", help="the folder holding the tree's mtraining_kernels")
@@ -193,15 +208,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--seq-len {args.seq_len}: give a multiple of 128")
     if args.sass and not Path(args.sass).is_dir():
         raise SystemExit(f"--sass {args.sass}: no such folder; create it first")
-    sys.path.insert(0, str(folder))
-    wanted = importlib.import_module("mtraining_kernels.triton_backend").ONE_PASS_TRITON.rstrip(".")
-    if not triton.__version__.startswith(wanted):
-        raise SystemExit(
-            f"Triton {triton.__version__} is first on the path, but the tree's Gluon is written for {wanted}: "
-            f"pip install --target /tmp/triton{wanted.replace('.', '')} 'triton=={wanted}.*' --no-deps, then put that "
-            "folder first on PYTHONPATH"
-        )
-    driver.set_active(StandInDriver())
+    use_tree(folder)
     gluon_bwd = importlib.import_module("mtraining_kernels.gluon_bwd")
     stand_in = CompileOnly(gluon_bwd.one_pass_backward_kernel)
     gluon_bwd.one_pass_backward_kernel = stand_in
