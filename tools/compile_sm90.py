@@ -101,9 +101,9 @@ def mma_loop(sass: str) -> MmaLoop | None:
 
 
 def ptxas_report(ptx: str, sass: Path | None = None) -> str:
-    """ptxas -v's lines on registers, spills and stack for ``ptx`` (sm_90a), and the barriers of its MMA loop
-    (:func:`mma_loop_barriers`, from ``cuobjdump -sass``); with ``sass``, the machine code is written there, to
-    find where the spills (``STL``/``LDL``) and barriers sit."""
+    """ptxas -v's lines on registers, spills and stack for ``ptx`` (sm_90a), and the counts of its MMA loop
+    (:func:`mma_loop`, from ``cuobjdump -sass``); with ``sass``, the machine code is written there, to find
+    which values spill and where the barriers sit."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as folder:
         source, cubin = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
