@@ -19,8 +19,9 @@ So the backward computes 5 matrix products per tile, against 7 for the two passe
 row's and a key's document ids differ, compared only where the query or the key block holds two documents.
 Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
 (read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
-than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta contiguous fp32 ``[b, Hq, N]``; dq, dk, dv
-fp32. Written in the Gluon API of Triton 3.6.
+than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta contiguous fp32 ``[b, Hq, N]``; dq fp32;
+dk, dv fp32 accumulators, or in k's dtype where the pass is their only contributor (written, not added to).
+Written in the Gluon API of Triton 3.6.
 """
 
 from __future__ import annotations
@@ -266,9 +267,13 @@ def _mma_partition(
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
     offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
-    has_work = step > 0
-    gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
-    gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
+    if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
+        has_work = step > 0
+        gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
+        gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
+    else:  # the pass is their only contributor: written in their dtype (zeros where no slice came)
+        gl.store(DK + offsets, (dk * softmax_scale).to(DK.dtype.element_ty))
+        gl.store(DV + offsets, dv.to(DV.dtype.element_ty))
 
 
 @gluon.jit
@@ -434,9 +439,9 @@ def one_pass_backward(
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
     (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``); shapes and dtypes as in the module docstring,
-    checked by the caller. ``dq`` None: dk and dv alone, without atomics (the deterministic mode, whose dq the
-    query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
-    None."""
+    checked by the caller; dk and dv in k's dtype are written (dk = scale·dSᵀ·q, dv = Pᵀ·dO). ``dq`` None: dk
+    and dv alone, without atomics (the deterministic mode, whose dq the query-major pass computes).
+    ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or None."""
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
     dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument

@@ -106,12 +106,9 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        acc = lse.dtype
         dout = dout.contiguous()
         delta = ctx.backend.output_delta(out, dout)  # [b, Hq, N]
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         ctx.backend.block_bar_backward(
             q,
             k,
@@ -129,9 +126,10 @@ class _SparseAttention(torch.autograd.Function):
             key_lists=ctx.index.key_lists(0),
             bar_chunks=ctx.index.bar_chunks(0, k.shape[2]) if ctx.deterministic else None,
             fresh_dq=True,
+            fresh_dkv=True,
             **ctx.index.step_doc_ids(0),
         )
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _check_single_device(q: torch.Tensor, index: BlockBarIndex) -> None:

@@ -297,6 +297,7 @@ def block_bar_backward(
     key_lists=None,
     bar_chunks=None,
     fresh_dq: bool = False,
+    fresh_dkv: bool = False,
 ) -> None:
     """Accumulate one step's gradients in place.
 
@@ -308,7 +309,8 @@ def block_bar_backward(
     accepted for signature parity with the Triton backend, and so are ``key_lists`` and ``bar_chunks`` (the
     lists by key and by bar column that the Triton backward reads; this one walks the lists by query
     block). Document ids as in :func:`block_bar_forward`. ``fresh_dq``: dq holds nothing yet and this is
-    its only step; it is written, in its own dtype (q's or the accumulator's).
+    its only step; it is written, in its own dtype (q's or the accumulator's). ``fresh_dkv``: the same for dk
+    and dv (k's dtype or the accumulator's).
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape
@@ -321,9 +323,13 @@ def block_bar_backward(
     check_accumulator("delta", delta, (batch, heads, query_len), acc, q.device, "rowsum(out * dout) [b, Hq, Nq]")
     dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else acc
     check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
-    check_accumulator("dk", dk, tuple(k.shape), acc, q.device, "the dk accumulator [b, Nk, Hkv, d]")
-    check_accumulator("dv", dv, tuple(v.shape), acc, q.device, "the dv accumulator [b, Nk, Hkv, d]")
+    dkv_dtype = dk.dtype if fresh_dkv and isinstance(dk, torch.Tensor) and dk.dtype == k.dtype else acc
+    check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "the dk accumulator [b, Nk, Hkv, d]")
+    check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "the dv accumulator [b, Nk, Hkv, d]")
     running_dq = torch.zeros(q.shape, dtype=acc, device=q.device) if fresh_dq else dq
+    running_dk, running_dv = (
+        (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (k, v)) if fresh_dkv else (dk, dv)
+    )
     q, dout = q.contiguous(), dout.contiguous()
     key_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -332,7 +338,7 @@ def block_bar_backward(
     dq_blocks = running_dq.view(batch, num_blocks, BLOCK_SIZE, heads, dim)
     lse_blocks = lse.view(batch, heads, num_blocks, BLOCK_SIZE)
     delta_blocks = delta.view(batch, heads, num_blocks, BLOCK_SIZE)
-    dk_rows, dv_rows = dk.view(-1, dim), dv.view(-1, dim)
+    dk_rows, dv_rows = running_dk.view(-1, dim), running_dv.view(-1, dim)
     documents = dict(query_doc_ids=query_doc_ids, key_doc_ids=key_doc_ids)
     for chunk in _chunks(blk_ptr, blk_col, bar_ptr, bar_col, causal_diag=causal_diag, **documents):
         q_rows, k_rows, v_rows = _gather(q, k, v, chunk, group, acc)
@@ -354,3 +360,6 @@ def block_bar_backward(
         _add_rows(dv_rows, target, dv_part[chunk.valid])
     if fresh_dq:
         dq.copy_(running_dq)
+    if fresh_dkv:
+        dk.copy_(running_dk)
+        dv.copy_(running_dv)

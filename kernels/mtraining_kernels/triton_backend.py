@@ -363,6 +363,65 @@ def block_bar_backward(
     key_lists=None,
     bar_chunks=None,
     fresh_dq: bool = False,
+    fresh_dkv: bool = False,
+) -> None:
+    """:func:`_step_gradients` (arguments and semantics there), and ``fresh_dkv``: dk and dv hold nothing yet
+    and this step is their only one: they are written, not added to, in their own dtype (k's, or fp32). The
+    Hopper one pass writes them itself where it is their only contributor (no bars, no documents); otherwise
+    they are accumulated in fp32 and copied."""
+    steps = dict(
+        causal_diag=causal_diag,
+        softmax_scale=softmax_scale,
+        deterministic=deterministic,
+        query_doc_ids=query_doc_ids,
+        key_doc_ids=key_doc_ids,
+        key_lists=key_lists,
+        bar_chunks=bar_chunks,
+        fresh_dq=fresh_dq,
+    )
+    lists = (blk_ptr, blk_col, bar_ptr, bar_col)
+    if not fresh_dkv:
+        _step_gradients(q, k, v, dout, lse, delta, *lists, dq, dk, dv, **steps)
+        return
+    _check_inputs(q, k, v, softmax_scale)
+    dkv_dtype = dk.dtype if isinstance(dk, torch.Tensor) and dk.dtype == k.dtype else ACCUMULATOR_DTYPE
+    check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "dk [b, Nk, Hkv, d], written")
+    check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "dv [b, Nk, Hkv, d], written")
+    no_bars = isinstance(bar_col, torch.Tensor) and not bar_col.numel()
+    sole_pass = no_bars and query_doc_ids is None and _one_pass_backward(q, k, v, dout, dk, dv) is not None
+    if dkv_dtype != ACCUMULATOR_DTYPE and sole_pass:  # the one pass is their only contributor: it writes them
+        _step_gradients(q, k, v, dout, lse, delta, *lists, dq, dk, dv, dkv_dtype=dkv_dtype, **steps)
+        return
+    dk_sum, dv_sum = (torch.zeros(t.shape, dtype=ACCUMULATOR_DTYPE, device=q.device) for t in (k, v))
+    _step_gradients(q, k, v, dout, lse, delta, *lists, dq, dk_sum, dv_sum, **steps)
+    dk.copy_(dk_sum)
+    dv.copy_(dv_sum)
+
+
+def _step_gradients(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    blk_ptr,
+    blk_col,
+    bar_ptr,
+    bar_col,
+    dq,
+    dk,
+    dv,
+    *,
+    causal_diag: bool,
+    softmax_scale: float,
+    deterministic: bool = False,
+    query_doc_ids=None,
+    key_doc_ids=None,
+    key_lists=None,
+    bar_chunks=None,
+    fresh_dq: bool = False,
+    dkv_dtype: torch.dtype = ACCUMULATOR_DTYPE,
 ) -> None:
     """Accumulate one step's gradients in place.
 
@@ -376,7 +435,8 @@ def block_bar_backward(
     ``BlockBarIndex.bar_chunks(source, Hkv)``); without it they are built here (one host sync).
     Document ids as in :func:`block_bar_forward`.
     ``fresh_dq``: dq holds nothing yet and this step is its only one: it is written, not added to, in its
-    own dtype (q's, or fp32).
+    own dtype (q's, or fp32). ``dkv_dtype`` k's dtype: dk and dv are written by the one pass, the only pass
+    that computes them (:func:`block_bar_backward` decides).
     """
     _check_inputs(q, k, v, softmax_scale)
     batch, query_len, heads, dim = q.shape
@@ -392,8 +452,8 @@ def block_bar_backward(
     )
     dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else ACCUMULATOR_DTYPE
     check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
-    check_accumulator("dk", dk, tuple(k.shape), ACCUMULATOR_DTYPE, q.device, "the dk accumulator [b, Nk, Hkv, d]")
-    check_accumulator("dv", dv, tuple(v.shape), ACCUMULATOR_DTYPE, q.device, "the dv accumulator [b, Nk, Hkv, d]")
+    check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "the dk accumulator [b, Nk, Hkv, d]")
+    check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "the dv accumulator [b, Nk, Hkv, d]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
     kv_heads = k.shape[2]

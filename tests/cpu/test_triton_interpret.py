@@ -426,12 +426,15 @@ def test_non_contiguous_inputs_are_accepted():
 def _one_pass_stand_in(calls: list):
     """``gluon_bwd.one_pass_backward`` in PyTorch (fp32), for machines without Hopper: the block tiles of the
     key-major lists, dq added only when given one (the deterministic mode passes None), P zeroed across
-    documents; each call's mode is appended to ``calls``."""
+    documents, dk and dv added to when fp32 and written when in k's dtype; each call's mode is appended to
+    ``calls``."""
 
     def one_pass(
         q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag, softmax_scale, documents=None
     ):
-        calls.append({"dq": dq is not None, "documents": documents is not None})
+        written = dk.dtype != torch.float32
+        calls.append({"dq": dq is not None, "documents": documents is not None, "written": written})
+        dk_sum, dv_sum = (torch.zeros(t.shape) for t in (dk, dv)) if written else (dk, dv)
         batch, _, heads, _ = q.shape
         group = heads // k.shape[2]
         local = torch.arange(BLOCK)
@@ -450,8 +453,11 @@ def _one_pass_stand_in(calls: list):
                     dscores = probs * (do_i @ v_j.T - delta[b, h, rows, None])
                     if dq is not None:
                         dq[b, rows, h] += softmax_scale * dscores @ k_j
-                    dk[b, keys, h // group] += softmax_scale * dscores.T @ q_i
-                    dv[b, keys, h // group] += probs.T @ do_i
+                    dk_sum[b, keys, h // group] += softmax_scale * dscores.T @ q_i
+                    dv_sum[b, keys, h // group] += probs.T @ do_i
+        if written:
+            dk.copy_(dk_sum)
+            dv.copy_(dv_sum)
 
     return one_pass
 
@@ -477,7 +483,33 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
         q, k, v, dout = make_qkv_dout(1, seq_len, heads, kv_heads, dim, dtype, "cpu", generator)
         ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, layout, deterministic=deterministic)
         ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
-    expected = [] if packed and not deterministic else [{"dq": not deterministic, "documents": packed}] * 4
+    expected = (
+        [] if packed and not deterministic else [{"dq": not deterministic, "documents": packed, "written": False}] * 4
+    )
     assert calls == expected, f"one-pass calls {calls}, expected {expected} (W = 2: four backward steps)"
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert_close_fa(name, a, r, lo, dtype, f"seed={seed} packed={packed} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("bars", [False, True], ids=["no_bars", "bars"])
+def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, bars, deterministic):
+    """On one device dk and dv have a single step: where the one pass is their only contributor (no bars) it
+    writes them in k's dtype; with bars they are summed in fp32 and copied. A PyTorch stand-in for the one pass,
+    the other passes interpreted, against the fp64 reference."""
+    calls = []
+    monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
+    generator = torch.Generator().manual_seed(seed)
+    seq_len, heads, kv_heads, dim, dtype = 512, 2, 1, 64, torch.float16
+    s_idx = torch.tensor([[[0, 200], [0, 130]]], dtype=torch.int32)  # both heads: block distances 0-2, not 3
+    v_idx = torch.tensor([[[5, 300], [7, seq_len]]] if bars else [[[seq_len], [seq_len]]], dtype=torch.int32)
+    q, k, v, dout = make_qkv_dout(1, seq_len, heads, kv_heads, dim, dtype, "cpu", generator)
+    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+    assert (index.bar_col.numel() > 0) == bars  # column 5 or 7 is a bar of query block 3
+    out, dq, dk, dv = single_device_attention(q, k, v, dout, index, deterministic=deterministic)
+    assert calls == [{"dq": not deterministic, "documents": False, "written": not bars}], calls
+    assert dk.dtype == dv.dtype == dtype
+    ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
+    context = f"seed={seed} bars={bars} deterministic={deterministic}"
+    for name, a, r, lo in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref[:1] + ref[2:], low[:1] + low[2:]):
+        assert_close_fa(name, a, r, lo, dtype, context)
