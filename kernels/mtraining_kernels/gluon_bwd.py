@@ -26,7 +26,6 @@ Written in the Gluon API of Triton 3.6.
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -87,7 +86,7 @@ def _loader(
 ):
     sample = key_lists[6]
     step = 0
-    for member in range(key_lists[9], key_lists[10]):
+    for member in range(0, key_lists[7]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
         for s in range(start, end):
             _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
@@ -128,7 +127,7 @@ def _dq_writer(
     stride_gqb, stride_gqn, stride_gqh = dq_strides
     step = 0
     if WRITE_DQ:
-        for member in range(key_lists[9], key_lists[10]):
+        for member in range(0, key_lists[7]):
             head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
             dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
@@ -162,7 +161,6 @@ def _mma_partition(
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
-    HEAD_PROGRAMS: gl.constexpr,
 ):
     """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
     ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``documents`` = (QUERY_DOCS,
@@ -198,7 +196,7 @@ def _mma_partition(
         k_mixed = gl.min(k_docs, 0) != gl.max(k_docs, 0)
     mbarrier.wait(kv_bar, 0)
     step = 0
-    for member in range(key_lists[9], key_lists[10]):
+    for member in range(0, key_lists[7]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
         for s in range(start, end):
             qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
@@ -269,11 +267,7 @@ def _mma_partition(
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
     offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
-    if HEAD_PROGRAMS:  # the group's programs share dk and dv
-        if step > 0:
-            gl.atomic_add(DK + offsets, dk * softmax_scale, sem="relaxed")
-            gl.atomic_add(DV + offsets, dv, sem="relaxed")
-    elif DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
+    if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
         has_work = step > 0
         gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
         gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
@@ -321,20 +315,12 @@ def one_pass_backward_kernel(
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
-    HEAD_PROGRAMS: gl.constexpr,
 ):
     """Grid (nb, Hkv, b). KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
     KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``)."""
     key_block = gl.program_id(0)
+    kv_head = gl.program_id(1)
     sample = gl.program_id(2)
-    if HEAD_PROGRAMS:  # one query head per program: the programs running together walk the same head's lists
-        kv_head = gl.program_id(1) // group_size
-        first_member = gl.program_id(1) % group_size
-        end_member = first_member + 1
-    else:
-        kv_head = gl.program_id(1)
-        first_member = 0
-        end_member = group_size
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -365,19 +351,7 @@ def one_pass_backward_kernel(
     tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
 
-    key_lists = (
-        KEY_PTR,
-        KEY_QBLOCK,
-        stride_kpb,
-        stride_kph,
-        key_block,
-        kv_head,
-        sample,
-        group_size,
-        heads,
-        first_member,
-        end_member,
-    )
+    key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, heads)
     gl.warp_specialize(
         [
             (
@@ -400,7 +374,6 @@ def one_pass_backward_kernel(
                     CAUSAL_DIAG,
                     WRITE_DQ,
                     DOCUMENTS,
-                    HEAD_PROGRAMS,
                 ),
             ),
             (
@@ -471,18 +444,9 @@ def one_pass_backward(
     ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or None."""
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
-    head_programs = dq is not None and documents is None
-    if head_programs and dk.dtype != torch.float32:  # the programs add into fp32 sums
-        dk_out, dv_out = dk, dv
-        dk, dv = (
-            torch.zeros(dk.shape, dtype=torch.float32, device=dk.device),
-            torch.zeros(dv.shape, dtype=torch.float32, device=dv.device),
-        )
-    else:
-        dk_out = None
     dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
-    one_pass_backward_kernel[(length // BLOCK, heads if head_programs else kv_heads, batch)](
+    one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
         rows_descriptor(q, QUERY_ROWS),
         rows_descriptor(dout, QUERY_ROWS),
         rows_descriptor(k, BLOCK),
@@ -518,9 +482,5 @@ def one_pass_backward(
         CAUSAL_DIAG=bool(causal_diag),
         WRITE_DQ=dq is not None,
         DOCUMENTS=documents is not None,
-        HEAD_PROGRAMS=head_programs,
         num_warps=MMA_WARPS,
     )
-    if dk_out is not None:
-        dk_out.copy_(dk)
-        dv_out.copy_(dv)
