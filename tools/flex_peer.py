@@ -180,6 +180,28 @@ def block_only_pattern(target_area: Tensor, seq_len: int, generator: torch.Gener
     return v_idx.to(target_area.device), s_idx.to(target_area.device)
 
 
+def block_band_pattern(target_area: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """The block band with, per [b, Hq], the least mask area |M| at or above ``target_area`` (int64 ``[b, Hq]``):
+    the diagonal and the block distances 1 … w, as (v_idx, s_idx) in :func:`block_only_pattern`'s format.
+
+    Its blocks are :func:`block_only_pattern`'s shape in consecutive order: the key blocks that a query block
+    lists are neighbours, so the programs of a kernel that run together share their query blocks (the best case
+    of L2 locality for the same kind of work; ``kernel_ab.py --patterns block_only block_band`` compares them).
+    """
+    num_blocks = seq_len // BLOCK_SIZE
+    if num_blocks < 2:
+        raise ValueError(f"seq_len={seq_len} needs at least two {BLOCK_SIZE}-token blocks")
+    batch, heads = target_area.shape
+    diagonal_area = num_blocks * BLOCK_SIZE * (BLOCK_SIZE + 1) // 2
+    band_blocks = (num_blocks - torch.arange(1, num_blocks)).cumsum(0)  # blocks added by distances 1 … w
+    needed = (target_area.reshape(-1, 1).cpu() - diagonal_area + BLOCK_SIZE**2 - 1) // BLOCK_SIZE**2
+    width = ((band_blocks[None, :] < needed).sum(1) + 1).clamp(max=num_blocks - 1)  # [b·Hq]
+    columns = torch.arange(int(width.max()))
+    s_idx = torch.where(columns[None, :] < width[:, None], (columns + 1) * BLOCK_SIZE, seq_len)
+    v_idx = torch.full((batch, heads, 1), seq_len, dtype=torch.int32)
+    return v_idx.to(target_area.device), s_idx.to(torch.int32).view(batch, heads, -1).to(target_area.device)
+
+
 # ---------------------------------------------------------------------------------------- running
 @functools.cache
 def _compiled_flex_attention():

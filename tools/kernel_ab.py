@@ -7,7 +7,9 @@ ignored by git, so the device tool can carry it). Each tree runs in a fresh proc
 
 For every N and tree, on one seed's inputs (Qwen2.5-3B shape by default, bf16, batch 1), the ``--patterns`` of
 ``bench_attention.py``: ``vertical_slash`` (its fixed-budget pattern at ``--sparsity``) and ``block_only`` (a
-block-only pattern of the same mask area, ``flex_peer.block_only_pattern``). Per row:
+block-only pattern of the same mask area, ``flex_peer.block_only_pattern``), and on request ``block_band`` (the same
+area as consecutive block distances, ``flex_peer.block_band_pattern``: the same work with the best L2 locality).
+Per row:
 
 * ``fwd_ms``/``bwd_ms`` — medians of the forward and backward, CUDA events recorded as the host launches;
   ``fwd_queued_ms``/``bwd_queued_ms`` (N ≤ ``bench_attention.QUEUED_MAX_LEN``) behind a sleep kernel, the GPU's time;
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 
 TOOLS = Path(__file__).resolve().parent
-PATTERNS = ("vertical_slash", "block_only")
+PATTERNS = ("vertical_slash", "block_only", "block_band")
 SHAPE_NAMES = ("qwen2.5-3b", "mha")  # bench_attention.SHAPES, whose module imports the kernels
 
 
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", nargs="+", required=True, help="NAME=FOLDER pairs, the first the reference")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072, 524288])
-    parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    parser.add_argument("--patterns", nargs="+", default=list(PATTERNS[:2]), choices=PATTERNS)
     parser.add_argument("--shape", default=SHAPE_NAMES[0], choices=SHAPE_NAMES)
     parser.add_argument("--sparsity", type=float, default=0.95)
     parser.add_argument("--rounds", type=int, default=1)

@@ -21,7 +21,7 @@ from bench_attention import (
     measure,
     sleep_cycles_per_ms,
 )
-from flex_peer import block_only_pattern
+from flex_peer import block_band_pattern, block_only_pattern
 from gpu_telemetry import Telemetry
 from kernel_ab import build_parser
 from provenance import git_commit
@@ -102,6 +102,7 @@ def run_tree(args) -> None:
             "block_only": lambda: block_only_pattern(
                 mask_area(v_idx, s_idx, seq_len), seq_len, torch.Generator().manual_seed(args.seed)
             ),
+            "block_band": lambda: block_band_pattern(mask_area(v_idx, s_idx, seq_len), seq_len),
         }
 
         def backward(out):

@@ -149,3 +149,27 @@ def test_block_only_pattern_never_goes_below_the_diagonal_and_distance_one():
     )
     assert s_idx.tolist() == [[[BLOCK_SIZE], [BLOCK_SIZE]]]
     assert v_idx.tolist() == [[[seq_len], [seq_len]]]
+
+
+def test_block_band_pattern_is_the_least_band_reaching_the_target(seed):
+    batch, heads, seq_len = 2, 3, 16384
+    num_blocks = seq_len // BLOCK_SIZE
+    generator = torch.Generator().manual_seed(seed)
+    total = seq_len * (seq_len + 1) // 2
+    target = (torch.rand(batch, heads, generator=generator) * 0.2 * total).long() + total // 50
+    v_idx, s_idx = flex_peer.block_band_pattern(target, seq_len)
+    assert v_idx.tolist() == [[[seq_len]] * heads] * batch
+    area = mask_area(v_idx, s_idx, seq_len)
+    assert bool((area >= target).all())
+    width = (s_idx < seq_len).sum(-1)
+    for b in range(batch):
+        for h in range(heads):
+            w = int(width[b, h])
+            assert s_idx[b, h, :w].tolist() == [d * BLOCK_SIZE for d in range(1, w + 1)]
+            # one distance fewer falls short: the band is the least one
+            assert int(area[b, h]) - (num_blocks - w) * BLOCK_SIZE**2 < int(target[b, h])
+
+
+def test_block_band_pattern_refuses_a_single_block():
+    with pytest.raises(ValueError, match="seq_len=128"):
+        flex_peer.block_band_pattern(torch.zeros(1, 1, dtype=torch.long), 128)
