@@ -4,11 +4,9 @@ A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b))
 head of its GQA group, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
 ``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
 
-* the MMA partition (8 warps along the keys) — Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ, Pᵀ = exp2(c·Sᵀ − lse₂),
-  dSᵀ = Pᵀ ⊙ (dPᵀ − delta); dv += Pᵀ·dO and dk += dSᵀ·q in registers, Pᵀ and dSᵀ their A operands from
-  registers (not through shared memory: its bandwidth, which the products' operands share, is what bounds
-  the pass); dq_slice = scale·dS·k, dS through one shared buffer, in parts of 64 columns, into a shared
-  buffer (double-buffered, rows padded against bank conflicts);
+* the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
+  dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
+  in parts of 64 columns, into a shared buffer (double-buffered, rows padded against bank conflicts);
 * the loader (1 warp) — the slices' q and dO, and their rows' lse and delta, by tensor-memory copies, two
   stages ahead (so the MMA warps read lse and delta from shared memory, not from global memory right before
   their first use);
@@ -164,36 +162,37 @@ def _mma_partition(
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
 ):
-    """``smem`` = (k, v, q stages, dO stages, dSᵀ, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
     ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``documents`` = (QUERY_DOCS,
     KEY_DOCS, stride_docb), read only with ``DOCUMENTS``."""
-    k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_chunks, lse_bufs, delta_bufs = smem
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
-    # Sᵀ, dPᵀ [BLOCK, ROWS] and dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys, so Pᵀ and dSᵀ are the A
-    # operands of dv's and dk's products straight from registers. dq [ROWS, DQ_COLUMNS] parts: 4 warps along the
-    # rows, 2 along the columns; in parts of 64 columns to keep the registers in budget.
+    # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
+    # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
+    # budget (a whole [64, 128] dq tile spills).
     DQ_COLUMNS: gl.constexpr = 64
-    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, ROWS, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK // 2, 16]
+    )
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DQ_COLUMNS // 2, 16]
     )
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
     )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     dtype: gl.constexpr = k_smem.dtype
     rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
     dq_slices = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout)
 
-    k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, t_layout))
-    offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(0, t_layout))
+    k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+    offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     QUERY_DOCS, KEY_DOCS, stride_docb = documents
     if DOCUMENTS:  # the compare only where the key or the query block holds two documents
-        k_docs = gl.load(KEY_DOCS + sample * stride_docb + k_rows)
+        k_docs = gl.load(KEY_DOCS + sample * stride_docb + k_cols)
         k_mixed = gl.min(k_docs, 0) != gl.max(k_docs, 0)
     mbarrier.wait(kv_bar, 0)
     step = 0
@@ -201,46 +200,50 @@ def _mma_partition(
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
         for s in range(start, end):
             qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+            q_rows = first_row + offs_q
             slot = step % STAGES
             mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
             lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
             delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
+            lse = lse_s.load(gl.SliceLayout(1, s_layout))
+            delta = delta_s.load(gl.SliceLayout(1, s_layout))
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
             q_s = q_bufs.index(slot)
             do_s = do_bufs.index(slot)
-            st_tok = warpgroup_mma(
-                k_smem, q_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, t_layout), use_acc=False, is_async=True
+            s_tok = warpgroup_mma(
+                q_s, k_smem.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_layout), use_acc=False, is_async=True
             )
-            dpt_tok = warpgroup_mma(
-                v_smem,
-                do_s.permute((1, 0)),
-                gl.zeros([BLOCK, ROWS], gl.float32, t_layout),
+            dp_tok = warpgroup_mma(
+                do_s,
+                v_smem.permute((1, 0)),
+                gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
                 use_acc=False,
                 is_async=True,
             )
-            # lse and delta along the columns (16 per thread), read while the tensor cores compute Sᵀ and dPᵀ
-            lse = lse_s.load(gl.SliceLayout(0, t_layout))
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
-            scores_t = warpgroup_mma_wait(1, deps=[st_tok])
-            probs_t = gl.exp2(scores_t * qk_scale_log2 - lse2[None, :])
+            scores = warpgroup_mma_wait(1, deps=[s_tok])
+            probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
             if CAUSAL_DIAG:
                 off_diagonal = key_block != qblock
-                probs_t = gl.where(off_diagonal | (k_rows[:, None] <= first_row + offs_q[None, :]), probs_t, 0.0)
+                probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
             if DOCUMENTS:
                 q_docs_base = QUERY_DOCS + sample * stride_docb
                 q_mixed = gl.load(q_docs_base + qblock * BLOCK) != gl.load(q_docs_base + qblock * BLOCK + BLOCK - 1)
                 if k_mixed | q_mixed:
-                    q_docs = gl.load(q_docs_base + first_row + offs_q)
-                    probs_t = gl.where(k_docs[:, None] == q_docs[None, :], probs_t, 0.0)
-            dv_tok = warpgroup_mma(gl.convert_layout(probs_t.to(dtype), a_layout), do_s, dv, is_async=True)
-            dprobs_t = warpgroup_mma_wait(1, deps=[dpt_tok])
-            delta = delta_s.load(gl.SliceLayout(0, t_layout))
-            dscores_t = (probs_t * (dprobs_t - delta[None, :])).to(dtype)
-            dk_tok = warpgroup_mma(gl.convert_layout(dscores_t, a_layout), q_s, dk, is_async=True)
-            if WRITE_DQ:  # dS through shared memory, the A operand of dq's product (transposed)
-                ds_smem.store(dscores_t)
-                fence_async_shared()
-            dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
-            gl.thread_barrier()  # q and dO are read (and dS is stored) in both warpgroups
+                    q_docs = gl.load(q_docs_base + q_rows)
+                    probs = gl.where(q_docs[:, None] == k_docs[None, :], probs, 0.0)
+            ps_smem.store(probs.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
+            dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
+            dscores = (probs * (dprobs - delta[:, None])).to(dtype)
+            dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
+            ps_smem.store(dscores)
+            fence_async_shared()
+            gl.thread_barrier()
+            dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
+            gl.thread_barrier()
             mbarrier.arrive(empty_bars.index(slot), count=1)
             if WRITE_DQ:
                 dq_slot = step % 2
@@ -248,7 +251,7 @@ def _mma_partition(
                 for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
                     k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
                     dq_tok = warpgroup_mma(
-                        ds_smem.permute((1, 0)),
+                        ps_smem,
                         k_part,
                         gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
                         use_acc=False,
@@ -260,9 +263,9 @@ def _mma_partition(
                 mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
             step += 1
 
-    kv_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
+    k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    rows = kv_rows.to(gl.int64)[:, None] * dkv_strides[1]
+    rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
     offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
     if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
         has_work = step > 0
@@ -323,8 +326,8 @@ def one_pass_backward_kernel(
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK, ROWS], ds_layout)
+    ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
     chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
     dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
@@ -354,7 +357,7 @@ def one_pass_backward_kernel(
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_chunks, lse_bufs, delta_bufs),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     DK,
                     DV,
