@@ -26,9 +26,6 @@ Written in the Gluon API of Triton 3.6.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -44,8 +41,7 @@ from .gluon_descriptors import rows_descriptor, stats_descriptor
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK = 128  # keys per program: one block of the lists
 QUERY_ROWS = 64  # query rows per slice
-STAGES = 3  # q/dO slices in flight
-DQ_BUFFERS = gl.constexpr(1)  # dq slices in shared memory
+STAGES = 2  # q/dO slices in flight
 DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
 DQ_PAD = 8  # fp32 padding after each dq row in shared memory
 WRITER_WARPS = 2
@@ -70,32 +66,6 @@ def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(work, round):
-    """(item, key lists) of this program's ``round``: the programs take the items (key block fastest, then KV
-    head, then sample) in rounds of one each, in snake order, so the programs running together walk neighbouring
-    key blocks of one head (their query blocks meet in L2) and each gets about the same work. ``work`` =
-    (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, group_size, heads, num_blocks, kv_heads, items)."""
-    programs = gl.num_programs(0)
-    lane = gl.program_id(0)
-    if round % 2 == 1:
-        lane = programs - 1 - lane
-    item = round * programs + lane
-    num_blocks, kv_heads = work[6], work[7]
-    key_lists = (
-        work[0],
-        work[1],
-        work[2],
-        work[3],
-        item % num_blocks,
-        (item // num_blocks) % kv_heads,
-        item // (num_blocks * kv_heads),
-        work[4],
-        work[5],
-    )
-    return item, key_lists
-
-
-@gluon.jit
 def _loader(
     q_desc,
     do_desc,
@@ -107,43 +77,30 @@ def _loader(
     delta_bufs,
     ready_bars,
     empty_bars,
-    kv_parts,
-    work,
+    key_lists,
     seq_len,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """``kv_parts`` = (k_desc, v_desc, k_smem, v_smem, kv_bar, kv_empty): each item's key block."""
-    k_desc, v_desc, k_smem, v_smem, kv_bar, kv_empty = kv_parts
+    sample = key_lists[6]
     step = 0
-    items_done = 0
-    for round in range(0, gl.cdiv(work[8], gl.num_programs(0))):
-        item, key_lists = _work_item(work, round)
-        if item < work[8]:
-            sample = key_lists[6]
-            mbarrier.wait(kv_empty, (items_done & 1) ^ 1)  # the previous item's products are done with k and v
-            mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-            kv_row = sample * seq_len + key_lists[4] * BLOCK
-            tma.async_copy_global_to_shared(k_desc, [kv_row, key_lists[5] * HEAD_DIM], kv_bar, k_smem)
-            tma.async_copy_global_to_shared(v_desc, [kv_row, key_lists[5] * HEAD_DIM], kv_bar, v_smem)
-            for member in range(0, key_lists[7]):
-                head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
-                for s in range(start, end):
-                    _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-                    slot = step % STAGES
-                    mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
-                    ready = ready_bars.index(slot)
-                    mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-                    coords = [sample * seq_len + first_row, head * HEAD_DIM]
-                    tma.async_copy_global_to_shared(q_desc, coords, ready, q_bufs.index(slot))
-                    tma.async_copy_global_to_shared(do_desc, coords, ready, do_bufs.index(slot))
-                    stats_coords = [sample * key_lists[8] + head, first_row]
-                    tma.async_copy_global_to_shared(lse_desc, stats_coords, ready, lse_bufs.index(slot))
-                    tma.async_copy_global_to_shared(delta_desc, stats_coords, ready, delta_bufs.index(slot))
-                    step += 1
-            items_done += 1
+    for member in range(0, key_lists[7]):
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        for s in range(start, end):
+            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+            slot = step % STAGES
+            mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+            ready = ready_bars.index(slot)
+            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            coords = [sample * seq_len + first_row, head * HEAD_DIM]
+            tma.async_copy_global_to_shared(q_desc, coords, ready, q_bufs.index(slot))
+            tma.async_copy_global_to_shared(do_desc, coords, ready, do_bufs.index(slot))
+            stats_coords = [sample * key_lists[8] + head, first_row]
+            tma.async_copy_global_to_shared(lse_desc, stats_coords, ready, lse_bufs.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, stats_coords, ready, delta_bufs.index(slot))
+            step += 1
 
 
 @gluon.jit
@@ -153,7 +110,7 @@ def _dq_writer(
     dq_chunks,
     dq_ready_bars,
     dq_empty_bars,
-    work,
+    key_lists,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
@@ -170,22 +127,19 @@ def _dq_writer(
     stride_gqb, stride_gqn, stride_gqh = dq_strides
     step = 0
     if WRITE_DQ:
-        for round in range(0, gl.cdiv(work[8], gl.num_programs(0))):
-            item, key_lists = _work_item(work, round)
-            if item < work[8]:
-                for member in range(0, key_lists[7]):
-                    head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
-                    dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
-                    for s in range(start, end):
-                        _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-                        slot = step % DQ_BUFFERS
-                        mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
-                        ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
-                        for c in range(CHUNKS):
-                            rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
-                            gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
-                        mbarrier.arrive(dq_empty_bars.index(slot), count=1)
-                        step += 1
+        for member in range(0, key_lists[7]):
+            head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+            dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
+            for s in range(start, end):
+                _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+                slot = step % 2
+                mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
+                ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
+                for c in range(CHUNKS):
+                    rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                    gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
+                mbarrier.arrive(dq_empty_bars.index(slot), count=1)
+                step += 1
 
 
 @gluon.jit
@@ -195,7 +149,7 @@ def _mma_partition(
     DK,
     DV,
     dkv_strides,
-    work,
+    key_lists,
     documents,
     softmax_scale,
     qk_scale_log2,
@@ -209,11 +163,12 @@ def _mma_partition(
     DOCUMENTS: gl.constexpr,
 ):
     """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
-    ready, empty, dq ready, dq empty, k/v empty); ``work`` as in ``_work_item``; ``dkv_strides`` = (batch, token,
-    head); ``documents`` = (QUERY_DOCS, KEY_DOCS, stride_docb), read only with ``DOCUMENTS``."""
+    ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``documents`` = (QUERY_DOCS,
+    KEY_DOCS, stride_docb), read only with ``DOCUMENTS``."""
     k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars, kv_empty = bars
+    kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
+    key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
     # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
     # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
     # budget (a whole [64, 128] dq tile spills).
@@ -229,113 +184,96 @@ def _mma_partition(
     )
     dtype: gl.constexpr = k_smem.dtype
     rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
-    dq_slices = dq_chunks._reinterpret(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], rows_layout)
+    dq_slices = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout)
 
+    k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     QUERY_DOCS, KEY_DOCS, stride_docb = documents
+    if DOCUMENTS:  # the compare only where the key or the query block holds two documents
+        k_docs = gl.load(KEY_DOCS + sample * stride_docb + k_cols)
+        k_mixed = gl.min(k_docs, 0) != gl.max(k_docs, 0)
+    mbarrier.wait(kv_bar, 0)
     step = 0
-    items_done = 0
-    for round in range(0, gl.cdiv(work[8], gl.num_programs(0))):
-        item, key_lists = _work_item(work, round)
-        if item < work[8]:
-            key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
-            k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
-            dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
-            dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
-            if DOCUMENTS:  # the compare only where the key or the query block holds two documents
-                k_docs = gl.load(KEY_DOCS + sample * stride_docb + k_cols)
-                k_mixed = gl.min(k_docs, 0) != gl.max(k_docs, 0)
-            mbarrier.wait(kv_bar, items_done & 1)
-            first_step = step
-            for member in range(0, key_lists[7]):
-                head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
-                for s in range(start, end):
-                    qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-                    q_rows = first_row + offs_q
-                    slot = step % STAGES
-                    mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
-                    lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
-                    delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
-                    lse = lse_s.load(gl.SliceLayout(1, s_layout))
-                    delta = delta_s.load(gl.SliceLayout(1, s_layout))
-                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
-                    q_s = q_bufs.index(slot)
-                    do_s = do_bufs.index(slot)
-                    s_tok = warpgroup_mma(
-                        q_s,
-                        k_smem.permute((1, 0)),
-                        gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+    for member in range(0, key_lists[7]):
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        for s in range(start, end):
+            qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+            q_rows = first_row + offs_q
+            slot = step % STAGES
+            mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+            lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
+            delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
+            lse = lse_s.load(gl.SliceLayout(1, s_layout))
+            delta = delta_s.load(gl.SliceLayout(1, s_layout))
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
+            q_s = q_bufs.index(slot)
+            do_s = do_bufs.index(slot)
+            s_tok = warpgroup_mma(
+                q_s, k_smem.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_layout), use_acc=False, is_async=True
+            )
+            dp_tok = warpgroup_mma(
+                do_s,
+                v_smem.permute((1, 0)),
+                gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                use_acc=False,
+                is_async=True,
+            )
+            scores = warpgroup_mma_wait(1, deps=[s_tok])
+            probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
+            if CAUSAL_DIAG:
+                off_diagonal = key_block != qblock
+                probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
+            if DOCUMENTS:
+                q_docs_base = QUERY_DOCS + sample * stride_docb
+                q_mixed = gl.load(q_docs_base + qblock * BLOCK) != gl.load(q_docs_base + qblock * BLOCK + BLOCK - 1)
+                if k_mixed | q_mixed:
+                    q_docs = gl.load(q_docs_base + q_rows)
+                    probs = gl.where(q_docs[:, None] == k_docs[None, :], probs, 0.0)
+            ps_smem.store(probs.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
+            dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
+            dscores = (probs * (dprobs - delta[:, None])).to(dtype)
+            dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
+            ps_smem.store(dscores)
+            fence_async_shared()
+            gl.thread_barrier()
+            dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+            if WRITE_DQ:
+                dq_slot = step % 2
+                mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
+                for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                    k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                    dq_tok = warpgroup_mma(
+                        ps_smem,
+                        k_part,
+                        gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
                         use_acc=False,
                         is_async=True,
                     )
-                    dp_tok = warpgroup_mma(
-                        do_s,
-                        v_smem.permute((1, 0)),
-                        gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
-                        use_acc=False,
-                        is_async=True,
-                    )
-                    scores = warpgroup_mma_wait(1, deps=[s_tok])
-                    probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
-                    if CAUSAL_DIAG:
-                        off_diagonal = key_block != qblock
-                        probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
-                    if DOCUMENTS:
-                        q_docs_base = QUERY_DOCS + sample * stride_docb
-                        q_mixed = gl.load(q_docs_base + qblock * BLOCK) != gl.load(
-                            q_docs_base + qblock * BLOCK + BLOCK - 1
-                        )
-                        if k_mixed | q_mixed:
-                            q_docs = gl.load(q_docs_base + q_rows)
-                            probs = gl.where(q_docs[:, None] == k_docs[None, :], probs, 0.0)
-                    ps_smem.store(probs.to(dtype))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
-                    dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
-                    dscores = (probs * (dprobs - delta[:, None])).to(dtype)
-                    dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
-                    ps_smem.store(dscores)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
-                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty_bars.index(slot), count=1)
-                    if WRITE_DQ:
-                        dq_slot = step % DQ_BUFFERS
-                        mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
-                        for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
-                            k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
-                            dq_tok = warpgroup_mma(
-                                ps_smem,
-                                k_part,
-                                gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
-                                use_acc=False,
-                                is_async=True,
-                            )
-                            dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                            dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(
-                                dq * softmax_scale
-                            )
-                        gl.thread_barrier()
-                        mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
-                    step += 1
+                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                    dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
+                gl.thread_barrier()
+                mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
+            step += 1
 
-            gl.thread_barrier()  # every warp's products of the item are done: k and v may be replaced
-            mbarrier.arrive(kv_empty, count=1)
-            items_done += 1
-            k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
-            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-            rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
-            offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
-            if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
-                has_work = step > first_step
-                gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
-                gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
-            else:  # the pass is their only contributor: written in their dtype (zeros where no slice came)
-                gl.store(DK + offsets, (dk * softmax_scale).to(DK.dtype.element_ty))
-                gl.store(DV + offsets, dv.to(DV.dtype.element_ty))
+    k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
+    offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
+    if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
+        has_work = step > 0
+        gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
+        gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
+    else:  # the pass is their only contributor: written in their dtype (zeros where no slice came)
+        gl.store(DK + offsets, (dk * softmax_scale).to(DK.dtype.element_ty))
+        gl.store(DV + offsets, dv.to(DV.dtype.element_ty))
 
 
 @gluon.jit
@@ -365,8 +303,6 @@ def one_pass_backward_kernel(
     stride_gkh,
     group_size,
     heads,
-    kv_heads,
-    items,
     softmax_scale,
     qk_scale_log2,
     HEAD_DIM: gl.constexpr,
@@ -380,9 +316,11 @@ def one_pass_backward_kernel(
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
 ):
-    """Persistent: a grid of at most one program per multiprocessor takes the b·Hkv·nb items (key block, KV
-    head, sample) in rounds (``_work_item``). KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph)
-    spans KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``)."""
+    """Grid (nb, Hkv, b). KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
+    KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``)."""
+    key_block = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    sample = gl.program_id(2)
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -391,38 +329,40 @@ def one_pass_backward_kernel(
     ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
     chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
-    dq_chunks = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
+    dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    dq_ready_bars = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-    dq_empty_bars = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_empty, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
-    for i in gl.static_range(DQ_BUFFERS):
+    for i in gl.static_range(2):
         mbarrier.init(dq_ready_bars.index(i), count=1)
         mbarrier.init(dq_empty_bars.index(i), count=1)
     fence_async_shared()
 
-    num_blocks = seq_len // BLOCK
-    work = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, group_size, heads, num_blocks, kv_heads, items)
+    kv_row = sample * seq_len + key_block * BLOCK
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
+
+    key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, heads)
     gl.warp_specialize(
         [
             (
                 _mma_partition,
                 (
                     (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs),
-                    (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars, kv_empty),
+                    (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     DK,
                     DV,
                     (stride_gkb, stride_gkn, stride_gkh),
-                    work,
+                    key_lists,
                     (QUERY_DOCS, KEY_DOCS, stride_docb),
                     softmax_scale,
                     qk_scale_log2,
@@ -449,8 +389,7 @@ def one_pass_backward_kernel(
                     delta_bufs,
                     ready_bars,
                     empty_bars,
-                    (k_desc, v_desc, k_smem, v_smem, kv_bar, kv_empty),
-                    work,
+                    key_lists,
                     seq_len,
                     HEAD_DIM,
                     BLOCK,
@@ -466,7 +405,7 @@ def one_pass_backward_kernel(
                     dq_chunks,
                     dq_ready_bars,
                     dq_empty_bars,
-                    work,
+                    key_lists,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
@@ -479,12 +418,6 @@ def one_pass_backward_kernel(
         [1, WRITER_WARPS],
         [24, 24],
     )
-
-
-@functools.cache
-def _multiprocessors(device) -> int:
-    """The device's multiprocessor count, the persistent grid's size (1 off CUDA: compiled, never run there)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def one_pass_backward(
@@ -513,8 +446,7 @@ def one_pass_backward(
     kv_heads = k.shape[2]
     dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
-    items = batch * kv_heads * (length // BLOCK)
-    one_pass_backward_kernel[(min(items, _multiprocessors(q.device)),)](
+    one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
         rows_descriptor(q, QUERY_ROWS),
         rows_descriptor(dout, QUERY_ROWS),
         rows_descriptor(k, BLOCK),
@@ -538,8 +470,6 @@ def one_pass_backward(
         dk.stride(2),
         heads // kv_heads,
         heads,
-        kv_heads,
-        items,
         softmax_scale,
         softmax_scale * LOG2E.value,
         HEAD_DIM=dim,
