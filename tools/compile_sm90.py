@@ -52,9 +52,9 @@ class StandInDriver:
 class CompileOnly:
     """Stands for a ``@gluon.jit`` kernel: ``kernel[grid](...)`` compiles (``warmup``) and keeps the result."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, compiled: list | None = None):
         self.kernel = kernel
-        self.compiled = []
+        self.compiled = [] if compiled is None else compiled  # shared by the stand-ins of one module's kernels
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -210,8 +210,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"--sass {args.sass}: no such folder; create it first")
     use_tree(folder)
     gluon_bwd = importlib.import_module("mtraining_kernels.gluon_bwd")
-    stand_in = CompileOnly(gluon_bwd.one_pass_backward_kernel)
-    gluon_bwd.one_pass_backward_kernel = stand_in
+    compiled = []  # every kernel the backward launches, in the order they compile
+    for name in dir(gluon_bwd):
+        if name.endswith("_kernel") and hasattr(getattr(gluon_bwd, name), "warmup"):
+            setattr(gluon_bwd, name, CompileOnly(getattr(gluon_bwd, name), compiled))
     inputs = one_pass_inputs(args.seq_len, 16, 2, 128)
     accepted = inspect.signature(gluon_bwd.one_pass_backward).parameters
     if "bar_words" in accepted:  # a tree whose one pass also takes the bars by column: one chunk per row
@@ -226,10 +228,9 @@ def main(argv=None) -> None:
         )
     labels = []
     for label, changes in variants.items():
-        before = len(stand_in.compiled)
+        before = len(compiled)
         gluon_bwd.one_pass_backward(**{**inputs, **changes}, causal_diag=True, softmax_scale=128**-0.5)
-        labels += [label] * (len(stand_in.compiled) - before)
-    compiled = list(stand_in.compiled)
+        labels += [label] * (len(compiled) - before)
     if (folder / "mtraining_kernels" / "gluon_fwd.py").is_file():
         gluon_fwd = importlib.import_module("mtraining_kernels.gluon_fwd")
         forward = gluon_fwd.block_forward_kernel = CompileOnly(gluon_fwd.block_forward_kernel)
