@@ -420,6 +420,350 @@ def one_pass_backward_kernel(
     )
 
 
+@gluon.jit
+def _turns_slice(
+    s,
+    step,
+    dk,
+    dv,
+    smem,
+    bars,
+    key_lists,
+    softmax_scale,
+    qk_scale_log2,
+    HALF: gl.constexpr,
+    DO_DQ: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAD: gl.constexpr,
+    CAUSAL_DIAG: gl.constexpr,
+):
+    """Slice ``s`` (the warpgroup's ``step``-th) for one MMA warpgroup of ``turns_backward_kernel``; with
+    ``DO_DQ`` (its turn) also the slice's whole dq. Returns (dk, dv)."""
+    k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_chunks = smem
+    kv_bar, ready_bars, empty_bars, ds_ready, ds_free, dq_ready_bars, dq_empty_bars = bars
+    KEYS: gl.constexpr = BLOCK // 2
+    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
+    wide_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wide_layout, k_width=2)
+    dtype: gl.constexpr = k_smem.dtype
+    k_half = k_smem.slice(HALF * KEYS, KEYS, dim=0)
+    v_half = v_smem.slice(HALF * KEYS, KEYS, dim=0)
+    qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
+    slot = step % STAGES
+    mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+    q_s = q_bufs.index(slot)
+    do_s = do_bufs.index(slot)
+    st_tok = warpgroup_mma(
+        k_half, q_s.permute((1, 0)), gl.zeros([KEYS, ROWS], gl.float32, t_layout), use_acc=False, is_async=True
+    )
+    dpt_tok = warpgroup_mma(
+        v_half, do_s.permute((1, 0)), gl.zeros([KEYS, ROWS], gl.float32, t_layout), use_acc=False, is_async=True
+    )
+    # lse along the columns (16 per thread), read while the tensor cores compute Sᵀ and dPᵀ
+    lse = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout).load(gl.SliceLayout(0, t_layout))
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
+    scores_t = warpgroup_mma_wait(1, deps=[st_tok])
+    probs_t = gl.exp2(scores_t * qk_scale_log2 - lse2[None, :])
+    if CAUSAL_DIAG:
+        if key_lists[4] == qblock:  # the diagonal block: keys after the query row masked
+            k_rows = qblock * BLOCK + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, t_layout))
+            q_rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(0, t_layout))
+            probs_t = gl.where(k_rows[:, None] <= q_rows[None, :], probs_t, 0.0)
+    dv_tok = warpgroup_mma(gl.convert_layout(probs_t.to(dtype), a_layout), do_s, dv, is_async=True)
+    dprobs_t = warpgroup_mma_wait(1, deps=[dpt_tok])
+    delta = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout).load(gl.SliceLayout(0, t_layout))
+    dscores_t = (probs_t * (dprobs_t - delta[None, :])).to(dtype)
+    dk_tok = warpgroup_mma(gl.convert_layout(dscores_t, a_layout), q_s, dk, is_async=True)
+    mbarrier.wait(ds_free, (step & 1) ^ 1)  # the last slice's dq product has read dS
+    ds_smem.slice(HALF * KEYS, KEYS, dim=1).store(gl.permute(dscores_t, (1, 0)))
+    fence_async_shared()
+    dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+    gl.thread_barrier()  # the warpgroup has read q and dO and stored its half of dS
+    mbarrier.arrive(empty_bars.index(slot), count=1)
+    mbarrier.arrive(ds_ready, count=1)
+    if DO_DQ:  # the slice's dq over both halves of dS
+        rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
+        dq_slices = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout)
+        mbarrier.wait(ds_ready, step & 1)
+        dq_tok = warpgroup_mma(
+            ds_smem,
+            k_smem,
+            gl.zeros([ROWS, HEAD_DIM], gl.float32, wide_layout),
+            use_acc=False,
+            is_async=True,
+        )
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        gl.thread_barrier()
+        mbarrier.arrive(ds_free, count=1)
+        dq_slot = step % 2
+        mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
+        dq_slices.index(dq_slot).store(dq * softmax_scale)
+        gl.thread_barrier()
+        mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _turns_warpgroup(
+    smem,
+    bars,
+    DK,
+    DV,
+    dkv_strides,
+    key_lists,
+    softmax_scale,
+    qk_scale_log2,
+    HALF: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAD: gl.constexpr,
+    CAUSAL_DIAG: gl.constexpr,
+):
+    """One MMA warpgroup of ``turns_backward_kernel``: keys HALF·BLOCK/2 … of the block. Per slice it computes
+    Sᵀ and dPᵀ for its 64 keys, dv and dk with Pᵀ and dSᵀ as register operands, and stores dSᵀ into its half of
+    the shared dS; on its turn (the first slice of each listed query block for half 0, the second for half 1)
+    it computes the slice's whole dq = scale·dS·k, over all 128 keys, into the shared dq buffer. ``smem`` = (k,
+    v, q stages, dO stages, lse stages, delta stages, dSᵀ, dq chunks); ``bars`` = (k/v, ready, empty, dS ready,
+    dS free, dq ready, dq empty)."""
+    key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
+    KEYS: gl.constexpr = BLOCK // 2
+    wide_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, wide_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, wide_layout)
+    mbarrier.wait(bars[0], 0)
+    step = 0
+    for member in range(0, key_lists[7]):
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        for s in range(start, end, 2):  # a listed query block's two slices: half 0's turn, then half 1's
+            dk, dv = _turns_slice(
+                s,
+                step,
+                dk,
+                dv,
+                smem,
+                bars,
+                key_lists,
+                softmax_scale,
+                qk_scale_log2,
+                HALF,
+                HALF == 0,
+                HEAD_DIM,
+                BLOCK,
+                ROWS,
+                STAGES,
+                PAD,
+                CAUSAL_DIAG,
+            )
+            dk, dv = _turns_slice(
+                s + 1,
+                step + 1,
+                dk,
+                dv,
+                smem,
+                bars,
+                key_lists,
+                softmax_scale,
+                qk_scale_log2,
+                HALF,
+                HALF == 1,
+                HEAD_DIM,
+                BLOCK,
+                ROWS,
+                STAGES,
+                PAD,
+                CAUSAL_DIAG,
+            )
+            step += 2
+
+    kv_rows = key_block * BLOCK + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, wide_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, wide_layout))
+    rows = kv_rows.to(gl.int64)[:, None] * dkv_strides[1]
+    offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
+    if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
+        has_work = step > 0
+        gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
+        gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
+    else:  # the pass is their only contributor: written in their dtype (zeros where no slice came)
+        gl.store(DK + offsets, (dk * softmax_scale).to(DK.dtype.element_ty))
+        gl.store(DV + offsets, dv.to(DV.dtype.element_ty))
+
+
+@gluon.jit
+def turns_backward_kernel(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    lse_desc,
+    delta_desc,
+    DQ,
+    DK,
+    DV,
+    KEY_PTR,
+    KEY_QBLOCK,
+    seq_len,
+    stride_kpb,
+    stride_kph,
+    stride_gqb,
+    stride_gqn,
+    stride_gqh,
+    stride_gkb,
+    stride_gkn,
+    stride_gkh,
+    group_size,
+    heads,
+    softmax_scale,
+    qk_scale_log2,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+    CHUNK: gl.constexpr,
+    PAD: gl.constexpr,
+    WRITER_WARPS: gl.constexpr,
+    CAUSAL_DIAG: gl.constexpr,
+):
+    """The default mode's one pass without documents, as cuDNN's and FlashAttention-3's backward: two MMA
+    warpgroups (two partitions of 4 warps, one per 64-key half, no barrier shared but the dS handover), P and dS
+    as register operands of dv's and dk's products, and each slice's dq as one product over all 128 keys taken by
+    the warpgroups in turns. Grid (nb, Hkv, b); arguments as ``one_pass_backward_kernel``'s."""
+    key_block = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    sample = gl.program_id(2)
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ds_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ds_layout)
+    chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
+    dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(ds_ready, count=2)  # one arrival per warpgroup
+    mbarrier.init(ds_free, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # one arrival per warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(dq_ready_bars.index(i), count=1)
+        mbarrier.init(dq_empty_bars.index(i), count=1)
+    fence_async_shared()
+
+    kv_row = sample * seq_len + key_block * BLOCK
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
+
+    key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, heads)
+    smem = (k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_smem, dq_chunks)
+    bars = (kv_bar, ready_bars, empty_bars, ds_ready, ds_free, dq_ready_bars, dq_empty_bars)
+    dkv_strides = (stride_gkb, stride_gkn, stride_gkh)
+    gl.warp_specialize(
+        [
+            (
+                _turns_warpgroup,
+                (
+                    smem,
+                    bars,
+                    DK,
+                    DV,
+                    dkv_strides,
+                    key_lists,
+                    softmax_scale,
+                    qk_scale_log2,
+                    0,
+                    HEAD_DIM,
+                    BLOCK,
+                    ROWS,
+                    STAGES,
+                    PAD,
+                    CAUSAL_DIAG,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    q_desc,
+                    do_desc,
+                    lse_desc,
+                    delta_desc,
+                    q_bufs,
+                    do_bufs,
+                    lse_bufs,
+                    delta_bufs,
+                    ready_bars,
+                    empty_bars,
+                    key_lists,
+                    seq_len,
+                    HEAD_DIM,
+                    BLOCK,
+                    ROWS,
+                    STAGES,
+                ),
+            ),
+            (
+                _dq_writer,
+                (
+                    DQ,
+                    (stride_gqb, stride_gqn, stride_gqh),
+                    dq_chunks,
+                    dq_ready_bars,
+                    dq_empty_bars,
+                    key_lists,
+                    HEAD_DIM,
+                    BLOCK,
+                    ROWS,
+                    CHUNK,
+                    WRITER_WARPS,
+                    True,
+                ),
+            ),
+            (
+                _turns_warpgroup,
+                (
+                    smem,
+                    bars,
+                    DK,
+                    DV,
+                    dkv_strides,
+                    key_lists,
+                    softmax_scale,
+                    qk_scale_log2,
+                    1,
+                    HEAD_DIM,
+                    BLOCK,
+                    ROWS,
+                    STAGES,
+                    PAD,
+                    CAUSAL_DIAG,
+                ),
+            ),
+        ],
+        [1, WRITER_WARPS, 4],
+        [24, 24, 240],
+    )
+
+
 def one_pass_backward(
     q,
     k,
@@ -446,6 +790,41 @@ def one_pass_backward(
     kv_heads = k.shape[2]
     dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
+    if dq is not None and documents is None:  # the default mode: the warpgroups take dq's product in turns
+        turns_backward_kernel[(length // BLOCK, kv_heads, batch)](
+            rows_descriptor(q, QUERY_ROWS),
+            rows_descriptor(dout, QUERY_ROWS),
+            rows_descriptor(k, BLOCK),
+            rows_descriptor(v, BLOCK),
+            stats_descriptor(lse, QUERY_ROWS),
+            stats_descriptor(delta, QUERY_ROWS),
+            dq,
+            dk,
+            dv,
+            key_ptr,
+            key_qblock,
+            length,
+            key_ptr.stride(0),
+            key_ptr.stride(1),
+            *dq_strides,
+            dk.stride(0),
+            dk.stride(1),
+            dk.stride(2),
+            heads // kv_heads,
+            heads,
+            softmax_scale,
+            softmax_scale * LOG2E.value,
+            HEAD_DIM=dim,
+            BLOCK=BLOCK,
+            ROWS=QUERY_ROWS,
+            STAGES=STAGES,
+            CHUNK=DQ_CHUNK,
+            PAD=DQ_PAD,
+            WRITER_WARPS=WRITER_WARPS,
+            CAUSAL_DIAG=bool(causal_diag),
+            num_warps=4,
+        )
+        return
     one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
         rows_descriptor(q, QUERY_ROWS),
         rows_descriptor(dout, QUERY_ROWS),
