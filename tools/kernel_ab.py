@@ -22,8 +22,10 @@ Per row:
 
 ``--deterministic`` times every tree's deterministic mode instead of its default one (rows carry
 ``deterministic``). ``--rounds R`` runs the trees in turn R times (A B A B …): clocks drift within a run, so a
-tree compared with another should be timed beside it. ``--profile`` prints each tree's CUDA time per kernel of
-one forward and backward at the largest N, on the first of ``--patterns``. Rows are appended to ``--jsonl``.
+tree compared with another should be timed beside it. A tree whose process fails, or outlasts ``--tree-timeout``
+seconds (a kernel that hangs), is reported and skipped and the others go on; the run then ends with an error naming
+it. The first tree is the reference: if it fails, the A/B stops. ``--profile`` prints each tree's CUDA time per
+kernel of one forward and backward at the largest N, on the first of ``--patterns``. Rows are appended to ``--jsonl``.
 This driver imports no kernels: each tree's process runs ``kernel_ab_tree.py`` with the tree first on
 ``PYTHONPATH``. Example: ``python tools/kernel_ab.py --trees base=.ab/base/kernels new=kernels --seq-lens 32768
 131072 524288``.
@@ -81,8 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--deterministic", action="store_true", help="time deterministic=True in every tree")
     parser.add_argument("--experiment", default="", help="what the trees are, recorded in every row")
+    parser.add_argument(
+        "--tree-timeout", type=float, default=None, help="seconds a tree's process may take per round (default: none)"
+    )
     parser.add_argument("--jsonl", default="docs/benchmarks/kernel_ab.jsonl")
     return parser
+
+
+def run_tree_process(command: list[str], env: dict, timeout: float | None) -> str | None:
+    """Run one tree's process: None once it finished, else why it did not (its rows are then missing)."""
+    try:
+        subprocess.run(command, env=env, check=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"stopped after {timeout:g} s (a hang, or a --tree-timeout too short for it)"
+    except subprocess.CalledProcessError as error:
+        return f"exited with status {error.returncode}"
+    return None
 
 
 def main(argv=None) -> None:
@@ -90,17 +106,28 @@ def main(argv=None) -> None:
     trees = parse_trees(args.trees)
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: give at least 1")
+    if args.tree_timeout is not None and args.tree_timeout <= 0:
+        raise SystemExit(f"--tree-timeout {args.tree_timeout:g}: give a positive number of seconds, or leave it out")
     if not torch.cuda.is_available():
         raise SystemExit("kernel_ab.py needs a CUDA device")
     forwarded = list(argv if argv is not None else sys.argv[1:])
+    unfinished = []
     with tempfile.TemporaryDirectory() as results:
         for round_ in range(args.rounds):
-            for name, path in trees.items():
+            for index, (name, path) in enumerate(trees.items()):
                 search = [str(path), str(TOOLS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(search))
                 command = [sys.executable, str(TOOLS / "kernel_ab_tree.py"), *forwarded, "--tree", name]
                 command += ["--tree-path", str(path), "--results", results, "--round", str(round_)]
-                subprocess.run(command, env=env, check=True)
+                failure = run_tree_process(command, env, args.tree_timeout)
+                if failure is None:
+                    continue
+                if index == 0:
+                    raise SystemExit(f"tree {name!r}, round {round_}: {failure}; it is the reference, so the A/B stops")
+                print(f"tree {name!r}, round {round_}: {failure}; its rows are missing, the others go on", flush=True)
+                unfinished.append(f"{name!r} (round {round_}: {failure})")
+    if unfinished:
+        raise SystemExit(f"trees that did not finish: {'; '.join(unfinished)}")
 
 
 if __name__ == "__main__":

@@ -89,16 +89,49 @@ def test_the_driver_runs_without_any_kernels_on_its_path(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tree's process would time it: this checks the plumbing")
 def test_each_tree_runs_in_a_process_that_imports_that_tree(tmp_path, monkeypatch, capfd):
     """The parent starts the first tree's process with its folder first on PYTHONPATH; without a GPU that process
-    stops at the device check, after checking where its mtraining_kernels came from."""
+    stops at the device check, after checking where its mtraining_kernels came from, and the A/B stops with its
+    reference."""
     copy = tmp_path / "copy"
     shutil.copytree(
         KERNELS / "mtraining_kernels", copy / "mtraining_kernels", ignore=shutil.ignore_patterns("__pycache__")
     )
     monkeypatch.setattr(kernel_ab.torch.cuda, "is_available", lambda: True)  # the parent's check only
     trees = [f"copy={copy}", f"repo={KERNELS}"]
-    with pytest.raises(subprocess.CalledProcessError):
+    with pytest.raises(SystemExit, match="tree 'copy', round 0: exited with status 1; it is the reference"):
         kernel_ab.main(["--trees", *trees, "--jsonl", str(tmp_path / "rows.jsonl")])
     assert (
         f"tree 'copy' (mtraining_kernels from {copy.resolve()}): kernel_ab.py needs a CUDA device"
         in capfd.readouterr().err
     )
+
+
+def test_a_tree_process_that_fails_or_hangs_is_reported_not_fatal():
+    quick = [sys.executable, "-c", "pass"]
+    failing = [sys.executable, "-c", "raise SystemExit(3)"]
+    hanging = [sys.executable, "-c", "import time; time.sleep(30)"]
+    env = dict(os.environ)
+    assert kernel_ab.run_tree_process(quick, env, None) is None
+    assert kernel_ab.run_tree_process(failing, env, None) == "exited with status 3"
+    assert "stopped after 0.5 s" in kernel_ab.run_tree_process(hanging, env, 0.5)
+
+
+def test_a_tree_timeout_that_is_not_positive_is_refused(tmp_path):
+    trees = [f"base={_tree(tmp_path, 'base')}", f"new={_tree(tmp_path, 'new')}"]
+    with pytest.raises(SystemExit, match="--tree-timeout 0: give a positive number"):
+        kernel_ab.main(["--trees", *trees, "--tree-timeout", "0"])
+
+
+def test_the_trees_after_one_that_did_not_finish_still_run(tmp_path, monkeypatch):
+    trees = [f"{name}={_tree(tmp_path, name)}" for name in ("base", "broken", "new")]
+    ran = []
+
+    def fake_run(command, env, timeout):
+        name = command[command.index("--tree") + 1]
+        ran.append((name, timeout))
+        return "exited with status 2" if name == "broken" else None
+
+    monkeypatch.setattr(kernel_ab.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_ab, "run_tree_process", fake_run)
+    with pytest.raises(SystemExit, match=r"did not finish: 'broken' \(round 0: exited with status 2\)$"):
+        kernel_ab.main(["--trees", *trees, "--tree-timeout", "90"])
+    assert ran == [("base", 90.0), ("broken", 90.0), ("new", 90.0)]
