@@ -41,7 +41,8 @@ from .gluon_descriptors import rows_descriptor, stats_descriptor
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK = 128  # keys per program: one block of the lists
 QUERY_ROWS = 64  # query rows per slice
-STAGES = 2  # q/dO slices in flight
+STAGES = 3  # q/dO slices in flight
+DQ_BUFFERS = gl.constexpr(1)  # dq slices in shared memory
 DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
 DQ_PAD = 8  # fp32 padding after each dq row in shared memory
 WRITER_WARPS = 2
@@ -132,8 +133,8 @@ def _dq_writer(
             dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
                 _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-                slot = step % 2
-                mbarrier.wait(dq_ready_bars.index(slot), (step // 2) & 1)
+                slot = step % DQ_BUFFERS
+                mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
                 ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
                 for c in range(CHUNKS):
                     rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
@@ -184,7 +185,7 @@ def _mma_partition(
     )
     dtype: gl.constexpr = k_smem.dtype
     rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
-    dq_slices = dq_chunks._reinterpret(gl.float32, [2, ROWS, HEAD_DIM], rows_layout)
+    dq_slices = dq_chunks._reinterpret(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], rows_layout)
 
     k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -246,8 +247,8 @@ def _mma_partition(
             gl.thread_barrier()
             mbarrier.arrive(empty_bars.index(slot), count=1)
             if WRITE_DQ:
-                dq_slot = step % 2
-                mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // 2) & 1) ^ 1)
+                dq_slot = step % DQ_BUFFERS
+                mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
                 for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
                     k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
                     dq_tok = warpgroup_mma(
@@ -329,19 +330,19 @@ def one_pass_backward_kernel(
     ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
     chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
-    dq_chunks = gl.allocate_shared_memory(gl.float32, [2 * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
+    dq_chunks = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    dq_ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_ready_bars = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty_bars = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(DQ_BUFFERS):
         mbarrier.init(dq_ready_bars.index(i), count=1)
         mbarrier.init(dq_empty_bars.index(i), count=1)
     fence_async_shared()
