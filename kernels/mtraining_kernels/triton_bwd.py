@@ -208,8 +208,8 @@ def query_major_backward_kernel(
             dk_tile = tl.dot(tl.trans(dscores.to(q.dtype)), q) * softmax_scale
             dv_ptrs = dv_base + cols[:, None] * stride_gvn + offs_d[None, :]
             dk_ptrs = dk_base + cols[:, None] * stride_gkn + offs_d[None, :]
-            tl.store(dv_ptrs, dv_tile, mask=listed[:, None])  # DIAGNOSTIC: stores in place of the atomics
-            tl.store(dk_ptrs, dk_tile, mask=listed[:, None])
+            tl.atomic_add(dv_ptrs, dv_tile, mask=listed[:, None], sem="relaxed")
+            tl.atomic_add(dk_ptrs, dk_tile, mask=listed[:, None], sem="relaxed")
 
     has_work = (blk_end > blk_start) | (bar_end > bar_start)
     dq_ptrs = DQ + sample * stride_gqb + head * stride_gqh + q_rows.to(tl.int64)[:, None] * stride_gqn + offs_d[None, :]
