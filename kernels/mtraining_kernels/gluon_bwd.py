@@ -138,7 +138,7 @@ def _dq_writer(
                 ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
                 for c in range(CHUNKS):
                     rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
-                    gl.store(ptrs + c * CHUNK * stride_gqn, rows)  # DIAGNOSTIC: stores in place of the atomics
+                    gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
                 mbarrier.arrive(dq_empty_bars.index(slot), count=1)
                 step += 1
 
