@@ -36,7 +36,6 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
-from .bar_words import bar_words_by_column
 from .index import block_lists_by_key
 from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
@@ -363,7 +362,6 @@ def block_bar_backward(
     key_doc_ids=None,
     key_lists=None,
     bar_chunks=None,
-    bar_width: int | None = None,
     fresh_dq: bool = False,
     fresh_dkv: bool = False,
 ) -> None:
@@ -379,7 +377,6 @@ def block_bar_backward(
         key_doc_ids=key_doc_ids,
         key_lists=key_lists,
         bar_chunks=bar_chunks,
-        bar_width=bar_width,
         fresh_dq=fresh_dq,
     )
     lists = (blk_ptr, blk_col, bar_ptr, bar_col)
@@ -423,7 +420,6 @@ def _step_gradients(
     key_doc_ids=None,
     key_lists=None,
     bar_chunks=None,
-    bar_width: int | None = None,
     fresh_dq: bool = False,
     dkv_dtype: torch.dtype = ACCUMULATOR_DTYPE,
 ) -> None:
@@ -437,10 +433,6 @@ def _step_gradients(
     ``deterministic`` uses no atomics; repeated calls on the same inputs are then bitwise equal. It reads
     the bars regrouped by column, ``bar_chunks`` (a :class:`~mtraining_kernels.bar_chunks.BarChunks`,
     ``BlockBarIndex.bar_chunks(source, Hkv)``); without it they are built here (one host sync).
-    ``bar_width`` bounds the distinct bar columns of one (sample, query head) in this step (the index's
-    ``vertical_width``): the Hopper one pass regroups the default mode's bars by column
-    (:func:`~mtraining_kernels.bar_words.bar_words_by_column`) in chunks sized by it; without it they are
-    counted there (one host sync).
     Document ids as in :func:`block_bar_forward`.
     ``fresh_dq``: dq holds nothing yet and this step is its only one: it is written, not added to, in its
     own dtype (q's, or fp32). ``dkv_dtype`` k's dtype: dk and dv are written by the one pass, the only pass
@@ -476,7 +468,7 @@ def _step_gradients(
     tma = _copies_tiles(q, k, v, dout)
     one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
 
-    def one_pass_block_tiles(dq_out, bar_words=None) -> None:  # dq_out None: dk and dv alone
+    def one_pass_block_tiles(dq_out) -> None:  # dq_out None: dk and dv alone
         one_pass(
             q,
             k,
@@ -492,7 +484,6 @@ def _step_gradients(
             causal_diag=bool(causal_diag),
             softmax_scale=softmax_scale,
             documents=documents[:2] if document_flag["DOCUMENTS"] else None,
-            bar_words=bar_words,
         )
 
     def query_major_pass(dq_out, fresh: bool, block_tiles: bool) -> None:
@@ -535,16 +526,14 @@ def _step_gradients(
             **QUERY_MAJOR_CONFIG,
         )
 
-    if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the block tiles, then
-        # the bars by column, each in one pass adding into dq
+    if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the bars (writing a
+        # fresh dq), then the block tiles in one pass, adding dq
         dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
-        if fresh_dq or dq_sum is not dq:
+        if bar_col.numel():
+            query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
+        elif fresh_dq:  # no bars at all (a block-only pattern): the bars' pass would only write the zeros
             dq_sum.zero_()
-        bar_words = None
-        if bar_col.numel() and bar_width != 0:
-            multiprocessors = torch.cuda.get_device_properties(q.device).multi_processor_count
-            bar_words = bar_words_by_column(bar_ptr, bar_col, k.shape[1], bar_width, multiprocessors)
-        one_pass_block_tiles(dq_sum, bar_words)
+        one_pass_block_tiles(dq_sum)
         if dq_sum is not dq:
             dq.copy_(dq_sum)
         return
