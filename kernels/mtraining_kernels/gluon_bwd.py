@@ -6,8 +6,8 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
   dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
-  in parts of 64 columns, into a shared buffer (double-buffered, rows padded against bank conflicts);
-* the loader (1 warp) — the slices' q and dO, and their rows' lse and delta, by tensor-memory copies, two
+  in parts of 64 columns, into one shared buffer (rows padded against bank conflicts);
+* the loader (1 warp) — the slices' q and dO, and their rows' lse and delta, by tensor-memory copies, three
   stages ahead (so the MMA warps read lse and delta from shared memory, not from global memory right before
   their first use);
 * the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
@@ -119,7 +119,7 @@ def _dq_writer(
     WARPS: gl.constexpr,
     WRITE_DQ: gl.constexpr,
 ):
-    """Drains each dq slice (``dq_chunks``: 2 buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
+    """Drains each dq slice (``dq_chunks``: DQ_BUFFERS buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
     (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
     CHUNKS: gl.constexpr = ROWS // CHUNK
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
