@@ -26,10 +26,8 @@ Written in the Gluon API of Triton 3.6.
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -38,16 +36,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import gluon_descriptors
-from .gluon_descriptors import dq_descriptor, rows_descriptor, stats_descriptor
+from .gluon_descriptors import rows_descriptor, stats_descriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK = 128  # keys per program: one block of the lists
 QUERY_ROWS = 64  # query rows per slice
 STAGES = 3  # q/dO slices in flight
 DQ_BUFFERS = gl.constexpr(1)  # dq slices in shared memory
-DQ_SLICE_LAYOUT = gl.constexpr(gluon_descriptors.DQ_SLICE_LAYOUT)  # as the writer's reduce reads them
-WRITER_WARPS = 1
+DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
+DQ_PAD = 8  # fp32 padding after each dq row in shared memory
+WRITER_WARPS = 2
 MMA_WARPS = 8
 
 
@@ -106,41 +104,41 @@ def _loader(
             step += 1
 
 
-@builtin
-def _reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
-    """global[the descriptor's box at ``coord``] += shared ``src``, by one tensor-memory reduce
-    (cp.reduce.async.bulk.tensor, add); it completes as a tensor-memory store does (``tma.store_wait``)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
 @gluon.jit
 def _dq_writer(
-    dq_desc,
-    dq_slices,
+    DQ,
+    dq_strides,
+    dq_chunks,
     dq_ready_bars,
     dq_empty_bars,
     key_lists,
-    seq_len,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
+    CHUNK: gl.constexpr,
+    WARPS: gl.constexpr,
     WRITE_DQ: gl.constexpr,
 ):
-    """Adds each dq slice (``dq_slices``: DQ_BUFFERS buffers [ROWS, HEAD_DIM]) into the fp32 dq of ``dq_desc``
-    (``[b·N, Hq·d]``) by a tensor-memory reduce, and frees the buffer once the copy has read it; idle without
-    ``WRITE_DQ``."""
+    """Drains each dq slice (``dq_chunks``: DQ_BUFFERS buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
+    (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
+    CHUNKS: gl.constexpr = ROWS // CHUNK
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    stride_gqb, stride_gqn, stride_gqh = dq_strides
     step = 0
     if WRITE_DQ:
         for member in range(0, key_lists[7]):
             head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+            dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
                 _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
                 slot = step % DQ_BUFFERS
                 mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
-                coords = [key_lists[6] * seq_len + first_row, head * HEAD_DIM]
-                _reduce_add_shared_to_global(dq_desc, coords, dq_slices.index(slot))
-                tma.store_wait(0)
+                ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
+                for c in range(CHUNKS):
+                    rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                    gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
                 mbarrier.arrive(dq_empty_bars.index(slot), count=1)
                 step += 1
 
@@ -160,14 +158,15 @@ def _mma_partition(
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
+    PAD: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
 ):
-    """``smem`` = (k, v, q stages, dO stages, P/dS, dq slices, lse stages, delta stages); ``bars`` = (k/v,
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
     ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``documents`` = (QUERY_DOCS,
     KEY_DOCS, stride_docb), read only with ``DOCUMENTS``."""
-    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs = smem
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
@@ -185,6 +184,8 @@ def _mma_partition(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     dtype: gl.constexpr = k_smem.dtype
+    rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
+    dq_slices = dq_chunks._reinterpret(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], rows_layout)
 
     k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -259,7 +260,6 @@ def _mma_partition(
                     )
                     dq = warpgroup_mma_wait(0, deps=[dq_tok])
                     dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
-                fence_async_shared()  # the writer's tensor-memory reduce reads the slice
                 gl.thread_barrier()
                 mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
             step += 1
@@ -285,7 +285,7 @@ def one_pass_backward_kernel(
     v_desc,
     lse_desc,
     delta_desc,
-    dq_desc,
+    DQ,
     DK,
     DV,
     KEY_PTR,
@@ -296,6 +296,9 @@ def one_pass_backward_kernel(
     seq_len,
     stride_kpb,
     stride_kph,
+    stride_gqb,
+    stride_gqn,
+    stride_gqh,
     stride_gkb,
     stride_gkn,
     stride_gkh,
@@ -307,6 +310,8 @@ def one_pass_backward_kernel(
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
+    CHUNK: gl.constexpr,
+    PAD: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
@@ -324,7 +329,8 @@ def one_pass_backward_kernel(
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
-    dq_slices = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], DQ_SLICE_LAYOUT)
+    chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
+    dq_chunks = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -352,7 +358,7 @@ def one_pass_backward_kernel(
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     DK,
                     DV,
@@ -365,6 +371,7 @@ def one_pass_backward_kernel(
                     BLOCK,
                     ROWS,
                     STAGES,
+                    PAD,
                     CAUSAL_DIAG,
                     WRITE_DQ,
                     DOCUMENTS,
@@ -394,15 +401,17 @@ def one_pass_backward_kernel(
             (
                 _dq_writer,
                 (
-                    dq_desc,
-                    dq_slices,
+                    DQ,
+                    (stride_gqb, stride_gqn, stride_gqh),
+                    dq_chunks,
                     dq_ready_bars,
                     dq_empty_bars,
                     key_lists,
-                    seq_len,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
+                    CHUNK,
+                    WRITER_WARPS,
                     WRITE_DQ,
                 ),
             ),
@@ -436,6 +445,7 @@ def one_pass_backward(
     ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or None."""
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
+    dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
     one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
         rows_descriptor(q, QUERY_ROWS),
@@ -444,7 +454,7 @@ def one_pass_backward(
         rows_descriptor(v, BLOCK),
         stats_descriptor(lse, QUERY_ROWS),
         stats_descriptor(delta, QUERY_ROWS),
-        dq_descriptor(dq, QUERY_ROWS) if dq is not None else None,  # None: no kernel argument
+        dq,
         dk,
         dv,
         key_ptr,
@@ -455,6 +465,7 @@ def one_pass_backward(
         length,
         key_ptr.stride(0),
         key_ptr.stride(1),
+        *dq_strides,
         dk.stride(0),
         dk.stride(1),
         dk.stride(2),
@@ -466,6 +477,8 @@ def one_pass_backward(
         BLOCK=BLOCK,
         ROWS=QUERY_ROWS,
         STAGES=STAGES,
+        CHUNK=DQ_CHUNK,
+        PAD=DQ_PAD,
         WRITER_WARPS=WRITER_WARPS,
         CAUSAL_DIAG=bool(causal_diag),
         WRITE_DQ=dq is not None,

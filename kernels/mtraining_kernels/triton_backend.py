@@ -528,10 +528,7 @@ def _step_gradients(
 
     if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the bars (writing a
         # fresh dq), then the block tiles in one pass, adding dq
-        if dq.dtype != ACCUMULATOR_DTYPE:  # fresh, in q's dtype
-            dq_sum = torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
-        else:  # the one pass reduces into it by tensor-memory copies, which need a 16-byte-aligned start
-            dq_sum = dq if dq.data_ptr() % 16 == 0 else dq.clone()
+        dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
         if bar_col.numel():
             query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
         elif fresh_dq:  # no bars at all (a block-only pattern): the bars' pass would only write the zeros
