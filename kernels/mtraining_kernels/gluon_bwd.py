@@ -13,7 +13,11 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 * the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
-``triton_bwd`` (whose query-major pass recomputes S and dP). The bars stay with ``triton_bwd``. Without a dq
+``triton_bwd`` (whose query-major pass recomputes S and dP). In the default mode a second launch (``BARS``)
+takes the bars by column: a program per item of ``mtraining_kernels.bar_words`` gathers its chunk's (up to
+128) k/v rows once, walks the item's query blocks, skipping those whose membership words are zero, keeps P
+where the words mark a bar, and adds its dk/dv rows with atomics once (other GQA heads and items share them).
+Without a dq
 (the deterministic mode) the pass computes dk and dv alone, with no atomics (4 products; the writer idles), and
 ``triton_bwd``'s query-major pass the block tiles' dq. Packed documents (``DOCUMENTS``): P is 0 where a query
 row's and a key's document ids differ, compared only where the query or the key block holds two documents.
@@ -36,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .bar_words import BarWords
 from .gluon_descriptors import rows_descriptor, stats_descriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -50,20 +55,49 @@ MMA_WARPS = 8
 
 
 @gluon.jit
-def _member_slices(key_lists, member, BLOCK: gl.constexpr, ROWS: gl.constexpr):
-    """(query head, first slice, end slice) of GQA member ``member`` in the program's key-block list;
-    ``key_lists`` = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size)."""
-    KEY_PTR, _, stride_kpb, stride_kph, key_block, kv_head, sample, group_size = key_lists
-    head = kv_head * group_size + member
-    list_row = sample * stride_kpb + head * stride_kph + key_block
-    return head, gl.load(KEY_PTR + list_row) * (BLOCK // ROWS), gl.load(KEY_PTR + list_row + 1) * (BLOCK // ROWS)
+def _member_slices(key_lists, member, BLOCK: gl.constexpr, ROWS: gl.constexpr, BARS: gl.constexpr):
+    """(query head, first slice, end slice) of GQA member ``member`` in the program's list. Block tiles:
+    ``key_lists`` = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, Hq);
+    bars: (ITEMS, WORDS, item_row, words_row, chunk, head, sample, 1, Hq), the item's walk [first, end) of
+    query blocks at ITEMS + item_row + 2, walked from its end down (:func:`_slice_rows`), so the items of a
+    segment, which end together, read the same blocks at the same time."""
+    SLICES: gl.constexpr = BLOCK // ROWS
+    if BARS:
+        head = key_lists[5]
+        first = gl.load(key_lists[0] + key_lists[2] + 2)
+        end = gl.load(key_lists[0] + key_lists[2] + 3)
+        start_slice, end_slice = 1 - end * SLICES, 1 - first * SLICES
+    else:
+        head = key_lists[5] * key_lists[7] + member
+        list_row = key_lists[6] * key_lists[2] + head * key_lists[3] + key_lists[4]
+        start_slice = gl.load(key_lists[0] + list_row) * SLICES
+        end_slice = gl.load(key_lists[0] + list_row + 1) * SLICES
+    return head, start_slice, end_slice
 
 
 @gluon.jit
-def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr):
-    """(query block, first local row) of slice ``s`` (of BLOCK // ROWS per listed query block)."""
-    qblock = gl.load(key_lists[1] + s // (BLOCK // ROWS))
-    return qblock, qblock * BLOCK + (s % (BLOCK // ROWS)) * ROWS
+def _slice_rows(key_lists, s, BLOCK: gl.constexpr, ROWS: gl.constexpr, BARS: gl.constexpr):
+    """(query block, first local row) of slice ``s`` (of BLOCK // ROWS per listed query block; the bars' walk
+    lists every query block from its first to its end, slice −s of the walk's ascending slices)."""
+    if BARS:
+        t = -s
+        qblock = t // (BLOCK // ROWS)
+    else:
+        t = s
+        qblock = gl.load(key_lists[1] + s // (BLOCK // ROWS))
+    return qblock, qblock * BLOCK + (t % (BLOCK // ROWS)) * ROWS
+
+
+@gluon.jit
+def _slice_live(key_lists, qblock, BARS: gl.constexpr):
+    """Whether the partitions take the slices of query block ``qblock``: always for the block tiles; for the
+    bars, where the block's membership words have a bit (every partition reads the same words, so all three
+    skip the same slices and their stage counters stay in step)."""
+    if BARS:
+        words = key_lists[1] + key_lists[3] + qblock * 2
+        return (gl.load(words) | gl.load(words + 1)) != 0
+    else:
+        return True
 
 
 @gluon.jit
@@ -84,24 +118,26 @@ def _loader(
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
+    BARS: gl.constexpr,
 ):
     sample = key_lists[6]
     step = 0
     for member in range(0, key_lists[7]):
-        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
         for s in range(start, end):
-            _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-            slot = step % STAGES
-            mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
-            ready = ready_bars.index(slot)
-            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-            coords = [sample * seq_len + first_row, head * HEAD_DIM]
-            tma.async_copy_global_to_shared(q_desc, coords, ready, q_bufs.index(slot))
-            tma.async_copy_global_to_shared(do_desc, coords, ready, do_bufs.index(slot))
-            stats_coords = [sample * key_lists[8] + head, first_row]
-            tma.async_copy_global_to_shared(lse_desc, stats_coords, ready, lse_bufs.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, stats_coords, ready, delta_bufs.index(slot))
-            step += 1
+            qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
+            if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
+                slot = step % STAGES
+                mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+                ready = ready_bars.index(slot)
+                mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+                coords = [sample * seq_len + first_row, head * HEAD_DIM]
+                tma.async_copy_global_to_shared(q_desc, coords, ready, q_bufs.index(slot))
+                tma.async_copy_global_to_shared(do_desc, coords, ready, do_bufs.index(slot))
+                stats_coords = [sample * key_lists[8] + head, first_row]
+                tma.async_copy_global_to_shared(lse_desc, stats_coords, ready, lse_bufs.index(slot))
+                tma.async_copy_global_to_shared(delta_desc, stats_coords, ready, delta_bufs.index(slot))
+                step += 1
 
 
 @gluon.jit
@@ -118,6 +154,7 @@ def _dq_writer(
     CHUNK: gl.constexpr,
     WARPS: gl.constexpr,
     WRITE_DQ: gl.constexpr,
+    BARS: gl.constexpr,
 ):
     """Drains each dq slice (``dq_chunks``: DQ_BUFFERS buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
     (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
@@ -129,18 +166,38 @@ def _dq_writer(
     step = 0
     if WRITE_DQ:
         for member in range(0, key_lists[7]):
-            head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+            head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
             dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
-                _, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-                slot = step % DQ_BUFFERS
-                mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
-                ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
-                for c in range(CHUNKS):
-                    rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
-                    gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
-                mbarrier.arrive(dq_empty_bars.index(slot), count=1)
-                step += 1
+                qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
+                if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
+                    slot = step % DQ_BUFFERS
+                    mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
+                    ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
+                    for c in range(CHUNKS):
+                        rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                        gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
+                    mbarrier.arrive(dq_empty_bars.index(slot), count=1)
+                    step += 1
+
+
+@gluon.jit
+def _gather_bar_keys(k_smem, v_smem, bar_keys, sample, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
+    """Loads the chunk's k and v rows into shared memory (rows past its length are zero); ``bar_keys`` =
+    (K, V, the chunk's columns, their count, KV head, N, row stride of the 2-D views ``[b·N, Hkv·d]``)."""
+    K, V, COLUMNS, length, kv_head, seq_len, row_stride = bar_keys
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [8, 1], [1, 0])
+    slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    listed = slots < length
+    cols = gl.load(COLUMNS + slots, mask=listed, other=0)
+    rows = (sample * seq_len + cols).to(gl.int64) * row_stride + kv_head * HEAD_DIM
+    offsets = rows[:, None] + offs_d[None, :]
+    mask = listed[:, None] & (offs_d[None, :] < HEAD_DIM)
+    k_smem.store(gl.load(K + offsets, mask=mask, other=0.0))
+    v_smem.store(gl.load(V + offsets, mask=mask, other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -151,6 +208,7 @@ def _mma_partition(
     DV,
     dkv_strides,
     key_lists,
+    bar_keys,
     documents,
     softmax_scale,
     qk_scale_log2,
@@ -162,10 +220,12 @@ def _mma_partition(
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
+    BARS: gl.constexpr,
 ):
     """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
-    ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``documents`` = (QUERY_DOCS,
-    KEY_DOCS, stride_docb), read only with ``DOCUMENTS``."""
+    ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``bar_keys`` as in
+    :func:`_gather_bar_keys`, read only with ``BARS``; ``documents`` = (QUERY_DOCS, KEY_DOCS, stride_docb), read
+    only with ``DOCUMENTS``."""
     k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
@@ -195,86 +255,113 @@ def _mma_partition(
     if DOCUMENTS:  # the compare only where the key or the query block holds two documents
         k_docs = gl.load(KEY_DOCS + sample * stride_docb + k_cols)
         k_mixed = gl.min(k_docs, 0) != gl.max(k_docs, 0)
-    mbarrier.wait(kv_bar, 0)
+    if BARS:
+        _gather_bar_keys(k_smem, v_smem, bar_keys, sample, HEAD_DIM, BLOCK)
+    else:
+        mbarrier.wait(kv_bar, 0)
+    slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     step = 0
     for member in range(0, key_lists[7]):
-        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS)
+        head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
         for s in range(start, end):
-            qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS)
-            q_rows = first_row + offs_q
-            slot = step % STAGES
-            mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
-            lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
-            delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
-            lse = lse_s.load(gl.SliceLayout(1, s_layout))
-            delta = delta_s.load(gl.SliceLayout(1, s_layout))
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
-            q_s = q_bufs.index(slot)
-            do_s = do_bufs.index(slot)
-            s_tok = warpgroup_mma(
-                q_s, k_smem.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_layout), use_acc=False, is_async=True
-            )
-            dp_tok = warpgroup_mma(
-                do_s,
-                v_smem.permute((1, 0)),
-                gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
-                use_acc=False,
-                is_async=True,
-            )
-            scores = warpgroup_mma_wait(1, deps=[s_tok])
-            probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
-            if CAUSAL_DIAG:
-                off_diagonal = key_block != qblock
-                probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
-            if DOCUMENTS:
-                q_docs_base = QUERY_DOCS + sample * stride_docb
-                q_mixed = gl.load(q_docs_base + qblock * BLOCK) != gl.load(q_docs_base + qblock * BLOCK + BLOCK - 1)
-                if k_mixed | q_mixed:
-                    q_docs = gl.load(q_docs_base + q_rows)
-                    probs = gl.where(q_docs[:, None] == k_docs[None, :], probs, 0.0)
-            ps_smem.store(probs.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
-            dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
-            dscores = (probs * (dprobs - delta[:, None])).to(dtype)
-            dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
-            ps_smem.store(dscores)
-            fence_async_shared()
-            gl.thread_barrier()
-            dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
-            dk = warpgroup_mma_wait(0, deps=[dk_tok])
-            gl.thread_barrier()
-            mbarrier.arrive(empty_bars.index(slot), count=1)
-            if WRITE_DQ:
-                dq_slot = step % DQ_BUFFERS
-                mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
-                for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
-                    k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
-                    dq_tok = warpgroup_mma(
-                        ps_smem,
-                        k_part,
-                        gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
-                        use_acc=False,
-                        is_async=True,
-                    )
-                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                    dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
+            qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
+            if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
+                q_rows = first_row + offs_q
+                if BARS:  # the block's two membership words, as scalars until the scores are in
+                    words = key_lists[1] + key_lists[3] + qblock * 2
+                    low_word = gl.load(words)
+                    high_word = gl.load(words + 1)
+                slot = step % STAGES
+                mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+                lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
+                delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
+                lse = lse_s.load(gl.SliceLayout(1, s_layout))
+                delta = delta_s.load(gl.SliceLayout(1, s_layout))
+                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
+                q_s = q_bufs.index(slot)
+                do_s = do_bufs.index(slot)
+                s_tok = warpgroup_mma(
+                    q_s,
+                    k_smem.permute((1, 0)),
+                    gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                    use_acc=False,
+                    is_async=True,
+                )
+                dp_tok = warpgroup_mma(
+                    do_s,
+                    v_smem.permute((1, 0)),
+                    gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                    use_acc=False,
+                    is_async=True,
+                )
+                scores = warpgroup_mma_wait(1, deps=[s_tok])
+                probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
+                if CAUSAL_DIAG:
+                    off_diagonal = key_block != qblock
+                    probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
+                if BARS:  # bit t of the words: slot t is a bar of the block's rows (read in 32-bit quarters)
+                    quarter = gl.where(slots < 64, low_word, high_word) >> (slots // 32 % 2 * 32).to(gl.int64)
+                    is_bar = ((quarter.to(gl.int32) >> (slots % 32)) & 1) != 0
+                    probs = gl.where(is_bar[None, :], probs, 0.0)
+                if DOCUMENTS:
+                    q_docs_base = QUERY_DOCS + sample * stride_docb
+                    q_mixed = gl.load(q_docs_base + qblock * BLOCK) != gl.load(q_docs_base + qblock * BLOCK + BLOCK - 1)
+                    if k_mixed | q_mixed:
+                        q_docs = gl.load(q_docs_base + q_rows)
+                        probs = gl.where(q_docs[:, None] == k_docs[None, :], probs, 0.0)
+                ps_smem.store(probs.to(dtype))
+                fence_async_shared()
                 gl.thread_barrier()
-                mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
-            step += 1
+                dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
+                dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
+                dscores = (probs * (dprobs - delta[:, None])).to(dtype)
+                dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
+                ps_smem.store(dscores)
+                fence_async_shared()
+                gl.thread_barrier()
+                dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
+                dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(slot), count=1)
+                if WRITE_DQ:
+                    dq_slot = step % DQ_BUFFERS
+                    mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
+                    for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                        k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                        dq_tok = warpgroup_mma(
+                            ps_smem,
+                            k_part,
+                            gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
+                            use_acc=False,
+                            is_async=True,
+                        )
+                        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                        dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
+                    gl.thread_barrier()
+                    mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
+                step += 1
 
-    k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
-    offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
-    if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
-        has_work = step > 0
-        gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
-        gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
-    else:  # the pass is their only contributor: written in their dtype (zeros where no slice came)
-        gl.store(DK + offsets, (dk * softmax_scale).to(DK.dtype.element_ty))
-        gl.store(DV + offsets, dv.to(DV.dtype.element_ty))
+    if BARS:  # other heads of the group and other items of the chunk add into the same rows
+        k_slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
+        listed = (k_slots < bar_keys[3]) & (step > 0)
+        cols = gl.load(bar_keys[2] + k_slots, mask=listed, other=0)
+        rows = cols.to(gl.int64)[:, None] * dkv_strides[1]
+        offsets = sample * dkv_strides[0] + bar_keys[4] * dkv_strides[2] + rows + offs_d[None, :]
+        mask = listed[:, None] & (offs_d[None, :] < HEAD_DIM)
+        gl.atomic_add(DK + offsets, dk * softmax_scale, mask=mask, sem="relaxed")
+        gl.atomic_add(DV + offsets, dv, mask=mask, sem="relaxed")
+    else:
+        k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
+        rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
+        offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
+        if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
+            has_work = step > 0
+            gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
+            gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
+        else:  # the pass is their only contributor: written in their dtype (zeros where no slice came)
+            gl.store(DK + offsets, (dk * softmax_scale).to(DK.dtype.element_ty))
+            gl.store(DV + offsets, dv.to(DV.dtype.element_ty))
 
 
 @gluon.jit
@@ -285,15 +372,22 @@ def one_pass_backward_kernel(
     v_desc,
     lse_desc,
     delta_desc,
+    K,
+    V,
     DQ,
     DK,
     DV,
     KEY_PTR,
     KEY_QBLOCK,
+    ITEMS,
+    WORDS,
+    COLUMN,
+    COUNT,
     QUERY_DOCS,
     KEY_DOCS,
     stride_docb,
     seq_len,
+    num_chunks,
     stride_kpb,
     stride_kph,
     stride_gqb,
@@ -316,12 +410,12 @@ def one_pass_backward_kernel(
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
+    BARS: gl.constexpr,
 ):
-    """Grid (nb, Hkv, b). KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
-    KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``)."""
-    key_block = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    sample = gl.program_id(2)
+    """Block tiles: grid (nb, Hkv, b); KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
+    KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``). Bars
+    (``BARS``): grid (I,); program p walks item p of ITEMS int32 ``[I, 4]`` with WORDS, COLUMN and COUNT of
+    ``bar_words.BarWords`` (contiguous, ``num_chunks`` chunks per row); K and V the raw k and v they gather."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -347,12 +441,30 @@ def one_pass_backward_kernel(
         mbarrier.init(dq_empty_bars.index(i), count=1)
     fence_async_shared()
 
-    kv_row = sample * seq_len + key_block * BLOCK
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
-
-    key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, heads)
+    row_stride = heads // group_size * HEAD_DIM  # of the 2-D views [b·N, Hkv·d]
+    if BARS:
+        item_row = gl.program_id(0).to(gl.int64) * 4
+        row = gl.load(ITEMS + item_row)
+        chunk = gl.load(ITEMS + item_row + 1)
+        sample = row // heads
+        head = row % heads
+        chunk_row = row.to(gl.int64) * num_chunks + chunk
+        words_row = chunk_row * (seq_len // BLOCK) * 2
+        key_lists = (ITEMS, WORDS, item_row, words_row, chunk, head, sample, 1, heads)
+        length = gl.minimum(gl.maximum(gl.load(COUNT + row) - chunk * BLOCK, 0), BLOCK)
+        empty = gl.load(ITEMS + item_row + 2) == gl.load(ITEMS + item_row + 3)
+        length = gl.where(empty, 0, length)  # an empty item gathers nothing
+        bar_keys = (K, V, COLUMN + chunk_row * BLOCK, length, head // group_size, seq_len, row_stride)
+    else:
+        key_block = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        sample = gl.program_id(2)
+        kv_row = sample * seq_len + key_block * BLOCK
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
+        key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, heads)
+        bar_keys = (K, V, COLUMN, 0, kv_head, seq_len, row_stride)
     gl.warp_specialize(
         [
             (
@@ -364,6 +476,7 @@ def one_pass_backward_kernel(
                     DV,
                     (stride_gkb, stride_gkn, stride_gkh),
                     key_lists,
+                    bar_keys,
                     (QUERY_DOCS, KEY_DOCS, stride_docb),
                     softmax_scale,
                     qk_scale_log2,
@@ -375,6 +488,7 @@ def one_pass_backward_kernel(
                     CAUSAL_DIAG,
                     WRITE_DQ,
                     DOCUMENTS,
+                    BARS,
                 ),
             ),
             (
@@ -396,6 +510,7 @@ def one_pass_backward_kernel(
                     BLOCK,
                     ROWS,
                     STAGES,
+                    BARS,
                 ),
             ),
             (
@@ -413,6 +528,7 @@ def one_pass_backward_kernel(
                     CHUNK,
                     WRITER_WARPS,
                     WRITE_DQ,
+                    BARS,
                 ),
             ),
         ],
@@ -437,39 +553,60 @@ def one_pass_backward(
     causal_diag: bool,
     softmax_scale: float,
     documents=None,
+    bar_words: BarWords | None = None,
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
-    (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``); shapes and dtypes as in the module docstring,
-    checked by the caller; dk and dv in k's dtype are written (dk = scale·dSᵀ·q, dv = Pᵀ·dO). ``dq`` None: dk
-    and dv alone, without atomics (the deterministic mode, whose dq the query-major pass computes).
-    ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or None."""
+    (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then, with ``bar_words``
+    (:class:`~mtraining_kernels.bar_words.BarWords` of this step), over the bars by column (a second launch, one
+    program per item, dk/dv added with atomics as other programs share their rows; fp32 dq, dk, dv). Shapes and
+    dtypes as in the module docstring, checked by the caller; dk and dv in k's dtype are written (dk =
+    scale·dSᵀ·q, dv = Pᵀ·dO). ``dq`` None: dk and dv alone, without atomics (the deterministic mode, whose dq the
+    query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
+    None."""
     batch, length, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
-    query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
-    one_pass_backward_kernel[(length // BLOCK, kv_heads, batch)](
+    descriptors = (
         rows_descriptor(q, QUERY_ROWS),
         rows_descriptor(dout, QUERY_ROWS),
         rows_descriptor(k, BLOCK),
         rows_descriptor(v, BLOCK),
         stats_descriptor(lse, QUERY_ROWS),
         stats_descriptor(delta, QUERY_ROWS),
-        dq,
-        dk,
-        dv,
-        key_ptr,
-        key_qblock,
+    )
+    operands = (*descriptors, k, v, dq, dk, dv)
+    unused = key_ptr  # the other launch's lists
+    block_lists = (key_ptr, key_qblock, unused, unused, unused, unused)
+    grid = (length // BLOCK, k.shape[2], batch)
+    _launch(grid, operands, block_lists, 1, key_ptr.stride()[:2], q.shape, softmax_scale, causal_diag, documents)
+    if bar_words is not None:
+        bar_lists = (unused, unused, bar_words.items, bar_words.words, bar_words.column, bar_words.count)
+        grid = (bar_words.items.shape[0],)
+        num_chunks = bar_words.words.shape[1]
+        _launch(grid, operands, bar_lists, num_chunks, (0, 0), q.shape, softmax_scale, False, None, bars=True)
+
+
+def _launch(
+    grid, operands, lists, num_chunks, key_strides, q_shape, softmax_scale, causal_diag, documents, bars=False
+) -> None:
+    """One launch of :func:`one_pass_backward_kernel`: ``operands`` = (q, dO, k, v, lse, delta descriptors, k,
+    v, dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, ITEMS, WORDS, COLUMN, COUNT)."""
+    batch, length, heads, dim = q_shape
+    *_, k, _, dq, dk, _ = operands
+    dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
+    query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
+    one_pass_backward_kernel[grid](
+        *operands,
+        *lists,
         query_docs,
         key_docs,
         query_docs.stride(0) if documents is not None else None,
         length,
-        key_ptr.stride(0),
-        key_ptr.stride(1),
+        num_chunks,
+        *key_strides,
         *dq_strides,
         dk.stride(0),
         dk.stride(1),
         dk.stride(2),
-        heads // kv_heads,
+        heads // k.shape[2],
         heads,
         softmax_scale,
         softmax_scale * LOG2E.value,
@@ -483,5 +620,6 @@ def one_pass_backward(
         CAUSAL_DIAG=bool(causal_diag),
         WRITE_DQ=dq is not None,
         DOCUMENTS=documents is not None,
+        BARS=bars,
         num_warps=MMA_WARPS,
     )

@@ -125,6 +125,7 @@ class _SparseAttention(torch.autograd.Function):
             deterministic=ctx.deterministic,
             key_lists=ctx.index.key_lists(0),
             bar_chunks=ctx.index.bar_chunks(0, k.shape[2]) if ctx.deterministic else None,
+            bar_width=ctx.index.vertical_width,
             fresh_dq=True,
             fresh_dkv=True,
             **ctx.index.step_doc_ids(0),

@@ -296,6 +296,7 @@ def block_bar_backward(
     key_doc_ids=None,
     key_lists=None,
     bar_chunks=None,
+    bar_width=None,
     fresh_dq: bool = False,
     fresh_dkv: bool = False,
 ) -> None:
@@ -306,11 +307,11 @@ def block_bar_backward(
     P = exp(scale·q·kᵀ − lse) and dS = P ⊙ (dout·vᵀ − delta): dq ``[b, Nq, Hq, d]`` += scale·dS·k,
     dk ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout (accumulator dtype, contiguous).
     This backend's backward is always deterministic (bitwise repeatable); ``deterministic`` is
-    accepted for signature parity with the Triton backend, and so are ``key_lists`` and ``bar_chunks`` (the
-    lists by key and by bar column that the Triton backward reads; this one walks the lists by query
-    block). Document ids as in :func:`block_bar_forward`. ``fresh_dq``: dq holds nothing yet and this is
-    its only step; it is written, in its own dtype (q's or the accumulator's). ``fresh_dkv``: the same for dk
-    and dv (k's dtype or the accumulator's).
+    accepted for signature parity with the Triton backend, and so are ``key_lists``, ``bar_chunks`` and
+    ``bar_width`` (the lists by key and by bar column that the Triton backward reads, and the bound of the
+    latter; this one walks the lists by query block). Document ids as in :func:`block_bar_forward`.
+    ``fresh_dq``: dq holds nothing yet and this is its only step; it is written, in its own dtype (q's or the
+    accumulator's). ``fresh_dkv``: the same for dk and dv (k's dtype or the accumulator's).
     """
     acc = _check_inputs(q, k, v, blk_ptr, blk_col, bar_ptr, bar_col, softmax_scale)
     batch, query_len, heads, dim = q.shape

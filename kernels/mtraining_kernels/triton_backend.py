@@ -11,8 +11,9 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
   order, so repeated backwards are bitwise equal (lists from ``mtraining_kernels.bar_chunks``).
   On Hopper (head dim 128) the block tiles' dk/dv come from one warp-specialised pass instead
   (``mtraining_kernels.gluon_bwd``, key-block-major). In the default mode without documents it also adds
-  their dq by atomics and the query-major pass takes the bars alone; in the deterministic mode (documents or
-  not) the query-major pass keeps the blocks' dq. The default mode with documents keeps the two passes.
+  their dq by atomics, and a second launch of it takes the bars by column (``mtraining_kernels.bar_words``),
+  so no query-major pass runs; in the deterministic mode (documents or not) the query-major pass keeps the
+  blocks' dq and the bars. The default mode with documents keeps the two passes.
   A fresh forward step without bars or documents takes ``mtraining_kernels.gluon_fwd``.
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
@@ -36,6 +37,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
+from .bar_words import bar_words_by_column
 from .index import block_lists_by_key
 from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
@@ -150,6 +152,12 @@ def _forward_config(dim: int) -> dict:
 QUERY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3}
 KEY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
 BAR_CHUNK_CONFIG = {"num_warps": 4, "num_stages": 2, "QUERY_ROWS": 64}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device, which size the bars' work items; 1 elsewhere (the
+    interpreter runs the programs one after another)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _copies_tiles(*tensors: torch.Tensor) -> bool:
@@ -362,6 +370,7 @@ def block_bar_backward(
     key_doc_ids=None,
     key_lists=None,
     bar_chunks=None,
+    bar_width: int | None = None,
     fresh_dq: bool = False,
     fresh_dkv: bool = False,
 ) -> None:
@@ -377,6 +386,7 @@ def block_bar_backward(
         key_doc_ids=key_doc_ids,
         key_lists=key_lists,
         bar_chunks=bar_chunks,
+        bar_width=bar_width,
         fresh_dq=fresh_dq,
     )
     lists = (blk_ptr, blk_col, bar_ptr, bar_col)
@@ -420,6 +430,7 @@ def _step_gradients(
     key_doc_ids=None,
     key_lists=None,
     bar_chunks=None,
+    bar_width: int | None = None,
     fresh_dq: bool = False,
     dkv_dtype: torch.dtype = ACCUMULATOR_DTYPE,
 ) -> None:
@@ -433,6 +444,10 @@ def _step_gradients(
     ``deterministic`` uses no atomics; repeated calls on the same inputs are then bitwise equal. It reads
     the bars regrouped by column, ``bar_chunks`` (a :class:`~mtraining_kernels.bar_chunks.BarChunks`,
     ``BlockBarIndex.bar_chunks(source, Hkv)``); without it they are built here (one host sync).
+    ``bar_width`` bounds the distinct bar columns of one (sample, query head) in this step (the index's
+    ``vertical_width``): the Hopper one pass regroups the default mode's bars by column
+    (:func:`~mtraining_kernels.bar_words.bar_words_by_column`) in chunks sized by it; without it they are
+    counted there (one host sync).
     Document ids as in :func:`block_bar_forward`.
     ``fresh_dq``: dq holds nothing yet and this step is its only one: it is written, not added to, in its
     own dtype (q's, or fp32). ``dkv_dtype`` k's dtype: dk and dv are written by the one pass, the only pass
@@ -468,7 +483,7 @@ def _step_gradients(
     tma = _copies_tiles(q, k, v, dout)
     one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
 
-    def one_pass_block_tiles(dq_out) -> None:  # dq_out None: dk and dv alone
+    def one_pass_block_tiles(dq_out, bar_words=None) -> None:  # dq_out None: dk and dv alone
         one_pass(
             q,
             k,
@@ -484,9 +499,10 @@ def _step_gradients(
             causal_diag=bool(causal_diag),
             softmax_scale=softmax_scale,
             documents=documents[:2] if document_flag["DOCUMENTS"] else None,
+            bar_words=bar_words,
         )
 
-    def query_major_pass(dq_out, fresh: bool, block_tiles: bool) -> None:
+    def query_major_pass(dq_out, fresh: bool) -> None:
         query_major_backward_kernel[(num_blocks, heads, batch)](
             q,
             k,
@@ -520,24 +536,24 @@ def _step_gradients(
             ATOMIC_BAR_DKDV=not deterministic,
             FRESH_DQ=fresh,
             TMA=tma,
-            BLOCK_TILES=block_tiles,
             **document_flag,
             **tiles,
             **QUERY_MAJOR_CONFIG,
         )
 
-    if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the bars (writing a
-        # fresh dq), then the block tiles in one pass, adding dq
+    if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the block tiles, then
+        # the bars by column, each in one pass adding into dq
         dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
-        if bar_col.numel():
-            query_major_pass(dq_sum, fresh=bool(fresh_dq), block_tiles=False)
-        elif fresh_dq:  # no bars at all (a block-only pattern): the bars' pass would only write the zeros
+        if fresh_dq or dq_sum is not dq:
             dq_sum.zero_()
-        one_pass_block_tiles(dq_sum)
+        bar_words = None
+        if bar_col.numel() and bar_width != 0:
+            bar_words = bar_words_by_column(bar_ptr, bar_col, k.shape[1], bar_width, _multiprocessors(q.device))
+        one_pass_block_tiles(dq_sum, bar_words)
         if dq_sum is not dq:
             dq.copy_(dq_sum)
         return
-    query_major_pass(dq, fresh=bool(fresh_dq), block_tiles=True)
+    query_major_pass(dq, fresh=bool(fresh_dq))
     if one_pass is not None and deterministic:  # the block tiles' dk/dv in the one pass, without dq
         one_pass_block_tiles(None)
     else:  # the block tiles' dk/dv in the key-major pass

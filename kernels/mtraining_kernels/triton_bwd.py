@@ -122,13 +122,10 @@ def query_major_backward_kernel(
     DOCUMENTS: tl.constexpr,
     FRESH_DQ: tl.constexpr,
     TMA: tl.constexpr,
-    BLOCK_TILES: tl.constexpr,
 ):
     """Grid (nb, Hq, b): the dq of one query block over its listed 64-key sub-tiles and its bars (the
     longest lists, the last query blocks, first). ``FRESH_DQ``: DQ holds nothing yet; every row is written
-    in DQ's dtype (rows without work: 0), not added to. Without ``BLOCK_TILES`` only the bars (the block
-    tiles' gradients come from ``gluon_bwd``): query blocks without bars return at once (``FRESH_DQ``:
-    after writing zeros)."""
+    in DQ's dtype (rows without work: 0), not added to."""
     qblock = num_q_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
     sample = tl.program_id(2).to(tl.int64)
@@ -138,14 +135,6 @@ def query_major_backward_kernel(
     blk_end = tl.load(BLK_PTR + list_row + 1)
     bar_start = tl.load(BAR_PTR + list_row)
     bar_end = tl.load(BAR_PTR + list_row + 1)
-    if not BLOCK_TILES:
-        blk_end = blk_start
-        if bar_end == bar_start:
-            if FRESH_DQ:
-                rows = (qblock * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None] * stride_gqn
-                offsets = sample * stride_gqb + head * stride_gqh + rows + tl.arange(0, HEAD_DIM)[None, :]
-                tl.store(DQ + offsets, tl.zeros([BLOCK_M, HEAD_DIM], dtype=DQ.dtype.element_ty))
-            return
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)

@@ -228,6 +228,7 @@ def sparse_ring_backward(q, kv, dout, out, lse, index, groups, backend, scale, d
             deterministic=deterministic,
             key_lists=index.key_lists(source),
             bar_chunks=index.bar_chunks(source, kv.shape[3]) if deterministic else None,
+            bar_width=index.vertical_width,
             **index.step_doc_ids(source),
         )
         return contribution

@@ -40,6 +40,7 @@ from triton_cases import (
 )
 
 from mtraining_kernels import torch_backend, triton_backend, triton_bwd, triton_fwd
+from mtraining_kernels.bar_words import BAR_WORD_COLUMNS
 from mtraining_kernels.document_conversion import convert_document_index
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.index import convert_index
@@ -426,14 +427,32 @@ def test_non_contiguous_inputs_are_accepted():
 def _one_pass_stand_in(calls: list):
     """``gluon_bwd.one_pass_backward`` in PyTorch (fp32), for machines without Hopper: the block tiles of the
     key-major lists, dq added only when given one (the deterministic mode passes None), P zeroed across
-    documents, dk and dv added to when fp32 and written when in k's dtype; each call's mode is appended to
-    ``calls``."""
+    documents, dk and dv added to when fp32 and written when in k's dtype; then the bars by column from
+    ``bar_words`` (its items, membership words and columns, as the Gluon launch reads them). Each call's mode
+    is appended to ``calls``."""
 
     def one_pass(
-        q, k, v, dout, lse, delta, dq, dk, dv, key_ptr, key_qblock, *, causal_diag, softmax_scale, documents=None
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        dk,
+        dv,
+        key_ptr,
+        key_qblock,
+        *,
+        causal_diag,
+        softmax_scale,
+        documents=None,
+        bar_words=None,
     ):
         written = dk.dtype != torch.float32
-        calls.append({"dq": dq is not None, "documents": documents is not None, "written": written})
+        with_bars = bar_words is not None
+        calls.append({"dq": dq is not None, "documents": documents is not None, "written": written, "bars": with_bars})
+        assert not (written and bar_words is not None), "the bars add into dk/dv: they must be fp32"
         dk_sum, dv_sum = (torch.zeros(t.shape) for t in (dk, dv)) if written else (dk, dv)
         batch, _, heads, _ = q.shape
         group = heads // k.shape[2]
@@ -458,8 +477,37 @@ def _one_pass_stand_in(calls: list):
         if written:
             dk.copy_(dk_sum)
             dv.copy_(dv_sum)
+        if bar_words is not None:
+            _bars_by_column(q, k, v, dout, lse, delta, dq, dk, dv, bar_words, softmax_scale)
 
     return one_pass
+
+
+def _bars_by_column(q, k, v, dout, lse, delta, dq, dk, dv, bar_words, softmax_scale):
+    """The Gluon bars launch in PyTorch: item (row, chunk, first, end) takes the chunk's columns and, for each
+    query block of [first, end), the slots its two membership words mark."""
+    heads = q.shape[2]
+    group = heads // k.shape[2]
+    slot_bits = torch.arange(BAR_WORD_COLUMNS) % 64
+    for row, chunk, first, end in bar_words.items.tolist():
+        b, h = divmod(row, heads)
+        slots = slice(chunk * BAR_WORD_COLUMNS, (chunk + 1) * BAR_WORD_COLUMNS)
+        cols = bar_words.column[row, slots].long()
+        k_c, v_c = k[b, cols, h // group].float(), v[b, cols, h // group].float()
+        for i in range(first, end):
+            words = bar_words.words[row, chunk, i]
+            word_per_slot = torch.where(torch.arange(BAR_WORD_COLUMNS) < 64, words[0], words[1])
+            is_bar = ((word_per_slot >> slot_bits) & 1) != 0
+            if not is_bar.any():
+                continue
+            rows = slice(i * BLOCK, (i + 1) * BLOCK)
+            q_i, do_i = q[b, rows, h].float(), dout[b, rows, h].float()
+            keep = is_bar[None, :] & (lse[b, h, rows, None] > float("-inf"))
+            probs = torch.where(keep, torch.exp(softmax_scale * q_i @ k_c.T - lse[b, h, rows, None]), 0.0)
+            dscores = probs * (do_i @ v_c.T - delta[b, h, rows, None])
+            dq[b, rows, h] += softmax_scale * dscores @ k_c
+            dk[b, :, h // group].index_add_(0, cols, softmax_scale * dscores.T @ q_i)
+            dv[b, :, h // group].index_add_(0, cols, probs.T @ do_i)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -479,14 +527,17 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
         ours = packed_ring_attention(triton_backend, q, k, v, dout, index, layout, deterministic=deterministic)
         ref, low = (packed_reference_attention(q, k, v, dout, index, t) for t in (torch.float64, dtype))
     else:
-        v_idx, s_idx = make_index(1, heads, seq_len, "mixed", generator)
+        v_idx, s_idx = make_index(1, heads, seq_len, "bars", generator)  # most verticals become bars
         q, k, v, dout = make_qkv_dout(1, seq_len, heads, kv_heads, dim, dtype, "cpu", generator)
         ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, layout, deterministic=deterministic)
         ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
     expected = (
         [] if packed and not deterministic else [{"dq": not deterministic, "documents": packed, "written": False}] * 4
     )
-    assert calls == expected, f"one-pass calls {calls}, expected {expected} (W = 2: four backward steps)"
+    modes = [{key: call[key] for key in ("dq", "documents", "written")} for call in calls]
+    assert modes == expected, f"one-pass calls {calls}, expected {expected} (W = 2: four backward steps)"
+    with_bars = [call["bars"] for call in calls]
+    assert any(with_bars) == (not deterministic and not packed), f"bars by column in the one pass: {with_bars}"
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert_close_fa(name, a, r, lo, dtype, f"seed={seed} packed={packed} deterministic={deterministic}")
 
@@ -507,7 +558,8 @@ def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, b
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
     assert (index.bar_col.numel() > 0) == bars  # column 5 or 7 is a bar of query block 3
     out, dq, dk, dv = single_device_attention(q, k, v, dout, index, deterministic=deterministic)
-    assert calls == [{"dq": not deterministic, "documents": False, "written": not bars}], calls
+    expected = {"dq": not deterministic, "documents": False, "written": not bars, "bars": bars and not deterministic}
+    assert calls == [expected], calls
     assert dk.dtype == dv.dtype == dtype
     ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
     context = f"seed={seed} bars={bars} deterministic={deterministic}"
