@@ -16,6 +16,7 @@ Example: ``PYTHONPATH=/tmp/triton36 python tools/compile_sm90.py --kernels .ab/b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import re
@@ -170,14 +171,19 @@ def forward_inputs(seq_len: int, heads: int, kv_heads: int, dim: int) -> dict:
 
 
 def bar_words_of(module, seq_len: int, rows: int):
-    """Zero ``BarWords`` of the tree's ``bar_words`` module: one chunk per row, one item per row."""
-    return module.BarWords(
+    """Zero ``BarWords`` of the tree's ``bar_words`` module: one chunk per row; its walk bounds per chunk, or
+    (trees before ``bounds``) one item per row."""
+    lists = dict(
         column=torch.zeros(rows, module.BAR_WORD_COLUMNS, dtype=torch.int32),
         count=torch.zeros(rows, dtype=torch.int32),
         words=torch.zeros(rows, 1, seq_len // 128, 2, dtype=torch.int64),
-        items=torch.zeros(rows, 4, dtype=torch.int32),
         walk=module.MIN_WALK,
     )
+    if "bounds" in {field.name for field in dataclasses.fields(module.BarWords)}:
+        lists["bounds"] = torch.zeros(rows, 1, 2, dtype=torch.int32)
+    else:
+        lists["items"] = torch.zeros(rows, 4, dtype=torch.int32)
+    return module.BarWords(**lists)
 
 
 def use_tree(folder: Path) -> None:

@@ -4,13 +4,12 @@
 each (sample, query head) row's distinct bar columns, ascending, are its *slots*; slots go in chunks of
 :data:`BAR_WORD_COLUMNS`, and a 128-bit membership word per (chunk, query block) says which of the chunk's
 columns are bars of that block. A chunk's walk runs from the first to the last query block with a nonzero
-word; it is cut along segments of ``walk`` query blocks into *items*, one program each, so that every program has
-about the same work whatever the chunk (a chunk holding the sinks walks the whole sequence, a late one a few
-blocks). The items of a row's chunks that share a segment are neighbours in the table, so the programs that run
-together read the same query blocks' q, dO and dq (from L2; in the order of the items the launch is bound by
-DRAM). Four Triton launches and two zeroed allocations on the lists' device, with no host sync (the regrouping
-runs on every backward step, so its host time counts at short lengths): the item table has a length fixed by the
-shapes and a caller's bound of the chunks, empty items where a chunk does not reach a segment.
+word (its *bounds*); the backward cuts it along segments of ``walk`` query blocks, one program per (row,
+segment, chunk), so that every program has about the same work whatever the chunk (a chunk holding the sinks
+walks the whole sequence, a late one a few blocks), and the programs of a row's chunks that share a segment run
+side by side and read the same query blocks' q, dO and dq from L2. Three Triton launches and two zeroed
+allocations on the lists' device, with no host sync (the regrouping runs on every backward step, so its host
+time counts at short lengths): the sizes follow from the shapes and a caller's bound of the chunks.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from torch import Tensor
 BAR_WORD_COLUMNS = 128  # columns per chunk: two 64-bit membership words per (chunk, query block)
 ENTRIES_PER_STEP = 128  # bar entries one program reads per loop step
 COLUMNS_PER_SCAN = 2048  # key columns one scan step numbers
-MIN_WALK, MAX_WALK = 16, 128  # query blocks per item
-ITEMS_PER_MULTIPROCESSOR = 64  # the item table's length at most this many per multiprocessor, where MAX_WALK allows
+MIN_WALK, MAX_WALK = 16, 128  # query blocks per segment
+PROGRAMS_PER_MULTIPROCESSOR = 64  # the bars' programs at most this many per multiprocessor, where MAX_WALK allows
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,25 +37,25 @@ class BarWords:
     * ``count`` int32 ``[b·Hq]``: how many there are;
     * ``words`` int64 ``[b·Hq, C, nb, 2]``: bit t of word t // 64 says slot 128·c + t is a bar of the
       query block;
-    * ``items`` int32 ``[b·Hq·K·C, 4]``: (row, chunk, first, end), a program's walk over query blocks
-      [first, end) of one chunk within segment k = [k·walk, (k+1)·walk) (K = ⌈nb / walk⌉ segments), at
-      ``(row·K + k)·C + chunk``; (0, 0, 0, 0) where the chunk has no block in the segment.
+    * ``bounds`` int32 ``[b·Hq, C, 2]``: (nb − first, end) of each chunk's walk, its first and past-the-last
+      query block with a nonzero word; (0, 0) for a chunk without bars;
+    * ``walk``: query blocks per segment.
     """
 
     column: Tensor
     count: Tensor
     words: Tensor
-    items: Tensor
+    bounds: Tensor
     walk: int
 
 
 def walk_length(chunk_rows: int, num_blocks: int, multiprocessors: int) -> int:
-    """Query blocks per item: the smallest power of two from :data:`MIN_WALK` to :data:`MAX_WALK` whose item
-    table (``chunk_rows`` chunks, each cut into ⌈nb / walk⌉ items) holds at most
-    :data:`ITEMS_PER_MULTIPROCESSOR` items per multiprocessor: shorter walks balance the programs better,
-    longer ones add each chunk's dk/dv rows fewer times."""
+    """Query blocks per segment: the smallest power of two from :data:`MIN_WALK` to :data:`MAX_WALK` whose
+    programs (``chunk_rows`` chunks, each cut into ⌈nb / walk⌉ segments) are at most
+    :data:`PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor: shorter walks balance the programs better, longer
+    ones add each chunk's dk/dv rows fewer times."""
     walk = MIN_WALK
-    while walk < MAX_WALK and chunk_rows * -(-num_blocks // walk) > ITEMS_PER_MULTIPROCESSOR * multiprocessors:
+    while walk < MAX_WALK and chunk_rows * -(-num_blocks // walk) > PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
         walk *= 2
     return walk
 
@@ -139,35 +138,13 @@ def _words_kernel(
     tl.atomic_max(BOUNDS + bound + 1, tl.full([CHUNKS], 0, tl.int32) + i + 1, mask=touched, sem="relaxed")
 
 
-@triton.jit
-def _items_kernel(BOUNDS, ITEMS, num_chunks, num_blocks, walk, PARTS: tl.constexpr):
-    """Program c (a chunk row, row·C + chunk): cuts its walk, from BOUNDS (:func:`_words_kernel`), along the
-    segments [k·walk, (k+1)·walk) of the query blocks; its part of segment k is item (row·K + k)·C + chunk (K
-    segments), so the chunks of a row that share a segment are neighbours in the launch. Segments it does not
-    reach keep their empty item."""
-    c = tl.program_id(0)
-    row = c // num_chunks
-    own_first = num_blocks - tl.load(BOUNDS + c * 2)
-    own_end = tl.maximum(own_first, tl.load(BOUNDS + c * 2 + 1))  # an unused chunk: first = nb = end
-    segment = tl.arange(0, PARTS)
-    item_first = tl.maximum(own_first, segment * walk)
-    item_end = tl.minimum(own_end, segment * walk + walk)
-    real = item_first < item_end
-    segments = (num_blocks + walk - 1) // walk
-    item = ITEMS + ((row * segments + segment) * num_chunks + c % num_chunks) * 4
-    tl.store(item, tl.full([PARTS], 0, tl.int32) + row, mask=real)
-    tl.store(item + 1, tl.full([PARTS], 0, tl.int32) + c % num_chunks, mask=real)
-    tl.store(item + 2, item_first, mask=real)
-    tl.store(item + 3, item_end, mask=real)
-
-
 def bar_words_by_column(
     bar_ptr: Tensor, bar_col: Tensor, key_len: int, max_columns: int | None, multiprocessors: int
 ) -> BarWords:
     """The :class:`BarWords` of one step's bar lists: ``bar_ptr`` int32 ``[b, Hq, nb+1]`` (absolute offsets
     into ``bar_col``, rows back to back), local key columns in ``[0, key_len)``; ``max_columns`` bounds one
     row's distinct bar columns (the index's vertical width): no host sync. Without it they are counted (one
-    host sync). ``multiprocessors``: the device's, which sizes the items (:func:`walk_length`)."""
+    host sync). ``multiprocessors``: the device's, which sizes the segments (:func:`walk_length`)."""
     batch, heads, num_blocks = bar_ptr.shape[0], bar_ptr.shape[1], bar_ptr.shape[2] - 1
     rows = batch * heads
     device = bar_ptr.device
@@ -180,10 +157,8 @@ def bar_words_by_column(
     num_chunks = max(1, -(-min(max_columns, key_len) // BAR_WORD_COLUMNS))
     width = num_chunks * BAR_WORD_COLUMNS
     chunk_rows = rows * num_chunks
-    walk = walk_length(chunk_rows, num_blocks, multiprocessors)
-    num_items = chunk_rows * -(-num_blocks // walk)
-    sizes = (rows * key_len, rows, rows * width, chunk_rows * 2, num_items * 4)
-    slots, count, column, bounds, items = torch.zeros(sum(sizes), dtype=torch.int32, device=device).split(sizes)
+    sizes = (rows * key_len, rows, rows * width, chunk_rows * 2)
+    slots, count, column, bounds = torch.zeros(sum(sizes), dtype=torch.int32, device=device).split(sizes)
     words = torch.zeros(rows, num_chunks, num_blocks, 2, dtype=torch.int64, device=device)
     _mark_columns_kernel[grid](bar_ptr, bar_col, slots, key_len, STEP=ENTRIES_PER_STEP)
     _slots_kernel[(rows,)](slots, count, column, key_len, width, SCAN=COLUMNS_PER_SCAN, num_warps=8)
@@ -199,9 +174,10 @@ def bar_words_by_column(
         COLUMNS=BAR_WORD_COLUMNS,
         CHUNKS=triton.next_power_of_2(num_chunks),
     )
-    _items_kernel[(chunk_rows,)](
-        bounds, items, num_chunks, num_blocks, walk, PARTS=triton.next_power_of_2(-(-num_blocks // walk))
-    )
     return BarWords(
-        column=column.view(rows, width), count=count, words=words, items=items.view(num_items, 4), walk=walk
+        column=column.view(rows, width),
+        count=count,
+        words=words,
+        bounds=bounds.view(rows, num_chunks, 2),
+        walk=walk_length(chunk_rows, num_blocks, multiprocessors),
     )

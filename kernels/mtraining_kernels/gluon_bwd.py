@@ -14,9 +14,10 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
 ``triton_bwd`` (whose query-major pass recomputes S and dP). In the default mode a second launch (``BARS``)
-takes the bars by column: a program per item of ``mtraining_kernels.bar_words`` gathers its chunk's (up to
-128) k/v rows once, walks the item's query blocks, skipping those whose membership words are zero, keeps P
-where the words mark a bar, and adds its dk/dv rows with atomics once (other GQA heads and items share them).
+takes the bars by column: a program per (row, segment, chunk) of ``mtraining_kernels.bar_words`` gathers its
+chunk's (up to 128) k/v rows once, walks the chunk's query blocks within the segment, skipping those whose
+membership words are zero, keeps P where the words mark a bar, and adds its dk/dv rows with atomics once (other
+GQA heads and segments share them).
 Without a dq
 (the deterministic mode) the pass computes dk and dv alone, with no atomics (4 products; the writer idles), and
 ``triton_bwd``'s query-major pass the block tiles' dq. Packed documents (``DOCUMENTS``): P is 0 where a query
@@ -58,15 +59,13 @@ MMA_WARPS = 8
 def _member_slices(key_lists, member, BLOCK: gl.constexpr, ROWS: gl.constexpr, BARS: gl.constexpr):
     """(query head, first slice, end slice) of GQA member ``member`` in the program's list. Block tiles:
     ``key_lists`` = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, Hq);
-    bars: (ITEMS, WORDS, item_row, words_row, chunk, head, sample, 1, Hq), the item's walk [first, end) of
-    query blocks at ITEMS + item_row + 2, walked from its end down (:func:`_slice_rows`), so the items of a
-    segment, which end together, read the same blocks at the same time."""
+    bars: (first, WORDS, end, words_row, chunk, head, sample, 1, Hq), the program's walk [first, end) of
+    query blocks, walked from its end down (:func:`_slice_rows`), so the programs of a segment, which end
+    together, read the same blocks at the same time."""
     SLICES: gl.constexpr = BLOCK // ROWS
     if BARS:
         head = key_lists[5]
-        first = gl.load(key_lists[0] + key_lists[2] + 2)
-        end = gl.load(key_lists[0] + key_lists[2] + 3)
-        start_slice, end_slice = 1 - end * SLICES, 1 - first * SLICES
+        start_slice, end_slice = 1 - key_lists[2] * SLICES, 1 - key_lists[0] * SLICES
     else:
         head = key_lists[5] * key_lists[7] + member
         list_row = key_lists[6] * key_lists[2] + head * key_lists[3] + key_lists[4]
@@ -342,7 +341,7 @@ def _mma_partition(
                 step += 1
 
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    if BARS:  # other heads of the group and other items of the chunk add into the same rows
+    if BARS:  # other heads of the group and other segments of the chunk add into the same rows
         k_slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
         listed = (k_slots < bar_keys[3]) & (step > 0)
         cols = gl.load(bar_keys[2] + k_slots, mask=listed, other=0)
@@ -379,7 +378,7 @@ def one_pass_backward_kernel(
     DV,
     KEY_PTR,
     KEY_QBLOCK,
-    ITEMS,
+    BOUNDS,
     WORDS,
     COLUMN,
     COUNT,
@@ -388,6 +387,7 @@ def one_pass_backward_kernel(
     stride_docb,
     seq_len,
     num_chunks,
+    walk,
     stride_kpb,
     stride_kph,
     stride_gqb,
@@ -414,8 +414,9 @@ def one_pass_backward_kernel(
 ):
     """Block tiles: grid (nb, Hkv, b); KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
     KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``). Bars
-    (``BARS``): grid (I,); program p walks item p of ITEMS int32 ``[I, 4]`` with WORDS, COLUMN and COUNT of
-    ``bar_words.BarWords`` (contiguous, ``num_chunks`` chunks per row); K and V the raw k and v they gather."""
+    (``BARS``): grid (b·Hq·K·C,); program (row·K + k)·C + chunk walks the chunk's query blocks within segment k,
+    [k·walk, (k+1)·walk) (K segments), from BOUNDS, WORDS, COLUMN and COUNT of ``bar_words.BarWords``
+    (contiguous, C = ``num_chunks`` chunks per row); K and V the raw k and v they gather."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -443,17 +444,21 @@ def one_pass_backward_kernel(
 
     row_stride = heads // group_size * HEAD_DIM  # of the 2-D views [b·N, Hkv·d]
     if BARS:
-        item_row = gl.program_id(0).to(gl.int64) * 4
-        row = gl.load(ITEMS + item_row)
-        chunk = gl.load(ITEMS + item_row + 1)
+        num_blocks = seq_len // BLOCK
+        chunk = gl.program_id(0) % num_chunks
+        row_segment = gl.program_id(0) // num_chunks
+        segment = row_segment % ((num_blocks + walk - 1) // walk)
+        row = row_segment // ((num_blocks + walk - 1) // walk)
         sample = row // heads
         head = row % heads
         chunk_row = row.to(gl.int64) * num_chunks + chunk
-        words_row = chunk_row * (seq_len // BLOCK) * 2
-        key_lists = (ITEMS, WORDS, item_row, words_row, chunk, head, sample, 1, heads)
+        chunk_first = num_blocks - gl.load(BOUNDS + chunk_row * 2)  # an unused chunk: first = nb = end
+        first = gl.maximum(chunk_first, segment * walk)
+        end = gl.maximum(first, gl.minimum(gl.load(BOUNDS + chunk_row * 2 + 1), segment * walk + walk))
+        words_row = chunk_row * num_blocks * 2
+        key_lists = (first, WORDS, end, words_row, chunk, head, sample, 1, heads)
         length = gl.minimum(gl.maximum(gl.load(COUNT + row) - chunk * BLOCK, 0), BLOCK)
-        empty = gl.load(ITEMS + item_row + 2) == gl.load(ITEMS + item_row + 3)
-        length = gl.where(empty, 0, length)  # an empty item gathers nothing
+        length = gl.where(first == end, 0, length)  # a segment the chunk does not reach gathers nothing
         bar_keys = (K, V, COLUMN + chunk_row * BLOCK, length, head // group_size, seq_len, row_stride)
     else:
         key_block = gl.program_id(0)
@@ -558,8 +563,8 @@ def one_pass_backward(
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
     (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then, with ``bar_words``
     (:class:`~mtraining_kernels.bar_words.BarWords` of this step), over the bars by column (a second launch, one
-    program per item, dk/dv added with atomics as other programs share their rows; fp32 dq, dk, dv). Shapes and
-    dtypes as in the module docstring, checked by the caller; dk and dv in k's dtype are written (dk =
+    program per (row, segment, chunk), dk/dv added with atomics as other programs share their rows; fp32 dq, dk,
+    dv). Shapes and dtypes as in the module docstring, checked by the caller; dk and dv in k's dtype are written (dk =
     scale·dSᵀ·q, dv = Pᵀ·dO). ``dq`` None: dk and dv alone, without atomics (the deterministic mode, whose dq the
     query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
     None."""
@@ -576,19 +581,21 @@ def one_pass_backward(
     unused = key_ptr  # the other launch's lists
     block_lists = (key_ptr, key_qblock, unused, unused, unused, unused)
     grid = (length // BLOCK, k.shape[2], batch)
-    _launch(grid, operands, block_lists, 1, key_ptr.stride()[:2], q.shape, softmax_scale, causal_diag, documents)
+    _launch(grid, operands, block_lists, (1, 1), key_ptr.stride()[:2], q.shape, softmax_scale, causal_diag, documents)
     if bar_words is not None:
-        bar_lists = (unused, unused, bar_words.items, bar_words.words, bar_words.column, bar_words.count)
-        grid = (bar_words.items.shape[0],)
-        num_chunks = bar_words.words.shape[1]
-        _launch(grid, operands, bar_lists, num_chunks, (0, 0), q.shape, softmax_scale, False, None, bars=True)
+        bar_lists = (unused, unused, bar_words.bounds, bar_words.words, bar_words.column, bar_words.count)
+        rows, num_chunks, num_blocks = bar_words.words.shape[:3]
+        grid = (rows * -(-num_blocks // bar_words.walk) * num_chunks,)
+        walking = (num_chunks, bar_words.walk)
+        _launch(grid, operands, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, bars=True)
 
 
 def _launch(
-    grid, operands, lists, num_chunks, key_strides, q_shape, softmax_scale, causal_diag, documents, bars=False
+    grid, operands, lists, walking, key_strides, q_shape, softmax_scale, causal_diag, documents, bars=False
 ) -> None:
     """One launch of :func:`one_pass_backward_kernel`: ``operands`` = (q, dO, k, v, lse, delta descriptors, k,
-    v, dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, ITEMS, WORDS, COLUMN, COUNT)."""
+    v, dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, BOUNDS, WORDS, COLUMN, COUNT), ``walking`` = (the bars'
+    chunks per row, their walk)."""
     batch, length, heads, dim = q_shape
     *_, k, _, dq, dk, _ = operands
     dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
@@ -600,7 +607,7 @@ def _launch(
         key_docs,
         query_docs.stride(0) if documents is not None else None,
         length,
-        num_chunks,
+        *walking,
         *key_strides,
         *dq_strides,
         dk.stride(0),

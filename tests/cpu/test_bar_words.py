@@ -1,7 +1,7 @@
 """The bars regrouped by column for the one-pass backward (``mtraining_kernels.bar_words``), built by Triton's CPU
 interpreter, against a direct regrouping of the same lists in Python: every row's distinct columns, each
-(chunk, query block) membership word, and items that cover exactly the blocks from a chunk's first to its last
-nonzero word, cut along segments of ``walk`` blocks."""
+(chunk, query block) membership word, and each chunk's bounds: its first and past-the-last query block with a
+nonzero word."""
 
 import os
 
@@ -19,9 +19,9 @@ from triton_cases import make_index
 
 from mtraining_kernels.bar_words import (
     BAR_WORD_COLUMNS,
-    ITEMS_PER_MULTIPROCESSOR,
     MAX_WALK,
     MIN_WALK,
+    PROGRAMS_PER_MULTIPROCESSOR,
     bar_words_by_column,
     walk_length,
 )
@@ -68,7 +68,7 @@ def test_words_match_a_direct_regrouping(layout, pattern, seq_len):
         for source in range(layout.world_size):
             bar_ptr = index.bar_ptr[source]
             lists = bar_words_by_column(bar_ptr, index.bar_col, key_len, index.vertical_width, 4)
-            assert all(t.is_contiguous() for t in (lists.column, lists.count, lists.words, lists.items))
+            assert all(t.is_contiguous() for t in (lists.column, lists.count, lists.words, lists.bounds))
             num_chunks = lists.words.shape[1]
             columns, words = _expected(bar_ptr, index.bar_col, num_chunks)
             assert any(columns.values()), "the case must have bars"
@@ -83,55 +83,38 @@ def test_words_match_a_direct_regrouping(layout, pattern, seq_len):
                 )
             }
             assert got == words
-            _check_items(lists, num_blocks=bar_ptr.shape[-1] - 1)
+            _check_bounds(lists, num_blocks=bar_ptr.shape[-1] - 1)
 
 
-def _check_items(lists, num_blocks):
-    """Each chunk's items cover its blocks from its first to its last nonzero word, back to back, one per
-    segment of ``walk`` blocks it reaches, at (row·K + segment)·C + chunk; every other item is empty; the table
-    has its bound's length."""
-    rows, num_chunks = lists.words.shape[:2]
-    segments = -(-num_blocks // lists.walk)
-    assert lists.items.shape == (rows * segments * num_chunks, 4)
-    items = lists.items.view(rows, segments, num_chunks, 4)
+def _check_bounds(lists, num_blocks):
+    """Each chunk's bounds are (nb − its first, its end) over the blocks with a nonzero word, (0, 0) without."""
     used = (lists.words != 0).any(-1)  # [rows, C, nb]
+    rows, num_chunks = used.shape[:2]
+    assert lists.bounds.shape == (rows, num_chunks, 2)
     for row in range(rows):
         for chunk in range(num_chunks):
-            walks = []
-            for segment in range(segments):
-                item = items[row, segment, chunk].tolist()
-                if item == [0, 0, 0, 0]:
-                    continue
-                assert item[:2] == [row, chunk]
-                first, end = item[2:]
-                assert segment * lists.walk <= first < end <= (segment + 1) * lists.walk, (segment, item)
-                walks.append((first, end))
-            assert all(a[1] == b[0] for a, b in zip(walks, walks[1:])), walks
             blocks = used[row, chunk].nonzero().flatten().tolist()
-            if blocks:
-                assert walks[0][0] == blocks[0] and walks[-1][1] == blocks[-1] + 1
-            else:
-                assert not walks
+            expected = [num_blocks - blocks[0], blocks[-1] + 1] if blocks else [0, 0]
+            assert lists.bounds[row, chunk].tolist() == expected, (row, chunk)
 
 
 @pytest.mark.parametrize("multiprocessors", [1, 132])
-def test_items_of_long_walks_are_cut(multiprocessors):
-    """One row whose only chunk has bars in every query block: the walk is cut into items of ``walk`` blocks."""
+def test_a_chunk_with_bars_in_every_block_walks_them_all(multiprocessors):
+    """One row whose only chunk has bars in every query block: its bounds span the sequence, in segments of
+    the shortest walk."""
     num_blocks = 64
     bar_ptr = torch.arange(num_blocks + 1, dtype=torch.int32).view(1, 1, -1)
     bar_col = torch.zeros(num_blocks, dtype=torch.int32)  # column 0 in every block
     lists = bar_words_by_column(bar_ptr, bar_col, num_blocks * 128, 1, multiprocessors)
     assert lists.walk == MIN_WALK
-    _check_items(lists, num_blocks)
-    assert lists.items[: num_blocks // MIN_WALK, 2:].tolist() == [
-        [first, first + MIN_WALK] for first in range(0, num_blocks, MIN_WALK)
-    ]
+    assert lists.bounds.tolist() == [[[num_blocks, num_blocks]]]
+    _check_bounds(lists, num_blocks)
 
 
-def test_walk_length_bounds_the_items_per_multiprocessor():
+def test_walk_length_bounds_the_programs_per_multiprocessor():
     assert walk_length(16 * 9, 1024, 132) == 32  # 128K: 16 rows of 9 chunks
     assert walk_length(16 * 33, 4096, 132) == MAX_WALK  # 512K
     assert walk_length(16 * 3, 256, 132) == MIN_WALK  # 32K
     for chunk_rows, num_blocks in ((16 * 9, 1024), (48, 256), (7, 3000)):
         walk = walk_length(chunk_rows, num_blocks, 132)
-        assert walk == MAX_WALK or chunk_rows * -(-num_blocks // walk) <= ITEMS_PER_MULTIPROCESSOR * 132
+        assert walk == MAX_WALK or chunk_rows * -(-num_blocks // walk) <= PROGRAMS_PER_MULTIPROCESSOR * 132

@@ -428,7 +428,7 @@ def _one_pass_stand_in(calls: list):
     """``gluon_bwd.one_pass_backward`` in PyTorch (fp32), for machines without Hopper: the block tiles of the
     key-major lists, dq added only when given one (the deterministic mode passes None), P zeroed across
     documents, dk and dv added to when fp32 and written when in k's dtype; then the bars by column from
-    ``bar_words`` (its items, membership words and columns, as the Gluon launch reads them). Each call's mode
+    ``bar_words`` (its bounds, membership words and columns, as the Gluon launch reads them). Each call's mode
     is appended to ``calls``."""
 
     def one_pass(
@@ -484,12 +484,17 @@ def _one_pass_stand_in(calls: list):
 
 
 def _bars_by_column(q, k, v, dout, lse, delta, dq, dk, dv, bar_words, softmax_scale):
-    """The Gluon bars launch in PyTorch: item (row, chunk, first, end) takes the chunk's columns and, for each
-    query block of [first, end), the slots its two membership words mark."""
+    """The Gluon bars launch in PyTorch: program (row, segment, chunk) takes the chunk's columns and, for each
+    query block of its bounds within the segment, the slots its two membership words mark."""
     heads = q.shape[2]
     group = heads // k.shape[2]
     slot_bits = torch.arange(BAR_WORD_COLUMNS) % 64
-    for row, chunk, first, end in bar_words.items.tolist():
+    rows, num_chunks, num_blocks = bar_words.words.shape[:3]
+    walk = bar_words.walk
+    for row, segment, chunk in itertools.product(range(rows), range(-(-num_blocks // walk)), range(num_chunks)):
+        first_from_end, end = bar_words.bounds[row, chunk].tolist()
+        first = max(num_blocks - first_from_end, segment * walk)
+        end = min(end, (segment + 1) * walk)
         b, h = divmod(row, heads)
         slots = slice(chunk * BAR_WORD_COLUMNS, (chunk + 1) * BAR_WORD_COLUMNS)
         cols = bar_words.column[row, slots].long()
