@@ -155,7 +155,7 @@ BAR_CHUNK_CONFIG = {"num_warps": 4, "num_stages": 2, "QUERY_ROWS": 64}
 
 
 def _multiprocessors(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA device, which size the bars' work items; 1 elsewhere (the
+    """The streaming multiprocessors of a CUDA device, which size the bars' segments; 1 elsewhere (the
     interpreter runs the programs one after another)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
