@@ -171,19 +171,19 @@ def forward_inputs(seq_len: int, heads: int, kv_heads: int, dim: int) -> dict:
 
 
 def bar_words_of(module, seq_len: int, rows: int):
-    """Zero ``BarWords`` of the tree's ``bar_words`` module, one chunk per row, in whichever of its layouts the
-    tree has (walk bounds per chunk, or one item per row)."""
-    num_blocks = seq_len // 128
-    candidates = dict(
+    """Zero ``BarWords`` of the tree's ``bar_words`` module: one chunk per row; its walk bounds per chunk, or
+    (trees before ``bounds``) one item per row."""
+    lists = dict(
         column=torch.zeros(rows, module.BAR_WORD_COLUMNS, dtype=torch.int32),
         count=torch.zeros(rows, dtype=torch.int32),
-        words=torch.zeros(rows, 1, num_blocks, 2, dtype=torch.int64),
-        bounds=torch.zeros(rows, 1, 2, dtype=torch.int32),
-        chunks_per_block=torch.zeros(rows, num_blocks, dtype=torch.int32),
-        items=torch.zeros(rows, 4, dtype=torch.int32),
+        words=torch.zeros(rows, 1, seq_len // 128, 2, dtype=torch.int64),
         walk=module.MIN_WALK,
     )
-    return module.BarWords(**{field.name: candidates[field.name] for field in dataclasses.fields(module.BarWords)})
+    if "bounds" in {field.name for field in dataclasses.fields(module.BarWords)}:
+        lists["bounds"] = torch.zeros(rows, 1, 2, dtype=torch.int32)
+    else:
+        lists["items"] = torch.zeros(rows, 4, dtype=torch.int32)
+    return module.BarWords(**lists)
 
 
 def use_tree(folder: Path) -> None:
@@ -232,9 +232,6 @@ def main(argv=None) -> None:
             deterministic={"dq": None},
             deterministic_documents={"dq": None, "documents": (doc_ids,) * 2},
         )
-    if "dq_out" in accepted:  # a tree whose one pass can write dq in q's dtype by the last adder of each slice
-        last_cast = {"dq_out": torch.zeros(inputs["q"].shape, dtype=torch.bfloat16), "blk_ptr": inputs["key_ptr"]}
-        variants.update(last_cast=last_cast)
     labels = []
     for label, changes in variants.items():
         before = len(compiled)

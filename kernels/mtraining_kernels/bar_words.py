@@ -39,8 +39,6 @@ class BarWords:
       query block;
     * ``bounds`` int32 ``[b·Hq, C, 2]``: (nb − first, end) of each chunk's walk, its first and past-the-last
       query block with a nonzero word; (0, 0) for a chunk without bars;
-    * ``chunks_per_block`` int32 ``[b·Hq, nb]``: how many chunks have a nonzero word for each query block (the
-      bars' programs that add into its dq);
     * ``walk``: query blocks per segment.
     """
 
@@ -48,7 +46,6 @@ class BarWords:
     count: Tensor
     words: Tensor
     bounds: Tensor
-    chunks_per_block: Tensor
     walk: int
 
 
@@ -111,7 +108,6 @@ def _words_kernel(
     SLOTS,
     WORDS,
     BOUNDS,
-    CHUNKS_PER_BLOCK,
     key_len,
     num_chunks,
     STEP: tl.constexpr,
@@ -120,9 +116,8 @@ def _words_kernel(
 ):
     """Program (i, row): sets, for every bar column c of query block i of row, the bit of slot SLOTS[row, c] − 1
     in the words of (row, its chunk, i), and raises the walk bounds of each chunk it sets a bit in:
-    BOUNDS[row·C + chunk] = (nb − first block, end block), both atomic maxima over the programs; and counts
-    those chunks in CHUNKS_PER_BLOCK[row, i]. A row's slots are distinct, so each bit is set once and an add is
-    an OR."""
+    BOUNDS[row·C + chunk] = (nb − first block, end block), both atomic maxima over the programs. A row's slots
+    are distinct, so each bit is set once and an add is an OR."""
     i, row, num_blocks, start, end = _program_entries(BAR_PTR)
     offs = tl.arange(0, STEP)
     hits = tl.zeros([CHUNKS], dtype=tl.int32)
@@ -141,7 +136,6 @@ def _words_kernel(
     touched = hits > 0
     tl.atomic_max(BOUNDS + bound, tl.full([CHUNKS], 0, tl.int32) + num_blocks - i, mask=touched, sem="relaxed")
     tl.atomic_max(BOUNDS + bound + 1, tl.full([CHUNKS], 0, tl.int32) + i + 1, mask=touched, sem="relaxed")
-    tl.store(CHUNKS_PER_BLOCK + row * num_blocks + i, tl.sum(touched.to(tl.int32), 0))
 
 
 def bar_words_by_column(
@@ -163,10 +157,8 @@ def bar_words_by_column(
     num_chunks = max(1, -(-min(max_columns, key_len) // BAR_WORD_COLUMNS))
     width = num_chunks * BAR_WORD_COLUMNS
     chunk_rows = rows * num_chunks
-    sizes = (rows * key_len, rows, rows * width, chunk_rows * 2, rows * num_blocks)
-    slots, count, column, bounds, chunks_per_block = torch.zeros(sum(sizes), dtype=torch.int32, device=device).split(
-        sizes
-    )
+    sizes = (rows * key_len, rows, rows * width, chunk_rows * 2)
+    slots, count, column, bounds = torch.zeros(sum(sizes), dtype=torch.int32, device=device).split(sizes)
     words = torch.zeros(rows, num_chunks, num_blocks, 2, dtype=torch.int64, device=device)
     _mark_columns_kernel[grid](bar_ptr, bar_col, slots, key_len, STEP=ENTRIES_PER_STEP)
     _slots_kernel[(rows,)](slots, count, column, key_len, width, SCAN=COLUMNS_PER_SCAN, num_warps=8)
@@ -176,7 +168,6 @@ def bar_words_by_column(
         slots,
         words,
         bounds,
-        chunks_per_block,
         key_len,
         num_chunks,
         STEP=ENTRIES_PER_STEP,
@@ -188,6 +179,5 @@ def bar_words_by_column(
         count=count,
         words=words,
         bounds=bounds.view(rows, num_chunks, 2),
-        chunks_per_block=chunks_per_block.view(rows, num_blocks),
         walk=walk_length(chunk_rows, num_blocks, multiprocessors),
     )

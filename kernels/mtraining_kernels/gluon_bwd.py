@@ -31,7 +31,6 @@ Written in the Gluon API of Triton 3.6.
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -141,35 +140,6 @@ def _loader(
 
 
 @gluon.jit
-def _slice_adders(last_cast, sample, head, qblock, seq_len, BLOCK: gl.constexpr, COUNT_BARS: gl.constexpr):
-    """How many programs of the two launches add into each dq slice of query block ``qblock``: the key blocks
-    its row lists (sub-tile pairs of BLK_PTR ``[b, Hq, nb+1]``), plus, with ``COUNT_BARS``, the bar chunks that
-    mark it (BAR_COUNT ``[b·Hq, nb]``). ``last_cast`` = (DQ_OUT, COUNTS, BLK_PTR, BAR_COUNT, Hq)."""
-    num_blocks = seq_len // BLOCK
-    row = sample * last_cast[4] + head
-    entry = last_cast[2] + row.to(gl.int64) * (num_blocks + 1) + qblock
-    adders = (gl.load(entry + 1) - gl.load(entry)) // 2
-    if COUNT_BARS:
-        adders += gl.load(last_cast[3] + row.to(gl.int64) * num_blocks + qblock)
-    return adders
-
-
-@gluon.jit
-def _gpu_fence(values):
-    """``values``, returned after a GPU-scope acquire-release fence (``fence.acq_rel.gpu``, once per 4 values
-    of a thread) that orders this thread's memory operations before it against those after it; the data
-    dependency keeps the fence between them."""
-    return gl.inline_asm_elementwise(
-        "fence.acq_rel.gpu;\n\tmov.b32 $0, $4;\n\tmov.b32 $1, $5;\n\tmov.b32 $2, $6;\n\tmov.b32 $3, $7;",
-        "=r,=r,=r,=r,r,r,r,r",
-        [values],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=4,
-    )
-
-
-@gluon.jit
 def _dq_writer(
     DQ,
     dq_strides,
@@ -177,8 +147,6 @@ def _dq_writer(
     dq_ready_bars,
     dq_empty_bars,
     key_lists,
-    last_cast,
-    seq_len,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
@@ -186,47 +154,29 @@ def _dq_writer(
     WARPS: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     BARS: gl.constexpr,
-    LAST_CAST: gl.constexpr,
-    COUNT_BARS: gl.constexpr,
 ):
     """Drains each dq slice (``dq_chunks``: DQ_BUFFERS buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
-    (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``. With ``LAST_CAST`` each thread
-    then counts its adds to the slice (COUNTS, one int32 per element of a chunk, as every program's thread t adds
-    the same elements): the thread whose count completes the slice's adders (:func:`_slice_adders`) reads the
-    slice's sums of its elements back and writes them to DQ_OUT in its dtype (same strides as DQ). Every query
-    block lists its diagonal block (DESIGN.md §2.1), so every slice has an adder."""
+    (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
     CHUNKS: gl.constexpr = ROWS // CHUNK
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     stride_gqb, stride_gqn, stride_gqh = dq_strides
-    sample = key_lists[6]
     step = 0
     if WRITE_DQ:
         for member in range(0, key_lists[7]):
             head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
-            head_offset = sample * stride_gqb + head * stride_gqh
+            dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
                 qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
                 if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
                     slot = step % DQ_BUFFERS
                     mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
-                    offsets = head_offset + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
+                    ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
                     for c in range(CHUNKS):
                         rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
-                        gl.atomic_add(DQ + offsets + c * CHUNK * stride_gqn, rows, sem="relaxed")
+                        gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
                     mbarrier.arrive(dq_empty_bars.index(slot), count=1)
-                    if LAST_CAST:
-                        slice_row = (sample * last_cast[4] + head).to(gl.int64) * (seq_len // ROWS) + first_row // ROWS
-                        counters = last_cast[1] + slice_row * (CHUNK * HEAD_DIM) + offs_r[:, None] * HEAD_DIM
-                        ones = _gpu_fence(gl.full([CHUNK, HEAD_DIM], 1, gl.int32, layout))  # adds before counts
-                        counted = gl.atomic_add(counters + offs_d[None, :], ones, sem="relaxed", scope="gpu")
-                        adders = _slice_adders(last_cast, sample, head, qblock, seq_len, BLOCK, COUNT_BARS)
-                        last = _gpu_fence(counted) == adders - 1  # counts before the sums are read back
-                        for c in range(CHUNKS):
-                            chunk_offsets = offsets + c * CHUNK * stride_gqn
-                            sums = gl.load(DQ + chunk_offsets, mask=last, cache_modifier=".cg")
-                            gl.store(last_cast[0] + chunk_offsets, sums.to(last_cast[0].dtype.element_ty), mask=last)
                     step += 1
 
 
@@ -432,10 +382,6 @@ def one_pass_backward_kernel(
     WORDS,
     COLUMN,
     COUNT,
-    DQ_OUT,
-    COUNTS,
-    BLK_PTR,
-    BAR_COUNT,
     QUERY_DOCS,
     KEY_DOCS,
     stride_docb,
@@ -465,16 +411,12 @@ def one_pass_backward_kernel(
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
     BARS: gl.constexpr,
-    LAST_CAST: gl.constexpr,
-    COUNT_BARS: gl.constexpr,
 ):
     """Block tiles: grid (nb, Hkv, b); KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
     KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``). Bars
     (``BARS``): grid (b·Hq·K·C,); program (row·K + k)·C + chunk walks the chunk's query blocks within segment k,
     [k·walk, (k+1)·walk) (K segments), from BOUNDS, WORDS, COLUMN and COUNT of ``bar_words.BarWords``
-    (contiguous, C = ``num_chunks`` chunks per row); K and V the raw k and v they gather. ``LAST_CAST``: DQ_OUT
-    (DQ's strides, q's dtype), COUNTS int32 zeros ``[b·Hq·N/ROWS, CHUNK·HEAD_DIM]``, BLK_PTR (the query-major
-    lists, contiguous ``[b, Hq, nb+1]``) and, with ``COUNT_BARS``, BAR_COUNT (:func:`_dq_writer`)."""
+    (contiguous, C = ``num_chunks`` chunks per row); K and V the raw k and v they gather."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -585,8 +527,6 @@ def one_pass_backward_kernel(
                     dq_ready_bars,
                     dq_empty_bars,
                     key_lists,
-                    (DQ_OUT, COUNTS, BLK_PTR, BAR_COUNT, heads),
-                    seq_len,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
@@ -594,8 +534,6 @@ def one_pass_backward_kernel(
                     WRITER_WARPS,
                     WRITE_DQ,
                     BARS,
-                    LAST_CAST,
-                    COUNT_BARS,
                 ),
             ),
         ],
@@ -621,8 +559,6 @@ def one_pass_backward(
     softmax_scale: float,
     documents=None,
     bar_words: BarWords | None = None,
-    dq_out=None,
-    blk_ptr=None,
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
     (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then, with ``bar_words``
@@ -631,9 +567,7 @@ def one_pass_backward(
     dv). Shapes and dtypes as in the module docstring, checked by the caller; dk and dv in k's dtype are written (dk =
     scale·dSᵀ·q, dv = Pᵀ·dO). ``dq`` None: dk and dv alone, without atomics (the deterministic mode, whose dq the
     query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
-    None. ``dq_out`` (like q, contiguous; needs the query-major lists ``blk_ptr`` int32 ``[b, Hq, nb+1]``): dq
-    in q's dtype, written slice by slice by the last program adding into it (dq, zeroed by the caller, then
-    holds the fp32 sums), so no cast of dq follows."""
+    None."""
     batch, length, heads, dim = q.shape
     descriptors = (
         rows_descriptor(q, QUERY_ROWS),
@@ -644,40 +578,24 @@ def one_pass_backward(
         stats_descriptor(delta, QUERY_ROWS),
     )
     operands = (*descriptors, k, v, dq, dk, dv)
-    last_cast = (None, None, None, None)  # None: no kernel argument
-    if dq_out is not None:
-        counts = torch.zeros(batch * heads * length // QUERY_ROWS, DQ_CHUNK * dim, dtype=torch.int32, device=q.device)
-        bar_adders = bar_words.chunks_per_block if bar_words is not None else None
-        last_cast = (dq_out, counts, blk_ptr.contiguous(), bar_adders)
     unused = key_ptr  # the other launch's lists
     block_lists = (key_ptr, key_qblock, unused, unused, unused, unused)
     grid = (length // BLOCK, k.shape[2], batch)
-    _launch(
-        grid,
-        operands,
-        block_lists,
-        (1, 1),
-        last_cast,
-        key_ptr.stride()[:2],
-        q.shape,
-        softmax_scale,
-        causal_diag,
-        documents,
-    )
+    _launch(grid, operands, block_lists, (1, 1), key_ptr.stride()[:2], q.shape, softmax_scale, causal_diag, documents)
     if bar_words is not None:
         bar_lists = (unused, unused, bar_words.bounds, bar_words.words, bar_words.column, bar_words.count)
         rows, num_chunks, num_blocks = bar_words.words.shape[:3]
         grid = (rows * -(-num_blocks // bar_words.walk) * num_chunks,)
         walking = (num_chunks, bar_words.walk)
-        _launch(grid, operands, bar_lists, walking, last_cast, (0, 0), q.shape, softmax_scale, False, None, bars=True)
+        _launch(grid, operands, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, bars=True)
 
 
 def _launch(
-    grid, operands, lists, walking, last_cast, key_strides, q_shape, softmax_scale, causal_diag, documents, bars=False
+    grid, operands, lists, walking, key_strides, q_shape, softmax_scale, causal_diag, documents, bars=False
 ) -> None:
     """One launch of :func:`one_pass_backward_kernel`: ``operands`` = (q, dO, k, v, lse, delta descriptors, k,
     v, dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, BOUNDS, WORDS, COLUMN, COUNT), ``walking`` = (the bars'
-    chunks per row, their walk), ``last_cast`` = (DQ_OUT, COUNTS, BLK_PTR, BAR_COUNT), all None without."""
+    chunks per row, their walk)."""
     batch, length, heads, dim = q_shape
     *_, k, _, dq, dk, _ = operands
     dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
@@ -685,7 +603,6 @@ def _launch(
     one_pass_backward_kernel[grid](
         *operands,
         *lists,
-        *last_cast,
         query_docs,
         key_docs,
         query_docs.stride(0) if documents is not None else None,
@@ -711,7 +628,5 @@ def _launch(
         WRITE_DQ=dq is not None,
         DOCUMENTS=documents is not None,
         BARS=bars,
-        LAST_CAST=last_cast[0] is not None,
-        COUNT_BARS=last_cast[3] is not None,
         num_warps=MMA_WARPS,
     )

@@ -483,7 +483,7 @@ def _step_gradients(
     tma = _copies_tiles(q, k, v, dout)
     one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
 
-    def one_pass_block_tiles(dq_out, bar_words=None, cast_to=None) -> None:  # dq_out None: dk and dv alone
+    def one_pass_block_tiles(dq_out, bar_words=None) -> None:  # dq_out None: dk and dv alone
         one_pass(
             q,
             k,
@@ -500,8 +500,6 @@ def _step_gradients(
             softmax_scale=softmax_scale,
             documents=documents[:2] if document_flag["DOCUMENTS"] else None,
             bar_words=bar_words,
-            dq_out=cast_to,
-            blk_ptr=blk_ptr,
         )
 
     def query_major_pass(dq_out, fresh: bool) -> None:
@@ -551,9 +549,8 @@ def _step_gradients(
         bar_words = None
         if bar_col.numel() and bar_width != 0:
             bar_words = bar_words_by_column(bar_ptr, bar_col, k.shape[1], bar_width, _multiprocessors(q.device))
-        cast_to = dq if dq_sum is not dq and dq.is_contiguous() else None  # the last adder of a slice writes it
-        one_pass_block_tiles(dq_sum, bar_words, cast_to)
-        if dq_sum is not dq and cast_to is None:
+        one_pass_block_tiles(dq_sum, bar_words)
+        if dq_sum is not dq:
             dq.copy_(dq_sum)
         return
     query_major_pass(dq, fresh=bool(fresh_dq))

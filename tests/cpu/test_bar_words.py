@@ -68,8 +68,7 @@ def test_words_match_a_direct_regrouping(layout, pattern, seq_len):
         for source in range(layout.world_size):
             bar_ptr = index.bar_ptr[source]
             lists = bar_words_by_column(bar_ptr, index.bar_col, key_len, index.vertical_width, 4)
-            tensors = (lists.column, lists.count, lists.words, lists.bounds, lists.chunks_per_block)
-            assert all(t.is_contiguous() for t in tensors)
+            assert all(t.is_contiguous() for t in (lists.column, lists.count, lists.words, lists.bounds))
             num_chunks = lists.words.shape[1]
             columns, words = _expected(bar_ptr, index.bar_col, num_chunks)
             assert any(columns.values()), "the case must have bars"
@@ -88,12 +87,10 @@ def test_words_match_a_direct_regrouping(layout, pattern, seq_len):
 
 
 def _check_bounds(lists, num_blocks):
-    """Each chunk's bounds are (nb − its first, its end) over the blocks with a nonzero word, (0, 0) without;
-    each query block counts the chunks with a nonzero word for it."""
+    """Each chunk's bounds are (nb − its first, its end) over the blocks with a nonzero word, (0, 0) without."""
     used = (lists.words != 0).any(-1)  # [rows, C, nb]
     rows, num_chunks = used.shape[:2]
     assert lists.bounds.shape == (rows, num_chunks, 2)
-    assert torch.equal(lists.chunks_per_block, used.sum(1).to(torch.int32))
     for row in range(rows):
         for chunk in range(num_chunks):
             blocks = used[row, chunk].nonzero().flatten().tolist()

@@ -428,10 +428,8 @@ def _one_pass_stand_in(calls: list):
     """``gluon_bwd.one_pass_backward`` in PyTorch (fp32), for machines without Hopper: the block tiles of the
     key-major lists, dq added only when given one (the deterministic mode passes None), P zeroed across
     documents, dk and dv added to when fp32 and written when in k's dtype; then the bars by column from
-    ``bar_words`` (its bounds, membership words and columns, as the Gluon launch reads them). With ``dq_out``,
-    each query block's dq is written in its dtype once its adds reach the count the Gluon writer derives from
-    ``blk_ptr`` and ``bar_words.chunks_per_block``, so a wrong count leaves dq_out wrong. Each call's mode is
-    appended to ``calls``."""
+    ``bar_words`` (its bounds, membership words and columns, as the Gluon launch reads them). Each call's mode
+    is appended to ``calls``."""
 
     def one_pass(
         q,
@@ -450,21 +448,10 @@ def _one_pass_stand_in(calls: list):
         softmax_scale,
         documents=None,
         bar_words=None,
-        dq_out=None,
-        blk_ptr=None,
     ):
         written = dk.dtype != torch.float32
         with_bars = bar_words is not None
-        calls.append(
-            {
-                "dq": dq is not None,
-                "documents": documents is not None,
-                "written": written,
-                "bars": with_bars,
-                "cast": dq_out is not None,
-            }
-        )
-        add_dq = _dq_adder(dq, dq_out, blk_ptr, bar_words)
+        calls.append({"dq": dq is not None, "documents": documents is not None, "written": written, "bars": with_bars})
         assert not (written and bar_words is not None), "the bars add into dk/dv: they must be fp32"
         dk_sum, dv_sum = (torch.zeros(t.shape) for t in (dk, dv)) if written else (dk, dv)
         batch, _, heads, _ = q.shape
@@ -484,48 +471,21 @@ def _one_pass_stand_in(calls: list):
                     probs = torch.where(keep, torch.exp(softmax_scale * q_i @ k_j.T - lse[b, h, rows, None]), 0.0)
                     dscores = probs * (do_i @ v_j.T - delta[b, h, rows, None])
                     if dq is not None:
-                        add_dq(b, h, i, softmax_scale * dscores @ k_j)
+                        dq[b, rows, h] += softmax_scale * dscores @ k_j
                     dk_sum[b, keys, h // group] += softmax_scale * dscores.T @ q_i
                     dv_sum[b, keys, h // group] += probs.T @ do_i
         if written:
             dk.copy_(dk_sum)
             dv.copy_(dv_sum)
         if bar_words is not None:
-            _bars_by_column(q, k, v, dout, lse, delta, add_dq, dk, dv, bar_words, softmax_scale)
+            _bars_by_column(q, k, v, dout, lse, delta, dq, dk, dv, bar_words, softmax_scale)
 
     return one_pass
 
 
-def _dq_adder(dq, dq_out, blk_ptr, bar_words):
-    """``add(b, h, i, part)``: dq[b, rows of query block i, h] += part; with ``dq_out``, also the Gluon writer's
-    last cast: the block's rows go to dq_out once its adds reach the listed key blocks plus the bar chunks that
-    mark it."""
-    if dq_out is None:
-
-        def add(b, h, i, part):
-            dq[b, i * BLOCK : (i + 1) * BLOCK, h] += part
-
-        return add
-    expected = (blk_ptr[..., 1:] - blk_ptr[..., :-1]) // 2  # [b, Hq, nb]: sub-tile pairs
-    if bar_words is not None:
-        expected = expected + bar_words.chunks_per_block.view(expected.shape)
-    assert (expected > 0).all(), "every query block lists its diagonal block"
-    added = torch.zeros_like(expected)
-
-    def add(b, h, i, part):
-        rows = slice(i * BLOCK, (i + 1) * BLOCK)
-        dq[b, rows, h] += part
-        added[b, h, i] += 1
-        if added[b, h, i] == expected[b, h, i]:
-            dq_out[b, rows, h] = dq[b, rows, h].to(dq_out.dtype)
-
-    return add
-
-
-def _bars_by_column(q, k, v, dout, lse, delta, add_dq, dk, dv, bar_words, softmax_scale):
+def _bars_by_column(q, k, v, dout, lse, delta, dq, dk, dv, bar_words, softmax_scale):
     """The Gluon bars launch in PyTorch: program (row, segment, chunk) takes the chunk's columns and, for each
-    query block of its bounds within the segment, the slots its two membership words mark; dq through
-    ``add_dq`` (:func:`_dq_adder`)."""
+    query block of its bounds within the segment, the slots its two membership words mark."""
     heads = q.shape[2]
     group = heads // k.shape[2]
     slot_bits = torch.arange(BAR_WORD_COLUMNS) % 64
@@ -550,7 +510,7 @@ def _bars_by_column(q, k, v, dout, lse, delta, add_dq, dk, dv, bar_words, softma
             keep = is_bar[None, :] & (lse[b, h, rows, None] > float("-inf"))
             probs = torch.where(keep, torch.exp(softmax_scale * q_i @ k_c.T - lse[b, h, rows, None]), 0.0)
             dscores = probs * (do_i @ v_c.T - delta[b, h, rows, None])
-            add_dq(b, h, i, softmax_scale * dscores @ k_c)
+            dq[b, rows, h] += softmax_scale * dscores @ k_c
             dk[b, :, h // group].index_add_(0, cols, softmax_scale * dscores.T @ q_i)
             dv[b, :, h // group].index_add_(0, cols, probs.T @ do_i)
 
@@ -603,13 +563,7 @@ def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, b
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
     assert (index.bar_col.numel() > 0) == bars  # column 5 or 7 is a bar of query block 3
     out, dq, dk, dv = single_device_attention(q, k, v, dout, index, deterministic=deterministic)
-    expected = {
-        "dq": not deterministic,
-        "documents": False,
-        "written": not bars,
-        "bars": bars and not deterministic,
-        "cast": not deterministic,
-    }
+    expected = {"dq": not deterministic, "documents": False, "written": not bars, "bars": bars and not deterministic}
     assert calls == [expected], calls
     assert dk.dtype == dv.dtype == dtype
     ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
