@@ -29,6 +29,7 @@ tensor-memory copies (host descriptors); elsewhere, and for inputs not 16-byte a
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -154,10 +155,28 @@ KEY_MAJOR_CONFIG = {"num_warps": 8, "num_stages": 3, "QUERY_ROWS": 64}
 BAR_CHUNK_CONFIG = {"num_warps": 4, "num_stages": 2, "QUERY_ROWS": 64}
 
 
+@functools.cache
+def _cuda_device_facts(device_index: int) -> tuple[int, int]:
+    """(compute capability major, streaming multiprocessors) of CUDA device ``device_index``, asked once: the
+    launchers consult them on every step, and torch's queries cost the host microseconds each time."""
+    properties = torch.cuda.get_device_properties(device_index)
+    return properties.major, properties.multi_processor_count
+
+
+def _device_facts(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_device_facts(index)
+
+
+def _capability_major(device: torch.device) -> int:
+    """The compute capability major of a CUDA device (9 for Hopper)."""
+    return _device_facts(device)[0]
+
+
 def _multiprocessors(device: torch.device) -> int:
     """The streaming multiprocessors of a CUDA device, which size the bars' segments; 1 elsewhere (the
     interpreter runs the programs one after another)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return _device_facts(device)[1] if device.type == "cuda" else 1
 
 
 def _copies_tiles(*tensors: torch.Tensor) -> bool:
@@ -165,7 +184,7 @@ def _copies_tiles(*tensors: torch.Tensor) -> bool:
     device has them (Hopper or newer; the interpreter emulates them) and every address and stride is a
     16-byte multiple. Otherwise the kernels gather the same tiles by pointer."""
     device = tensors[0].device
-    if not (_interpreting() or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)):
+    if not (_interpreting() or (device.type == "cuda" and _capability_major(device) >= 9)):
         return False
     return all(
         t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
@@ -182,7 +201,7 @@ def _one_pass_backward(q, k, v, dout, dk, dv):
         return None
     if not triton.__version__.startswith(ONE_PASS_TRITON):
         return None
-    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] != 128 or dk.stride() != dv.stride():
+    if _capability_major(q.device) != 9 or q.shape[3] != 128 or dk.stride() != dv.stride():
         return None
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, dout)):
         return None
@@ -199,7 +218,7 @@ def _gluon_block_forward(q, k, v, out, bar_col, fresh: bool, documents: bool):
         return None
     if not triton.__version__.startswith(ONE_PASS_TRITON) or out.dtype != q.dtype or not out.is_contiguous():
         return None
-    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.shape[3] != 128:
+    if _capability_major(q.device) != 9 or q.shape[3] != 128:
         return None
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
         return None
