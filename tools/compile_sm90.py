@@ -240,8 +240,14 @@ def main(argv=None) -> None:
     if (folder / "mtraining_kernels" / "gluon_fwd.py").is_file():
         gluon_fwd = importlib.import_module("mtraining_kernels.gluon_fwd")
         forward = gluon_fwd.block_forward_kernel = CompileOnly(gluon_fwd.block_forward_kernel)
-        gluon_fwd.block_forward(**forward_inputs(args.seq_len, 16, 2, 128), causal_diag=True, softmax_scale=128**-0.5)
+        inputs = forward_inputs(args.seq_len, 16, 2, 128)
+        gluon_fwd.block_forward(**inputs, causal_diag=True, softmax_scale=128**-0.5)
         labels += ["forward"] * len(forward.compiled)
+        if "bar_col" in inspect.signature(gluon_fwd.block_forward).parameters:  # a tree whose forward takes bars
+            before = len(forward.compiled)
+            bars = dict(bar_ptr=inputs["blk_ptr"].clone(), bar_col=inputs["blk_col"].clone())
+            gluon_fwd.block_forward(**inputs, **bars, causal_diag=True, softmax_scale=128**-0.5)
+            labels += ["forward_bars"] * (len(forward.compiled) - before)
         compiled += forward.compiled
     print(f"tree {folder}, Triton {triton.__version__}, sm_90a")
     for number, (label, kernel) in enumerate(zip(labels, compiled)):
