@@ -164,6 +164,7 @@ def _cuda_device_facts(device_index: int) -> tuple[int, int]:
 
 
 def _device_facts(device: torch.device) -> tuple[int, int]:
+    """:func:`_cuda_device_facts` of a CUDA ``device`` (one without an index is the current device)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_device_facts(index)
 
