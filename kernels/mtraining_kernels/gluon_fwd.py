@@ -1,26 +1,30 @@
-"""Forward of the block tiles on Hopper, two warpgroups in ping-pong (Gluon; DESIGN.md §2.6).
+"""Forward of the block tiles and bars on Hopper, two warpgroups in ping-pong (Gluon; DESIGN.md §2.6).
 
 A program owns one 128-row query block of one query head (grid (nb, Hq, b), the heaviest blocks first) and
-walks its block list (128-key blocks, each two 64-wide sub-tile entries as ``convert_index`` writes them):
+walks its block list (128-key blocks, each two 64-wide sub-tile entries as ``convert_index`` writes them), then
+its bar list in chunks of 128 columns:
 
-* the loader (1 warp) — the query block once, then each listed block's k and v by tensor-memory copies, two
-  stages ahead;
+* the loader (1 warp; 4 with bars) — the query block once, then each listed block's k and v by tensor-memory
+  copies, then each bar chunk's k and v rows by asynchronous copies (``cp.async``: Hopper's tensor-memory copies
+  cannot gather rows), two stages ahead;
 * two softmax warpgroups (4 warps each), one per 64-row half of the query block: S = q_h·kᵀ, the online
   softmax in base 2 (the scale folded into one FMA with the row max), O += P·v with P from registers. They take
   turns to issue S (named barriers 14/15 over their 256 threads), so one's softmax runs under the other's
   products (FlashAttention-3's ping-pong).
 
-The last listed block of query block i is its diagonal block i when ``CAUSAL_DIAG`` (as in ``triton_fwd``).
-For one ring step with no bars and no documents (``fresh``: every row is written, rows without work 0 and
-−inf); the bars, documents and the merge into running buffers stay with ``triton_fwd``. Inputs: q ``[b, N, Hq,
-d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16 (read as ``[b·N, H·d]``), d = 128; out ``[b, N, Hq, d]``
-in q's dtype and lse fp32 ``[b, Hq, N]``. Written in the Gluon API of Triton 3.6.
+The last listed block of query block i is its diagonal block i when ``CAUSAL_DIAG`` (as in ``triton_fwd``); bar
+columns lie before it, so they are never masked by causality. For one ring step without documents (``fresh``:
+every row is written, rows without work 0 and −inf); documents and the merge into running buffers stay with
+``triton_fwd``. Inputs: q ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16 (read as ``[b·N,
+H·d]``), d = 128; out ``[b, N, Hq, d]`` in q's dtype and lse fp32 ``[b, Hq, N]``. Written in the Gluon API of
+Triton 3.6.
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -37,6 +41,9 @@ BLOCK = 128  # query rows per program and keys per listed block
 SUB_TILE = 64  # keys per block-list entry
 STAGES = 2  # k/v blocks in flight
 SOFTMAX_WARPS = 4  # the default partition: the first half's warpgroup
+LOADER_REGISTERS = gl.constexpr(24)
+BAR_LOADER_WARPS = gl.constexpr(4)  # with bars: the loader warps that gather them (one alone cannot keep up)
+BAR_LOADER_REGISTERS = gl.constexpr(56)  # with bars: a chunk's addresses at once
 
 
 @gluon.jit
@@ -64,6 +71,34 @@ def _pass_turn(thread_ids, HALF: gl.constexpr):
 
 
 @gluon.jit
+def _gather_bars(
+    k_smem,
+    v_smem,
+    bars,
+    first,
+    sample,
+    kv_head,
+    seq_len,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    """Starts the asynchronous copies of the k and v rows of bar entries first … first + BLOCK − 1 into k_smem and
+    v_smem ``[BLOCK, HEAD_DIM]``; ``bars`` = (BAR_COL, first entry, end entry, K, V, row stride of the 2-D views
+    ``[b·N, Hkv·d]``). Entries past the end copy key column 0's rows (finite values; the scores mask them). One copy
+    per tensor: the chunk's column indices are all loaded before it (copies in groups of rows would each wait for
+    their indices, behind the barriers the compiler puts between writes into one buffer)."""
+    BAR_COL, _, end, K, V, row_stride = bars
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [WARPS, 1], [1, 0])
+    entries = first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    cols = gl.load(BAR_COL + entries, mask=entries < end, other=0)
+    offsets = ((sample * seq_len + cols).to(gl.int64) * row_stride + kv_head * HEAD_DIM)[:, None] + offs_d[None, :]
+    async_copy.async_copy_global_to_shared(k_smem, K + offsets)
+    async_copy.async_copy_global_to_shared(v_smem, V + offsets)
+
+
+@gluon.jit
 def _loader(
     q_desc,
     k_desc,
@@ -75,11 +110,14 @@ def _loader(
     BLOCK: gl.constexpr,
     SUB_TILE: gl.constexpr,
     STAGES: gl.constexpr,
+    BARS: gl.constexpr,
 ):
     """``buffers`` = (q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars); ``lists`` = (BLK_COL, first entry,
-    end entry, query block, head, KV head, sample)."""
+    end entry, query block, head, KV head, sample, bars as in :func:`_gather_bars`). The listed blocks by
+    tensor-memory copies, then (``BARS``) the bars in chunks of BLOCK entries by asynchronous copies, each stage's
+    ready barrier completing once the loader warps' copies have landed."""
     q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars = buffers
-    BLK_COL, start, end, qblock, head, kv_head, sample = lists
+    BLK_COL, start, end, qblock, head, kv_head, sample, bars = lists
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [sample * seq_len + qblock * BLOCK, head * HEAD_DIM], q_bar, q_smem)
     step = 0
@@ -93,6 +131,48 @@ def _loader(
         tma.async_copy_global_to_shared(k_desc, coords, ready, k_bufs.index(slot))
         tma.async_copy_global_to_shared(v_desc, coords, ready, v_bufs.index(slot))
         step += 1
+    if BARS:
+        for first in range(bars[1], bars[2], BLOCK):
+            slot = step % STAGES
+            mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+            k_slot, v_slot = k_bufs.index(slot), v_bufs.index(slot)
+            _gather_bars(k_slot, v_slot, bars, first, sample, kv_head, seq_len, HEAD_DIM, BLOCK, BAR_LOADER_WARPS)
+            ready = ready_bars.index(slot)
+            async_copy.mbarrier_arrive(ready)  # per thread: counted now, released once its copies land
+            gl.thread_barrier()  # every loader warp has counted its copies before the one arrival
+            mbarrier.arrive(ready, count=1)
+            step += 1
+
+
+@gluon.jit
+def _scores(
+    q_half, k_tile, thread_ids, HALF: gl.constexpr, ROWS: gl.constexpr, BLOCK: gl.constexpr, mma_layout: gl.constexpr
+):
+    """S = q_half·k_tileᵀ ``[ROWS, BLOCK]``, issued in this warpgroup's turn."""
+    _wait_turn(thread_ids, HALF)
+    s_tok = warpgroup_mma(
+        q_half,
+        k_tile.permute((1, 0)),
+        gl.zeros([ROWS, BLOCK], gl.float32, mma_layout),
+        use_acc=False,
+        is_async=True,
+    )
+    _pass_turn(thread_ids, HALF)
+    return warpgroup_mma_wait(0, deps=[s_tok])
+
+
+@gluon.jit
+def _attend(scores, v_tile, row_max, row_sum, acc, qk_scale_log2, p_layout: gl.constexpr):
+    """One online-softmax step in base 2 (the scale folded into one FMA with the row max): (row max, row sum,
+    acc) after the scores ``[ROWS, BLOCK]`` (−inf where masked) and v_tile ``[BLOCK, HEAD_DIM]``."""
+    new_max = gl.maximum(row_max, gl.max(scores, 1))
+    shift = gl.where(new_max == float("-inf"), 0.0, new_max)  # rows that saw only masked scores
+    rescale = gl.exp2((row_max - shift) * qk_scale_log2)
+    probs = gl.exp2(scores * qk_scale_log2 - (shift * qk_scale_log2)[:, None])
+    row_sum = row_sum * rescale + gl.sum(probs, 1)
+    acc = acc * rescale[:, None]
+    o_tok = warpgroup_mma(gl.convert_layout(probs.to(v_tile.dtype), p_layout), v_tile, acc, is_async=True)
+    return new_max, row_sum, warpgroup_mma_wait(0, deps=[o_tok])
 
 
 @gluon.jit
@@ -104,14 +184,15 @@ def _softmax_warpgroup(
     SUB_TILE: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
+    BARS: gl.constexpr,
 ):
     """Rows HALF·BLOCK/2 … of the query block: acc ``[BLOCK/2, HEAD_DIM]`` fp32 in registers, written once.
     ``operands`` (both halves take the same) = (the loader's ``buffers``, OUT, LSE, out_strides, lse_strides,
     lists, qk_scale_log2), with ``out_strides`` = (batch, token, head) of OUT and ``lse_strides`` = (batch, head)
-    of LSE."""
+    of LSE. The listed blocks, then (``BARS``) the bar chunks the loader gathered."""
     buffers, OUT, LSE, out_strides, lse_strides, lists, qk_scale_log2 = operands
     q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars = buffers
-    BLK_COL, start, end, qblock, head, kv_head, sample = lists
+    BLK_COL, start, end, qblock, head, kv_head, sample, bars = lists
     ROWS: gl.constexpr = BLOCK // 2
     # S [ROWS, BLOCK] and acc [ROWS, HEAD_DIM] share one layout (d = BLOCK = 128): a row's statistics apply to both
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -119,7 +200,6 @@ def _softmax_warpgroup(
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    dtype: gl.constexpr = q_smem.dtype
     q_half = q_smem.slice(HALF * ROWS, ROWS, dim=0)
     q_rows = qblock * BLOCK + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
     k_offsets = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma_layout))
@@ -136,31 +216,24 @@ def _softmax_warpgroup(
         first_sub_tile = gl.load(BLK_COL + entry)
         slot = step % STAGES
         mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
-        _wait_turn(thread_ids, HALF)
-        s_tok = warpgroup_mma(
-            q_half,
-            k_bufs.index(slot).permute((1, 0)),
-            gl.zeros([ROWS, BLOCK], gl.float32, mma_layout),
-            use_acc=False,
-            is_async=True,
-        )
-        _pass_turn(thread_ids, HALF)
-        scores = warpgroup_mma_wait(0, deps=[s_tok])
+        scores = _scores(q_half, k_bufs.index(slot), thread_ids, HALF, ROWS, BLOCK, mma_layout)
         if CAUSAL_DIAG:
             if first_sub_tile // 2 == qblock:  # the diagonal block: key offset ≤ query offset
                 keys = first_sub_tile * SUB_TILE + k_offsets
                 scores = gl.where(keys[None, :] <= q_rows[:, None], scores, float("-inf"))
-        new_max = gl.maximum(row_max, gl.max(scores, 1))
-        shift = gl.where(new_max == float("-inf"), 0.0, new_max)  # rows that saw only masked scores
-        rescale = gl.exp2((row_max - shift) * qk_scale_log2)
-        probs = gl.exp2(scores * qk_scale_log2 - (shift * qk_scale_log2)[:, None])
-        row_sum = row_sum * rescale + gl.sum(probs, 1)
-        acc = acc * rescale[:, None]
-        o_tok = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v_bufs.index(slot), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        row_max, row_sum, acc = _attend(scores, v_bufs.index(slot), row_max, row_sum, acc, qk_scale_log2, p_layout)
         mbarrier.arrive(empty_bars.index(slot), count=1)
-        row_max = new_max
         step += 1
+    if BARS:  # bar columns precede the diagonal block: no causal mask
+        for first in range(bars[1], bars[2], BLOCK):
+            slot = step % STAGES
+            mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+            fence_async_shared()  # the gathered rows were written by the generic proxy, the products read them
+            scores = _scores(q_half, k_bufs.index(slot), thread_ids, HALF, ROWS, BLOCK, mma_layout)
+            scores = gl.where((first + k_offsets < bars[2])[None, :], scores, float("-inf"))
+            row_max, row_sum, acc = _attend(scores, v_bufs.index(slot), row_max, row_sum, acc, qk_scale_log2, p_layout)
+            mbarrier.arrive(empty_bars.index(slot), count=1)
+            step += 1
 
     has_work = row_sum != 0.0
     safe_sum = gl.where(has_work, row_sum, 1.0)
@@ -177,10 +250,14 @@ def block_forward_kernel(
     q_desc,
     k_desc,
     v_desc,
+    K,
+    V,
     OUT,
     LSE,
     BLK_PTR,
     BLK_COL,
+    BAR_PTR,
+    BAR_COL,
     seq_len,
     stride_ob,
     stride_on,
@@ -189,6 +266,8 @@ def block_forward_kernel(
     stride_lh,
     stride_pb,
     stride_ph,
+    stride_bpb,
+    stride_bph,
     group_size,
     qk_scale_log2,
     HEAD_DIM: gl.constexpr,
@@ -196,14 +275,22 @@ def block_forward_kernel(
     SUB_TILE: gl.constexpr,
     STAGES: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
+    BARS: gl.constexpr,
 ):
     """Grid (nb, Hq, b). BLK_PTR int32 ``[b, Hq, nb+1]`` (strides stride_pb, stride_ph) spans BLK_COL, the
-    listed sub-tiles of every query block (pairs 2j, 2j+1 per 128-key block)."""
+    listed sub-tiles of every query block (pairs 2j, 2j+1 per 128-key block); with ``BARS``, BAR_PTR (strides
+    stride_bpb, stride_bph) spans BAR_COL, its bar columns, whose rows of K and V (the raw k and v) are gathered."""
     num_blocks = gl.num_programs(0)
     qblock = num_blocks - 1 - gl.program_id(0)  # heavy query blocks (late in the sequence) start first
     head = gl.program_id(1)
     sample = gl.program_id(2)
     list_row = sample * stride_pb + head * stride_ph + qblock
+    row_stride = gl.num_programs(1) // group_size * HEAD_DIM  # of the 2-D views [b·N, Hkv·d]
+    if BARS:
+        bar_row = sample * stride_bpb + head * stride_bph + qblock
+        bars = (BAR_COL, gl.load(BAR_PTR + bar_row), gl.load(BAR_PTR + bar_row + 1), K, V, row_stride)
+    else:
+        bars = (BAR_COL, 0, 0, K, V, row_stride)
     lists = (
         BLK_COL,
         gl.load(BLK_PTR + list_row),
@@ -212,6 +299,7 @@ def block_forward_kernel(
         head,
         head // group_size,
         sample,
+        bars,
     )
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -237,7 +325,7 @@ def block_forward_kernel(
     )
     gl.warp_specialize(
         [
-            (_softmax_warpgroup, (softmax_operands, 0, HEAD_DIM, BLOCK, SUB_TILE, STAGES, CAUSAL_DIAG)),
+            (_softmax_warpgroup, (softmax_operands, 0, HEAD_DIM, BLOCK, SUB_TILE, STAGES, CAUSAL_DIAG, BARS)),
             (
                 _loader,
                 (
@@ -251,27 +339,37 @@ def block_forward_kernel(
                     BLOCK,
                     SUB_TILE,
                     STAGES,
+                    BARS,
                 ),
             ),
-            (_softmax_warpgroup, (softmax_operands, 1, HEAD_DIM, BLOCK, SUB_TILE, STAGES, CAUSAL_DIAG)),
+            (_softmax_warpgroup, (softmax_operands, 1, HEAD_DIM, BLOCK, SUB_TILE, STAGES, CAUSAL_DIAG, BARS)),
         ],
-        [1, 4],
-        [24, 240],
+        [BAR_LOADER_WARPS if BARS else 1, 4],
+        [BAR_LOADER_REGISTERS if BARS else LOADER_REGISTERS, 240],
     )
 
 
-def block_forward(q, k, v, blk_ptr, blk_col, out, lse, *, causal_diag: bool, softmax_scale: float) -> None:
-    """out, lse of the block tiles listed in ``blk_ptr`` int32 ``[b, Hq, nb+1]`` / ``blk_col``, written whole
-    (``fresh``); shapes and dtypes as in the module docstring, checked by the caller."""
+def block_forward(
+    q, k, v, blk_ptr, blk_col, out, lse, *, causal_diag: bool, softmax_scale: float, bar_ptr=None, bar_col=None
+) -> None:
+    """out, lse of the block tiles listed in ``blk_ptr`` int32 ``[b, Hq, nb+1]`` / ``blk_col`` and, where given,
+    the bars listed in ``bar_ptr`` / ``bar_col`` (local key columns), written whole (``fresh``); shapes and dtypes
+    as in the module docstring, checked by the caller."""
     batch, length, heads, dim = q.shape
+    bars = bar_col is not None
+    bar_ptr, bar_col = (bar_ptr, bar_col) if bars else (blk_ptr, blk_col)  # without bars: never read
     block_forward_kernel[(length // BLOCK, heads, batch)](
         rows_descriptor(q, BLOCK),
         rows_descriptor(k, BLOCK),
         rows_descriptor(v, BLOCK),
+        k,
+        v,
         out,
         lse,
         blk_ptr,
         blk_col,
+        bar_ptr,
+        bar_col,
         length,
         out.stride(0),
         out.stride(1),
@@ -280,6 +378,8 @@ def block_forward(q, k, v, blk_ptr, blk_col, out, lse, *, causal_diag: bool, sof
         lse.stride(1),
         blk_ptr.stride(0),
         blk_ptr.stride(1),
+        bar_ptr.stride(0),
+        bar_ptr.stride(1),
         heads // k.shape[2],
         softmax_scale * LOG2E.value,
         HEAD_DIM=dim,
@@ -287,5 +387,6 @@ def block_forward(q, k, v, blk_ptr, blk_col, out, lse, *, causal_diag: bool, sof
         SUB_TILE=SUB_TILE,
         STAGES=STAGES,
         CAUSAL_DIAG=bool(causal_diag),
+        BARS=bars,
         num_warps=SOFTMAX_WARPS,
     )

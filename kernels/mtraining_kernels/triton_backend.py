@@ -14,7 +14,7 @@ Same signatures and semantics as ``mtraining_kernels.torch_backend``:
   their dq by atomics, and a second launch of it takes the bars by column (``mtraining_kernels.bar_words``),
   so no query-major pass runs; in the deterministic mode (documents or not) the query-major pass keeps the
   blocks' dq and the bars. The default mode with documents keeps the two passes.
-  A fresh forward step without bars or documents takes ``mtraining_kernels.gluon_fwd``.
+  A fresh forward step without documents takes ``mtraining_kernels.gluon_fwd`` (its bars gathered there).
 
 Inputs: q ``[b, Nq, Hq, d]``, k/v ``[b, Nk, Hkv, d]`` (Nk == Nq, a multiple of 128), bf16/fp16,
 head dim 64 or 128, any strides with a unit last stride (otherwise they are made contiguous);
@@ -211,11 +211,11 @@ def _one_pass_backward(q, k, v, dout, dk, dv):
     return one_pass_backward
 
 
-def _gluon_block_forward(q, k, v, out, bar_col, fresh: bool, documents: bool):
+def _gluon_block_forward(q, k, v, out, fresh: bool, documents: bool):
     """``gluon_fwd.block_forward`` where it applies, else None (``triton_fwd``): one fresh step writing out in
-    q's dtype, no bars and no documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned operands,
-    and the Triton release of :data:`ONE_PASS_TRITON`. ``bar_col.numel()`` is a shape: no host sync."""
-    if not fresh or documents or bar_col.numel() or _interpreting() or q.device.type != "cuda":
+    q's dtype, without documents, on Hopper (sm_90), head dim 128, contiguous 16-byte-aligned operands, and the
+    Triton release of :data:`ONE_PASS_TRITON`."""
+    if not fresh or documents or _interpreting() or q.device.type != "cuda":
         return None
     if not triton.__version__.startswith(ONE_PASS_TRITON) or out.dtype != q.dtype or not out.is_contiguous():
         return None
@@ -294,9 +294,10 @@ def block_bar_forward(
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the running lse [b, Hq, Nq]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    block_forward = _gluon_block_forward(q, k, v, out, bar_col, fresh, document_flag["DOCUMENTS"])
+    block_forward = _gluon_block_forward(q, k, v, out, fresh, document_flag["DOCUMENTS"])
     if block_forward is not None:
-        block_forward(q, k, v, blk_ptr, blk_col, out, lse, causal_diag=causal_diag, softmax_scale=softmax_scale)
+        bars = dict(bar_ptr=bar_ptr, bar_col=bar_col) if bar_col.numel() else {}  # a shape: no host sync
+        block_forward(q, k, v, blk_ptr, blk_col, out, lse, causal_diag=causal_diag, softmax_scale=softmax_scale, **bars)
         return
     tma = _copies_tiles(k, v)
     k_desc, v_desc = (_tile_descriptor(t, BLOCK_SIZE) for t in (k, v)) if tma else (k, v)

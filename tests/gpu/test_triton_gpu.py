@@ -158,7 +158,8 @@ def test_32k_matches_reference(seed, deterministic):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_unaligned_inputs_take_pointer_gathers_and_match_reference(seed, deterministic):
     """Inputs at an address that is not a 16-byte multiple are read by pointer gathers instead of Hopper's
-    tensor-memory copies: they match the reference, and the deterministic mode is bitwise the aligned one."""
+    tensor-memory copies: they match the reference, and the deterministic mode repeats itself bitwise there (the
+    aligned inputs take the Gluon kernels on Hopper, which agree with these to rounding, not bitwise)."""
     gen = torch.Generator().manual_seed(seed)
     seq_len, heads, kv_heads, dim, dtype = 2048, 8, 2, 128, torch.bfloat16
     v_idx, s_idx = make_index(1, heads, seq_len, "mixed", gen)
@@ -173,9 +174,9 @@ def test_unaligned_inputs_take_pointer_gathers_and_match_reference(seed, determi
     for name, a, r, lo in zip(("out", "dq", "dk", "dv"), ours, (ref[0], *ref[2:]), (low[0], *low[2:])):
         assert_close_fa(name, a, r, lo, dtype, context)
     if deterministic:
-        aligned = single_device_attention(q, k, v, dout, index, deterministic=True)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), aligned, ours):
-            assert torch.equal(a, b), f"{context}: {name} differs between the tile paths"
+        again = single_device_attention(*unaligned, index, deterministic=True)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), again, ours):
+            assert torch.equal(a, b), f"{context}: {name} differs between two calls"
 
 
 def test_deterministic_backward_is_bitwise_repeatable(seed):
