@@ -8,7 +8,8 @@ ignored by git, so the device tool can carry it). Each tree runs in a fresh proc
 For every N and tree, on one seed's inputs (Qwen2.5-3B shape by default, bf16, batch 1), the ``--patterns`` of
 ``bench_attention.py``: ``vertical_slash`` (its fixed-budget pattern at ``--sparsity``) and ``block_only`` (a
 block-only pattern of the same mask area, ``flex_peer.block_only_pattern``), and on request ``block_band`` (the same
-area as consecutive block distances, ``flex_peer.block_band_pattern``: the same work with the best L2 locality).
+area as consecutive block distances, ``flex_peer.block_band_pattern``: the same work with the best L2 locality) and
+``dense`` (every causal block: the kernels' dense mode).
 Per row:
 
 * ``fwd_ms``/``bwd_ms`` — medians of the forward and backward, CUDA events recorded as the host launches;
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 TOOLS = Path(__file__).resolve().parent
-PATTERNS = ("vertical_slash", "block_only", "block_band")
+PATTERNS = ("vertical_slash", "block_only", "block_band", "dense")
 SHAPE_NAMES = ("qwen2.5-3b", "mha")  # bench_attention.SHAPES, whose module imports the kernels
 
 

@@ -28,7 +28,7 @@ from provenance import git_commit
 
 import mtraining_kernels
 from mtraining_kernels import Layout, convert_index, sparse_attention
-from mtraining_kernels.vertical_slash import mask_area
+from mtraining_kernels.vertical_slash import full_index, mask_area
 
 HOST_MAX_LEN = 32768  # host time per call is measured up to this N; beyond, the GPU's time dwarfs it
 HOST_REPS = 7
@@ -103,6 +103,7 @@ def run_tree(args) -> None:
                 mask_area(v_idx, s_idx, seq_len), seq_len, torch.Generator().manual_seed(args.seed)
             ),
             "block_band": lambda: block_band_pattern(mask_area(v_idx, s_idx, seq_len), seq_len),
+            "dense": lambda: full_index(1, heads, seq_len, device=device),
         }
 
         def backward(out):
