@@ -1,7 +1,8 @@
 """One-pass backward of the block tiles on Hopper, warp-specialised (Gluon; DESIGN.md §2.6).
 
-A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b)). It walks, for each query
-head of its GQA group, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
+A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b)), or in the default mode
+without documents shares them with the group's other programs, each walking ``HEADS_PER_PROGRAM`` of its query
+heads and adding its dk/dv with fp32 atomics. It walks, for each query head it has, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
 ``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
 
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
@@ -31,6 +32,7 @@ Written in the Gluon API of Triton 3.6.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -53,13 +55,16 @@ DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
 DQ_PAD = 8  # fp32 padding after each dq row in shared memory
 WRITER_WARPS = 2
 MMA_WARPS = 8
+HEADS_PER_PROGRAM = 2  # query heads a default-mode program walks: the programs running together then walk the
+# same heads' lists, so they share query blocks in L2 (a whole group drifts apart as its lists' lengths differ)
 
 
 @gluon.jit
 def _member_slices(key_lists, member, BLOCK: gl.constexpr, ROWS: gl.constexpr, BARS: gl.constexpr):
     """(query head, first slice, end slice) of GQA member ``member`` in the program's list. Block tiles:
-    ``key_lists`` = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, Hq);
-    bars: (first, WORDS, end, words_row, chunk, head, sample, 1, Hq), the program's walk [first, end) of
+    ``key_lists`` = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, Hq,
+    first member, end member), the program walking members [first, end) of the group;
+    bars: (first, WORDS, end, words_row, chunk, head, sample, 1, Hq, 0, 1), the program's walk [first, end) of
     query blocks, walked from its end down (:func:`_slice_rows`), so the programs of a segment, which end
     together, read the same blocks at the same time."""
     SLICES: gl.constexpr = BLOCK // ROWS
@@ -121,7 +126,7 @@ def _loader(
 ):
     sample = key_lists[6]
     step = 0
-    for member in range(0, key_lists[7]):
+    for member in range(key_lists[9], key_lists[10]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
         for s in range(start, end):
             qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
@@ -164,7 +169,7 @@ def _dq_writer(
     stride_gqb, stride_gqn, stride_gqh = dq_strides
     step = 0
     if WRITE_DQ:
-        for member in range(0, key_lists[7]):
+        for member in range(key_lists[9], key_lists[10]):
             head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
             dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
@@ -220,6 +225,7 @@ def _mma_partition(
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
     BARS: gl.constexpr,
+    SHARED_DKV: gl.constexpr,
 ):
     """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
     ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``bar_keys`` as in
@@ -260,7 +266,7 @@ def _mma_partition(
         mbarrier.wait(kv_bar, 0)
     slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     step = 0
-    for member in range(0, key_lists[7]):
+    for member in range(key_lists[9], key_lists[10]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
         for s in range(start, end):
             qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
@@ -354,7 +360,11 @@ def _mma_partition(
         k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
         rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
         offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
-        if DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
+        if SHARED_DKV:  # the group's other programs add into the same rows
+            if step > 0:
+                gl.atomic_add(DK + offsets, dk * softmax_scale, sem="relaxed")
+                gl.atomic_add(DV + offsets, dv, sem="relaxed")
+        elif DK.dtype.element_ty == gl.float32:  # accumulators: this pass's part added
             has_work = step > 0
             gl.store(DK + offsets, gl.load(DK + offsets) + dk * softmax_scale, mask=has_work)
             gl.store(DV + offsets, gl.load(DV + offsets) + dv, mask=has_work)
@@ -397,6 +407,7 @@ def one_pass_backward_kernel(
     stride_gkn,
     stride_gkh,
     group_size,
+    members,
     heads,
     softmax_scale,
     qk_scale_log2,
@@ -411,9 +422,12 @@ def one_pass_backward_kernel(
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
     BARS: gl.constexpr,
+    SHARED_DKV: gl.constexpr,
 ):
-    """Block tiles: grid (nb, Hkv, b); KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans
-    KEY_QBLOCK, the ascending query blocks whose list holds key block j (as in ``triton_bwd``). Bars
+    """Block tiles: grid (nb, Hkv · group_size / members, b), a program walking ``members`` query heads of its
+    group (``SHARED_DKV``: fewer than the group, so the group's programs add their dk/dv with fp32 atomics);
+    KEY_PTR int32 ``[b, Hq, nb+1]`` (strides stride_kpb, stride_kph) spans KEY_QBLOCK, the ascending query
+    blocks whose list holds key block j (as in ``triton_bwd``). Bars
     (``BARS``): grid (b·Hq·K·C,); program (row·K + k)·C + chunk walks the chunk's query blocks within segment k,
     [k·walk, (k+1)·walk) (K segments), from BOUNDS, WORDS, COLUMN and COUNT of ``bar_words.BarWords``
     (contiguous, C = ``num_chunks`` chunks per row); K and V the raw k and v they gather."""
@@ -456,19 +470,32 @@ def one_pass_backward_kernel(
         first = gl.maximum(chunk_first, segment * walk)
         end = gl.maximum(first, gl.minimum(gl.load(BOUNDS + chunk_row * 2 + 1), segment * walk + walk))
         words_row = chunk_row * num_blocks * 2
-        key_lists = (first, WORDS, end, words_row, chunk, head, sample, 1, heads)
+        key_lists = (first, WORDS, end, words_row, chunk, head, sample, 1, heads, 0, 1)
         length = gl.minimum(gl.maximum(gl.load(COUNT + row) - chunk * BLOCK, 0), BLOCK)
         length = gl.where(first == end, 0, length)  # a segment the chunk does not reach gathers nothing
         bar_keys = (K, V, COLUMN + chunk_row * BLOCK, length, head // group_size, seq_len, row_stride)
     else:
         key_block = gl.program_id(0)
-        kv_head = gl.program_id(1)
+        kv_head = gl.program_id(1) // (group_size // members)
+        first_member = gl.program_id(1) % (group_size // members) * members
         sample = gl.program_id(2)
         kv_row = sample * seq_len + key_block * BLOCK
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_head * HEAD_DIM], kv_bar, v_smem)
-        key_lists = (KEY_PTR, KEY_QBLOCK, stride_kpb, stride_kph, key_block, kv_head, sample, group_size, heads)
+        key_lists = (
+            KEY_PTR,
+            KEY_QBLOCK,
+            stride_kpb,
+            stride_kph,
+            key_block,
+            kv_head,
+            sample,
+            group_size,
+            heads,
+            first_member,
+            first_member + members,
+        )
         bar_keys = (K, V, COLUMN, 0, kv_head, seq_len, row_stride)
     gl.warp_specialize(
         [
@@ -494,6 +521,7 @@ def one_pass_backward_kernel(
                     WRITE_DQ,
                     DOCUMENTS,
                     BARS,
+                    SHARED_DKV,
                 ),
             ),
             (
@@ -569,6 +597,12 @@ def one_pass_backward(
     query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
     None."""
     batch, length, heads, dim = q.shape
+    group = heads // k.shape[2]
+    members = HEADS_PER_PROGRAM if dq is not None and documents is None and group % HEADS_PER_PROGRAM == 0 else group
+    written = dk.dtype != torch.float32
+    if members < group and written:  # the group's programs add into fp32 sums
+        dk_out, dv_out = dk, dv
+        dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (dk, dv))
     descriptors = (
         rows_descriptor(q, QUERY_ROWS),
         rows_descriptor(dout, QUERY_ROWS),
@@ -580,24 +614,39 @@ def one_pass_backward(
     operands = (*descriptors, k, v, dq, dk, dv)
     unused = key_ptr  # the other launch's lists
     block_lists = (key_ptr, key_qblock, unused, unused, unused, unused)
-    grid = (length // BLOCK, k.shape[2], batch)
-    _launch(grid, operands, block_lists, (1, 1), key_ptr.stride()[:2], q.shape, softmax_scale, causal_diag, documents)
+    grid = (length // BLOCK, k.shape[2] * (group // members), batch)
+    _launch(
+        grid,
+        operands,
+        block_lists,
+        (1, 1),
+        key_ptr.stride()[:2],
+        q.shape,
+        softmax_scale,
+        causal_diag,
+        documents,
+        members,
+    )
+    if members < group and written:
+        dk_out.copy_(dk)
+        dv_out.copy_(dv)
     if bar_words is not None:
         bar_lists = (unused, unused, bar_words.bounds, bar_words.words, bar_words.column, bar_words.count)
         rows, num_chunks, num_blocks = bar_words.words.shape[:3]
         grid = (rows * -(-num_blocks // bar_words.walk) * num_chunks,)
         walking = (num_chunks, bar_words.walk)
-        _launch(grid, operands, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, bars=True)
+        _launch(grid, operands, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, 1, bars=True)
 
 
 def _launch(
-    grid, operands, lists, walking, key_strides, q_shape, softmax_scale, causal_diag, documents, bars=False
+    grid, operands, lists, walking, key_strides, q_shape, softmax_scale, causal_diag, documents, members, bars=False
 ) -> None:
     """One launch of :func:`one_pass_backward_kernel`: ``operands`` = (q, dO, k, v, lse, delta descriptors, k,
     v, dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, BOUNDS, WORDS, COLUMN, COUNT), ``walking`` = (the bars'
-    chunks per row, their walk)."""
+    chunks per row, their walk), ``members`` the query heads a block-tile program walks."""
     batch, length, heads, dim = q_shape
     *_, k, _, dq, dk, _ = operands
+    group = heads // k.shape[2]
     dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
     one_pass_backward_kernel[grid](
@@ -613,7 +662,8 @@ def _launch(
         dk.stride(0),
         dk.stride(1),
         dk.stride(2),
-        heads // k.shape[2],
+        group,
+        members,
         heads,
         softmax_scale,
         softmax_scale * LOG2E.value,
@@ -628,5 +678,6 @@ def _launch(
         WRITE_DQ=dq is not None,
         DOCUMENTS=documents is not None,
         BARS=bars,
+        SHARED_DKV=not bars and members < group,
         num_warps=MMA_WARPS,
     )
