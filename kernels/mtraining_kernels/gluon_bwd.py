@@ -1,8 +1,7 @@
 """One-pass backward of the block tiles on Hopper, warp-specialised (Gluon; DESIGN.md §2.6).
 
-A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b)), or in the default mode
-without documents shares them with the group's other programs, each walking ``HEADS_PER_PROGRAM`` of its query
-heads and adding its dk/dv with fp32 atomics. It walks, for each query head it has, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
+A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b)). It walks, for each query
+head of its GQA group, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
 ``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
 
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
@@ -23,6 +22,14 @@ Without a dq
 (the deterministic mode) the pass computes dk and dv alone, with no atomics (4 products; the writer idles), and
 ``triton_bwd``'s query-major pass the block tiles' dq. Packed documents (``DOCUMENTS``): P is 0 where a query
 row's and a key's document ids differ, compared only where the query or the key block holds two documents.
+
+Where the lists are long (``SHARED_WALK_MIN_BLOCKS``: the dense mode, 512K at 95 %) the default mode without
+documents gives each program ``HEADS_PER_PROGRAM`` query heads of the group instead, and the group's programs add
+their dk/dv with fp32 atomics. A program walks its heads' lists one after another, so the programs of a whole group
+drift apart as their lists' lengths differ, while those running together with fewer heads read the same query
+blocks at about the same time, from L2 (docs/benchmarks.md, session 35). Where the lists are short, the extra
+programs' prologues, k/v loads and dk/dv atomics cost more than that gains.
+
 Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
 (read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
 than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta contiguous fp32 ``[b, Hq, N]``; dq fp32;
@@ -55,8 +62,8 @@ DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
 DQ_PAD = 8  # fp32 padding after each dq row in shared memory
 WRITER_WARPS = 2
 MMA_WARPS = 8
-HEADS_PER_PROGRAM = 2  # query heads a default-mode program walks: the programs running together then walk the
-# same heads' lists, so they share query blocks in L2 (a whole group drifts apart as its lists' lengths differ)
+HEADS_PER_PROGRAM = 2  # query heads a default-mode program walks where the lists are long (below)
+SHARED_WALK_MIN_BLOCKS = 64  # listed query blocks per (key block, query head), on average, from which it does
 
 
 @gluon.jit
@@ -598,7 +605,11 @@ def one_pass_backward(
     None."""
     batch, length, heads, dim = q.shape
     group = heads // k.shape[2]
-    members = HEADS_PER_PROGRAM if dq is not None and documents is None and group % HEADS_PER_PROGRAM == 0 else group
+    members = group
+    # a shape, so no host sync; a ring's key_qblock holds all its steps' lists, so there the mean is W times a step's
+    long_lists = key_qblock.numel() >= SHARED_WALK_MIN_BLOCKS * batch * heads * (length // BLOCK)
+    if dq is not None and documents is None and long_lists and group % HEADS_PER_PROGRAM == 0:
+        members = HEADS_PER_PROGRAM
     written = dk.dtype != torch.float32
     if members < group and written:  # the group's programs add into fp32 sums
         dk_out, dv_out = dk, dv
