@@ -638,15 +638,15 @@ def one_pass_backward(
         documents,
         members,
     )
-    if members < group and written:
-        dk_out.copy_(dk)
-        dv_out.copy_(dv)
     if bar_words is not None:
         bar_lists = (unused, unused, bar_words.bounds, bar_words.words, bar_words.column, bar_words.count)
         rows, num_chunks, num_blocks = bar_words.words.shape[:3]
         grid = (rows * -(-num_blocks // bar_words.walk) * num_chunks,)
         walking = (num_chunks, bar_words.walk)
         _launch(grid, operands, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, 1, bars=True)
+    if members < group and written:
+        dk_out.copy_(dk)
+        dv_out.copy_(dv)
 
 
 def _launch(
