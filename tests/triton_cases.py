@@ -142,6 +142,7 @@ def _run_ring(backend, q, k, v, dout, indices, layout: Layout, deterministic: bo
                 causal_diag=(w == r),
                 softmax_scale=scale,
                 deterministic=deterministic,
+                key_lists=idx.key_lists(w),  # as the ring passes them: the lists of all W steps
                 **idx.step_doc_ids(w),
             )
     lse = layout.unshard([x.transpose(1, 2) for x in lses]).transpose(1, 2)

@@ -89,8 +89,8 @@ def pattern_lists(pattern: str, seq_len: int, heads: int, sparsity: float, seed:
         v_idx, s_idx, _ = budget_pattern(1, heads, seq_len, sparsity, "cpu", generator)
         if pattern == "block_only":
             v_idx, s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, generator)
-    key_ptr, key_qblock = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).key_lists(0)
-    return key_ptr[0], key_qblock
+    key_lists = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).key_lists(0)
+    return key_lists.ptr[0], key_lists.qblock
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -577,6 +577,14 @@ def one_pass_backward_kernel(
     )
 
 
+def heads_per_program(group: int, batch: int, heads: int, num_blocks: int, listed: int, steps: int) -> int:
+    """Query heads a default-mode block-tile program walks: ``HEADS_PER_PROGRAM`` where a step lists on average
+    ``SHARED_WALK_MIN_BLOCKS`` or more query blocks per (sample, query head, key block) (``listed`` entries over
+    ``steps`` steps: shapes, so no host sync) and they divide the group; else the whole group."""
+    long_lists = listed >= SHARED_WALK_MIN_BLOCKS * steps * batch * heads * num_blocks
+    return HEADS_PER_PROGRAM if long_lists and group % HEADS_PER_PROGRAM == 0 else group
+
+
 def one_pass_backward(
     q,
     k,
@@ -594,6 +602,7 @@ def one_pass_backward(
     softmax_scale: float,
     documents=None,
     bar_words: BarWords | None = None,
+    list_steps: int = 1,
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
     (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then, with ``bar_words``
@@ -602,14 +611,11 @@ def one_pass_backward(
     dv). Shapes and dtypes as in the module docstring, checked by the caller; dk and dv in k's dtype are written (dk =
     scale·dSᵀ·q, dv = Pᵀ·dO). ``dq`` None: dk and dv alone, without atomics (the deterministic mode, whose dq the
     query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
-    None."""
+    None. ``list_steps``: the steps whose lists key_qblock holds (a ring's W), for their mean length."""
     batch, length, heads, dim = q.shape
     group = heads // k.shape[2]
-    members = group
-    # a shape, so no host sync; a ring's key_qblock holds all its steps' lists, so there the mean is W times a step's
-    long_lists = key_qblock.numel() >= SHARED_WALK_MIN_BLOCKS * batch * heads * (length // BLOCK)
-    if dq is not None and documents is None and long_lists and group % HEADS_PER_PROGRAM == 0:
-        members = HEADS_PER_PROGRAM
+    lists = (batch, heads, length // BLOCK, key_qblock.numel(), list_steps)
+    members = heads_per_program(group, *lists) if dq is not None and documents is None else group
     written = dk.dtype != torch.float32
     if members < group and written:  # the group's programs add into fp32 sums
         dk_out, dv_out = dk, dv

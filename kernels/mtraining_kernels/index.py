@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,15 @@ from .layout import BLOCK_SIZE, Layout
 from .vertical_slash import slash_block_hits
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class KeyLists(NamedTuple):
+    """One step's block lists by key: ``ptr`` int32 ``[b, Hq, nb+1]``, absolute offsets into ``qblock`` int32,
+    which holds the lists of all ``steps`` steps of its index (a ring's W; 1 on one device)."""
+
+    ptr: Tensor
+    qblock: Tensor
+    steps: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,10 +89,9 @@ class BlockBarIndex:
         """The source rank a flat ring reads at ``step``: (rank − step) mod W."""
         return (self.rank - step) % self.world_size
 
-    def key_lists(self, source: int) -> tuple[Tensor, Tensor]:
-        """(key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32) of the step reading ``source``, for the
-        launchers' ``key_lists`` keyword."""
-        return self.key_ptr[source], self.key_qblock
+    def key_lists(self, source: int) -> KeyLists:
+        """The block lists by key of the step reading ``source``, for the launchers' ``key_lists`` keyword."""
+        return KeyLists(self.key_ptr[source], self.key_qblock, self.key_ptr.shape[0])
 
     @functools.cached_property
     def _bar_chunks_by_kv_heads(self) -> dict[int, BarChunks]:

@@ -39,7 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
 from .bar_words import bar_words_by_column
-from .index import block_lists_by_key
+from .index import KeyLists, block_lists_by_key
 from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
 from .triton_bwd import (
@@ -460,7 +460,7 @@ def _step_gradients(
     lse fp32 ``[b, Hq, Nq]`` is the FINAL merged lse and delta fp32 ``[b, Hq, Nq]`` = rowsum(out ⊙ dout);
     dout ``[b, Nq, Hq, d]`` in q's dtype. With P = exp(scale·q·kᵀ − lse), dS = P ⊙ (dout·vᵀ − delta):
     dq fp32 ``[b, Nq, Hq, d]`` += scale·dS·k, dk fp32 ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout.
-    ``key_lists`` (key_ptr int32 ``[b, Hq, nb+1]``, key_qblock int32): this step's block lists by key,
+    ``key_lists`` (:class:`~mtraining_kernels.index.KeyLists`): this step's block lists by key,
     ``BlockBarIndex.key_lists(source)``; without it they are built here (one host sync).
     ``deterministic`` uses no atomics; repeated calls on the same inputs are then bitwise equal. It reads
     the bars regrouped by column, ``bar_chunks`` (a :class:`~mtraining_kernels.bar_chunks.BarChunks`,
@@ -499,8 +499,8 @@ def _step_gradients(
     operand_strides = (*_bhs(q), *_bhs(k), *_bhs(v), *_bhs(dout))
 
     if key_lists is None:
-        key_lists = block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr))
-    key_ptr, key_qblock = key_lists
+        key_lists = KeyLists(*block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr)), steps=1)
+    key_ptr, key_qblock, list_steps = key_lists
     tma = _copies_tiles(q, k, v, dout)
     one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
 
@@ -521,6 +521,7 @@ def _step_gradients(
             softmax_scale=softmax_scale,
             documents=documents[:2] if document_flag["DOCUMENTS"] else None,
             bar_words=bar_words,
+            list_steps=list_steps,
         )
 
     def query_major_pass(dq_out, fresh: bool) -> None:

@@ -137,14 +137,16 @@ def test_vectorised_conversion_equals_loops(case):
 @given(conversion_cases(max_blocks=16))
 def test_block_lists_by_key_transpose_every_step(case):
     """index.key_lists(w) lists, per (b, h, key block j), exactly the query blocks i whose step-w list holds
-    j, ascending; the per-step build (a slice of blk_col, as a launcher without the index does it) agrees."""
+    j, ascending, and counts the W steps whose lists it holds; the per-step build (a slice of blk_col, as a
+    launcher without the index does it) agrees."""
     layout, seq_len, batch, heads, v_width, s_width, seed = case
     generator = torch.Generator().manual_seed(seed)
     v_idx, s_idx = random_index(generator, batch, heads, seq_len, v_width, s_width)
     index = convert_index(v_idx, s_idx, layout, layout.world_size - 1, seq_len)
     nb = index.num_local_blocks
     for w in range(layout.world_size):
-        key_ptr, key_qblock = index.key_lists(w)
+        key_ptr, key_qblock, steps = index.key_lists(w)
+        assert steps == layout.world_size
         first, last = int(index.blk_ptr[w].reshape(-1)[0]), int(index.blk_ptr[w].reshape(-1)[-1])
         step_ptr, step_qblock = block_lists_by_key(index.blk_ptr[w], index.blk_col, first, last)
         for b in range(batch):

@@ -429,7 +429,7 @@ def _one_pass_stand_in(calls: list):
     key-major lists, dq added only when given one (the deterministic mode passes None), P zeroed across
     documents, dk and dv added to when fp32 and written when in k's dtype; then the bars by column from
     ``bar_words`` (its bounds, membership words and columns, as the Gluon launch reads them). Each call's mode
-    is appended to ``calls``."""
+    and ``list_steps`` are appended to ``calls``."""
 
     def one_pass(
         q,
@@ -448,10 +448,19 @@ def _one_pass_stand_in(calls: list):
         softmax_scale,
         documents=None,
         bar_words=None,
+        list_steps=1,
     ):
         written = dk.dtype != torch.float32
         with_bars = bar_words is not None
-        calls.append({"dq": dq is not None, "documents": documents is not None, "written": written, "bars": with_bars})
+        calls.append(
+            {
+                "dq": dq is not None,
+                "documents": documents is not None,
+                "written": written,
+                "bars": with_bars,
+                "list_steps": list_steps,
+            }
+        )
         assert not (written and bar_words is not None), "the bars add into dk/dv: they must be fp32"
         dk_sum, dv_sum = (torch.zeros(t.shape) for t in (dk, dv)) if written else (dk, dv)
         batch, _, heads, _ = q.shape
@@ -543,8 +552,33 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
     assert modes == expected, f"one-pass calls {calls}, expected {expected} (W = 2: four backward steps)"
     with_bars = [call["bars"] for call in calls]
     assert any(with_bars) == (not deterministic and not packed), f"bars by column in the one pass: {with_bars}"
+    assert all(call["list_steps"] == 2 for call in calls), f"the lists span the ring's two steps: {calls}"
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert_close_fa(name, a, r, lo, dtype, f"seed={seed} packed={packed} deterministic={deterministic}")
+
+
+@pytest.mark.parametrize(
+    "group, entries_per_key_block, steps, expected",
+    [
+        (8, 64, 1, 2),  # one step listing 64 query blocks per (sample, head, key block) on average: two heads
+        (8, 63, 1, 8),  # fewer: the whole group
+        (8, 64, 2, 8),  # the same entries over a ring's two steps: 32 per step
+        (8, 128, 2, 2),
+        (3, 64, 1, 3),  # a group that two heads do not divide
+        (1, 64, 1, 1),
+    ],
+)
+def test_one_pass_programs_take_two_heads_only_where_a_steps_lists_are_long(
+    group, entries_per_key_block, steps, expected
+):
+    """The Hopper one pass's walk for long lists (DESIGN.md §2.6) is chosen from shapes: the entries of the key
+    lists per step, so a ring's lists of W steps count W times fewer."""
+    from mtraining_kernels import gluon_bwd  # imported only: its kernels compile on Hopper alone
+
+    batch, heads, num_blocks = 2, 16, 32
+    listed = entries_per_key_block * batch * heads * num_blocks
+    assert gluon_bwd.SHARED_WALK_MIN_BLOCKS == 64 and gluon_bwd.HEADS_PER_PROGRAM == 2
+    assert gluon_bwd.heads_per_program(group, batch, heads, num_blocks, listed, steps) == expected
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -563,7 +597,13 @@ def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, b
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
     assert (index.bar_col.numel() > 0) == bars  # column 5 or 7 is a bar of query block 3
     out, dq, dk, dv = single_device_attention(q, k, v, dout, index, deterministic=deterministic)
-    expected = {"dq": not deterministic, "documents": False, "written": not bars, "bars": bars and not deterministic}
+    expected = {
+        "dq": not deterministic,
+        "documents": False,
+        "written": not bars,
+        "bars": bars and not deterministic,
+        "list_steps": 1,
+    }
     assert calls == [expected], calls
     assert dk.dtype == dv.dtype == dtype
     ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
