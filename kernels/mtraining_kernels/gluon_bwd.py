@@ -63,7 +63,7 @@ DQ_PAD = 8  # fp32 padding after each dq row in shared memory
 WRITER_WARPS = 2
 MMA_WARPS = 8
 HEADS_PER_PROGRAM = 2  # query heads a default-mode program walks where the lists are long (below)
-SHARED_WALK_MIN_BLOCKS = 64  # listed query blocks per (key block, query head), on average, from which it does
+SHARED_WALK_MIN_BLOCKS = 64  # listed query blocks per (key block, query head) in a step, on average, from which it does
 
 
 @gluon.jit
