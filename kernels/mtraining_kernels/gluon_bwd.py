@@ -614,8 +614,9 @@ def one_pass_backward(
     None. ``list_steps``: the steps whose lists key_qblock holds (a ring's W), for their mean length."""
     batch, length, heads, dim = q.shape
     group = heads // k.shape[2]
-    lists = (batch, heads, length // BLOCK, key_qblock.numel(), list_steps)
-    members = heads_per_program(group, *lists) if dq is not None and documents is None else group
+    members = group
+    if dq is not None and documents is None:
+        members = heads_per_program(group, batch, heads, length // BLOCK, key_qblock.numel(), list_steps)
     written = dk.dtype != torch.float32
     if members < group and written:  # the group's programs add into fp32 sums
         dk_out, dv_out = dk, dv
