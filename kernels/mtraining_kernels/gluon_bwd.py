@@ -23,12 +23,13 @@ Without a dq
 ``triton_bwd``'s query-major pass the block tiles' dq. Packed documents (``DOCUMENTS``): P is 0 where a query
 row's and a key's document ids differ, compared only where the query or the key block holds two documents.
 
-Where the lists are long (``SHARED_WALK_MIN_BLOCKS``: the dense mode, 512K at 95 %) the default mode without
-documents gives each program ``HEADS_PER_PROGRAM`` query heads of the group instead, and the group's programs add
-their dk/dv with fp32 atomics. A program walks its heads' lists one after another, so the programs of a whole group
-drift apart as their lists' lengths differ, while those running together with fewer heads read the same query
-blocks at about the same time, from L2 (docs/benchmarks.md, session 35). Where the lists are short, the extra
-programs' prologues, k/v loads and dk/dv atomics cost more than that gains.
+Where the lists are long (``SHARED_WALKS``: 2 query heads from 64 listed query blocks per key block and head, the
+dense mode and 512K at 95 %; 4 from 16, 128K) the default mode without documents gives each program fewer query
+heads of the group, and the group's programs add their dk/dv with fp32 atomics. A program walks its heads' lists
+one after another, so the programs of a whole group drift apart as their lists' lengths differ, while those running
+together with fewer heads read the same query blocks at about the same time, from L2 (docs/benchmarks.md, sessions
+35–36). Where the lists are short (32K), the extra programs' prologues, k/v loads and dk/dv atomics cost more than
+that gains.
 
 Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
 (read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
@@ -62,8 +63,9 @@ DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
 DQ_PAD = 8  # fp32 padding after each dq row in shared memory
 WRITER_WARPS = 2
 MMA_WARPS = 8
-HEADS_PER_PROGRAM = 2  # query heads a default-mode program walks where the lists are long (below)
-SHARED_WALK_MIN_BLOCKS = 64  # listed query blocks per (key block, query head) in a step, on average, from which it does
+# (query heads a default-mode program walks, listed query blocks per (key block, query head) in a step, on average,
+# from which it does so), the first that holds
+SHARED_WALKS = ((2, 64), (4, 16))
 
 
 @gluon.jit
@@ -578,11 +580,14 @@ def one_pass_backward_kernel(
 
 
 def heads_per_program(group: int, batch: int, heads: int, num_blocks: int, listed: int, steps: int) -> int:
-    """Query heads a default-mode block-tile program walks: ``HEADS_PER_PROGRAM`` where a step lists on average
-    ``SHARED_WALK_MIN_BLOCKS`` or more query blocks per (sample, query head, key block) (``listed`` entries over
-    ``steps`` steps: shapes, so no host sync) and they divide the group; else the whole group."""
-    long_lists = listed >= SHARED_WALK_MIN_BLOCKS * steps * batch * heads * num_blocks
-    return HEADS_PER_PROGRAM if long_lists and group % HEADS_PER_PROGRAM == 0 else group
+    """Query heads a default-mode block-tile program walks: the first of ``SHARED_WALKS`` whose heads divide the
+    group and whose minimum a step's lists reach on average per (sample, query head, key block) (``listed`` entries
+    over ``steps`` steps: shapes, so no host sync); else the whole group."""
+    lists = steps * batch * heads * num_blocks
+    for members, min_blocks in SHARED_WALKS:
+        if members < group and group % members == 0 and listed >= min_blocks * lists:
+            return members
+    return group
 
 
 def one_pass_backward(

@@ -561,23 +561,29 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
     "group, entries_per_key_block, steps, expected",
     [
         (8, 64, 1, 2),  # one step listing 64 query blocks per (sample, head, key block) on average: two heads
-        (8, 63, 1, 8),  # fewer: the whole group
-        (8, 64, 2, 8),  # the same entries over a ring's two steps: 32 per step
+        (8, 63, 1, 4),  # fewer: four heads
+        (8, 16, 1, 4),
+        (8, 15, 1, 8),  # fewer still: the whole group
+        (8, 64, 2, 4),  # the same entries over a ring's two steps: 32 per step
+        (8, 30, 2, 8),  # 15 per step
         (8, 128, 2, 2),
-        (3, 64, 1, 3),  # a group that two heads do not divide
+        (4, 64, 1, 2),
+        (4, 63, 1, 4),  # four heads are the whole group
+        (6, 16, 1, 6),  # a group that four heads do not divide
+        (3, 64, 1, 3),  # nor two
         (1, 64, 1, 1),
     ],
 )
-def test_one_pass_programs_take_two_heads_only_where_a_steps_lists_are_long(
+def test_one_pass_programs_take_fewer_heads_only_where_a_steps_lists_are_long(
     group, entries_per_key_block, steps, expected
 ):
-    """The Hopper one pass's walk for long lists (DESIGN.md §2.6) is chosen from shapes: the entries of the key
+    """The Hopper one pass's walks for long lists (DESIGN.md §2.6) are chosen from shapes: the entries of the key
     lists per step, so a ring's lists of W steps count W times fewer."""
     from mtraining_kernels import gluon_bwd  # imported only: its kernels compile on Hopper alone
 
     batch, heads, num_blocks = 2, 16, 32
     listed = entries_per_key_block * batch * heads * num_blocks
-    assert gluon_bwd.SHARED_WALK_MIN_BLOCKS == 64 and gluon_bwd.HEADS_PER_PROGRAM == 2
+    assert gluon_bwd.SHARED_WALKS == ((2, 64), (4, 16))
     assert gluon_bwd.heads_per_program(group, batch, heads, num_blocks, listed, steps) == expected
 
 

@@ -136,23 +136,25 @@ def test_single_device_matches_reference(seed, seq_len, heads, kv_heads, dim, dt
 
 
 @pytest.mark.parametrize(
-    "layout, heads, kv_heads, pattern",
+    "layout, heads, kv_heads, pattern, members",
     [
-        (Layout("contiguous", 1), 8, 1, "mixed"),  # GQA 8:1: four programs share a key block
-        (Layout("contiguous", 1), 8, 2, "full"),  # GQA 4:1, the dense mode
-        (Layout("contiguous", 1), 4, 2, "bars"),  # GQA 2:1: one program per group, as without sharing
-        (Layout("striped", 2), 8, 2, "slashes"),  # off-diagonal steps add into fp32 dk/dv
+        (Layout("contiguous", 1), 8, 1, "mixed", 2),  # GQA 8:1: four programs share a key block
+        (Layout("contiguous", 1), 8, 1, "mixed", 4),  # two programs
+        (Layout("contiguous", 1), 8, 2, "full", 2),  # GQA 4:1, the dense mode
+        (Layout("contiguous", 1), 4, 2, "bars", 2),  # GQA 2:1: one program per group, as without sharing
+        (Layout("striped", 2), 8, 2, "slashes", 2),  # off-diagonal steps add into fp32 dk/dv
+        (Layout("striped", 2), 8, 1, "slashes", 4),
     ],
     ids=lambda value: f"{value.kind}-W{value.world_size}" if isinstance(value, Layout) else None,
 )
-def test_programs_sharing_a_key_block_match_reference(seed, monkeypatch, layout, heads, kv_heads, pattern):
-    """The one pass's walk for long lists, forced on short ones: each program takes two query heads of its group
-    and adds its dk/dv with atomics (bf16, d = 128, N = 4096)."""
+def test_programs_sharing_a_key_block_match_reference(seed, monkeypatch, layout, heads, kv_heads, pattern, members):
+    """The one pass's walks for long lists, forced on short ones: each program takes ``members`` query heads of
+    its group and adds its dk/dv with atomics (bf16, d = 128, N = 4096)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the one-pass backward runs on Hopper only")
     from mtraining_kernels import gluon_bwd
 
-    monkeypatch.setattr(gluon_bwd, "SHARED_WALK_MIN_BLOCKS", 0)
+    monkeypatch.setattr(gluon_bwd, "SHARED_WALKS", ((members, 0),))
     _check_against_reference(seed, layout, 4096, heads, kv_heads, 128, torch.bfloat16, pattern, False)
 
 
