@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
 HOPPER = GPUTarget("cuda", 90, 32)
+H100_MULTIPROCESSORS = 132  # the persistent forward's programs (a launch argument, not compiled in)
 
 
 class StandInDriver:
@@ -170,6 +171,12 @@ def forward_inputs(seq_len: int, heads: int, kv_heads: int, dim: int) -> dict:
     )
 
 
+def persistent_keywords(gluon_fwd) -> dict:
+    """``block_forward``'s programs (an H100's multiprocessors) where the tree's forward is persistent, else none."""
+    persistent = "programs" in inspect.signature(gluon_fwd.block_forward).parameters
+    return {"programs": H100_MULTIPROCESSORS} if persistent else {}
+
+
 def bar_words_of(module, seq_len: int, rows: int):
     """Zero ``BarWords`` of the tree's ``bar_words`` module: one chunk per row; its walk bounds per chunk, or
     (trees before ``bounds``) one item per row."""
@@ -241,6 +248,7 @@ def main(argv=None) -> None:
         gluon_fwd = importlib.import_module("mtraining_kernels.gluon_fwd")
         forward = gluon_fwd.block_forward_kernel = CompileOnly(gluon_fwd.block_forward_kernel)
         inputs = forward_inputs(args.seq_len, 16, 2, 128)
+        inputs.update(persistent_keywords(gluon_fwd))
         gluon_fwd.block_forward(**inputs, causal_diag=True, softmax_scale=128**-0.5)
         labels += ["forward"] * len(forward.compiled)
         if "bar_col" in inspect.signature(gluon_fwd.block_forward).parameters:  # a tree whose forward takes bars

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import triton
-from compile_sm90 import forward_inputs, one_pass_inputs, use_tree
+from compile_sm90 import forward_inputs, one_pass_inputs, persistent_keywords, use_tree
 from triton.compiler.compiler import CompiledKernel
 
 
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     gluon_bwd = importlib.import_module("mtraining_kernels.gluon_bwd")
     gluon_fwd = importlib.import_module("mtraining_kernels.gluon_fwd")
     backward = one_pass_inputs(args.seq_len, 16, 2, 128)
-    forward = forward_inputs(args.seq_len, 16, 2, 128)
+    forward = forward_inputs(args.seq_len, 16, 2, 128) | persistent_keywords(gluon_fwd)
     scale = 128**-0.5
     launches = {
         "one_pass_backward": lambda: gluon_bwd.one_pass_backward(**backward, causal_diag=True, softmax_scale=scale),

@@ -1,16 +1,18 @@
 """Forward of the block tiles and bars on Hopper, two warpgroups in ping-pong (Gluon; DESIGN.md §2.6).
 
-A program owns one 128-row query block of one query head (grid (nb, Hq, b), the heaviest blocks first) and
-walks its block list (128-key blocks, each two 64-wide sub-tile entries as ``convert_index`` writes them), then
-its bar list in chunks of 128 columns:
+A persistent program (one per multiprocessor) takes the items (one 128-row query block of one query head) in
+turn, every ``programs``-th from its own, the heaviest blocks first, and for each walks its block list (128-key
+blocks, each two 64-wide sub-tile entries as ``convert_index`` writes them), then its bar list in chunks of 128
+columns:
 
-* the loader (1 warp; 4 with bars) — the query block once, then each listed block's k and v by tensor-memory
-  copies, then each bar chunk's k and v rows by asynchronous copies (``cp.async``: Hopper's tensor-memory copies
-  cannot gather rows), two stages ahead;
+* the loader (1 warp; 4 with bars) — each item's query block (two buffers, so the next item's is loaded while
+  this one is attended), then each listed block's k and v by tensor-memory copies, then each bar chunk's k and v
+  rows by asynchronous copies (``cp.async``: Hopper's tensor-memory copies cannot gather rows), two stages ahead,
+  the stages running on from one item into the next;
 * two softmax warpgroups (4 warps each), one per 64-row half of the query block: S = q_h·kᵀ, the online
   softmax in base 2 (the scale folded into one FMA with the row max), O += P·v with P from registers. They take
   turns to issue S (named barriers 14/15 over their 256 threads), so one's softmax runs under the other's
-  products (FlashAttention-3's ping-pong).
+  products (FlashAttention-3's ping-pong), and one's output is written while the other attends the next item.
 
 The last listed block of query block i is its diagonal block i when ``CAUSAL_DIAG`` (as in ``triton_fwd``); bar
 columns lie before it, so they are never masked by causality. For one ring step without documents (``fresh``:
@@ -104,7 +106,7 @@ def _loader(
     k_desc,
     v_desc,
     buffers,
-    lists,
+    work,
     seq_len,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
@@ -112,36 +114,43 @@ def _loader(
     STAGES: gl.constexpr,
     BARS: gl.constexpr,
 ):
-    """``buffers`` = (q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars); ``lists`` = (BLK_COL, first entry,
-    end entry, query block, head, KV head, sample, bars as in :func:`_gather_bars`). The listed blocks by
-    tensor-memory copies, then (``BARS``) the bars in chunks of BLOCK entries by asynchronous copies, each stage's
-    ready barrier completing once the loader warps' copies have landed."""
-    q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars = buffers
-    BLK_COL, start, end, qblock, head, kv_head, sample, bars = lists
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [sample * seq_len + qblock * BLOCK, head * HEAD_DIM], q_bar, q_smem)
+    """``buffers`` = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars); ``work`` as in
+    :func:`_item_lists`. Per item: its query block into the item's q buffer once both halves have released it,
+    the listed blocks by tensor-memory copies, then (``BARS``) the bars in chunks of BLOCK entries by asynchronous
+    copies, each stage's ready barrier completing once the loader warps' copies have landed."""
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars = buffers
     step = 0
-    for entry in range(start, end, 2):
-        first_key = gl.load(BLK_COL + entry) * SUB_TILE
-        slot = step % STAGES
-        mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
-        ready = ready_bars.index(slot)
-        mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
-        coords = [sample * seq_len + first_key, kv_head * HEAD_DIM]
-        tma.async_copy_global_to_shared(k_desc, coords, ready, k_bufs.index(slot))
-        tma.async_copy_global_to_shared(v_desc, coords, ready, v_bufs.index(slot))
-        step += 1
-    if BARS:
-        for first in range(bars[1], bars[2], BLOCK):
+    taken = 0
+    for item in range(gl.program_id(0), work[0], gl.num_programs(0)):
+        BLK_COL, start, end, qblock, head, kv_head, sample, bars = _item_lists(item, work, BARS)
+        q_slot = taken % 2
+        mbarrier.wait(q_empty.index(q_slot), ((taken // 2) & 1) ^ 1)
+        q_bar = q_ready.index(q_slot)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        q_coords = [sample * seq_len + qblock * BLOCK, head * HEAD_DIM]
+        tma.async_copy_global_to_shared(q_desc, q_coords, q_bar, q_bufs.index(q_slot))
+        for entry in range(start, end, 2):
+            first_key = gl.load(BLK_COL + entry) * SUB_TILE
             slot = step % STAGES
             mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
-            k_slot, v_slot = k_bufs.index(slot), v_bufs.index(slot)
-            _gather_bars(k_slot, v_slot, bars, first, sample, kv_head, seq_len, HEAD_DIM, BLOCK, BAR_LOADER_WARPS)
             ready = ready_bars.index(slot)
-            async_copy.mbarrier_arrive(ready)  # per thread: counted now, released once its copies land
-            gl.thread_barrier()  # every loader warp has counted its copies before the one arrival
-            mbarrier.arrive(ready, count=1)
+            mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
+            coords = [sample * seq_len + first_key, kv_head * HEAD_DIM]
+            tma.async_copy_global_to_shared(k_desc, coords, ready, k_bufs.index(slot))
+            tma.async_copy_global_to_shared(v_desc, coords, ready, v_bufs.index(slot))
             step += 1
+        if BARS:
+            for first in range(bars[1], bars[2], BLOCK):
+                slot = step % STAGES
+                mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+                k_slot, v_slot = k_bufs.index(slot), v_bufs.index(slot)
+                _gather_bars(k_slot, v_slot, bars, first, sample, kv_head, seq_len, HEAD_DIM, BLOCK, BAR_LOADER_WARPS)
+                ready = ready_bars.index(slot)
+                async_copy.mbarrier_arrive(ready)  # per thread: counted now, released once its copies land
+                gl.thread_barrier()  # every loader warp has counted its copies before the one arrival
+                mbarrier.arrive(ready, count=1)
+                step += 1
+        taken += 1
 
 
 @gluon.jit
@@ -186,13 +195,13 @@ def _softmax_warpgroup(
     CAUSAL_DIAG: gl.constexpr,
     BARS: gl.constexpr,
 ):
-    """Rows HALF·BLOCK/2 … of the query block: acc ``[BLOCK/2, HEAD_DIM]`` fp32 in registers, written once.
-    ``operands`` (both halves take the same) = (the loader's ``buffers``, OUT, LSE, out_strides, lse_strides,
-    lists, qk_scale_log2), with ``out_strides`` = (batch, token, head) of OUT and ``lse_strides`` = (batch, head)
-    of LSE. The listed blocks, then (``BARS``) the bar chunks the loader gathered."""
-    buffers, OUT, LSE, out_strides, lse_strides, lists, qk_scale_log2 = operands
-    q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars = buffers
-    BLK_COL, start, end, qblock, head, kv_head, sample, bars = lists
+    """Rows HALF·BLOCK/2 … of each item's query block: acc ``[BLOCK/2, HEAD_DIM]`` fp32 in registers, written once
+    per item. ``operands`` (both halves take the same) = (the loader's ``buffers``, OUT, LSE, out_strides,
+    lse_strides, work, qk_scale_log2), with ``out_strides`` = (batch, token, head) of OUT, ``lse_strides`` =
+    (batch, head) of LSE and ``work`` as in :func:`_item_lists`. The listed blocks, then (``BARS``) the bar chunks
+    the loader gathered."""
+    buffers, OUT, LSE, out_strides, lse_strides, work, qk_scale_log2 = operands
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars = buffers
     ROWS: gl.constexpr = BLOCK // 2
     # S [ROWS, BLOCK] and acc [ROWS, HEAD_DIM] share one layout (d = BLOCK = 128): a row's statistics apply to both
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -200,49 +209,91 @@ def _softmax_warpgroup(
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    q_half = q_smem.slice(HALF * ROWS, ROWS, dim=0)
-    q_rows = qblock * BLOCK + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
     k_offsets = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma_layout))
-
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma_layout)
-    row_max = gl.full([ROWS], float("-inf"), gl.float32, rows_layout)
-    row_sum = gl.zeros([ROWS], gl.float32, rows_layout)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_layout))
     thread_ids = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
     if HALF == 1:
         _pass_turn(thread_ids, HALF)  # the first half goes first
-    mbarrier.wait(q_bar, 0)
     step = 0
-    for entry in range(start, end, 2):
-        first_sub_tile = gl.load(BLK_COL + entry)
-        slot = step % STAGES
-        mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
-        scores = _scores(q_half, k_bufs.index(slot), thread_ids, HALF, ROWS, BLOCK, mma_layout)
-        if CAUSAL_DIAG:
-            if first_sub_tile // 2 == qblock:  # the diagonal block: key offset ≤ query offset
-                keys = first_sub_tile * SUB_TILE + k_offsets
-                scores = gl.where(keys[None, :] <= q_rows[:, None], scores, float("-inf"))
-        row_max, row_sum, acc = _attend(scores, v_bufs.index(slot), row_max, row_sum, acc, qk_scale_log2, p_layout)
-        mbarrier.arrive(empty_bars.index(slot), count=1)
-        step += 1
-    if BARS:  # bar columns precede the diagonal block: no causal mask
-        for first in range(bars[1], bars[2], BLOCK):
+    taken = 0
+    for item in range(gl.program_id(0), work[0], gl.num_programs(0)):
+        BLK_COL, start, end, qblock, head, kv_head, sample, bars = _item_lists(item, work, BARS)
+        q_slot = taken % 2
+        q_half = q_bufs.index(q_slot).slice(HALF * ROWS, ROWS, dim=0)
+        q_rows = qblock * BLOCK + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma_layout)
+        row_max = gl.full([ROWS], float("-inf"), gl.float32, rows_layout)
+        row_sum = gl.zeros([ROWS], gl.float32, rows_layout)
+        mbarrier.wait(q_ready.index(q_slot), (taken // 2) & 1)
+        for entry in range(start, end, 2):
+            first_sub_tile = gl.load(BLK_COL + entry)
             slot = step % STAGES
             mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
-            fence_async_shared()  # the gathered rows were written by the generic proxy, the products read them
             scores = _scores(q_half, k_bufs.index(slot), thread_ids, HALF, ROWS, BLOCK, mma_layout)
-            scores = gl.where((first + k_offsets < bars[2])[None, :], scores, float("-inf"))
+            if CAUSAL_DIAG:
+                if first_sub_tile // 2 == qblock:  # the diagonal block: key offset ≤ query offset
+                    keys = first_sub_tile * SUB_TILE + k_offsets
+                    scores = gl.where(keys[None, :] <= q_rows[:, None], scores, float("-inf"))
             row_max, row_sum, acc = _attend(scores, v_bufs.index(slot), row_max, row_sum, acc, qk_scale_log2, p_layout)
             mbarrier.arrive(empty_bars.index(slot), count=1)
             step += 1
+        if BARS:  # bar columns precede the diagonal block: no causal mask
+            for first in range(bars[1], bars[2], BLOCK):
+                slot = step % STAGES
+                mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+                fence_async_shared()  # the gathered rows were written by the generic proxy, the products read them
+                scores = _scores(q_half, k_bufs.index(slot), thread_ids, HALF, ROWS, BLOCK, mma_layout)
+                scores = gl.where((first + k_offsets < bars[2])[None, :], scores, float("-inf"))
+                row_max, row_sum, acc = _attend(
+                    scores, v_bufs.index(slot), row_max, row_sum, acc, qk_scale_log2, p_layout
+                )
+                mbarrier.arrive(empty_bars.index(slot), count=1)
+                step += 1
+        mbarrier.arrive(q_empty.index(q_slot), count=1)  # its products are done: the loader may refill it
 
-    has_work = row_sum != 0.0
-    safe_sum = gl.where(has_work, row_sum, 1.0)
-    lse = gl.where(has_work, (row_max * qk_scale_log2 + gl.log2(safe_sum)) * LN2, float("-inf"))
-    out = gl.where(has_work[:, None], acc / safe_sum[:, None], 0.0)
-    gl.store(LSE + sample * lse_strides[0] + head * lse_strides[1] + q_rows, lse)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_layout))
-    rows = sample * out_strides[0] + q_rows.to(gl.int64)[:, None] * out_strides[1] + head * out_strides[2]
-    gl.store(OUT + rows + offs_d[None, :], out.to(OUT.dtype.element_ty))
+        has_work = row_sum != 0.0
+        safe_sum = gl.where(has_work, row_sum, 1.0)
+        lse = gl.where(has_work, (row_max * qk_scale_log2 + gl.log2(safe_sum)) * LN2, float("-inf"))
+        out = gl.where(has_work[:, None], acc / safe_sum[:, None], 0.0)
+        gl.store(LSE + sample * lse_strides[0] + head * lse_strides[1] + q_rows, lse)
+        rows = sample * out_strides[0] + q_rows.to(gl.int64)[:, None] * out_strides[1] + head * out_strides[2]
+        gl.store(OUT + rows + offs_d[None, :], out.to(OUT.dtype.element_ty))
+        taken += 1
+
+
+@gluon.jit
+def _item_lists(item, work, BARS: gl.constexpr):
+    """(BLK_COL, first entry, end entry, query block, head, KV head, sample, bars as in :func:`_gather_bars`) of
+    item ``item``; ``work`` = (items, query blocks nb, heads Hq, group size, BLK_PTR, BLK_COL, BAR_PTR, BAR_COL,
+    list strides (batch, head) of BLK_PTR, of BAR_PTR, K, V, row stride of the 2-D views ``[b·N, Hkv·d]``). Items
+    run over the query blocks from the last (the heaviest) down, then the heads, then the samples."""
+    (
+        _,
+        num_blocks,
+        heads,
+        group_size,
+        BLK_PTR,
+        BLK_COL,
+        BAR_PTR,
+        BAR_COL,
+        list_strides,
+        bar_strides,
+        K,
+        V,
+        row_stride,
+    ) = work
+    qblock = num_blocks - 1 - item % num_blocks
+    head = (item // num_blocks) % heads
+    sample = item // (num_blocks * heads)
+    list_row = sample * list_strides[0] + head * list_strides[1] + qblock
+    if BARS:
+        bar_row = sample * bar_strides[0] + head * bar_strides[1] + qblock
+        bars = (BAR_COL, gl.load(BAR_PTR + bar_row), gl.load(BAR_PTR + bar_row + 1), K, V, row_stride)
+    else:
+        bars = (BAR_COL, 0, 0, K, V, row_stride)
+    start = gl.load(BLK_PTR + list_row)
+    end = gl.load(BLK_PTR + list_row + 1)
+    return BLK_COL, start, end, qblock, head, head // group_size, sample, bars
 
 
 @gluon.jit
@@ -259,6 +310,8 @@ def block_forward_kernel(
     BAR_PTR,
     BAR_COL,
     seq_len,
+    heads,
+    num_items,
     stride_ob,
     stride_on,
     stride_oh,
@@ -277,50 +330,49 @@ def block_forward_kernel(
     CAUSAL_DIAG: gl.constexpr,
     BARS: gl.constexpr,
 ):
-    """Grid (nb, Hq, b). BLK_PTR int32 ``[b, Hq, nb+1]`` (strides stride_pb, stride_ph) spans BLK_COL, the
-    listed sub-tiles of every query block (pairs 2j, 2j+1 per 128-key block); with ``BARS``, BAR_PTR (strides
-    stride_bpb, stride_bph) spans BAR_COL, its bar columns, whose rows of K and V (the raw k and v) are gathered."""
-    num_blocks = gl.num_programs(0)
-    qblock = num_blocks - 1 - gl.program_id(0)  # heavy query blocks (late in the sequence) start first
-    head = gl.program_id(1)
-    sample = gl.program_id(2)
-    list_row = sample * stride_pb + head * stride_ph + qblock
-    row_stride = gl.num_programs(1) // group_size * HEAD_DIM  # of the 2-D views [b·N, Hkv·d]
-    if BARS:
-        bar_row = sample * stride_bpb + head * stride_bph + qblock
-        bars = (BAR_COL, gl.load(BAR_PTR + bar_row), gl.load(BAR_PTR + bar_row + 1), K, V, row_stride)
-    else:
-        bars = (BAR_COL, 0, 0, K, V, row_stride)
-    lists = (
+    """Grid (programs,) over num_items = nb·Hq·b items. BLK_PTR int32 ``[b, Hq, nb+1]`` (strides stride_pb,
+    stride_ph) spans BLK_COL, the listed sub-tiles of every query block (pairs 2j, 2j+1 per 128-key block); with
+    ``BARS``, BAR_PTR (strides stride_bpb, stride_bph) spans BAR_COL, its bar columns, whose rows of K and V (the
+    raw k and v) are gathered."""
+    row_stride = heads // group_size * HEAD_DIM  # of the 2-D views [b·N, Hkv·d]
+    work = (
+        num_items,
+        seq_len // BLOCK,
+        heads,
+        group_size,
+        BLK_PTR,
         BLK_COL,
-        gl.load(BLK_PTR + list_row),
-        gl.load(BLK_PTR + list_row + 1),
-        qblock,
-        head,
-        head // group_size,
-        sample,
-        bars,
+        BAR_PTR,
+        BAR_COL,
+        (stride_pb, stride_ph),
+        (stride_bpb, stride_bph),
+        K,
+        V,
+        row_stride,
     )
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per half
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrival per half
     fence_async_shared()
-    buffers = (q_smem, k_bufs, v_bufs, q_bar, ready_bars, empty_bars)
+    buffers = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars)
     softmax_operands = (
         buffers,
         OUT,
         LSE,
         (stride_ob, stride_on, stride_oh),
         (stride_lb, stride_lh),
-        lists,
+        work,
         qk_scale_log2,
     )
     gl.warp_specialize(
@@ -333,7 +385,7 @@ def block_forward_kernel(
                     k_desc,
                     v_desc,
                     buffers,
-                    lists,
+                    work,
                     seq_len,
                     HEAD_DIM,
                     BLOCK,
@@ -350,15 +402,29 @@ def block_forward_kernel(
 
 
 def block_forward(
-    q, k, v, blk_ptr, blk_col, out, lse, *, causal_diag: bool, softmax_scale: float, bar_ptr=None, bar_col=None
+    q,
+    k,
+    v,
+    blk_ptr,
+    blk_col,
+    out,
+    lse,
+    *,
+    causal_diag: bool,
+    softmax_scale: float,
+    programs: int,
+    bar_ptr=None,
+    bar_col=None,
 ) -> None:
     """out, lse of the block tiles listed in ``blk_ptr`` int32 ``[b, Hq, nb+1]`` / ``blk_col`` and, where given,
     the bars listed in ``bar_ptr`` / ``bar_col`` (local key columns), written whole (``fresh``); shapes and dtypes
-    as in the module docstring, checked by the caller."""
+    as in the module docstring, checked by the caller. ``programs``: the persistent programs at most (the
+    device's multiprocessors: one program fills one)."""
     batch, length, heads, dim = q.shape
     bars = bar_col is not None
     bar_ptr, bar_col = (bar_ptr, bar_col) if bars else (blk_ptr, blk_col)  # without bars: never read
-    block_forward_kernel[(length // BLOCK, heads, batch)](
+    num_items = length // BLOCK * heads * batch
+    block_forward_kernel[(min(programs, num_items),)](
         rows_descriptor(q, BLOCK),
         rows_descriptor(k, BLOCK),
         rows_descriptor(v, BLOCK),
@@ -371,6 +437,8 @@ def block_forward(
         bar_ptr,
         bar_col,
         length,
+        heads,
+        num_items,
         out.stride(0),
         out.stride(1),
         out.stride(2),

@@ -297,7 +297,20 @@ def block_bar_forward(
     block_forward = _gluon_block_forward(q, k, v, out, fresh, document_flag["DOCUMENTS"])
     if block_forward is not None:
         bars = dict(bar_ptr=bar_ptr, bar_col=bar_col) if bar_col.numel() else {}  # a shape: no host sync
-        block_forward(q, k, v, blk_ptr, blk_col, out, lse, causal_diag=causal_diag, softmax_scale=softmax_scale, **bars)
+        programs = _multiprocessors(q.device)
+        block_forward(
+            q,
+            k,
+            v,
+            blk_ptr,
+            blk_col,
+            out,
+            lse,
+            causal_diag=causal_diag,
+            softmax_scale=softmax_scale,
+            programs=programs,
+            **bars,
+        )
         return
     tma = _copies_tiles(k, v)
     k_desc, v_desc = (_tile_descriptor(t, BLOCK_SIZE) for t in (k, v)) if tma else (k, v)

@@ -158,6 +158,28 @@ def test_programs_sharing_a_key_block_match_reference(seed, monkeypatch, layout,
     _check_against_reference(seed, layout, 4096, heads, kv_heads, 128, torch.bfloat16, pattern, False)
 
 
+@pytest.mark.parametrize("few_programs", [1, 5])
+@pytest.mark.parametrize("pattern, batch", [("mixed", 2), ("full", 1), ("slashes", 1)])
+def test_persistent_forward_with_few_programs_matches_reference(seed, monkeypatch, few_programs, pattern, batch):
+    """The Hopper forward's persistent programs, fewer than the items so each takes many in turn (its query
+    buffers and barriers' phases wrap many times; with b = 2 they cross samples): against the fp32 reference
+    (bf16, GQA 4:1, d = 128, N = 4096)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward runs on Hopper only")
+    from mtraining_kernels import gluon_fwd
+
+    launched = []
+    block_forward = gluon_fwd.block_forward
+
+    def with_few_programs(*args, programs: int, **kwargs):
+        launched.append(programs)
+        block_forward(*args, programs=few_programs, **kwargs)
+
+    monkeypatch.setattr(gluon_fwd, "block_forward", with_few_programs)
+    _check_against_reference(seed, Layout("contiguous", 1), 4096, 8, 2, 128, torch.bfloat16, pattern, False, batch)
+    assert launched, "the Gluon forward did not run"
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize(
     "kind, heads, kv_heads, dim, dtype, pattern",
