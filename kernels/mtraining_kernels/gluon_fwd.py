@@ -1,9 +1,10 @@
 """Forward of the block tiles and bars on Hopper, two warpgroups in ping-pong (Gluon; DESIGN.md §2.6).
 
-A persistent program (one per multiprocessor) takes the items (one 128-row query block of one query head) in
-turn, every ``programs``-th from its own, the heaviest blocks first, and for each walks its block list (128-key
-blocks, each two 64-wide sub-tile entries as ``convert_index`` writes them), then its bar list in chunks of 128
-columns:
+A persistent program (one per multiprocessor) takes the items (one 128-row query block of one query head) one
+after another from a counter, the heaviest blocks first, so the items running together stay neighbours, as the
+hardware would launch them (fixed shares drift apart, and so do the K/V blocks they read: slower at 512K,
+docs/benchmarks.md, session 36). For each it walks the block list (128-key blocks, each two 64-wide sub-tile
+entries as ``convert_index`` writes them), then the bar list in chunks of 128 columns:
 
 * the loader (1 warp; 4 with bars) — each item's query block (two buffers, so the next item's is loaded while
   this one is attended), then each listed block's k and v by tensor-memory copies, then each bar chunk's k and v
@@ -24,6 +25,7 @@ Triton 3.6.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -105,6 +107,7 @@ def _loader(
     q_desc,
     k_desc,
     v_desc,
+    COUNTER,
     buffers,
     work,
     seq_len,
@@ -114,19 +117,27 @@ def _loader(
     STAGES: gl.constexpr,
     BARS: gl.constexpr,
 ):
-    """``buffers`` = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars); ``work`` as in
-    :func:`_item_lists`. Per item: its query block into the item's q buffer once both halves have released it,
-    the listed blocks by tensor-memory copies, then (``BARS``) the bars in chunks of BLOCK entries by asynchronous
-    copies, each stage's ready barrier completing once the loader warps' copies have landed."""
-    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars = buffers
+    """``buffers`` = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots); ``work`` as
+    in :func:`_item_lists`. Takes the next item from COUNTER (int32, 0 at the launch) while any is left, so the
+    items running together stay neighbours, as the hardware would launch them. Per item: its number into the
+    item's slot and its query block into the item's q buffer once both halves have released them, the listed
+    blocks by tensor-memory copies, then (``BARS``) the bars in chunks of BLOCK entries by asynchronous copies,
+    each stage's ready barrier completing once the loader warps' copies have landed. Then num_items into the next
+    slot: the end."""
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots = buffers
+    num_items = work[0]
+    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [BAR_LOADER_WARPS if BARS else 1], [0])
     step = 0
     taken = 0
-    for item in range(gl.program_id(0), work[0], gl.num_programs(0)):
+    item = gl.atomic_add(COUNTER, 1, sem="relaxed")
+    while item < num_items:
         BLK_COL, start, end, qblock, head, kv_head, sample, bars = _item_lists(item, work, BARS)
         q_slot = taken % 2
         mbarrier.wait(q_empty.index(q_slot), ((taken // 2) & 1) ^ 1)
+        item_slots.index(q_slot).store(gl.full([1], item, gl.int32, slot_layout))
+        gl.thread_barrier()  # stored by every loader warp before the arrival that publishes it
         q_bar = q_ready.index(q_slot)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)  # an arrival: the halves that wait on it see the item
         q_coords = [sample * seq_len + qblock * BLOCK, head * HEAD_DIM]
         tma.async_copy_global_to_shared(q_desc, q_coords, q_bar, q_bufs.index(q_slot))
         for entry in range(start, end, 2):
@@ -151,6 +162,12 @@ def _loader(
                 mbarrier.arrive(ready, count=1)
                 step += 1
         taken += 1
+        item = gl.atomic_add(COUNTER, 1, sem="relaxed")
+    q_slot = taken % 2  # no items left: the halves read num_items and stop
+    mbarrier.wait(q_empty.index(q_slot), ((taken // 2) & 1) ^ 1)
+    item_slots.index(q_slot).store(gl.full([1], num_items, gl.int32, slot_layout))
+    gl.thread_barrier()
+    mbarrier.arrive(q_ready.index(q_slot), count=1)
 
 
 @gluon.jit
@@ -201,7 +218,7 @@ def _softmax_warpgroup(
     (batch, head) of LSE and ``work`` as in :func:`_item_lists`. The listed blocks, then (``BARS``) the bar chunks
     the loader gathered."""
     buffers, OUT, LSE, out_strides, lse_strides, work, qk_scale_log2 = operands
-    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars = buffers
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots = buffers
     ROWS: gl.constexpr = BLOCK // 2
     # S [ROWS, BLOCK] and acc [ROWS, HEAD_DIM] share one layout (d = BLOCK = 128): a row's statistics apply to both
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -214,9 +231,12 @@ def _softmax_warpgroup(
     thread_ids = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
     if HALF == 1:
         _pass_turn(thread_ids, HALF)  # the first half goes first
+    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     step = 0
     taken = 0
-    for item in range(gl.program_id(0), work[0], gl.num_programs(0)):
+    mbarrier.wait(q_ready.index(0), 0)
+    item = gl.max(item_slots.index(0).load(slot_layout), 0)
+    while item < work[0]:
         BLK_COL, start, end, qblock, head, kv_head, sample, bars = _item_lists(item, work, BARS)
         q_slot = taken % 2
         q_half = q_bufs.index(q_slot).slice(HALF * ROWS, ROWS, dim=0)
@@ -224,7 +244,6 @@ def _softmax_warpgroup(
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma_layout)
         row_max = gl.full([ROWS], float("-inf"), gl.float32, rows_layout)
         row_sum = gl.zeros([ROWS], gl.float32, rows_layout)
-        mbarrier.wait(q_ready.index(q_slot), (taken // 2) & 1)
         for entry in range(start, end, 2):
             first_sub_tile = gl.load(BLK_COL + entry)
             slot = step % STAGES
@@ -259,6 +278,8 @@ def _softmax_warpgroup(
         rows = sample * out_strides[0] + q_rows.to(gl.int64)[:, None] * out_strides[1] + head * out_strides[2]
         gl.store(OUT + rows + offs_d[None, :], out.to(OUT.dtype.element_ty))
         taken += 1
+        mbarrier.wait(q_ready.index(taken % 2), (taken // 2) & 1)
+        item = gl.max(item_slots.index(taken % 2).load(slot_layout), 0)
 
 
 @gluon.jit
@@ -309,6 +330,7 @@ def block_forward_kernel(
     BLK_COL,
     BAR_PTR,
     BAR_COL,
+    COUNTER,
     seq_len,
     heads,
     num_items,
@@ -330,10 +352,10 @@ def block_forward_kernel(
     CAUSAL_DIAG: gl.constexpr,
     BARS: gl.constexpr,
 ):
-    """Grid (programs,) over num_items = nb·Hq·b items. BLK_PTR int32 ``[b, Hq, nb+1]`` (strides stride_pb,
-    stride_ph) spans BLK_COL, the listed sub-tiles of every query block (pairs 2j, 2j+1 per 128-key block); with
-    ``BARS``, BAR_PTR (strides stride_bpb, stride_bph) spans BAR_COL, its bar columns, whose rows of K and V (the
-    raw k and v) are gathered."""
+    """Grid (programs,) over num_items = nb·Hq·b items, taken from COUNTER (int32 ``[1]``, 0 at the launch).
+    BLK_PTR int32 ``[b, Hq, nb+1]`` (strides stride_pb, stride_ph) spans BLK_COL, the listed sub-tiles of every query
+    block (pairs 2j, 2j+1 per 128-key block); with ``BARS``, BAR_PTR (strides stride_bpb, stride_bph) spans BAR_COL,
+    its bar columns, whose rows of K and V (the raw k and v) are gathered."""
     row_stride = heads // group_size * HEAD_DIM  # of the 2-D views [b·N, Hkv·d]
     work = (
         num_items,
@@ -358,6 +380,7 @@ def block_forward_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    item_slots = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per half
@@ -365,7 +388,7 @@ def block_forward_kernel(
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrival per half
     fence_async_shared()
-    buffers = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars)
+    buffers = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots)
     softmax_operands = (
         buffers,
         OUT,
@@ -384,6 +407,7 @@ def block_forward_kernel(
                     q_desc,
                     k_desc,
                     v_desc,
+                    COUNTER,
                     buffers,
                     work,
                     seq_len,
@@ -436,6 +460,7 @@ def block_forward(
         blk_col,
         bar_ptr,
         bar_col,
+        torch.zeros(1, dtype=torch.int32, device=q.device),  # the next item
         length,
         heads,
         num_items,
