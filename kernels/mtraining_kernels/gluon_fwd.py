@@ -48,6 +48,7 @@ SOFTMAX_WARPS = 4  # the default partition: the first half's warpgroup
 LOADER_REGISTERS = gl.constexpr(24)
 BAR_LOADER_WARPS = gl.constexpr(4)  # with bars: the loader warps that gather them (one alone cannot keep up)
 BAR_LOADER_REGISTERS = gl.constexpr(56)  # with bars: a chunk's addresses at once
+ITEM_FIELDS = gl.constexpr(8)  # int32 fields per item the loader passes to the softmax warpgroups (5 used)
 
 
 @gluon.jit
@@ -126,7 +127,8 @@ def _loader(
     slot: the end."""
     q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots = buffers
     num_items = work[0]
-    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [BAR_LOADER_WARPS if BARS else 1], [0])
+    fields_layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [BAR_LOADER_WARPS if BARS else 1], [0])
+    field_ids = gl.arange(0, ITEM_FIELDS, layout=fields_layout)
     step = 0
     taken = 0
     item = gl.atomic_add(COUNTER, 1, sem="relaxed")
@@ -134,7 +136,8 @@ def _loader(
         BLK_COL, start, end, qblock, head, kv_head, sample, bars = _item_lists(item, work, BARS)
         q_slot = taken % 2
         mbarrier.wait(q_empty.index(q_slot), ((taken // 2) & 1) ^ 1)
-        item_slots.index(q_slot).store(gl.full([1], item, gl.int32, slot_layout))
+        fields = _item_fields(field_ids, item, start, end, bars[1], bars[2])
+        item_slots.index(q_slot).store(fields)
         gl.thread_barrier()  # stored by every loader warp before the arrival that publishes it
         q_bar = q_ready.index(q_slot)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)  # an arrival: the halves that wait on it see the item
@@ -165,7 +168,7 @@ def _loader(
         item = gl.atomic_add(COUNTER, 1, sem="relaxed")
     q_slot = taken % 2  # no items left: the halves read num_items and stop
     mbarrier.wait(q_empty.index(q_slot), ((taken // 2) & 1) ^ 1)
-    item_slots.index(q_slot).store(gl.full([1], num_items, gl.int32, slot_layout))
+    item_slots.index(q_slot).store(_item_fields(field_ids, num_items, 0, 0, 0, 0))
     gl.thread_barrier()
     mbarrier.arrive(q_ready.index(q_slot), count=1)
 
@@ -231,13 +234,17 @@ def _softmax_warpgroup(
     thread_ids = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
     if HALF == 1:
         _pass_turn(thread_ids, HALF)  # the first half goes first
-    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    fields_layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])
+    field_ids = gl.arange(0, ITEM_FIELDS, layout=fields_layout)
     step = 0
     taken = 0
     mbarrier.wait(q_ready.index(0), 0)
-    item = gl.max(item_slots.index(0).load(slot_layout), 0)
+    fields = item_slots.index(0).load(fields_layout)
+    item = _field(fields, field_ids, 0)
     while item < work[0]:
-        BLK_COL, start, end, qblock, head, kv_head, sample, bars = _item_lists(item, work, BARS)
+        start, end = _field(fields, field_ids, 1), _field(fields, field_ids, 2)
+        bar_start, bar_end = _field(fields, field_ids, 3), _field(fields, field_ids, 4)
+        qblock, head, sample = _item_coordinates(item, work[1], work[2])
         q_slot = taken % 2
         q_half = q_bufs.index(q_slot).slice(HALF * ROWS, ROWS, dim=0)
         q_rows = qblock * BLOCK + HALF * ROWS + gl.arange(0, ROWS, layout=rows_layout)
@@ -245,24 +252,23 @@ def _softmax_warpgroup(
         row_max = gl.full([ROWS], float("-inf"), gl.float32, rows_layout)
         row_sum = gl.zeros([ROWS], gl.float32, rows_layout)
         for entry in range(start, end, 2):
-            first_sub_tile = gl.load(BLK_COL + entry)
             slot = step % STAGES
             mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
             scores = _scores(q_half, k_bufs.index(slot), thread_ids, HALF, ROWS, BLOCK, mma_layout)
             if CAUSAL_DIAG:
-                if first_sub_tile // 2 == qblock:  # the diagonal block: key offset ≤ query offset
-                    keys = first_sub_tile * SUB_TILE + k_offsets
+                if entry + 2 == end:  # the last listed block is the diagonal one: key offset ≤ query offset
+                    keys = qblock * BLOCK + k_offsets
                     scores = gl.where(keys[None, :] <= q_rows[:, None], scores, float("-inf"))
             row_max, row_sum, acc = _attend(scores, v_bufs.index(slot), row_max, row_sum, acc, qk_scale_log2, p_layout)
             mbarrier.arrive(empty_bars.index(slot), count=1)
             step += 1
         if BARS:  # bar columns precede the diagonal block: no causal mask
-            for first in range(bars[1], bars[2], BLOCK):
+            for first in range(bar_start, bar_end, BLOCK):
                 slot = step % STAGES
                 mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
                 fence_async_shared()  # the gathered rows were written by the generic proxy, the products read them
                 scores = _scores(q_half, k_bufs.index(slot), thread_ids, HALF, ROWS, BLOCK, mma_layout)
-                scores = gl.where((first + k_offsets < bars[2])[None, :], scores, float("-inf"))
+                scores = gl.where((first + k_offsets < bar_end)[None, :], scores, float("-inf"))
                 row_max, row_sum, acc = _attend(
                     scores, v_bufs.index(slot), row_max, row_sum, acc, qk_scale_log2, p_layout
                 )
@@ -279,15 +285,36 @@ def _softmax_warpgroup(
         gl.store(OUT + rows + offs_d[None, :], out.to(OUT.dtype.element_ty))
         taken += 1
         mbarrier.wait(q_ready.index(taken % 2), (taken // 2) & 1)
-        item = gl.max(item_slots.index(taken % 2).load(slot_layout), 0)
+        fields = item_slots.index(taken % 2).load(fields_layout)
+        item = _field(fields, field_ids, 0)
+
+
+@gluon.jit
+def _item_fields(field_ids, item, start, end, bar_start, bar_end):
+    """The item's fields as the loader passes them to the softmax warpgroups: (item, first entry, end entry, first
+    bar, end bar, unused …) ``[ITEM_FIELDS]`` int32, every field held by every thread (``field_ids``' layout)."""
+    fields = gl.where(field_ids == 0, item, gl.where(field_ids == 1, start, gl.where(field_ids == 2, end, 0)))
+    return gl.where(field_ids == 3, bar_start, gl.where(field_ids == 4, bar_end, fields))
+
+
+@gluon.jit
+def _field(fields, field_ids, number: gl.constexpr):
+    """Field ``number`` of :func:`_item_fields`' vector, a scalar (a reduction within each thread)."""
+    return gl.sum(gl.where(field_ids == number, fields, 0), 0)
+
+
+@gluon.jit
+def _item_coordinates(item, num_blocks, heads):
+    """(query block, head, sample) of item ``item``: the query blocks from the last (the heaviest) down, then the
+    heads, then the samples."""
+    return num_blocks - 1 - item % num_blocks, (item // num_blocks) % heads, item // (num_blocks * heads)
 
 
 @gluon.jit
 def _item_lists(item, work, BARS: gl.constexpr):
     """(BLK_COL, first entry, end entry, query block, head, KV head, sample, bars as in :func:`_gather_bars`) of
     item ``item``; ``work`` = (items, query blocks nb, heads Hq, group size, BLK_PTR, BLK_COL, BAR_PTR, BAR_COL,
-    list strides (batch, head) of BLK_PTR, of BAR_PTR, K, V, row stride of the 2-D views ``[b·N, Hkv·d]``). Items
-    run over the query blocks from the last (the heaviest) down, then the heads, then the samples."""
+    list strides (batch, head) of BLK_PTR, of BAR_PTR, K, V, row stride of the 2-D views ``[b·N, Hkv·d]``)."""
     (
         _,
         num_blocks,
@@ -303,9 +330,7 @@ def _item_lists(item, work, BARS: gl.constexpr):
         V,
         row_stride,
     ) = work
-    qblock = num_blocks - 1 - item % num_blocks
-    head = (item // num_blocks) % heads
-    sample = item // (num_blocks * heads)
+    qblock, head, sample = _item_coordinates(item, num_blocks, heads)
     list_row = sample * list_strides[0] + head * list_strides[1] + qblock
     if BARS:
         bar_row = sample * bar_strides[0] + head * bar_strides[1] + qblock
@@ -380,7 +405,7 @@ def block_forward_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    item_slots = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_slots = gl.allocate_shared_memory(gl.int32, [2, ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per half
