@@ -13,7 +13,8 @@ entries as ``convert_index`` writes them), then the bar list in chunks of 128 co
 * two softmax warpgroups (4 warps each), one per 64-row half of the query block: S = q_h·kᵀ, the online
   softmax in base 2 (the scale folded into one FMA with the row max), O += P·v with P from registers. They take
   turns to issue S (named barriers 14/15 over their 256 threads), so one's softmax runs under the other's
-  products (FlashAttention-3's ping-pong), and one's output is written while the other attends the next item.
+  products (FlashAttention-3's ping-pong). Each writes its output through its half of the q buffer, which its
+  products no longer read, by one tensor-memory copy, while the other attends.
 
 The last listed block of query block i is its diagonal block i when ``CAUSAL_DIAG`` (as in ``triton_fwd``); bar
 columns lie before it, so they are never masked by causality. For one ring step without documents (``fresh``:
@@ -216,11 +217,11 @@ def _softmax_warpgroup(
     BARS: gl.constexpr,
 ):
     """Rows HALF·BLOCK/2 … of each item's query block: acc ``[BLOCK/2, HEAD_DIM]`` fp32 in registers, written once
-    per item. ``operands`` (both halves take the same) = (the loader's ``buffers``, OUT, LSE, out_strides,
-    lse_strides, work, qk_scale_log2), with ``out_strides`` = (batch, token, head) of OUT, ``lse_strides`` =
-    (batch, head) of LSE and ``work`` as in :func:`_item_lists`. The listed blocks, then (``BARS``) the bar chunks
-    the loader gathered."""
-    buffers, OUT, LSE, out_strides, lse_strides, work, qk_scale_log2 = operands
+    per item through this half's rows of the q buffer (after its last product) by a tensor-memory copy, then the
+    buffer released. ``operands`` (both halves take the same) = (the loader's ``buffers``, the output's descriptor
+    (``[BLOCK/2, HEAD_DIM]`` tiles of ``[b·N, Hq·d]``), LSE, lse_strides (batch, head) of LSE, N, work as in
+    :func:`_item_lists`, qk_scale_log2). The listed blocks, then (``BARS``) the bar chunks the loader gathered."""
+    buffers, o_desc, LSE, lse_strides, seq_len, work, qk_scale_log2 = operands
     q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots = buffers
     ROWS: gl.constexpr = BLOCK // 2
     # S [ROWS, BLOCK] and acc [ROWS, HEAD_DIM] share one layout (d = BLOCK = 128): a row's statistics apply to both
@@ -230,7 +231,6 @@ def _softmax_warpgroup(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     k_offsets = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma_layout))
     thread_ids = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
     if HALF == 1:
         _pass_turn(thread_ids, HALF)  # the first half goes first
@@ -274,15 +274,20 @@ def _softmax_warpgroup(
                 )
                 mbarrier.arrive(empty_bars.index(slot), count=1)
                 step += 1
-        mbarrier.arrive(q_empty.index(q_slot), count=1)  # its products are done: the loader may refill it
-
         has_work = row_sum != 0.0
         safe_sum = gl.where(has_work, row_sum, 1.0)
         lse = gl.where(has_work, (row_max * qk_scale_log2 + gl.log2(safe_sum)) * LN2, float("-inf"))
-        out = gl.where(has_work[:, None], acc / safe_sum[:, None], 0.0)
+        out = gl.where(has_work[:, None], acc * (1.0 / safe_sum)[:, None], 0.0)
         gl.store(LSE + sample * lse_strides[0] + head * lse_strides[1] + q_rows, lse)
-        rows = sample * out_strides[0] + q_rows.to(gl.int64)[:, None] * out_strides[1] + head * out_strides[2]
-        gl.store(OUT + rows + offs_d[None, :], out.to(OUT.dtype.element_ty))
+        # the output through this half's q rows, which its products no longer read, by one tensor-memory copy
+        q_half.store(out.to(q_half.dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # the warpgroup's rows are all in shared memory before the copy reads them
+        tma.async_copy_shared_to_global(
+            o_desc, [sample * seq_len + qblock * BLOCK + HALF * ROWS, head * HEAD_DIM], q_half
+        )
+        tma.store_wait(0)  # read: the loader may refill the buffer
+        mbarrier.arrive(q_empty.index(q_slot), count=1)
         taken += 1
         mbarrier.wait(q_ready.index(taken % 2), (taken // 2) & 1)
         fields = item_slots.index(taken % 2).load(fields_layout)
@@ -347,9 +352,9 @@ def block_forward_kernel(
     q_desc,
     k_desc,
     v_desc,
+    o_desc,
     K,
     V,
-    OUT,
     LSE,
     BLK_PTR,
     BLK_COL,
@@ -359,9 +364,6 @@ def block_forward_kernel(
     seq_len,
     heads,
     num_items,
-    stride_ob,
-    stride_on,
-    stride_oh,
     stride_lb,
     stride_lh,
     stride_pb,
@@ -414,15 +416,7 @@ def block_forward_kernel(
         mbarrier.init(empty_bars.index(i), count=2)  # one arrival per half
     fence_async_shared()
     buffers = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots)
-    softmax_operands = (
-        buffers,
-        OUT,
-        LSE,
-        (stride_ob, stride_on, stride_oh),
-        (stride_lb, stride_lh),
-        work,
-        qk_scale_log2,
-    )
+    softmax_operands = (buffers, o_desc, LSE, (stride_lb, stride_lh), seq_len, work, qk_scale_log2)
     gl.warp_specialize(
         [
             (_softmax_warpgroup, (softmax_operands, 0, HEAD_DIM, BLOCK, SUB_TILE, STAGES, CAUSAL_DIAG, BARS)),
@@ -477,9 +471,9 @@ def block_forward(
         rows_descriptor(q, BLOCK),
         rows_descriptor(k, BLOCK),
         rows_descriptor(v, BLOCK),
+        rows_descriptor(out, BLOCK // 2),
         k,
         v,
-        out,
         lse,
         blk_ptr,
         blk_col,
@@ -489,9 +483,6 @@ def block_forward(
         length,
         heads,
         num_items,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
         lse.stride(0),
         lse.stride(1),
         blk_ptr.stride(0),

@@ -221,7 +221,7 @@ def _gluon_block_forward(q, k, v, out, fresh: bool, documents: bool):
         return None
     if _capability_major(q.device) != 9 or q.shape[3] != 128:
         return None
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, out)):  # out: a copy's target too
         return None
     from .gluon_fwd import block_forward  # Gluon only where it runs
 
