@@ -37,6 +37,9 @@ is timed twice: ``convert_ms``/``estimate_ms``/``index_ms`` with the events reco
 step, so a host-bound step measures the host; ``*_queued_ms`` behind a ``QUEUE_LEAD_MS`` sleep kernel that lets
 the host queue the whole step first, so they measure the GPU's time plus whatever host time follows a host sync
 inside the step.
+Each attention timing also records the GPU's median SM clock and peak power while it ran (``sm_clock_mhz``,
+``power_max_w``; ``sm_clock_queued_mhz``, ``power_max_queued_w``; from ``gpu_telemetry``): a repetition much shorter
+than the sleep runs at higher clocks than one at the GPU's power limit, which long ones reach.
 FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed forward 4·|M|·d·Hq
 (|M| per head), backward 2.5× forward.
 
@@ -70,6 +73,7 @@ from flex_peer import (
     heads_first,
     vertical_slash_block_mask,
 )
+from gpu_telemetry import Telemetry
 from provenance import git_commit
 from structured_qk import structured_qk
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -210,13 +214,32 @@ def step_timings(steps: dict[str, Callable], reps: int) -> dict[str, float]:
     return timings
 
 
+def clock_fields(telemetry: Telemetry, suffix: str = "") -> dict[str, float]:
+    """``sm_clock{suffix}_mhz`` (median) and ``power_max{suffix}_w`` of a timing's ``gpu_telemetry`` samples; empty
+    where nvidia-smi gave none."""
+    summary = telemetry.summary
+    if not summary:
+        return {}
+    return {f"sm_clock{suffix}_mhz": summary["sm_clock_mhz"], f"power_max{suffix}_w": summary["power_max_w"]}
+
+
+def _telemetry() -> Telemetry:
+    return Telemetry(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+
+
 def fwd_bwd_timings(time_fn: Callable[[float], tuple[float, float]], seq_len: int) -> dict[str, float]:
     """``fwd_ms``/``bwd_ms`` from ``time_fn(0.0)`` (events recorded as the host launches) and, for N up to
-    ``QUEUED_MAX_LEN``, ``fwd_queued_ms``/``bwd_queued_ms`` from ``time_fn(QUEUE_LEAD_MS)`` (the GPU's time)."""
-    fwd_ms, bwd_ms = time_fn(0.0)
-    timings = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms)
+    ``QUEUED_MAX_LEN``, ``fwd_queued_ms``/``bwd_queued_ms`` from ``time_fn(QUEUE_LEAD_MS)`` (the GPU's time), each
+    with the GPU's clock and power while it ran (:func:`clock_fields`; ``_queued`` in the queued one's names).
+    Under sustained load the GPU holds its power limit by lowering its clocks, so a short repetition timed behind
+    the sleep runs faster than the same one timed back to back (docs/benchmarks.md, session 37)."""
+    with _telemetry() as telemetry:
+        fwd_ms, bwd_ms = time_fn(0.0)
+    timings = dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, **clock_fields(telemetry))
     if seq_len <= QUEUED_MAX_LEN:
-        timings["fwd_queued_ms"], timings["bwd_queued_ms"] = time_fn(QUEUE_LEAD_MS)
+        with _telemetry() as telemetry:
+            timings["fwd_queued_ms"], timings["bwd_queued_ms"] = time_fn(QUEUE_LEAD_MS)
+        timings.update(clock_fields(telemetry, "_queued"))
     return timings
 
 
@@ -665,18 +688,21 @@ def main(argv=None) -> None:
 
 # ---------------------------------------------------------------------------------------- reports
 def row_summary(row: dict) -> str:
-    """One line of the run's log for a recorded row: timings (queued ones in parentheses), index, TFLOP/s and,
-    for Flex rows, the mask's time and the cross-check's worst relative RMSE."""
+    """One line of the run's log for a recorded row: timings (queued ones in parentheses), index, TFLOP/s, the SM
+    clocks while timed (launched/queued) where known and, for Flex rows, the mask's time and the cross-check's worst
+    relative RMSE."""
     worst = max(e["rel_rmse"] for e in row["flex_check"].values()) if "flex_check" in row else None
     check = f" mask={row['mask_ms']:.2f} ms, vs ours max rel RMSE {worst:.1e}" if worst is not None else ""
     queued = f" (queued {row['index_queued_ms']:.2f})" if "index_queued_ms" in row else ""
     attention_queued = (
         f" (queued {row['fwd_queued_ms']:.2f}/{row['bwd_queued_ms']:.2f})" if "fwd_queued_ms" in row else ""
     )
+    clocks = "/".join(f"{row[name]:.0f}" for name in ("sm_clock_mhz", "sm_clock_queued_mhz") if name in row)
     return (
         f"{row['shape']:10s} N={row['seq_len']:7d} {row['impl']:24s} density={row['density']:.4f} "
         f"fwd/bwd={row['fwd_ms']:.2f}/{row['bwd_ms']:.2f}{attention_queued} index={row['index_ms']:.2f}{queued} ms "
-        f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{check}"
+        f"dense-eq fwd+bwd {row['dense_equiv_tflops']['fwd_bwd']:7.1f} TFLOP/s{f' at {clocks} MHz' if clocks else ''}"
+        f"{check}"
     )
 
 

@@ -16,8 +16,10 @@ Per row:
   ``fwd_queued_ms``/``bwd_queued_ms`` (N ≤ ``bench_attention.QUEUED_MAX_LEN``) behind a sleep kernel, the GPU's time;
 * ``host_fwd_ms``/``host_bwd_ms`` (N ≤ ``HOST_MAX_LEN``) — the host's time per call (``perf_counter``) while
   the GPU sleeps, so no call waits for it;
-* ``sm_clock_mhz`` (median), ``sm_clock_min_mhz``, ``power_max_w``, ``temperature_max_c`` — the GPU's state while
-  those were timed (``gpu_telemetry.py``), which tells a change in the code from one in the clocks;
+* ``sm_clock_mhz`` (median) and ``power_max_w`` while the launched timing ran, ``sm_clock_queued_mhz`` and
+  ``power_max_queued_w`` while the queued one did (``bench_attention.fwd_bwd_timings``), ``sm_clock_min_mhz`` and
+  ``temperature_max_c`` over both (``gpu_telemetry.py``): the GPU's state, which tells a change in the code from one
+  in the clocks;
 * ``rel_max_diff_vs_first`` (N ≤ ``QUEUED_MAX_LEN``) — the largest of max |Δ| / max |first| over out, dq, dk,
   dv against the first tree's results on the same inputs.
 

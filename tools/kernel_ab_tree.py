@@ -118,10 +118,11 @@ def run_tree(args) -> None:
             torch.cuda.reset_peak_memory_stats()
             row = dict(common, pattern=pattern, seq_len=seq_len, sparsity=args.sparsity)
             with Telemetry() as telemetry:
-                row.update(
-                    fwd_bwd_timings(lambda lead: measure(forward, backward, args.warmup, args.reps, lead), seq_len)
+                timings = fwd_bwd_timings(
+                    lambda lead: measure(forward, backward, args.warmup, args.reps, lead), seq_len
                 )
-            row.update(telemetry.summary)
+            row.update(telemetry.summary)  # over both timings; each timing's own clock and power replace its median
+            row.update(timings)
             if telemetry.note:
                 print(f"{args.tree} N={seq_len} {pattern}: {telemetry.note}", flush=True)
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -155,9 +155,22 @@ def test_row_summary_shows_the_queued_timings_and_the_flex_check():
     assert "fwd/bwd=12.00/28.00 index=2.00 ms" in plain and "queued" not in plain and "mask" not in plain
 
 
-def test_queued_attention_timings_stop_at_their_length_limit():
+class SilentTelemetry:
+    """A ``gpu_telemetry.Telemetry`` stand-in that got no samples (as without nvidia-smi)."""
+
+    summary: dict = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_queued_attention_timings_stop_at_their_length_limit(monkeypatch):
     """fwd_bwd_timings asks for the launched timing always and the queued one (behind the sleep) only up to
     QUEUED_MAX_LEN."""
+    monkeypatch.setattr(bench_attention, "_telemetry", SilentTelemetry)
     leads = []
 
     def time_fn(lead):
@@ -170,6 +183,40 @@ def test_queued_attention_timings_stop_at_their_length_limit():
     assert leads == [0.0, bench_attention.QUEUE_LEAD_MS]
     assert bench_attention.fwd_bwd_timings(time_fn, 2 * limit) == dict(fwd_ms=1.0, bwd_ms=2.0)
     assert leads[2:] == [0.0]
+
+
+def test_attention_timings_record_the_clocks_each_ran_at(monkeypatch):
+    """Each of the two timings gets the clock and power of the telemetry around it; a timing without samples gets
+    no clock fields; the log line shows the clocks a row has."""
+    summaries = iter([{"sm_clock_mhz": 1665.0, "power_max_w": 717.0}, {"sm_clock_mhz": 1942.5, "power_max_w": 686.0}])
+
+    class FakeTelemetry:
+        def __enter__(self):
+            self.summary = next(summaries)
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(bench_attention, "_telemetry", FakeTelemetry)
+    timings = bench_attention.fwd_bwd_timings(lambda lead: (1.0, 2.0) if lead == 0.0 else (0.5, 1.5), 1024)
+    assert timings == dict(
+        fwd_ms=1.0,
+        bwd_ms=2.0,
+        sm_clock_mhz=1665.0,
+        power_max_w=717.0,
+        fwd_queued_ms=0.5,
+        bwd_queued_ms=1.5,
+        sm_clock_queued_mhz=1942.5,
+        power_max_queued_w=686.0,
+    )
+    monkeypatch.setattr(bench_attention, "_telemetry", SilentTelemetry)
+    assert bench_attention.fwd_bwd_timings(lambda lead: (1.0, 2.0), 2 * bench_attention.QUEUED_MAX_LEN) == dict(
+        fwd_ms=1.0, bwd_ms=2.0
+    )
+    shown = row(NEW, "qwen2.5-3b", "mtraining", 1.0, 2.0)
+    shown.update(timings)
+    assert "TFLOP/s at 1665/1942 MHz" in bench_attention.row_summary(shown)
 
 
 def test_step_timings_record_both_timings_of_each_step_and_their_sums(monkeypatch):
