@@ -33,16 +33,17 @@ IMPLEMENTATIONS = ("ours", "flex", "cudnn")
 PATTERNS = ("vertical_slash", "block_only")
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse what cannot run, naming the value, before any work."""
+def check_step_arguments(args: argparse.Namespace, count: str, tool: str) -> None:
+    """Refuse what cannot run, naming the value, before any work: ``--seq-len``, the repetitions ``--{count}``,
+    Flex's pattern, and a CUDA device for ``tool`` (``trace_steps.py`` shares these)."""
     if args.seq_len <= 0 or args.seq_len % BLOCK_SIZE:
         raise SystemExit(f"--seq-len {args.seq_len}: give a positive multiple of {BLOCK_SIZE}")
-    if args.steps < 1:
-        raise SystemExit(f"--steps {args.steps}: give at least 1")
+    if getattr(args, count) < 1:
+        raise SystemExit(f"--{count} {getattr(args, count)}: give at least 1")
     if args.impl == "flex" and args.pattern != "block_only":
-        raise SystemExit(f"--impl flex --pattern {args.pattern}: Flex is profiled on --pattern block_only only")
+        raise SystemExit(f"--impl flex --pattern {args.pattern}: Flex runs on --pattern block_only only")
     if not torch.cuda.is_available():
-        raise SystemExit("profile_step.py needs a CUDA device")
+        raise SystemExit(f"{tool} needs a CUDA device")
 
 
 def sparse_pattern(args, heads: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=2, help="forward + backward steps (the first compiles)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    check_arguments(args)
+    check_step_arguments(args, "steps", "profile_step.py")
     heads, kv_heads, dim = SHAPES["qwen2.5-3b"]
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(args.seed)

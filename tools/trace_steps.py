@@ -23,10 +23,9 @@ import json
 import torch
 from bench_attention import QUEUE_LEAD_MS, SHAPES, sleep_cycles_per_ms
 from flex_peer import block_only_block_mask, flex_forward, heads_first
-from profile_step import PATTERNS, sparse_pattern
+from profile_step import PATTERNS, check_step_arguments, sparse_pattern
 
 from mtraining_kernels import Layout, convert_index, sparse_attention
-from mtraining_kernels.layout import BLOCK_SIZE
 
 IMPLEMENTATIONS = ("ours", "flex")
 GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
@@ -75,18 +74,6 @@ def rep_timelines(events: list[dict]) -> dict[str, list[GpuOp]]:
     return timelines
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse what cannot run, naming the value, before any work."""
-    if args.seq_len <= 0 or args.seq_len % BLOCK_SIZE:
-        raise SystemExit(f"--seq-len {args.seq_len}: give a positive multiple of {BLOCK_SIZE}")
-    if args.reps < 1:
-        raise SystemExit(f"--reps {args.reps}: give at least 1")
-    if args.impl == "flex" and args.pattern != "block_only":
-        raise SystemExit(f"--impl flex --pattern {args.pattern}: Flex runs on --pattern block_only only")
-    if not torch.cuda.is_available():
-        raise SystemExit("trace_steps.py needs a CUDA device")
-
-
 def step_functions(args: argparse.Namespace):
     """(forward, backward) of ``args.impl`` on fresh inputs: ``backward(forward())`` is one repetition."""
     heads, kv_heads, dim = SHAPES["qwen2.5-3b"]
@@ -120,7 +107,7 @@ def main(argv=None) -> None:
     parser.add_argument("--trace", default="trace_steps.json", help="where the Chrome trace goes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    check_arguments(args)
+    check_step_arguments(args, "reps", "trace_steps.py")
     forward, backward = step_functions(args)
     for _ in range(WARMUP):
         backward(forward())
