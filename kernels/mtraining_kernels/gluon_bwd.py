@@ -154,70 +154,6 @@ def _loader(
 
 
 @gluon.jit
-def _wait_count(COUNT, least):
-    """Spins until the int32 at COUNT is at least ``least`` (acquire: what was released before it is visible)."""
-    seen = gl.atomic_add(COUNT, 0, sem="acquire", scope="gpu")
-    while seen < least:
-        seen = gl.atomic_add(COUNT, 0, sem="acquire", scope="gpu")
-
-
-@gluon.jit
-def _convert_slice(
-    dq_chunks,
-    first_chunk,
-    empty_bar,
-    offsets,
-    stride_gqn,
-    DQ,
-    conversion,
-    row,
-    qblock,
-    first_row,
-    layout: gl.constexpr,
-    CHUNK: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    SLICES: gl.constexpr,
-    ROWS: gl.constexpr,
-):
-    """Adds one dq slice (chunks ``first_chunk`` … + CHUNKS of ``dq_chunks``, each [CHUNK, d] in shared memory,
-    ``offsets`` its first chunk's element offsets) with no zero-fill and no copy: the slice's first contributor
-    stores into the fp32 DQ, the others add, the last adds the sum into registers and writes it in DQ_OUT's dtype;
-    then frees the slice's buffer (``empty_bar``) before its release, whose fence waits for the writes.
-    ``conversion`` = (DQ_OUT, TARGETS, CLAIMS, DONE, nb): TARGETS[row, qblock] contributions per slice; CLAIMS/DONE
-    zeroed int32 counters per (row, slice): a ticket taken on arrival, and the contributions released so far. The
-    first waits for nobody, the others for the first, the last for every other; all of them took their tickets at
-    this slice before, so none waits for a program that has not started or that waits on another slice."""
-    DQ_OUT, TARGETS, CLAIMS, DONE, num_blocks = conversion
-    target = gl.load(TARGETS + row * num_blocks + qblock)
-    slice_index = row.to(gl.int64) * (num_blocks * SLICES) + first_row // ROWS
-    if target == 1:  # the only contributor: straight out
-        for c in range(CHUNKS):
-            rows = dq_chunks.index(first_chunk + c).load(layout)
-            gl.store(DQ_OUT + offsets + c * CHUNK * stride_gqn, rows.to(DQ_OUT.dtype.element_ty))
-        mbarrier.arrive(empty_bar, count=1)
-    else:
-        ticket = gl.atomic_add(CLAIMS + slice_index, 1, sem="acq_rel", scope="gpu")
-        if ticket == 0:
-            for c in range(CHUNKS):
-                gl.store(DQ + offsets + c * CHUNK * stride_gqn, dq_chunks.index(first_chunk + c).load(layout))
-        elif ticket < target - 1:
-            _wait_count(DONE + slice_index, 1)  # the first's store is in
-            for c in range(CHUNKS):
-                rows = dq_chunks.index(first_chunk + c).load(layout)
-                gl.atomic_add(DQ + offsets + c * CHUNK * stride_gqn, rows, sem="relaxed")
-        else:
-            _wait_count(DONE + slice_index, target - 1)  # every other contribution is in
-            for c in range(CHUNKS):
-                chunk = offsets + c * CHUNK * stride_gqn
-                total = gl.load(DQ + chunk, cache_modifier=".cg") + dq_chunks.index(first_chunk + c).load(layout)
-                gl.store(DQ_OUT + chunk, total.to(DQ_OUT.dtype.element_ty))
-        mbarrier.arrive(empty_bar, count=1)
-        if ticket < target - 1:
-            gl.thread_barrier()  # the writer's stores and adds of the slice are issued before the release
-            gl.atomic_add(DONE + slice_index, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
 def _dq_writer(
     DQ,
     dq_strides,
@@ -225,7 +161,6 @@ def _dq_writer(
     dq_ready_bars,
     dq_empty_bars,
     key_lists,
-    conversion,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
@@ -233,11 +168,9 @@ def _dq_writer(
     WARPS: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     BARS: gl.constexpr,
-    CONVERT_DQ: gl.constexpr,
 ):
     """Drains each dq slice (``dq_chunks``: DQ_BUFFERS buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
-    (strides ``dq_strides`` = (batch, token, head)) by atomics, or with ``CONVERT_DQ`` by :func:`_convert_slice`;
-    idle without ``WRITE_DQ``."""
+    (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
     CHUNKS: gl.constexpr = ROWS // CHUNK
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
@@ -247,37 +180,17 @@ def _dq_writer(
     if WRITE_DQ:
         for member in range(key_lists[9], key_lists[10]):
             head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
-            head_offset = key_lists[6] * stride_gqb + head * stride_gqh
+            dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
                 qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
                 if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
                     slot = step % DQ_BUFFERS
                     mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
-                    offsets = head_offset + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
-                    if CONVERT_DQ:
-                        row = key_lists[6] * key_lists[8] + head
-                        _convert_slice(
-                            dq_chunks,
-                            slot * CHUNKS,
-                            dq_empty_bars.index(slot),
-                            offsets,
-                            stride_gqn,
-                            DQ,
-                            conversion,
-                            row,
-                            qblock,
-                            first_row,
-                            layout,
-                            CHUNK,
-                            CHUNKS,
-                            BLOCK // ROWS,
-                            ROWS,
-                        )
-                    else:
-                        for c in range(CHUNKS):
-                            rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
-                            gl.atomic_add(DQ + offsets + c * CHUNK * stride_gqn, rows, sem="relaxed")
-                        mbarrier.arrive(dq_empty_bars.index(slot), count=1)
+                    ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
+                    for c in range(CHUNKS):
+                        rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                        gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
+                    mbarrier.arrive(dq_empty_bars.index(slot), count=1)
                     step += 1
 
 
@@ -482,10 +395,6 @@ def one_pass_backward_kernel(
     DQ,
     DK,
     DV,
-    DQ_OUT,
-    DQ_TARGETS,
-    DQ_CLAIMS,
-    DQ_DONE,
     KEY_PTR,
     KEY_QBLOCK,
     BOUNDS,
@@ -523,7 +432,6 @@ def one_pass_backward_kernel(
     DOCUMENTS: gl.constexpr,
     BARS: gl.constexpr,
     SHARED_DKV: gl.constexpr,
-    CONVERT_DQ: gl.constexpr,
 ):
     """Block tiles: grid (nb, Hkv · group_size / members, b), a program walking ``members`` query heads of its
     group (``SHARED_DKV``: fewer than the group, so the group's programs add their dk/dv with fp32 atomics);
@@ -656,7 +564,6 @@ def one_pass_backward_kernel(
                     dq_ready_bars,
                     dq_empty_bars,
                     key_lists,
-                    (DQ_OUT, DQ_TARGETS, DQ_CLAIMS, DQ_DONE, seq_len // BLOCK),
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
@@ -664,7 +571,6 @@ def one_pass_backward_kernel(
                     WRITER_WARPS,
                     WRITE_DQ,
                     BARS,
-                    CONVERT_DQ,
                 ),
             ),
         ],
@@ -702,8 +608,6 @@ def one_pass_backward(
     documents=None,
     bar_words: BarWords | None = None,
     list_steps: int = 1,
-    dq_out=None,
-    dq_targets=None,
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
     (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then, with ``bar_words``
@@ -712,10 +616,7 @@ def one_pass_backward(
     dv). Shapes and dtypes as in the module docstring, checked by the caller; dk and dv in k's dtype are written (dk =
     scale·dSᵀ·q, dv = Pᵀ·dO). ``dq`` None: dk and dv alone, without atomics (the deterministic mode, whose dq the
     query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
-    None. ``list_steps``: the steps whose lists key_qblock holds (a ring's W), for their mean length.
-    ``dq_out`` (q's dtype, dq's shape and strides) with ``dq_targets`` int32 ``[b·Hq, nb]`` (each query block's
-    contributions: its listed key blocks, plus with ``bar_words`` its chunks with a bar there): dq is written there,
-    not added to, and the fp32 ``dq`` is scratch that needs no zero-fill (:func:`_convert_slice`)."""
+    None. ``list_steps``: the steps whose lists key_qblock holds (a ring's W), for their mean length."""
     batch, length, heads, dim = q.shape
     group = heads // k.shape[2]
     members = group
@@ -734,18 +635,12 @@ def one_pass_backward(
         stats_descriptor(delta, QUERY_ROWS),
     )
     operands = (*descriptors, k, v, dq, dk, dv)
-    if dq_out is not None:  # claims and releases per (row, 64-row slice), zeroed; left zeroed by the last contributor
-        claims, done = torch.zeros(2, batch * heads * length // QUERY_ROWS, dtype=torch.int32, device=q.device)
-        conversion = (dq_out, dq_targets, claims, done)
-    else:
-        conversion = (None, None, None, None)  # None: no kernel argument
     unused = key_ptr  # the other launch's lists
     block_lists = (key_ptr, key_qblock, unused, unused, unused, unused)
     grid = (length // BLOCK, k.shape[2] * (group // members), batch)
     _launch(
         grid,
         operands,
-        conversion,
         block_lists,
         (1, 1),
         key_ptr.stride()[:2],
@@ -760,32 +655,18 @@ def one_pass_backward(
         rows, num_chunks, num_blocks = bar_words.words.shape[:3]
         grid = (rows * -(-num_blocks // bar_words.walk) * num_chunks,)
         walking = (num_chunks, bar_words.walk)
-        _launch(
-            grid, operands, conversion, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, 1, bars=True
-        )
+        _launch(grid, operands, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, 1, bars=True)
     if members < group and written:
         dk_out.copy_(dk)
         dv_out.copy_(dv)
 
 
 def _launch(
-    grid,
-    operands,
-    conversion,
-    lists,
-    walking,
-    key_strides,
-    q_shape,
-    softmax_scale,
-    causal_diag,
-    documents,
-    members,
-    bars=False,
+    grid, operands, lists, walking, key_strides, q_shape, softmax_scale, causal_diag, documents, members, bars=False
 ) -> None:
     """One launch of :func:`one_pass_backward_kernel`: ``operands`` = (q, dO, k, v, lse, delta descriptors, k,
-    v, dq, dk, dv), ``conversion`` = (DQ_OUT, DQ_TARGETS, DQ_CLAIMS, DQ_DONE) or Nones, ``lists`` = (KEY_PTR,
-    KEY_QBLOCK, BOUNDS, WORDS, COLUMN, COUNT), ``walking`` = (the bars' chunks per row, their walk), ``members``
-    the query heads a block-tile program walks."""
+    v, dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, BOUNDS, WORDS, COLUMN, COUNT), ``walking`` = (the bars'
+    chunks per row, their walk), ``members`` the query heads a block-tile program walks."""
     batch, length, heads, dim = q_shape
     *_, k, _, dq, dk, _ = operands
     group = heads // k.shape[2]
@@ -793,7 +674,6 @@ def _launch(
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
     one_pass_backward_kernel[grid](
         *operands,
-        *conversion,
         *lists,
         query_docs,
         key_docs,
@@ -822,6 +702,5 @@ def _launch(
         DOCUMENTS=documents is not None,
         BARS=bars,
         SHARED_DKV=not bars and members < group,
-        CONVERT_DQ=conversion[0] is not None,
         num_warps=MMA_WARPS,
     )
