@@ -39,7 +39,8 @@ the host queue the whole step first, so they measure the GPU's time plus whateve
 inside the step.
 Each attention timing also records the GPU's median SM clock and peak power while it ran (``sm_clock_mhz``,
 ``power_max_w``; ``sm_clock_queued_mhz``, ``power_max_queued_w``; from ``gpu_telemetry``): a repetition much shorter
-than the sleep runs at higher clocks than one at the GPU's power limit, which long ones reach.
+than the sleep runs at higher clocks than one at the GPU's power limit, which long ones reach. A timing shorter than
+the telemetry's period (0.25 s) has no samples and so no clock fields.
 FLOPs (DESIGN.md §7): dense-equivalent forward 2·N²·Hq·d, actually computed forward 4·|M|·d·Hq
 (|M| per head), backward 2.5× forward.
 

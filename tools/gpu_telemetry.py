@@ -46,9 +46,12 @@ def summarize(lines: list[str]) -> dict[str, float]:
 
 class Telemetry:
     """``with Telemetry(device) as telemetry: ...`` queries ``nvidia-smi`` every ``period_s`` from a background
-    thread while the block runs (one complete query each time: a looping ``nvidia-smi`` writing into a pipe may
-    hold its samples in a buffer until it exits); then ``telemetry.summary`` is :func:`summarize`'s dict, empty
-    where ``nvidia-smi`` is missing or printed nothing usable (``telemetry.note`` says why)."""
+    thread while the block runs, the first time ``period_s`` after it starts (one complete query each time: a
+    looping ``nvidia-smi`` writing into a pipe may hold its samples in a buffer until it exits); then
+    ``telemetry.summary`` is :func:`summarize`'s dict, empty where ``nvidia-smi`` is missing or printed nothing
+    usable (``telemetry.note`` says why), and empty with no note for a block shorter than ``period_s``. A sample
+    taken as the block starts would report the GPU as the previous work left it (session 38: 1980 MHz before a
+    timing that ran at 1665), so a short block gets no clocks rather than those."""
 
     def __init__(self, device: int = 0, period_s: float = 0.25):
         self.summary: dict[str, float] = {}
@@ -62,19 +65,19 @@ class Telemetry:
             self.command = ["nvidia-smi", f"--id={gpu}", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"]
         self.period_s = period_s
         self._lines: list[str] = []
+        self._queries = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
-        while self.command:
+        while self.command and not self._stop.wait(self.period_s):
+            self._queries += 1
             try:
                 result = subprocess.run(self.command, capture_output=True, text=True, timeout=10)
             except (OSError, subprocess.TimeoutExpired) as error:
                 self.note = f"no telemetry: {error}"
                 return
             self._lines += result.stdout.splitlines()
-            if self._stop.wait(self.period_s):
-                return
 
     def __enter__(self) -> Telemetry:
         self._thread.start()
@@ -84,5 +87,5 @@ class Telemetry:
         self._stop.set()
         self._thread.join()
         self.summary = summarize(self._lines)
-        if not self.summary and not self.note:
+        if not self.summary and not self.note and self._queries:
             self.note = f"no telemetry: {' '.join(self.command)} printed no samples"

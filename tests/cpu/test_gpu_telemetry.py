@@ -22,12 +22,23 @@ def test_summary_of_the_samples_skips_what_does_not_parse():
 
 def test_without_nvidia_smi_the_block_runs_and_the_summary_is_empty(monkeypatch):
     monkeypatch.setattr(gpu_telemetry, "nvidia_smi_id", lambda device: "00000000:18:00.0")
-    telemetry = gpu_telemetry.Telemetry()
+    telemetry = gpu_telemetry.Telemetry(period_s=0.01)
     telemetry.command[0] = "/nonexistent/nvidia-smi"
     ran = False
     with telemetry:
+        time.sleep(0.1)
         ran = True
     assert ran and telemetry.summary == {} and "no telemetry" in telemetry.note
+
+
+def test_a_block_shorter_than_the_period_gets_no_samples_and_no_note(monkeypatch):
+    """The first sample waits a period: a short block would otherwise get the GPU's state from before it."""
+    monkeypatch.setattr(gpu_telemetry, "nvidia_smi_id", lambda device: "00000000:18:00.0")
+    telemetry = gpu_telemetry.Telemetry(period_s=30.0)
+    telemetry.command = [sys.executable, "-c", "print('1980, 120.0, 40')"]
+    with telemetry:
+        pass
+    assert telemetry.summary == {} and telemetry.note == ""
 
 
 @pytest.mark.parametrize("text", ["1980, 650", "x, y, z"])
