@@ -239,11 +239,6 @@ def main(argv=None) -> None:
             deterministic={"dq": None},
             deterministic_documents={"dq": None, "documents": (doc_ids,) * 2},
         )
-    if "dq_out" in accepted:  # a tree whose one pass can write a fresh dq itself (first stored, last converted)
-        variants["dq_written"] = {
-            "dq_out": torch.zeros(inputs["q"].shape, dtype=torch.bfloat16),
-            "dq_targets": torch.zeros(16, args.seq_len // 128, dtype=torch.int32),
-        }
     labels = []
     for label, changes in variants.items():
         before = len(compiled)

@@ -49,12 +49,6 @@ class BarWords:
     walk: int
 
 
-def chunks_per_block(bar_words: BarWords) -> Tensor:
-    """int32 ``[b·Hq, nb]``: for each row and query block, the chunks with a bar there (a nonzero word), each of
-    which the one pass's bars launch walks once over that block."""
-    return (bar_words.words != 0).any(-1).sum(1, dtype=torch.int32)
-
-
 def walk_length(chunk_rows: int, num_blocks: int, multiprocessors: int) -> int:
     """Query blocks per segment: the smallest power of two from :data:`MIN_WALK` to :data:`MAX_WALK` whose
     programs (``chunk_rows`` chunks, each cut into ⌈nb / walk⌉ segments) are at most

@@ -154,52 +154,6 @@ def _loader(
 
 
 @gluon.jit
-def _convert_slice(
-    dq_chunks,
-    first_chunk,
-    empty_bar,
-    offsets,
-    stride_gqn,
-    DQ,
-    conversion,
-    row,
-    qblock,
-    first_row,
-    layout: gl.constexpr,
-    CHUNK: gl.constexpr,
-    CHUNKS: gl.constexpr,
-    SLICES: gl.constexpr,
-    ROWS: gl.constexpr,
-):
-    """Adds one dq slice (chunks ``first_chunk`` … + CHUNKS of ``dq_chunks``, each [CHUNK, d] in shared memory,
-    ``offsets`` its first chunk's element offsets) into the zeroed fp32 DQ and frees the slice's buffer
-    (``empty_bar``); then takes a ticket, whose release waits for those adds, and the slice's last arrival reads
-    the sum and writes it in DQ_OUT's dtype, so no copy follows. Nobody waits for another program.
-    ``conversion`` = (DQ_OUT, TARGETS, CLAIMS, nb): TARGETS[row, qblock] contributions per slice; CLAIMS zeroed
-    int32 tickets per (row, slice). A slice with one contributor goes straight to DQ_OUT."""
-    DQ_OUT, TARGETS, CLAIMS, num_blocks = conversion
-    target = gl.load(TARGETS + row * num_blocks + qblock)
-    if target == 1:  # the only contributor: straight out
-        for c in range(CHUNKS):
-            rows = dq_chunks.index(first_chunk + c).load(layout)
-            gl.store(DQ_OUT + offsets + c * CHUNK * stride_gqn, rows.to(DQ_OUT.dtype.element_ty))
-        mbarrier.arrive(empty_bar, count=1)
-    else:
-        for c in range(CHUNKS):
-            rows = dq_chunks.index(first_chunk + c).load(layout)
-            gl.atomic_add(DQ + offsets + c * CHUNK * stride_gqn, rows, sem="relaxed")
-        mbarrier.arrive(empty_bar, count=1)
-        gl.thread_barrier()  # every writer thread's adds of the slice are issued before the ticket's release
-        slice_index = row.to(gl.int64) * (num_blocks * SLICES) + first_row // ROWS
-        ticket = gl.atomic_add(CLAIMS + slice_index, 1, sem="acq_rel", scope="gpu")
-        if ticket == target - 1:  # every other contribution is in
-            for c in range(CHUNKS):
-                chunk = offsets + c * CHUNK * stride_gqn
-                total = gl.load(DQ + chunk, cache_modifier=".cg")
-                gl.store(DQ_OUT + chunk, total.to(DQ_OUT.dtype.element_ty))
-
-
-@gluon.jit
 def _dq_writer(
     DQ,
     dq_strides,
@@ -207,7 +161,6 @@ def _dq_writer(
     dq_ready_bars,
     dq_empty_bars,
     key_lists,
-    conversion,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
@@ -215,11 +168,9 @@ def _dq_writer(
     WARPS: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     BARS: gl.constexpr,
-    CONVERT_DQ: gl.constexpr,
 ):
     """Drains each dq slice (``dq_chunks``: DQ_BUFFERS buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
-    (strides ``dq_strides`` = (batch, token, head)) by atomics, or with ``CONVERT_DQ`` by :func:`_convert_slice`;
-    idle without ``WRITE_DQ``."""
+    (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
     CHUNKS: gl.constexpr = ROWS // CHUNK
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
@@ -229,37 +180,17 @@ def _dq_writer(
     if WRITE_DQ:
         for member in range(key_lists[9], key_lists[10]):
             head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
-            head_offset = key_lists[6] * stride_gqb + head * stride_gqh
+            dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
                 qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
                 if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
                     slot = step % DQ_BUFFERS
                     mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
-                    offsets = head_offset + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
-                    if CONVERT_DQ:
-                        row = key_lists[6] * key_lists[8] + head
-                        _convert_slice(
-                            dq_chunks,
-                            slot * CHUNKS,
-                            dq_empty_bars.index(slot),
-                            offsets,
-                            stride_gqn,
-                            DQ,
-                            conversion,
-                            row,
-                            qblock,
-                            first_row,
-                            layout,
-                            CHUNK,
-                            CHUNKS,
-                            BLOCK // ROWS,
-                            ROWS,
-                        )
-                    else:
-                        for c in range(CHUNKS):
-                            rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
-                            gl.atomic_add(DQ + offsets + c * CHUNK * stride_gqn, rows, sem="relaxed")
-                        mbarrier.arrive(dq_empty_bars.index(slot), count=1)
+                    ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
+                    for c in range(CHUNKS):
+                        rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
+                        gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
+                    mbarrier.arrive(dq_empty_bars.index(slot), count=1)
                     step += 1
 
 
@@ -464,9 +395,6 @@ def one_pass_backward_kernel(
     DQ,
     DK,
     DV,
-    DQ_OUT,
-    DQ_TARGETS,
-    DQ_CLAIMS,
     KEY_PTR,
     KEY_QBLOCK,
     BOUNDS,
@@ -504,7 +432,6 @@ def one_pass_backward_kernel(
     DOCUMENTS: gl.constexpr,
     BARS: gl.constexpr,
     SHARED_DKV: gl.constexpr,
-    CONVERT_DQ: gl.constexpr,
 ):
     """Block tiles: grid (nb, Hkv · group_size / members, b), a program walking ``members`` query heads of its
     group (``SHARED_DKV``: fewer than the group, so the group's programs add their dk/dv with fp32 atomics);
@@ -637,7 +564,6 @@ def one_pass_backward_kernel(
                     dq_ready_bars,
                     dq_empty_bars,
                     key_lists,
-                    (DQ_OUT, DQ_TARGETS, DQ_CLAIMS, seq_len // BLOCK),
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
@@ -645,7 +571,6 @@ def one_pass_backward_kernel(
                     WRITER_WARPS,
                     WRITE_DQ,
                     BARS,
-                    CONVERT_DQ,
                 ),
             ),
         ],
@@ -683,8 +608,6 @@ def one_pass_backward(
     documents=None,
     bar_words: BarWords | None = None,
     list_steps: int = 1,
-    dq_out=None,
-    dq_targets=None,
 ) -> None:
     """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
     (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then, with ``bar_words``
@@ -693,10 +616,7 @@ def one_pass_backward(
     dv). Shapes and dtypes as in the module docstring, checked by the caller; dk and dv in k's dtype are written (dk =
     scale·dSᵀ·q, dv = Pᵀ·dO). ``dq`` None: dk and dv alone, without atomics (the deterministic mode, whose dq the
     query-major pass computes). ``documents``: (query_doc_ids, key_doc_ids) int32 ``[b, N]``, contiguous, or
-    None. ``list_steps``: the steps whose lists key_qblock holds (a ring's W), for their mean length.
-    ``dq_out`` (q's dtype, dq's shape and strides) with ``dq_targets`` int32 ``[b·Hq, nb]`` (each query block's
-    contributions: its listed key blocks, plus with ``bar_words`` its chunks with a bar there): dq is written there,
-    not added to, and the fp32 ``dq``, zeroed, is its scratch (:func:`_convert_slice`)."""
+    None. ``list_steps``: the steps whose lists key_qblock holds (a ring's W), for their mean length."""
     batch, length, heads, dim = q.shape
     group = heads // k.shape[2]
     members = group
@@ -715,18 +635,12 @@ def one_pass_backward(
         stats_descriptor(delta, QUERY_ROWS),
     )
     operands = (*descriptors, k, v, dq, dk, dv)
-    if dq_out is not None:  # a ticket per (row, 64-row slice), zeroed
-        claims = torch.zeros(batch * heads * length // QUERY_ROWS, dtype=torch.int32, device=q.device)
-        conversion = (dq_out, dq_targets, claims)
-    else:
-        conversion = (None, None, None)  # None: no kernel argument
     unused = key_ptr  # the other launch's lists
     block_lists = (key_ptr, key_qblock, unused, unused, unused, unused)
     grid = (length // BLOCK, k.shape[2] * (group // members), batch)
     _launch(
         grid,
         operands,
-        conversion,
         block_lists,
         (1, 1),
         key_ptr.stride()[:2],
@@ -741,32 +655,18 @@ def one_pass_backward(
         rows, num_chunks, num_blocks = bar_words.words.shape[:3]
         grid = (rows * -(-num_blocks // bar_words.walk) * num_chunks,)
         walking = (num_chunks, bar_words.walk)
-        _launch(
-            grid, operands, conversion, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, 1, bars=True
-        )
+        _launch(grid, operands, bar_lists, walking, (0, 0), q.shape, softmax_scale, False, None, 1, bars=True)
     if members < group and written:
         dk_out.copy_(dk)
         dv_out.copy_(dv)
 
 
 def _launch(
-    grid,
-    operands,
-    conversion,
-    lists,
-    walking,
-    key_strides,
-    q_shape,
-    softmax_scale,
-    causal_diag,
-    documents,
-    members,
-    bars=False,
+    grid, operands, lists, walking, key_strides, q_shape, softmax_scale, causal_diag, documents, members, bars=False
 ) -> None:
     """One launch of :func:`one_pass_backward_kernel`: ``operands`` = (q, dO, k, v, lse, delta descriptors, k,
-    v, dq, dk, dv), ``conversion`` = (DQ_OUT, DQ_TARGETS, DQ_CLAIMS) or Nones, ``lists`` = (KEY_PTR,
-    KEY_QBLOCK, BOUNDS, WORDS, COLUMN, COUNT), ``walking`` = (the bars' chunks per row, their walk), ``members``
-    the query heads a block-tile program walks."""
+    v, dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, BOUNDS, WORDS, COLUMN, COUNT), ``walking`` = (the bars'
+    chunks per row, their walk), ``members`` the query heads a block-tile program walks."""
     batch, length, heads, dim = q_shape
     *_, k, _, dq, dk, _ = operands
     group = heads // k.shape[2]
@@ -774,7 +674,6 @@ def _launch(
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
     one_pass_backward_kernel[grid](
         *operands,
-        *conversion,
         *lists,
         query_docs,
         key_docs,
@@ -803,6 +702,5 @@ def _launch(
         DOCUMENTS=documents is not None,
         BARS=bars,
         SHARED_DKV=not bars and members < group,
-        CONVERT_DQ=conversion[0] is not None,
         num_warps=MMA_WARPS,
     )

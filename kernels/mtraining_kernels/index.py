@@ -208,12 +208,6 @@ def block_lists_by_key(blk_ptr: Tensor, blk_col: Tensor, first: int, last: int) 
     return _csr_pointers(row_starts, tuple(blk_ptr.shape[:-1]) + (num_blocks,)), qblock[order]
 
 
-def listed_blocks(blk_ptr: Tensor) -> Tensor:
-    """int32 ``[b·Hq, nb]``: the key blocks each query block's row of one step's ``blk_ptr`` ``[b, Hq, nb+1]``
-    lists (its entries are sub-tile pairs, two per block)."""
-    return (torch.diff(blk_ptr.reshape(-1, blk_ptr.shape[-1]), dim=1) // 2).to(torch.int32)
-
-
 def _check_list_total(total: int) -> None:
     if total >= 2**31:
         raise ValueError(f"{total} list entries overflow int32 offsets; split the batch or heads")

@@ -38,8 +38,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
-from .bar_words import bar_words_by_column, chunks_per_block
-from .index import KeyLists, block_lists_by_key, listed_blocks
+from .bar_words import bar_words_by_column
+from .index import KeyLists, block_lists_by_key
 from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
 from .triton_bwd import (
@@ -517,8 +517,7 @@ def _step_gradients(
     tma = _copies_tiles(q, k, v, dout)
     one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
 
-    def one_pass_block_tiles(dq_sum, bar_words=None, dq_written=None, dq_targets=None) -> None:
-        # dq_sum None: dk and dv alone; dq_written: the fresh dq the pass writes, dq_sum then its fp32 scratch
+    def one_pass_block_tiles(dq_out, bar_words=None) -> None:  # dq_out None: dk and dv alone
         one_pass(
             q,
             k,
@@ -526,7 +525,7 @@ def _step_gradients(
             dout,
             lse,
             delta,
-            dq_sum,
+            dq_out,
             dk,
             dv,
             key_ptr,
@@ -536,8 +535,6 @@ def _step_gradients(
             documents=documents[:2] if document_flag["DOCUMENTS"] else None,
             bar_words=bar_words,
             list_steps=list_steps,
-            dq_out=dq_written,
-            dq_targets=dq_targets,
         )
 
     def query_major_pass(dq_out, fresh: bool) -> None:
@@ -580,21 +577,16 @@ def _step_gradients(
         )
 
     if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the block tiles, then
-        # the bars by column, each in one pass adding into dq; a fresh dq in q's dtype is written by the pass itself
-        # (each slice's contributions added into zeroed fp32 scratch, its last arrival converting it: no copy)
+        # the bars by column, each in one pass adding into dq
+        dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
+        if fresh_dq or dq_sum is not dq:
+            dq_sum.zero_()
         bar_words = None
         if bar_col.numel() and bar_width != 0:
             bar_words = bar_words_by_column(bar_ptr, bar_col, k.shape[1], bar_width, _multiprocessors(q.device))
-        if dq.dtype == ACCUMULATOR_DTYPE:
-            if fresh_dq:
-                dq.zero_()
-            one_pass_block_tiles(dq, bar_words)
-            return
-        targets = listed_blocks(blk_ptr)
-        if bar_words is not None:
-            targets += chunks_per_block(bar_words)
-        scratch = torch.zeros(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
-        one_pass_block_tiles(scratch, bar_words, dq_written=dq, dq_targets=targets)
+        one_pass_block_tiles(dq_sum, bar_words)
+        if dq_sum is not dq:
+            dq.copy_(dq_sum)
         return
     query_major_pass(dq, fresh=bool(fresh_dq))
     if one_pass is not None and deterministic:  # the block tiles' dk/dv in the one pass, without dq
