@@ -50,8 +50,8 @@ class Telemetry:
     looping ``nvidia-smi`` writing into a pipe may hold its samples in a buffer until it exits); then
     ``telemetry.summary`` is :func:`summarize`'s dict, empty where ``nvidia-smi`` is missing or printed nothing
     usable (``telemetry.note`` says why), and empty with no note for a block shorter than ``period_s``. A sample
-    taken as the block starts would report the GPU as the previous work left it (session 38: 1980 MHz before a
-    timing that ran at 1665), so a short block gets no clocks rather than those."""
+    taken as the block starts would report the GPU as the previous work left it (docs/benchmarks.md, session 38,
+    item 5), so a short block gets no clocks rather than those."""
 
     def __init__(self, device: int = 0, period_s: float = 0.25):
         self.summary: dict[str, float] = {}
