@@ -33,6 +33,7 @@ from mtraining_kernels.vertical_slash import full_index, mask_area
 HOST_MAX_LEN = 32768  # host time per call is measured up to this N; beyond, the GPU's time dwarfs it
 HOST_REPS = 7
 HOST_LEAD_MS = 50.0  # the GPU sleeps this long while the host launches one timed call
+OVER_BOTH_TIMINGS = ("sm_clock_min_mhz", "temperature_max_c")  # telemetry fields a row takes from both timings
 
 
 def relative_max_difference(results: list[torch.Tensor], first: list[torch.Tensor]) -> float:
@@ -121,7 +122,9 @@ def run_tree(args) -> None:
                 timings = fwd_bwd_timings(
                     lambda lead: measure(forward, backward, args.warmup, args.reps, lead), seq_len
                 )
-            row.update(telemetry.summary)  # over both timings; each timing's own clock and power replace its median
+            # over both timings, the lowest clock and the hottest; each timing's clock and power are its own (none for
+            # a timing shorter than the telemetry's period, rather than the other timing's)
+            row.update({name: telemetry.summary[name] for name in OVER_BOTH_TIMINGS if name in telemetry.summary})
             row.update(timings)
             if telemetry.note:
                 print(f"{args.tree} N={seq_len} {pattern}: {telemetry.note}", flush=True)
