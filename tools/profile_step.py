@@ -3,7 +3,9 @@
 Implementations, on the Qwen2.5-3B shape in bf16 with ``bench_attention.py``'s inputs:
 
 * ``ours`` — our Triton sparse attention on the ``--pattern`` (``vertical_slash``: the fixed-budget pattern at
-  ``--sparsity``; ``block_only``: a block-only pattern of the same mask area, ``flex_peer.block_only_pattern``);
+  ``--sparsity``; ``block_only``: a block-only pattern of the same mask area, ``flex_peer.block_only_pattern``;
+  ``block_band``: that area as consecutive block distances, ``flex_peer.block_band_pattern``, the same work with
+  the best L2 locality);
 * ``flex`` — compiled FlexAttention on the block-only BlockMask of that pattern (vertical-slash is not offered:
   Flex's partial blocks make it another kernel's profile);
 * ``cudnn`` — cuDNN's causal SDPA (dense, so at a quarter to a sixteenth of the sparse N for the same work).
@@ -22,7 +24,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from bench_attention import SHAPES, budget_pattern
-from flex_peer import block_only_block_mask, block_only_pattern, flex_fwd_bwd
+from flex_peer import block_band_pattern, block_only_block_mask, block_only_pattern, flex_fwd_bwd
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtraining_kernels import Layout, convert_index, sparse_attention
@@ -30,7 +32,7 @@ from mtraining_kernels.layout import BLOCK_SIZE
 from mtraining_kernels.vertical_slash import mask_area
 
 IMPLEMENTATIONS = ("ours", "flex", "cudnn")
-PATTERNS = ("vertical_slash", "block_only")
+PATTERNS = ("vertical_slash", "block_only", "block_band")
 
 
 def check_step_arguments(args: argparse.Namespace, count: str, tool: str) -> None:
@@ -40,8 +42,8 @@ def check_step_arguments(args: argparse.Namespace, count: str, tool: str) -> Non
         raise SystemExit(f"--seq-len {args.seq_len}: give a positive multiple of {BLOCK_SIZE}")
     if getattr(args, count) < 1:
         raise SystemExit(f"--{count} {getattr(args, count)}: give at least 1")
-    if args.impl == "flex" and args.pattern != "block_only":
-        raise SystemExit(f"--impl flex --pattern {args.pattern}: Flex runs on --pattern block_only only")
+    if args.impl == "flex" and args.pattern == "vertical_slash":
+        raise SystemExit(f"--impl flex --pattern {args.pattern}: Flex runs on the block patterns only")
     if not torch.cuda.is_available():
         raise SystemExit(f"{tool} needs a CUDA device")
 
@@ -53,6 +55,8 @@ def sparse_pattern(args, heads: int, device) -> tuple[torch.Tensor, torch.Tensor
     if args.pattern == "block_only":
         area = mask_area(v_idx, s_idx, args.seq_len)
         v_idx, s_idx = block_only_pattern(area, args.seq_len, torch.Generator().manual_seed(args.seed))
+    elif args.pattern == "block_band":
+        v_idx, s_idx = block_band_pattern(mask_area(v_idx, s_idx, args.seq_len), args.seq_len)
     return v_idx, s_idx
 
 
