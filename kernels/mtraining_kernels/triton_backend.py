@@ -578,9 +578,7 @@ def _step_gradients(
 
     if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the block tiles, then
         # the bars by column, each in one pass adding into dq
-        dq_sum = dq
-        if dq.dtype != ACCUMULATOR_DTYPE:  # head-major, so a slice's fp32 rows are one contiguous 32 KB span
-            dq_sum = torch.empty(batch, heads, query_len, dim, dtype=ACCUMULATOR_DTYPE, device=q.device).transpose(1, 2)
+        dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
         if fresh_dq or dq_sum is not dq:
             dq_sum.zero_()
         bar_words = None
