@@ -6,8 +6,8 @@ dO, and adds into dq's fp32 rows (128 KB in all). The model runs the programs in
 key blocks fastest) on ``--multiprocessors`` slots, one program per slot, every busy slot taking one step per tick,
 and counts the steps whose tile is among the ``--capacity`` tiles used last (LRU; an H100's 50 MB of L2 holds about
 390 such tiles). It prints the hit rate for each ``--heads-per-program`` M on the real lists of a pattern
-(``bench_attention``'s vertical-slash pattern at ``--sparsity``, a block-only pattern of the same area, or the dense
-mode's every causal block):
+(``bench_attention``'s vertical-slash pattern at ``--sparsity``, a block-only pattern of the same area, that area as
+consecutive block distances (``block_band``), or the dense mode's every causal block):
 
     python tools/l2_walk_model.py --pattern block_only --seq-len 131072 --heads-per-program 8 2
 
@@ -25,13 +25,13 @@ from collections.abc import Iterator
 
 import torch
 from bench_attention import budget_pattern
-from flex_peer import block_only_pattern
+from flex_peer import block_band_pattern, block_only_pattern
 
 from mtraining_kernels import Layout, convert_index
 from mtraining_kernels.layout import BLOCK_SIZE
 from mtraining_kernels.vertical_slash import full_index, mask_area
 
-PATTERNS = ("vertical_slash", "block_only", "dense")
+PATTERNS = ("vertical_slash", "block_only", "block_band", "dense")
 
 
 def hit_rate(walks: Iterator[list], slots: int, capacity: int) -> float:
@@ -89,6 +89,8 @@ def pattern_lists(pattern: str, seq_len: int, heads: int, sparsity: float, seed:
         v_idx, s_idx, _ = budget_pattern(1, heads, seq_len, sparsity, "cpu", generator)
         if pattern == "block_only":
             v_idx, s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, generator)
+        elif pattern == "block_band":
+            v_idx, s_idx = block_band_pattern(mask_area(v_idx, s_idx, seq_len), seq_len)
     key_lists = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).key_lists(0)
     return key_lists.ptr[0], key_lists.qblock
 
