@@ -57,6 +57,11 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 ACCUMULATOR_DTYPE = torch.float32  # the running out/lse, delta and the dq/dk/dv accumulators
 LOG2E = 1.4426950408889634
 ONE_PASS_TRITON = "3.6."  # the release gluon_bwd runs on (3.8 renamed gl.thread_barrier, for one)
+# Below this many listed query blocks per (key block, query head) in a step, on average, the default mode without
+# documents takes dq from the query-major pass (written, in q's dtype where fresh) and the block tiles' dk/dv from the
+# one pass without dq, as the deterministic mode does, rather than all three from the one pass adding into a
+# zero-filled fp32 dq that is then copied (DESIGN.md §2.6; docs/benchmarks.md, session 39).
+SHORT_LISTS = 12
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -576,8 +581,10 @@ def _step_gradients(
             **QUERY_MAJOR_CONFIG,
         )
 
-    if one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]:  # the block tiles, then
-        # the bars by column, each in one pass adding into dq
+    one_pass_dq = one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]
+    # shapes, so no host sync
+    short_lists = one_pass_dq and key_qblock.numel() < SHORT_LISTS * list_steps * batch * heads * num_blocks
+    if one_pass_dq and not short_lists:  # the block tiles, then the bars by column, each in one pass adding into dq
         dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
         if fresh_dq or dq_sum is not dq:
             dq_sum.zero_()
@@ -589,7 +596,7 @@ def _step_gradients(
             dq.copy_(dq_sum)
         return
     query_major_pass(dq, fresh=bool(fresh_dq))
-    if one_pass is not None and deterministic:  # the block tiles' dk/dv in the one pass, without dq
+    if one_pass is not None and (deterministic or short_lists):  # the block tiles' dk/dv in the one pass, no dq
         one_pass_block_tiles(None)
     else:  # the block tiles' dk/dv in the key-major pass
         query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]

@@ -524,15 +524,23 @@ def _bars_by_column(q, k, v, dout, lse, delta, dq, dk, dv, bar_words, softmax_sc
             dv[b, :, h // group].index_add_(0, cols, probs.T @ do_i)
 
 
+# triton_backend.SHORT_LISTS forcing each route of the default mode: never short, always short
+LIST_ROUTES = {"long_lists": 0, "short_lists": 10**9}
+
+
+@pytest.mark.parametrize("route", list(LIST_ROUTES))
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
-def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, deterministic):
+def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, deterministic, route):
     """Where the Hopper one pass applies (DESIGN.md §2.6), the backward hands it the block tiles with dq (default
-    mode), without dq (deterministic: the query-major pass keeps the blocks' dq), or not at all (default mode with
-    documents), and the passes around it complete the gradients: a PyTorch stand-in for the one pass, the
-    other passes interpreted, against the fp64 reference on a two-rank striped ring."""
+    mode, long lists), without dq (deterministic, or short lists: the query-major pass keeps the blocks' dq), or
+    not at all (default mode with documents), and the passes around it complete the gradients: a PyTorch
+    stand-in for the one pass, the other passes interpreted, against the fp64 reference on a two-rank striped
+    ring."""
     calls = []
     monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
+    monkeypatch.setattr(triton_backend, "SHORT_LISTS", LIST_ROUTES[route])
+    with_dq = not deterministic and route == "long_lists"
     generator = torch.Generator().manual_seed(seed)
     seq_len, heads, kv_heads, dim, dtype, layout = 512, 2, 1, 64, torch.float16, Layout("striped", 2)
     if packed:
@@ -549,15 +557,18 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
         ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, layout, deterministic=deterministic)
         ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
     expected = (
-        [] if packed and not deterministic else [{"dq": not deterministic, "documents": packed, "written": False}] * 4
+        []
+        if packed and not deterministic
+        else [{"dq": with_dq and not packed, "documents": packed, "written": False}] * 4
     )
     modes = [{key: call[key] for key in ("dq", "documents", "written")} for call in calls]
     assert modes == expected, f"one-pass calls {calls}, expected {expected} (W = 2: four backward steps)"
     with_bars = [call["bars"] for call in calls]
-    assert any(with_bars) == (not deterministic and not packed), f"bars by column in the one pass: {with_bars}"
+    assert any(with_bars) == (with_dq and not packed), f"bars by column in the one pass: {with_bars}"
     assert all(call["list_steps"] == 2 for call in calls), f"the lists span the ring's two steps: {calls}"
+    context = f"seed={seed} packed={packed} deterministic={deterministic} {route}"
     for name, a, r, lo in zip(NAMES, ours, ref, low):
-        assert_close_fa(name, a, r, lo, dtype, f"seed={seed} packed={packed} deterministic={deterministic}")
+        assert_close_fa(name, a, r, lo, dtype, context)
 
 
 @pytest.mark.parametrize(
@@ -590,14 +601,18 @@ def test_one_pass_programs_take_fewer_heads_only_where_a_steps_lists_are_long(
     assert gluon_bwd.heads_per_program(group, batch, heads, num_blocks, listed, steps) == expected
 
 
+@pytest.mark.parametrize("route", list(LIST_ROUTES))
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("bars", [False, True], ids=["no_bars", "bars"])
-def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, bars, deterministic):
+def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, bars, deterministic, route):
     """On one device dk and dv have a single step: where the one pass is their only contributor (no bars) it
-    writes them in k's dtype; with bars they are summed in fp32 and copied. A PyTorch stand-in for the one pass,
-    the other passes interpreted, against the fp64 reference."""
+    writes them in k's dtype; with bars they are summed in fp32 and copied. dq comes from the one pass only in
+    the default mode on long lists. A PyTorch stand-in for the one pass, the other passes interpreted, against
+    the fp64 reference."""
     calls = []
     monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
+    monkeypatch.setattr(triton_backend, "SHORT_LISTS", LIST_ROUTES[route])
+    with_dq = not deterministic and route == "long_lists"
     generator = torch.Generator().manual_seed(seed)
     seq_len, heads, kv_heads, dim, dtype = 512, 2, 1, 64, torch.float16
     s_idx = torch.tensor([[[0, 200], [0, 130]]], dtype=torch.int32)  # both heads: block distances 0-2, not 3
@@ -606,16 +621,10 @@ def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, b
     index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
     assert (index.bar_col.numel() > 0) == bars  # column 5 or 7 is a bar of query block 3
     out, dq, dk, dv = single_device_attention(q, k, v, dout, index, deterministic=deterministic)
-    expected = {
-        "dq": not deterministic,
-        "documents": False,
-        "written": not bars,
-        "bars": bars and not deterministic,
-        "list_steps": 1,
-    }
+    expected = {"dq": with_dq, "documents": False, "written": not bars, "bars": bars and with_dq, "list_steps": 1}
     assert calls == [expected], calls
     assert dk.dtype == dv.dtype == dtype
     ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
-    context = f"seed={seed} bars={bars} deterministic={deterministic}"
+    context = f"seed={seed} bars={bars} deterministic={deterministic} {route}"
     for name, a, r, lo in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref[:1] + ref[2:], low[:1] + low[2:]):
         assert_close_fa(name, a, r, lo, dtype, context)

@@ -181,6 +181,12 @@ def test_single_step_matches_reference(seed, monkeypatch, forced_programs, patte
             block_forward(*args, programs=forced_programs or programs, **kwargs)
 
         monkeypatch.setattr(gluon_fwd, "block_forward", counted)
+    _check_single_step(seed, pattern, batch, kv_heads, f"programs={forced_programs}")
+    assert len(launched) == (1 if hopper else 0), f"seed={seed} {pattern}: Gluon forward launches {launched}"
+
+
+def _check_single_step(seed, pattern, batch, kv_heads, note):
+    """``sparse_attention``'s fresh step (bf16, d = 128, N = 4096, 8 query heads) against the fp32 reference."""
     gen = torch.Generator().manual_seed(seed)
     seq_len, heads = 4096, 8
     v_idx, s_idx = make_index(batch, heads, seq_len, pattern, gen)
@@ -189,10 +195,34 @@ def test_single_step_matches_reference(seed, monkeypatch, forced_programs, patte
     ours = single_device_attention(q, k, v, dout, index)
     ref = reference_attention(q, k, v, dout, v_idx, s_idx, torch.float32)
     low = reference_attention(q, k, v, dout, v_idx, s_idx, torch.bfloat16)
-    context = f"seed={seed} b={batch} Hkv={kv_heads} {pattern} programs={forced_programs}"
+    context = f"seed={seed} b={batch} Hkv={kv_heads} {pattern} {note}"
     for name, a, r, lo in zip(("out", "dq", "dk", "dv"), ours, (ref[0], *ref[2:]), (low[0], *low[2:])):
         assert_close_fa(name, a, r, lo, torch.bfloat16, context)
-    assert len(launched) == (1 if hopper else 0), f"{context}: Gluon forward launches {launched}"
+
+
+@pytest.mark.parametrize("short_lists", [0, 10**9], ids=["long_lists", "short_lists"])  # SHORT_LISTS: never, always
+@pytest.mark.parametrize(
+    "layout, kv_heads, pattern",
+    [
+        (Layout("contiguous", 1), 2, "mixed"),
+        (Layout("contiguous", 1), 1, "bars"),
+        (Layout("contiguous", 1), 2, "full"),
+        (Layout("striped", 2), 2, "slashes"),  # a ring's steps add into fp32 dq, dk, dv
+        (Layout("striped", 2), 1, "bars"),
+    ],
+    ids=lambda value: f"{value.kind}-W{value.world_size}" if isinstance(value, Layout) else None,
+)
+def test_default_backward_routes_match_reference(seed, monkeypatch, short_lists, layout, kv_heads, pattern):
+    """The default mode's two routes on Hopper (DESIGN.md §2.6), each forced whatever the lists' length: dq, dk and
+    dv from the one pass (long lists), or dq from the query-major pass and the block tiles' dk/dv from the one pass
+    without dq (short lists); on one device through ``sparse_attention``'s fresh step, and in a W = 2 ring."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the one-pass backward runs on Hopper only")
+    monkeypatch.setattr(triton_backend, "SHORT_LISTS", short_lists)
+    if layout.world_size == 1:
+        _check_single_step(seed, pattern, 1, kv_heads, f"SHORT_LISTS={short_lists}")
+    else:
+        _check_against_reference(seed, layout, 4096, 8, kv_heads, 128, torch.bfloat16, pattern, False)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
