@@ -524,8 +524,13 @@ def _bars_by_column(q, k, v, dout, lse, delta, dq, dk, dv, bar_words, softmax_sc
             dv[b, :, h // group].index_add_(0, cols, probs.T @ do_i)
 
 
-# triton_backend.SHORT_LISTS forcing each route of the default mode: never short, always short
+# the limits of triton_backend's short lists forcing each route of the default mode: never short, always short
 LIST_ROUTES = {"long_lists": 0, "short_lists": 10**9}
+
+
+def _force_list_route(monkeypatch, route: str) -> None:
+    for name in ("SHORT_LISTS", "SHORT_LISTS_WITH_BARS"):
+        monkeypatch.setattr(triton_backend, name, LIST_ROUTES[route])
 
 
 @pytest.mark.parametrize("route", list(LIST_ROUTES))
@@ -539,7 +544,7 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
     ring."""
     calls = []
     monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
-    monkeypatch.setattr(triton_backend, "SHORT_LISTS", LIST_ROUTES[route])
+    _force_list_route(monkeypatch, route)
     with_dq = not deterministic and route == "long_lists"
     generator = torch.Generator().manual_seed(seed)
     seq_len, heads, kv_heads, dim, dtype, layout = 512, 2, 1, 64, torch.float16, Layout("striped", 2)
@@ -611,7 +616,7 @@ def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, b
     the fp64 reference."""
     calls = []
     monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
-    monkeypatch.setattr(triton_backend, "SHORT_LISTS", LIST_ROUTES[route])
+    _force_list_route(monkeypatch, route)
     with_dq = not deterministic and route == "long_lists"
     generator = torch.Generator().manual_seed(seed)
     seq_len, heads, kv_heads, dim, dtype = 512, 2, 1, 64, torch.float16

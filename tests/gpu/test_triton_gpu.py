@@ -200,7 +200,7 @@ def _check_single_step(seed, pattern, batch, kv_heads, note):
         assert_close_fa(name, a, r, lo, torch.bfloat16, context)
 
 
-@pytest.mark.parametrize("short_lists", [0, 10**9], ids=["long_lists", "short_lists"])  # SHORT_LISTS: never, always
+@pytest.mark.parametrize("short_lists", [0, 10**9], ids=["long_lists", "short_lists"])  # the limits: never, always
 @pytest.mark.parametrize(
     "layout, kv_heads, pattern",
     [
@@ -218,9 +218,10 @@ def test_default_backward_routes_match_reference(seed, monkeypatch, short_lists,
     without dq (short lists); on one device through ``sparse_attention``'s fresh step, and in a W = 2 ring."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the one-pass backward runs on Hopper only")
-    monkeypatch.setattr(triton_backend, "SHORT_LISTS", short_lists)
+    for name in ("SHORT_LISTS", "SHORT_LISTS_WITH_BARS"):
+        monkeypatch.setattr(triton_backend, name, short_lists)
     if layout.world_size == 1:
-        _check_single_step(seed, pattern, 1, kv_heads, f"SHORT_LISTS={short_lists}")
+        _check_single_step(seed, pattern, 1, kv_heads, f"short lists below {short_lists}")
     else:
         _check_against_reference(seed, layout, 4096, 8, kv_heads, 128, torch.bfloat16, pattern, False)
 
