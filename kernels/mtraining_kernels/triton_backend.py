@@ -60,8 +60,9 @@ ONE_PASS_TRITON = "3.6."  # the release gluon_bwd runs on (3.8 renamed gl.thread
 # Below this many listed query blocks per (key block, query head) in a step, on average, the default mode without
 # documents takes dq from the query-major pass (written, in q's dtype where fresh) and the block tiles' dk/dv from the
 # one pass without dq, as the deterministic mode does, rather than all three from the one pass adding into a
-# zero-filled fp32 dq that is then copied. With bars in the step the query-major pass also takes them from the bars
-# by column, which pays on shorter lists only (DESIGN.md §2.6; docs/benchmarks.md, session 39).
+# zero-filled fp32 dq that is then copied. With bars in the step the query-major pass also takes over the bars, whose
+# pointer gathers lose to the one pass's launch by column, so the route pays on shorter lists only (DESIGN.md §2.6;
+# docs/benchmarks.md, session 39).
 SHORT_LISTS = 16
 SHORT_LISTS_WITH_BARS = 7
 
@@ -584,8 +585,8 @@ def _step_gradients(
         )
 
     one_pass_dq = one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]
-    short = SHORT_LISTS_WITH_BARS if bar_col.numel() else SHORT_LISTS  # shapes, so no host sync
-    short_lists = one_pass_dq and key_qblock.numel() < short * list_steps * batch * heads * num_blocks
+    short_limit = SHORT_LISTS_WITH_BARS if bar_col.numel() else SHORT_LISTS  # shapes, so no host sync
+    short_lists = one_pass_dq and key_qblock.numel() < short_limit * list_steps * batch * heads * num_blocks
     if one_pass_dq and not short_lists:  # the block tiles, then the bars by column, each in one pass adding into dq
         dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
         if fresh_dq or dq_sum is not dq:
