@@ -48,6 +48,19 @@ def make_index(batch: int, heads: int, seq_len: int, pattern: str, generator: to
     raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
 
 
+# triton_backend's short-list limits that force each route of the default backward: never short, always short
+LIST_ROUTES = {"long_lists": 0, "short_lists": 10**9}
+
+
+def force_list_route(monkeypatch, route: str) -> None:
+    """Make the Triton backend's default backward take ``route`` (a key of :data:`LIST_ROUTES`) whatever the lists'
+    length, with bars or without (DESIGN.md §2.6)."""
+    from mtraining_kernels import triton_backend  # here: the modules without Triton import this one too
+
+    for name in ("SHORT_LISTS", "SHORT_LISTS_WITH_BARS"):
+        monkeypatch.setattr(triton_backend, name, LIST_ROUTES[route])
+
+
 def make_qkv_dout(batch, seq_len, heads, kv_heads, dim, dtype, device, generator):
     def draw(h):
         return torch.randn(batch, seq_len, h, dim, generator=generator).to(device=device, dtype=dtype)

@@ -28,7 +28,9 @@ from document_cases import (
     random_lengths,
 )
 from triton_cases import (
+    LIST_ROUTES,
     assert_close_fa,
+    force_list_route,
     make_index,
     make_qkv_dout,
     off_alignment,
@@ -524,15 +526,6 @@ def _bars_by_column(q, k, v, dout, lse, delta, dq, dk, dv, bar_words, softmax_sc
             dv[b, :, h // group].index_add_(0, cols, probs.T @ do_i)
 
 
-# the limits of triton_backend's short lists forcing each route of the default mode: never short, always short
-LIST_ROUTES = {"long_lists": 0, "short_lists": 10**9}
-
-
-def _force_list_route(monkeypatch, route: str) -> None:
-    for name in ("SHORT_LISTS", "SHORT_LISTS_WITH_BARS"):
-        monkeypatch.setattr(triton_backend, name, LIST_ROUTES[route])
-
-
 @pytest.mark.parametrize("route", list(LIST_ROUTES))
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
@@ -544,7 +537,7 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
     ring."""
     calls = []
     monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
-    _force_list_route(monkeypatch, route)
+    force_list_route(monkeypatch, route)
     with_dq = not deterministic and route == "long_lists"
     generator = torch.Generator().manual_seed(seed)
     seq_len, heads, kv_heads, dim, dtype, layout = 512, 2, 1, 64, torch.float16, Layout("striped", 2)
@@ -561,11 +554,7 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
         q, k, v, dout = make_qkv_dout(1, seq_len, heads, kv_heads, dim, dtype, "cpu", generator)
         ours = ring_attention(triton_backend, q, k, v, dout, v_idx, s_idx, layout, deterministic=deterministic)
         ref, low = (reference_attention(q, k, v, dout, v_idx, s_idx, t) for t in (torch.float64, dtype))
-    expected = (
-        []
-        if packed and not deterministic
-        else [{"dq": with_dq and not packed, "documents": packed, "written": False}] * 4
-    )
+    expected = [] if packed and not deterministic else [{"dq": with_dq, "documents": packed, "written": False}] * 4
     modes = [{key: call[key] for key in ("dq", "documents", "written")} for call in calls]
     assert modes == expected, f"one-pass calls {calls}, expected {expected} (W = 2: four backward steps)"
     with_bars = [call["bars"] for call in calls]
@@ -616,7 +605,7 @@ def test_one_device_dk_dv_are_written_by_the_one_pass_alone(seed, monkeypatch, b
     the fp64 reference."""
     calls = []
     monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
-    _force_list_route(monkeypatch, route)
+    force_list_route(monkeypatch, route)
     with_dq = not deterministic and route == "long_lists"
     generator = torch.Generator().manual_seed(seed)
     seq_len, heads, kv_heads, dim, dtype = 512, 2, 1, 64, torch.float16

@@ -11,7 +11,9 @@ import pytest
 import torch
 from document_cases import packed_index_with_cross_document_bars
 from triton_cases import (
+    LIST_ROUTES,
     assert_close_fa,
+    force_list_route,
     make_index,
     make_qkv_dout,
     off_alignment,
@@ -200,7 +202,7 @@ def _check_single_step(seed, pattern, batch, kv_heads, note):
         assert_close_fa(name, a, r, lo, torch.bfloat16, context)
 
 
-@pytest.mark.parametrize("short_lists", [0, 10**9], ids=["long_lists", "short_lists"])  # the limits: never, always
+@pytest.mark.parametrize("route", list(LIST_ROUTES))
 @pytest.mark.parametrize(
     "layout, kv_heads, pattern",
     [
@@ -212,16 +214,15 @@ def _check_single_step(seed, pattern, batch, kv_heads, note):
     ],
     ids=lambda value: f"{value.kind}-W{value.world_size}" if isinstance(value, Layout) else None,
 )
-def test_default_backward_routes_match_reference(seed, monkeypatch, short_lists, layout, kv_heads, pattern):
+def test_default_backward_routes_match_reference(seed, monkeypatch, route, layout, kv_heads, pattern):
     """The default mode's two routes on Hopper (DESIGN.md §2.6), each forced whatever the lists' length: dq, dk and
     dv from the one pass (long lists), or dq from the query-major pass and the block tiles' dk/dv from the one pass
     without dq (short lists); on one device through ``sparse_attention``'s fresh step, and in a W = 2 ring."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the one-pass backward runs on Hopper only")
-    for name in ("SHORT_LISTS", "SHORT_LISTS_WITH_BARS"):
-        monkeypatch.setattr(triton_backend, name, short_lists)
+    force_list_route(monkeypatch, route)
     if layout.world_size == 1:
-        _check_single_step(seed, pattern, 1, kv_heads, f"short lists below {short_lists}")
+        _check_single_step(seed, pattern, 1, kv_heads, route)
     else:
         _check_against_reference(seed, layout, 4096, 8, kv_heads, 128, torch.bfloat16, pattern, False)
 
