@@ -247,7 +247,7 @@ def _mma_partition(
     # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
     # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
     # budget (a whole [64, 128] dq tile spills).
-    DQ_COLUMNS: gl.constexpr = HEAD_DIM
+    DQ_COLUMNS: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK // 2, 16]
     )
