@@ -6,11 +6,14 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
   dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
-  in parts of 64 columns, into one shared buffer (rows padded against bank conflicts);
+  in parts of 64 columns, into one shared fp32 slice (128-byte swizzled, as the writer's reduce reads it);
 * the loader (1 warp) — the slices' q and dO, and their rows' lse and delta, by tensor-memory copies, three
   stages ahead (so the MMA warps read lse and delta from shared memory, not from global memory right before
   their first use);
-* the dq writer (2 warps) — adds each dq slice into the fp32 dq with vector atomics.
+* the dq writer (1 warp) — adds each dq slice into the fp32 dq by one tensor-memory reduce
+  (``cp.reduce.async.bulk.tensor``, add), so the adds pass neither the writer's registers nor the L1's atomic
+  path (at 512K, where the GPU runs at its power limit, the block-only backward took 6–10 % less time than with
+  two warps of vector atomics; docs/benchmarks.md, session 40).
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
 ``triton_bwd`` (whose query-major pass recomputes S and dP). In the default mode a second launch (``BARS``)
@@ -33,7 +36,8 @@ that gains.
 
 Inputs: q, dO ``[b, N, Hq, d]`` and k, v ``[b, N, Hkv, d]`` contiguous bf16/fp16
 (read as the 2-D views ``[b·N, H·d]``), d = 128 (the backend's condition: d = 64 is correct but slower
-than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta contiguous fp32 ``[b, Hq, N]``; dq fp32;
+than the two passes, docs/benchmarks.md, kernels v2 step 8); lse, delta contiguous fp32 ``[b, Hq, N]``; dq
+contiguous 16-byte-aligned fp32 (the reduces' tensor descriptor);
 dk, dv fp32 accumulators, or in k's dtype where the pass is their only contributor (written, not added to).
 Written in the Gluon API of Triton 3.6.
 """
@@ -41,8 +45,10 @@ Written in the Gluon API of Triton 3.6.
 from __future__ import annotations
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -51,17 +57,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import gluon_descriptors
 from .bar_words import BarWords
-from .gluon_descriptors import rows_descriptor, stats_descriptor
+from .gluon_descriptors import dq_descriptor, rows_descriptor, stats_descriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK = 128  # keys per program: one block of the lists
 QUERY_ROWS = 64  # query rows per slice
 STAGES = 3  # q/dO slices in flight
 DQ_BUFFERS = gl.constexpr(1)  # dq slices in shared memory
-DQ_CHUNK = 2  # dq rows per atomic instruction of the writer
-DQ_PAD = 8  # fp32 padding after each dq row in shared memory
-WRITER_WARPS = 2
+DQ_SLICE_LAYOUT = gl.constexpr(gluon_descriptors.DQ_SLICE_LAYOUT)  # as the writer's reduce reads them
+WRITER_WARPS = 1
 MMA_WARPS = 8
 # (query heads a default-mode program walks, listed query blocks per (key block, query head) in a step, on average,
 # from which it does so), the first that holds
@@ -153,43 +159,44 @@ def _loader(
                 step += 1
 
 
+@builtin
+def _reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
+    """global[the descriptor's box at ``coord``] += shared ``src``, by one tensor-memory reduce
+    (cp.reduce.async.bulk.tensor, add); it completes as a tensor-memory store does (``tma.store_wait``). Triton
+    3.6's Gluon has no public call for it, so this one goes to the builder's op, as ``tma``'s own calls do."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
 def _dq_writer(
-    DQ,
-    dq_strides,
-    dq_chunks,
+    dq_desc,
+    dq_slices,
     dq_ready_bars,
     dq_empty_bars,
     key_lists,
+    seq_len,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
-    CHUNK: gl.constexpr,
-    WARPS: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     BARS: gl.constexpr,
 ):
-    """Drains each dq slice (``dq_chunks``: DQ_BUFFERS buffers of ROWS // CHUNK chunks [CHUNK, HEAD_DIM]) into DQ
-    (strides ``dq_strides`` = (batch, token, head)); idle without ``WRITE_DQ``."""
-    CHUNKS: gl.constexpr = ROWS // CHUNK
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
-    offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    stride_gqb, stride_gqn, stride_gqh = dq_strides
+    """Adds each dq slice (``dq_slices``: DQ_BUFFERS buffers [ROWS, HEAD_DIM]) into the fp32 dq of ``dq_desc``
+    (``[b·N, Hq·d]``) by a tensor-memory reduce, and frees the buffer once the reduce has read it; idle without
+    ``WRITE_DQ``."""
     step = 0
     if WRITE_DQ:
         for member in range(key_lists[9], key_lists[10]):
             head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
-            dq_head = DQ + key_lists[6] * stride_gqb + head * stride_gqh
             for s in range(start, end):
                 qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
                 if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
                     slot = step % DQ_BUFFERS
                     mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
-                    ptrs = dq_head + (first_row + offs_r).to(gl.int64)[:, None] * stride_gqn + offs_d[None, :]
-                    for c in range(CHUNKS):
-                        rows = dq_chunks.index(slot * CHUNKS + c).load(layout)
-                        gl.atomic_add(ptrs + c * CHUNK * stride_gqn, rows, sem="relaxed")
+                    coords = [key_lists[6] * seq_len + first_row, head * HEAD_DIM]
+                    _reduce_add_shared_to_global(dq_desc, coords, dq_slices.index(slot))
+                    tma.store_wait(0)
                     mbarrier.arrive(dq_empty_bars.index(slot), count=1)
                     step += 1
 
@@ -229,18 +236,17 @@ def _mma_partition(
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
-    PAD: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
     BARS: gl.constexpr,
     SHARED_DKV: gl.constexpr,
 ):
-    """``smem`` = (k, v, q stages, dO stages, P/dS, dq chunks, lse stages, delta stages); ``bars`` = (k/v,
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq slices, lse stages, delta stages); ``bars`` = (k/v,
     ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``bar_keys`` as in
     :func:`_gather_bar_keys`, read only with ``BARS``; ``documents`` = (QUERY_DOCS, KEY_DOCS, stride_docb), read
     only with ``DOCUMENTS``."""
-    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs = smem
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
@@ -258,8 +264,6 @@ def _mma_partition(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     dtype: gl.constexpr = k_smem.dtype
-    rows_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [ROWS, HEAD_DIM], [1, 0])
-    dq_slices = dq_chunks._reinterpret(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], rows_layout)
 
     k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -351,6 +355,7 @@ def _mma_partition(
                         )
                         dq = warpgroup_mma_wait(0, deps=[dq_tok])
                         dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
+                    fence_async_shared()  # the writer's tensor-memory reduce reads the slice
                     gl.thread_barrier()
                     mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
                 step += 1
@@ -392,7 +397,7 @@ def one_pass_backward_kernel(
     delta_desc,
     K,
     V,
-    DQ,
+    dq_desc,
     DK,
     DV,
     KEY_PTR,
@@ -409,9 +414,6 @@ def one_pass_backward_kernel(
     walk,
     stride_kpb,
     stride_kph,
-    stride_gqb,
-    stride_gqn,
-    stride_gqh,
     stride_gkb,
     stride_gkn,
     stride_gkh,
@@ -424,8 +426,6 @@ def one_pass_backward_kernel(
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
-    CHUNK: gl.constexpr,
-    PAD: gl.constexpr,
     WRITER_WARPS: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
@@ -447,8 +447,7 @@ def one_pass_backward_kernel(
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
-    chunk_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[HEAD_DIM, PAD]], [CHUNK, HEAD_DIM], [1, 0])
-    dq_chunks = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * ROWS // CHUNK, CHUNK, HEAD_DIM], chunk_layout)
+    dq_slices = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], DQ_SLICE_LAYOUT)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -511,7 +510,7 @@ def one_pass_backward_kernel(
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_chunks, lse_bufs, delta_bufs),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     DK,
                     DV,
@@ -525,7 +524,6 @@ def one_pass_backward_kernel(
                     BLOCK,
                     ROWS,
                     STAGES,
-                    PAD,
                     CAUSAL_DIAG,
                     WRITE_DQ,
                     DOCUMENTS,
@@ -558,17 +556,15 @@ def one_pass_backward_kernel(
             (
                 _dq_writer,
                 (
-                    DQ,
-                    (stride_gqb, stride_gqn, stride_gqh),
-                    dq_chunks,
+                    dq_desc,
+                    dq_slices,
                     dq_ready_bars,
                     dq_empty_bars,
                     key_lists,
+                    seq_len,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
-                    CHUNK,
-                    WRITER_WARPS,
                     WRITE_DQ,
                     BARS,
                 ),
@@ -609,8 +605,8 @@ def one_pass_backward(
     bar_words: BarWords | None = None,
     list_steps: int = 1,
 ) -> None:
-    """dq += scale·dS·k (atomics), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the key-major lists
-    (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then, with ``bar_words``
+    """dq += scale·dS·k (tensor-memory reduces), dk += scale·dSᵀ·q, dv += Pᵀ·dO over the block tiles of the
+    key-major lists (``key_ptr`` int32 ``[b, Hq, nb+1]``, ``key_qblock``; one launch), then, with ``bar_words``
     (:class:`~mtraining_kernels.bar_words.BarWords` of this step), over the bars by column (a second launch, one
     program per (row, segment, chunk), dk/dv added with atomics as other programs share their rows; fp32 dq, dk,
     dv). Shapes and dtypes as in the module docstring, checked by the caller; dk and dv in k's dtype are written (dk =
@@ -634,7 +630,8 @@ def one_pass_backward(
         stats_descriptor(lse, QUERY_ROWS),
         stats_descriptor(delta, QUERY_ROWS),
     )
-    operands = (*descriptors, k, v, dq, dk, dv)
+    dq_desc = dq_descriptor(dq, QUERY_ROWS) if dq is not None else None  # None: no kernel argument
+    operands = (*descriptors, k, v, dq_desc, dk, dv)
     unused = key_ptr  # the other launch's lists
     block_lists = (key_ptr, key_qblock, unused, unused, unused, unused)
     grid = (length // BLOCK, k.shape[2] * (group // members), batch)
@@ -668,9 +665,8 @@ def _launch(
     v, dq, dk, dv), ``lists`` = (KEY_PTR, KEY_QBLOCK, BOUNDS, WORDS, COLUMN, COUNT), ``walking`` = (the bars'
     chunks per row, their walk), ``members`` the query heads a block-tile program walks."""
     batch, length, heads, dim = q_shape
-    *_, k, _, dq, dk, _ = operands
+    *_, k, _, dq_desc, dk, _ = operands
     group = heads // k.shape[2]
-    dq_strides = dq.stride()[:3] if dq is not None else (None, None, None)  # None: no kernel argument
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
     one_pass_backward_kernel[grid](
         *operands,
@@ -681,7 +677,6 @@ def _launch(
         length,
         *walking,
         *key_strides,
-        *dq_strides,
         dk.stride(0),
         dk.stride(1),
         dk.stride(2),
@@ -694,11 +689,9 @@ def _launch(
         BLOCK=BLOCK,
         ROWS=QUERY_ROWS,
         STAGES=STAGES,
-        CHUNK=DQ_CHUNK,
-        PAD=DQ_PAD,
         WRITER_WARPS=WRITER_WARPS,
         CAUSAL_DIAG=bool(causal_diag),
-        WRITE_DQ=dq is not None,
+        WRITE_DQ=dq_desc is not None,
         DOCUMENTS=documents is not None,
         BARS=bars,
         SHARED_DKV=not bars and members < group,

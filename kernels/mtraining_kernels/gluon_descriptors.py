@@ -17,6 +17,13 @@ def rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     )
 
 
+def dq_descriptor(dq: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Descriptor of contiguous fp32 ``[b, N, Hq, d]`` ``dq`` as ``[b·N, Hq·d]``, reducing ``[rows, d]`` slices
+    into it from shared memory laid out as :data:`DQ_SLICE_LAYOUT`."""
+    batch, length, heads, dim = dq.shape
+    return TensorDescriptor.from_tensor(dq.view(batch * length, heads * dim), [rows, dim], DQ_SLICE_LAYOUT)
+
+
 def stats_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of contiguous fp32 ``[b, Hq, N]`` row statistics ``t`` as ``[b·Hq, N]``, copying ``[1, rows]``."""
     batch, heads, length = t.shape
@@ -32,3 +39,4 @@ def _tile_layout(rows: int, dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayou
 
 
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+DQ_SLICE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)  # fp32 dq slices

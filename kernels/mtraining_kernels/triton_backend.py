@@ -588,15 +588,19 @@ def _step_gradients(
     short_limit = SHORT_LISTS_WITH_BARS if bar_col.numel() else SHORT_LISTS  # shapes, so no host sync
     short_lists = one_pass_dq and key_qblock.numel() < short_limit * list_steps * batch * heads * num_blocks
     if one_pass_dq and not short_lists:  # the block tiles, then the bars by column, each in one pass adding into dq
-        dq_sum = dq if dq.dtype == ACCUMULATOR_DTYPE else torch.empty(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
-        if fresh_dq or dq_sum is not dq:
+        dq_sum = dq  # the one pass reduces into an fp32 dq through a tensor descriptor: 16-byte-aligned start
+        if dq.dtype != ACCUMULATOR_DTYPE or dq.data_ptr() % 16 != 0:
+            dq_sum = torch.zeros(q.shape, dtype=ACCUMULATOR_DTYPE, device=q.device)
+        elif fresh_dq:
             dq_sum.zero_()
         bar_words = None
         if bar_col.numel() and bar_width != 0:
             bar_words = bar_words_by_column(bar_ptr, bar_col, k.shape[1], bar_width, _multiprocessors(q.device))
         one_pass_block_tiles(dq_sum, bar_words)
-        if dq_sum is not dq:
+        if dq_sum is not dq and fresh_dq:
             dq.copy_(dq_sum)
+        elif dq_sum is not dq:
+            dq.add_(dq_sum)
         return
     query_major_pass(dq, fresh=bool(fresh_dq))
     if one_pass is not None and (deterministic or short_lists):  # the block tiles' dk/dv in the one pass, no dq

@@ -464,6 +464,8 @@ def _one_pass_stand_in(calls: list):
             }
         )
         assert not (written and bar_words is not None), "the bars add into dk/dv: they must be fp32"
+        if dq is not None:  # the Gluon pass reduces into dq through a tensor descriptor
+            assert dq.dtype == torch.float32 and dq.is_contiguous() and dq.data_ptr() % 16 == 0, "dq: fp32, aligned"
         dk_sum, dv_sum = (torch.zeros(t.shape) for t in (dk, dv)) if written else (dk, dv)
         batch, _, heads, _ = q.shape
         group = heads // k.shape[2]
@@ -563,6 +565,39 @@ def test_the_backward_composes_the_one_pass_by_mode(seed, monkeypatch, packed, d
     context = f"seed={seed} packed={packed} deterministic={deterministic} {route}"
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert_close_fa(name, a, r, lo, dtype, context)
+
+
+def test_a_dq_accumulator_off_the_reduces_alignment_is_summed_apart(seed, monkeypatch):
+    """The one pass adds dq by tensor-memory reduces, whose descriptor needs a 16-byte-aligned start: for an fp32
+    dq accumulator that starts elsewhere the backend hands it a zeroed sum and adds that into the accumulator,
+    which then holds what an aligned one would (the one pass a PyTorch stand-in, the other passes interpreted)."""
+    calls = []
+    monkeypatch.setattr(triton_backend, "_one_pass_backward", lambda *tensors: _one_pass_stand_in(calls))
+    force_list_route(monkeypatch, "long_lists")
+    generator = torch.Generator().manual_seed(seed)
+    seq_len, heads, kv_heads, dim, dtype = 512, 2, 1, 64, torch.float16
+    v_idx, s_idx = make_index(1, heads, seq_len, "bars", generator)
+    q, k, v, dout = make_qkv_dout(1, seq_len, heads, kv_heads, dim, dtype, "cpu", generator)
+    index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
+    lists = (index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col)
+    scale = dim**-0.5
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32)
+    lse = torch.full((1, heads, seq_len), float("-inf"))
+    triton_backend.block_bar_forward(q, k, v, *lists, out, lse, causal_diag=True, softmax_scale=scale)
+    delta = (out * dout.float()).sum(-1).transpose(1, 2).contiguous()
+    earlier = torch.randn(q.shape, generator=generator)  # what earlier steps added
+    aligned = earlier.clone()
+    misaligned = torch.zeros(earlier.numel() + 1)[1:].view(earlier.shape)  # starts 4 bytes into its storage
+    misaligned.copy_(earlier)
+    assert misaligned.is_contiguous() and misaligned.data_ptr() % 16 != 0
+    for dq in (aligned, misaligned):
+        dk, dv = (torch.zeros(t.shape) for t in (k, v))
+        triton_backend.block_bar_backward(
+            q, k, v, dout, lse, delta, *lists, dq, dk, dv, causal_diag=True, softmax_scale=scale
+        )
+    assert [call["dq"] for call in calls] == [True, True], calls
+    assert not torch.allclose(aligned, earlier), "the step added nothing into dq"
+    torch.testing.assert_close(misaligned, aligned, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
