@@ -54,7 +54,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -222,18 +221,6 @@ def _gather_bar_keys(k_smem, v_smem, bar_keys, sample, HEAD_DIM: gl.constexpr, B
 
 
 @gluon.jit
-def _issue_scores(q_s, do_s, k_smem, v_smem, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK: gl.constexpr):
-    """S = q·kᵀ and dP = dO·vᵀ of one slice, issued on the tensor cores (async; wait S first, then dP)."""
-    s_tok = warpgroup_mma(
-        q_s, k_smem.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_layout), use_acc=False, is_async=True
-    )
-    dp_tok = warpgroup_mma(
-        do_s, v_smem.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_layout), use_acc=False, is_async=True
-    )
-    return s_tok, dp_tok
-
-
-@gluon.jit
 def _mma_partition(
     smem,
     bars,
@@ -291,19 +278,6 @@ def _mma_partition(
     else:
         mbarrier.wait(kv_bar, 0)
     slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
-    # block tiles: every slice is live, so the next slice's S and dP go to the tensor cores behind this slice's
-    # dK and dQ products (issued while the warps store dQ and wait), the first slice's here
-    LOOK_AHEAD: gl.constexpr = not BARS
-    total = 0
-    s_tok = warpgroup_mma_init(gl.zeros([ROWS, BLOCK], gl.float32, s_layout))  # carried from slice to slice
-    dp_tok = warpgroup_mma_init(gl.zeros([ROWS, BLOCK], gl.float32, s_layout))
-    if LOOK_AHEAD:
-        for member in range(key_lists[9], key_lists[10]):
-            _, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
-            total += end - start
-        if total > 0:
-            mbarrier.wait(ready_bars.index(0), 0)
-        s_tok, dp_tok = _issue_scores(q_bufs.index(0), do_bufs.index(0), k_smem, v_smem, s_layout, ROWS, BLOCK)
     step = 0
     for member in range(key_lists[9], key_lists[10]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
@@ -316,16 +290,28 @@ def _mma_partition(
                     low_word = gl.load(words)
                     high_word = gl.load(words + 1)
                 slot = step % STAGES
-                q_s = q_bufs.index(slot)
-                do_s = do_bufs.index(slot)
-                if not LOOK_AHEAD:
-                    mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
-                    s_tok, dp_tok = _issue_scores(q_s, do_s, k_smem, v_smem, s_layout, ROWS, BLOCK)
+                mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
                 lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
                 delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
                 lse = lse_s.load(gl.SliceLayout(1, s_layout))
                 delta = delta_s.load(gl.SliceLayout(1, s_layout))
                 lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
+                q_s = q_bufs.index(slot)
+                do_s = do_bufs.index(slot)
+                s_tok = warpgroup_mma(
+                    q_s,
+                    k_smem.permute((1, 0)),
+                    gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                    use_acc=False,
+                    is_async=True,
+                )
+                dp_tok = warpgroup_mma(
+                    do_s,
+                    v_smem.permute((1, 0)),
+                    gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                    use_acc=False,
+                    is_async=True,
+                )
                 scores = warpgroup_mma_wait(1, deps=[s_tok])
                 probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
                 if CAUSAL_DIAG:
@@ -352,50 +338,28 @@ def _mma_partition(
                 fence_async_shared()
                 gl.thread_barrier()
                 dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
-                if WRITE_DQ:  # dQ's two column parts queued behind dK's product: the tensor cores run them back to back
-                    gl.static_assert(HEAD_DIM == 2 * DQ_COLUMNS)
-                    dq_zeros = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
-                    low_tok = warpgroup_mma(
-                        ps_smem, k_smem.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
-                    )
-                    high_tok = warpgroup_mma(
-                        ps_smem, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
-                    )
-                    dk = warpgroup_mma_wait(2, deps=[dk_tok])
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty_bars.index(slot), count=1)
+                dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(slot), count=1)
+                if WRITE_DQ:
                     dq_slot = step % DQ_BUFFERS
-                    dq_slice = dq_slices.index(dq_slot)
-                    dq_low = warpgroup_mma_wait(1, deps=[low_tok])
                     mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
-                    dq_slice.slice(0, DQ_COLUMNS, dim=1).store(dq_low * softmax_scale)
-                    dq_high = warpgroup_mma_wait(0, deps=[high_tok])
-                    if LOOK_AHEAD:
-                        next_slot = (step + 1) % STAGES
-                        if step + 1 < total:  # past the last slice the products read a stale slot, unused
-                            mbarrier.wait(ready_bars.index(next_slot), ((step + 1) // STAGES) & 1)
-                        s_tok, dp_tok = _issue_scores(
-                            q_bufs.index(next_slot), do_bufs.index(next_slot), k_smem, v_smem, s_layout, ROWS, BLOCK
+                    for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                        k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                        dq_tok = warpgroup_mma(
+                            ps_smem,
+                            k_part,
+                            gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
+                            use_acc=False,
+                            is_async=True,
                         )
-                    dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq_high * softmax_scale)
+                        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                        dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
                     fence_async_shared()  # the writer's tensor-memory reduce reads the slice
                     gl.thread_barrier()
                     mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
-                else:
-                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty_bars.index(slot), count=1)
-                    if LOOK_AHEAD:
-                        next_slot = (step + 1) % STAGES
-                        if step + 1 < total:  # past the last slice the products read a stale slot, unused
-                            mbarrier.wait(ready_bars.index(next_slot), ((step + 1) // STAGES) & 1)
-                        s_tok, dp_tok = _issue_scores(
-                            q_bufs.index(next_slot), do_bufs.index(next_slot), k_smem, v_smem, s_layout, ROWS, BLOCK
-                        )
                 step += 1
 
-    if LOOK_AHEAD:  # the products issued past the last slice
-        warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     if BARS:  # other heads of the group and other segments of the chunk add into the same rows
         k_slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
