@@ -1,12 +1,12 @@
 """Compile a kernels tree's Gluon kernels for Hopper (sm_90a) on a machine without a GPU.
 
 Prints, per launch of ``gluon_bwd.one_pass_backward`` (the block tiles; the bars too where the tree has them),
-the shared memory, ptxas's registers, spills and stack, and the thread barriers, warpgroup MMAs and spill
-instructions per iteration of the MMA loop (one slice of the one pass), for each variant the tree's one pass
-has (the default mode and dk/dv alone, ``dq=None``, for the deterministic mode, each without and with packed
-documents), then the same for ``gluon_fwd.block_forward`` where the tree has it: what a kernel change costs
-before a GPU can time it. Two trees whose machine code (``--sass``) is the same differ in nothing a GPU would
-see.
+the shared memory, ptxas's registers, spills and stack, the register counts the warp-specialised partitions step
+to, and the thread barriers, warpgroup MMAs and spill instructions per iteration of the MMA loop (one slice of the
+one pass), for each variant the tree's one pass has (the default mode and dk/dv alone, ``dq=None``, for the
+deterministic mode, each without and with packed documents), then the same for ``gluon_fwd.block_forward`` where
+the tree has it: what a kernel change costs before a GPU can time it. Two trees whose machine code (``--sass``) is
+the same differ in nothing a GPU would see.
 The tree's Gluon is written for one Triton release (``triton_backend.ONE_PASS_TRITON``); put that release first
 on ``PYTHONPATH`` (``pip install --target /tmp/triton36 triton==3.6.0 --no-deps``). No CUDA driver is needed:
 Triton compiles against a stand-in driver that reports an sm_90 target, and nothing is launched.
@@ -65,6 +65,7 @@ class CompileOnly:
         return launch
 
 
+SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")  # a partition's register step
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")  # "/*28e0*/   HGMMA.64x64x16… ;" → address, instruction
 
 
@@ -102,6 +103,18 @@ def mma_loop(sass: str) -> MmaLoop | None:
     return MmaLoop(count("BAR.SYNC"), sum(mma for _, mma in body), count("STL"), count("LDL"))
 
 
+def register_steps(ptx: str) -> str | None:
+    """The per-thread register counts that the warp-specialised partitions step up and down to (the PTX's
+    ``setmaxnreg``: the MMA partitions' budget, next to the launch's ``.maxnreg``), or None without any."""
+    steps = {"inc": set(), "dec": set()}
+    for direction, count in SETMAXNREG.findall(ptx):
+        steps[direction].add(int(count))
+    if not any(steps.values()):
+        return None
+    up, down = (", ".join(str(count) for count in sorted(steps[d])) or "none" for d in ("inc", "dec"))
+    return f"setmaxnreg per thread: up to {up}; down to {down}"
+
+
 def ptxas_report(ptx: str, sass: Path | None = None) -> str:
     """ptxas -v's lines on registers, spills and stack for ``ptx`` (sm_90a), and the counts of its MMA loop
     (:func:`mma_loop`, from ``cuobjdump -sass``); with ``sass``, the machine code is written there, to find
@@ -124,6 +137,9 @@ def ptxas_report(ptx: str, sass: Path | None = None) -> str:
     lines = [
         line.strip() for line in (log.stdout + log.stderr).splitlines() if re.search("registers|spill|stack", line)
     ]
+    steps = register_steps(ptx)
+    if steps is not None:
+        lines.append(steps)
     loop = mma_loop(dump.stdout)
     if loop is not None:
         lines.append(

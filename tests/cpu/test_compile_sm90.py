@@ -74,3 +74,20 @@ def test_the_mma_loop_is_the_innermost_loop_around_the_first_warpgroup_mma():
 def test_code_without_a_warpgroup_mma_in_a_loop_has_no_mma_loop():
     assert compile_sm90.mma_loop(_sass("BAR.SYNC.DEFER_BLOCKING 0x1", "@P0 BRA 0x0", "EXIT")) is None
     assert compile_sm90.mma_loop(_sass("HGMMA.64x64x16.F32.BF16 R1, gdesc[UR4], RZ, !UPT", "EXIT")) is None
+
+
+def test_register_steps_list_each_partitions_setmaxnreg_once():
+    ptx = "\n".join(
+        [
+            "\tsetmaxnreg.dec.sync.aligned.u32 \t24;",
+            "\tsetmaxnreg.inc.sync.aligned.u32 \t240;",
+            "\tsetmaxnreg.dec.sync.aligned.u32 \t24;",
+            "\tsetmaxnreg.inc.sync.aligned.u32 \t256;",
+            "\tsetmaxnreg.dec.sync.aligned.u32 \t240;",
+        ]
+    )
+    assert compile_sm90.register_steps(ptx) == "setmaxnreg per thread: up to 240, 256; down to 24, 240"
+    assert compile_sm90.register_steps("\tsetmaxnreg.inc.sync.aligned.u32 \t232;") == (
+        "setmaxnreg per thread: up to 232; down to none"
+    )
+    assert compile_sm90.register_steps("\tmov.u32 %r1, 0;") is None
