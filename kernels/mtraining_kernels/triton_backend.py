@@ -597,10 +597,11 @@ def _step_gradients(
         if bar_col.numel() and bar_width != 0:
             bar_words = bar_words_by_column(bar_ptr, bar_col, k.shape[1], bar_width, _multiprocessors(q.device))
         one_pass_block_tiles(dq_sum, bar_words)
-        if dq_sum is not dq and fresh_dq:
-            dq.copy_(dq_sum)
-        elif dq_sum is not dq:
-            dq.add_(dq_sum)
+        if dq_sum is not dq:  # written on a fresh step, else added to the caller's accumulator
+            if fresh_dq:
+                dq.copy_(dq_sum)
+            else:
+                dq.add_(dq_sum)
         return
     query_major_pass(dq, fresh=bool(fresh_dq))
     if one_pass is not None and (deterministic or short_lists):  # the block tiles' dk/dv in the one pass, no dq
