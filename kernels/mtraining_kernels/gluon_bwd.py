@@ -64,11 +64,11 @@ from .gluon_descriptors import dq_descriptor, rows_descriptor, stats_descriptor
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK = 128  # keys per program: one block of the lists
 QUERY_ROWS = 64  # query rows per slice
-STAGES = 2  # q/dO slices in flight (two dq slices take the third's shared memory)
+STAGES = 3  # q/dO slices in flight
+DQ_BUFFERS = gl.constexpr(1)  # dq slices in shared memory
 DQ_SLICE_LAYOUT = gl.constexpr(gluon_descriptors.DQ_SLICE_LAYOUT)  # as the writer's reduce reads them
-MMA_WARPS = gl.constexpr(4)  # per MMA partition: two partitions, one per half of the block's keys
-# registers of the second MMA partition; Triton gives the first what the 384 threads' 168 each leave: 240 too
-MMA_REGISTERS = gl.constexpr(240)
+WRITER_WARPS = 1
+MMA_WARPS = 8
 # (query heads a default-mode program walks, listed query blocks per (key block, query head) in a step, on average,
 # from which it does so), the first that holds
 SHARED_WALKS = ((2, 64), (4, 16))
@@ -169,30 +169,61 @@ def _reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _gather_bar_keys(k_half, v_half, bar_keys, sample, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, KEYS: gl.constexpr):
-    """Loads the partition's KEYS of the chunk's k and v rows (slots [HALF·KEYS, (HALF+1)·KEYS)) into shared memory
-    (rows past the chunk's length are zero); ``bar_keys`` = (K, V, the chunk's columns, their count, KV head, N,
-    row stride of the 2-D views ``[b·N, Hkv·d]``)."""
+def _dq_writer(
+    dq_desc,
+    dq_slices,
+    dq_ready_bars,
+    dq_empty_bars,
+    key_lists,
+    seq_len,
+    HEAD_DIM: gl.constexpr,
+    BLOCK: gl.constexpr,
+    ROWS: gl.constexpr,
+    WRITE_DQ: gl.constexpr,
+    BARS: gl.constexpr,
+):
+    """Adds each dq slice (``dq_slices``: DQ_BUFFERS buffers [ROWS, HEAD_DIM]) into the fp32 dq of ``dq_desc``
+    (``[b·N, Hq·d]``) by a tensor-memory reduce, and frees the buffer once the reduce has read it; idle without
+    ``WRITE_DQ``."""
+    step = 0
+    if WRITE_DQ:
+        for member in range(key_lists[9], key_lists[10]):
+            head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
+            for s in range(start, end):
+                qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
+                if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
+                    slot = step % DQ_BUFFERS
+                    mbarrier.wait(dq_ready_bars.index(slot), (step // DQ_BUFFERS) & 1)
+                    coords = [key_lists[6] * seq_len + first_row, head * HEAD_DIM]
+                    _reduce_add_shared_to_global(dq_desc, coords, dq_slices.index(slot))
+                    tma.store_wait(0)
+                    mbarrier.arrive(dq_empty_bars.index(slot), count=1)
+                    step += 1
+
+
+@gluon.jit
+def _gather_bar_keys(k_smem, v_smem, bar_keys, sample, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
+    """Loads the chunk's k and v rows into shared memory (rows past its length are zero); ``bar_keys`` =
+    (K, V, the chunk's columns, their count, KV head, N, row stride of the 2-D views ``[b·N, Hkv·d]``)."""
     K, V, COLUMNS, length, kv_head, seq_len, row_stride = bar_keys
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-    slots = HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, layout))
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [8, 1], [1, 0])
+    slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     listed = slots < length
     cols = gl.load(COLUMNS + slots, mask=listed, other=0)
     rows = (sample * seq_len + cols).to(gl.int64) * row_stride + kv_head * HEAD_DIM
     offsets = rows[:, None] + offs_d[None, :]
     mask = listed[:, None] & (offs_d[None, :] < HEAD_DIM)
-    k_half.store(gl.load(K + offsets, mask=mask, other=0.0))
-    v_half.store(gl.load(V + offsets, mask=mask, other=0.0))
+    k_smem.store(gl.load(K + offsets, mask=mask, other=0.0))
+    v_smem.store(gl.load(V + offsets, mask=mask, other=0.0))
     fence_async_shared()
     gl.thread_barrier()
 
 
 @gluon.jit
-def _mma_half(
+def _mma_partition(
     smem,
     bars,
-    dq_desc,
     DK,
     DV,
     dkv_strides,
@@ -201,7 +232,6 @@ def _mma_half(
     documents,
     softmax_scale,
     qk_scale_log2,
-    HALF: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
@@ -212,46 +242,42 @@ def _mma_half(
     BARS: gl.constexpr,
     SHARED_DKV: gl.constexpr,
 ):
-    """One MMA partition (one warpgroup) owning keys [HALF·BLOCK/2, (HALF+1)·BLOCK/2) of the program's block: its S,
-    dP, P, dS, dk and dv touch only those keys, so the two partitions walk the slices apart and one's softmax runs
-    while the other's products do. dq = dS·k sums over both halves: partition 0 stores its part of each slice,
-    partition 1 adds its own and hands the slice to the writer. ``smem`` = (k, v, q stages, dO stages, the two
-    halves' P/dS, dq slices, lse stages, delta stages); ``bars`` = (k/v, ready, empty, dq ready, dq empty, dq
-    half); the rest as in :func:`one_pass_backward_kernel`."""
-    k_smem, v_smem, q_bufs, do_bufs, ps_bufs, dq_slices, lse_bufs, delta_bufs = smem
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq slices, lse stages, delta stages); ``bars`` = (k/v,
+    ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``bar_keys`` as in
+    :func:`_gather_bar_keys`, read only with ``BARS``; ``documents`` = (QUERY_DOCS, KEY_DOCS, stride_docb), read
+    only with ``DOCUMENTS``."""
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    kv_bar, ready_bars, empty_bars = bars
+    kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
-    KEYS: gl.constexpr = BLOCK // 2
+    # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
+    # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
+    # budget (a whole [64, 128] dq tile spills).
     DQ_COLUMNS: gl.constexpr = 64
-    # S, dP [ROWS, KEYS], a dq part [ROWS, DQ_COLUMNS], dk and dv [KEYS, HEAD_DIM]: the 4 warps along the rows
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK // 2, 16]
+    )
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLUMNS, 16]
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DQ_COLUMNS // 2, 16]
     )
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     dtype: gl.constexpr = k_smem.dtype
-    k_half = k_smem.slice(HALF * KEYS, KEYS, dim=0)
-    v_half = v_smem.slice(HALF * KEYS, KEYS, dim=0)
-    ps_smem = ps_bufs.index(HALF)
 
-    local = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-    k_cols = key_block * BLOCK + HALF * KEYS + local
+    k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     QUERY_DOCS, KEY_DOCS, stride_docb = documents
     if DOCUMENTS:  # the compare only where the key or the query block holds two documents
-        all_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
-        block_docs = gl.load(KEY_DOCS + sample * stride_docb + all_cols)
-        k_mixed = gl.min(block_docs, 0) != gl.max(block_docs, 0)
         k_docs = gl.load(KEY_DOCS + sample * stride_docb + k_cols)
+        k_mixed = gl.min(k_docs, 0) != gl.max(k_docs, 0)
     if BARS:
-        _gather_bar_keys(k_half, v_half, bar_keys, sample, HALF, HEAD_DIM, KEYS)
+        _gather_bar_keys(k_smem, v_smem, bar_keys, sample, HEAD_DIM, BLOCK)
     else:
         mbarrier.wait(kv_bar, 0)
+    slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
     step = 0
     for member in range(key_lists[9], key_lists[10]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
@@ -259,41 +285,41 @@ def _mma_half(
             qblock, first_row = _slice_rows(key_lists, s, BLOCK, ROWS, BARS)
             if _slice_live(key_lists, qblock, BARS):  # the bars skip query blocks with no bar of the chunk
                 q_rows = first_row + offs_q
-                if BARS:  # the half's membership word, as a scalar until the scores are in
-                    word = gl.load(key_lists[1] + key_lists[3] + qblock * 2 + HALF)
+                if BARS:  # the block's two membership words, as scalars until the scores are in
+                    words = key_lists[1] + key_lists[3] + qblock * 2
+                    low_word = gl.load(words)
+                    high_word = gl.load(words + 1)
                 slot = step % STAGES
                 mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
-                q_s = q_bufs.index(slot)
-                do_s = do_bufs.index(slot)
-                s_tok = warpgroup_mma(
-                    q_s,
-                    k_half.permute((1, 0)),
-                    gl.zeros([ROWS, KEYS], gl.float32, s_layout),
-                    use_acc=False,
-                    is_async=True,
-                )
-                dp_tok = warpgroup_mma(
-                    do_s,
-                    v_half.permute((1, 0)),
-                    gl.zeros([ROWS, KEYS], gl.float32, s_layout),
-                    use_acc=False,
-                    is_async=True,
-                )
-                if WRITE_DQ:  # the last slice's reduce has read this half's dq slice (P's barrier tells the others)
-                    tma.store_wait(0)
                 lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
                 delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
                 lse = lse_s.load(gl.SliceLayout(1, s_layout))
                 delta = delta_s.load(gl.SliceLayout(1, s_layout))
                 lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
+                q_s = q_bufs.index(slot)
+                do_s = do_bufs.index(slot)
+                s_tok = warpgroup_mma(
+                    q_s,
+                    k_smem.permute((1, 0)),
+                    gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                    use_acc=False,
+                    is_async=True,
+                )
+                dp_tok = warpgroup_mma(
+                    do_s,
+                    v_smem.permute((1, 0)),
+                    gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
+                    use_acc=False,
+                    is_async=True,
+                )
                 scores = warpgroup_mma_wait(1, deps=[s_tok])
                 probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
                 if CAUSAL_DIAG:
                     off_diagonal = key_block != qblock
                     probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
-                if BARS:  # bit t of the word: slot t of the half is a bar of the block's rows (32-bit quarters)
-                    quarter = word >> (local // 32 * 32).to(gl.int64)
-                    is_bar = ((quarter.to(gl.int32) >> (local % 32)) & 1) != 0
+                if BARS:  # bit t of the words: slot t is a bar of the block's rows (read in 32-bit quarters)
+                    quarter = gl.where(slots < 64, low_word, high_word) >> (slots // 32 % 2 * 32).to(gl.int64)
+                    is_bar = ((quarter.to(gl.int32) >> (slots % 32)) & 1) != 0
                     probs = gl.where(is_bar[None, :], probs, 0.0)
                 if DOCUMENTS:
                     q_docs_base = QUERY_DOCS + sample * stride_docb
@@ -312,36 +338,31 @@ def _mma_half(
                 fence_async_shared()
                 gl.thread_barrier()
                 dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
-                if WRITE_DQ:  # this half's dq part, its two column parts queued behind dk's product
-                    dq_zeros = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
-                    low_tok = warpgroup_mma(
-                        ps_smem, k_half.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
-                    )
-                    high_tok = warpgroup_mma(
-                        ps_smem, k_half.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
-                    )
-                    dk = warpgroup_mma_wait(2, deps=[dk_tok])
-                    dq_low = warpgroup_mma_wait(1, deps=[low_tok])
-                    dq_high = warpgroup_mma_wait(0, deps=[high_tok])
+                dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(slot), count=1)
+                if WRITE_DQ:
+                    dq_slot = step % DQ_BUFFERS
+                    mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
+                    for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
+                        k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
+                        dq_tok = warpgroup_mma(
+                            ps_smem,
+                            k_part,
+                            gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
+                            use_acc=False,
+                            is_async=True,
+                        )
+                        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                        dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
+                    fence_async_shared()  # the writer's tensor-memory reduce reads the slice
                     gl.thread_barrier()
-                    mbarrier.arrive(empty_bars.index(slot), count=1)
-                    dq_slice = dq_slices.index(HALF)  # this half's part, reduced into dq on its own
-                    dq_slice.slice(0, DQ_COLUMNS, dim=1).store(dq_low * softmax_scale)
-                    dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq_high * softmax_scale)
-                    fence_async_shared()
-                    gl.thread_barrier()  # the warpgroup's rows are all in shared memory before the reduce reads them
-                    _reduce_add_shared_to_global(dq_desc, [sample * bar_keys[5] + first_row, head * HEAD_DIM], dq_slice)
-                else:
-                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty_bars.index(slot), count=1)
+                    mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
                 step += 1
 
-    if WRITE_DQ:  # the last reduce has read its slice before the program ends
-        tma.store_wait(0)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     if BARS:  # other heads of the group and other segments of the chunk add into the same rows
-        k_slots = HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
+        k_slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
         listed = (k_slots < bar_keys[3]) & (step > 0)
         cols = gl.load(bar_keys[2] + k_slots, mask=listed, other=0)
         rows = cols.to(gl.int64)[:, None] * dkv_strides[1]
@@ -350,7 +371,7 @@ def _mma_half(
         gl.atomic_add(DK + offsets, dk * softmax_scale, mask=mask, sem="relaxed")
         gl.atomic_add(DV + offsets, dv, mask=mask, sem="relaxed")
     else:
-        k_rows = key_block * BLOCK + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
+        k_rows = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, kv_layout))
         rows = k_rows.to(gl.int64)[:, None] * dkv_strides[1]
         offsets = sample * dkv_strides[0] + kv_head * dkv_strides[2] + rows + offs_d[None, :]
         if SHARED_DKV:  # the group's other programs add into the same rows
@@ -405,6 +426,7 @@ def one_pass_backward_kernel(
     BLOCK: gl.constexpr,
     ROWS: gl.constexpr,
     STAGES: gl.constexpr,
+    WRITER_WARPS: gl.constexpr,
     CAUSAL_DIAG: gl.constexpr,
     WRITE_DQ: gl.constexpr,
     DOCUMENTS: gl.constexpr,
@@ -424,17 +446,22 @@ def one_pass_backward_kernel(
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ps_bufs = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK // 2], ps_layout)
-    dq_slices = gl.allocate_shared_memory(gl.float32, [2, ROWS, HEAD_DIM], DQ_SLICE_LAYOUT)  # one per half
+    ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
+    dq_slices = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], DQ_SLICE_LAYOUT)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_ready_bars = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty_bars = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=2)  # both MMA partitions read each stage
+        mbarrier.init(empty_bars.index(i), count=1)
+    for i in gl.static_range(DQ_BUFFERS):
+        mbarrier.init(dq_ready_bars.index(i), count=1)
+        mbarrier.init(dq_empty_bars.index(i), count=1)
     fence_async_shared()
 
     row_stride = heads // group_size * HEAD_DIM  # of the 2-D views [b·N, Hkv·d]
@@ -481,11 +508,10 @@ def one_pass_backward_kernel(
     gl.warp_specialize(
         [
             (
-                _mma_half,
+                _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_bufs, dq_slices, lse_bufs, delta_bufs),
-                    (kv_bar, ready_bars, empty_bars),
-                    dq_desc,
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs),
+                    (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     DK,
                     DV,
                     (stride_gkb, stride_gkn, stride_gkh),
@@ -494,33 +520,6 @@ def one_pass_backward_kernel(
                     (QUERY_DOCS, KEY_DOCS, stride_docb),
                     softmax_scale,
                     qk_scale_log2,
-                    0,
-                    HEAD_DIM,
-                    BLOCK,
-                    ROWS,
-                    STAGES,
-                    CAUSAL_DIAG,
-                    WRITE_DQ,
-                    DOCUMENTS,
-                    BARS,
-                    SHARED_DKV,
-                ),
-            ),
-            (
-                _mma_half,
-                (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_bufs, dq_slices, lse_bufs, delta_bufs),
-                    (kv_bar, ready_bars, empty_bars),
-                    dq_desc,
-                    DK,
-                    DV,
-                    (stride_gkb, stride_gkn, stride_gkh),
-                    key_lists,
-                    bar_keys,
-                    (QUERY_DOCS, KEY_DOCS, stride_docb),
-                    softmax_scale,
-                    qk_scale_log2,
-                    1,
                     HEAD_DIM,
                     BLOCK,
                     ROWS,
@@ -554,9 +553,25 @@ def one_pass_backward_kernel(
                     BARS,
                 ),
             ),
+            (
+                _dq_writer,
+                (
+                    dq_desc,
+                    dq_slices,
+                    dq_ready_bars,
+                    dq_empty_bars,
+                    key_lists,
+                    seq_len,
+                    HEAD_DIM,
+                    BLOCK,
+                    ROWS,
+                    WRITE_DQ,
+                    BARS,
+                ),
+            ),
         ],
-        [MMA_WARPS, 1],
-        [MMA_REGISTERS, 24],
+        [1, WRITER_WARPS],
+        [24, 24],
     )
 
 
@@ -674,10 +689,11 @@ def _launch(
         BLOCK=BLOCK,
         ROWS=QUERY_ROWS,
         STAGES=STAGES,
+        WRITER_WARPS=WRITER_WARPS,
         CAUSAL_DIAG=bool(causal_diag),
         WRITE_DQ=dq_desc is not None,
         DOCUMENTS=documents is not None,
         BARS=bars,
         SHARED_DKV=not bars and members < group,
-        num_warps=MMA_WARPS.value,
+        num_warps=MMA_WARPS,
     )
