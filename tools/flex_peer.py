@@ -38,7 +38,7 @@ from torch._higher_order_ops.flex_attention import flex_attention as flex_attent
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.vertical_slash import slash_block_hits, vertical_columns
+from mtraining_kernels.vertical_slash import mask_area, slash_block_hits, vertical_columns
 
 # FlexAttention's generated kernels (and the mask_mod lookups they inline) may compute element offsets in int32
 INT32_LIMIT = 2**31
@@ -200,6 +200,18 @@ def block_band_pattern(target_area: Tensor, seq_len: int) -> tuple[Tensor, Tenso
     s_idx = torch.where(columns[None, :] < width[:, None], (columns + 1) * BLOCK_SIZE, seq_len)
     v_idx = torch.full((batch, heads, 1), seq_len, dtype=torch.int32)
     return v_idx.to(target_area.device), s_idx.to(torch.int32).view(batch, heads, -1).to(target_area.device)
+
+
+def same_area_pattern(kind: str, v_idx: Tensor, s_idx: Tensor, seq_len: int, generator: torch.Generator):
+    """The block pattern ``kind`` with each head's mask area of the vertical-slash pattern (v_idx, s_idx):
+    ``block_only`` (:func:`block_only_pattern`, its distances drawn from ``generator``) or ``block_band``
+    (:func:`block_band_pattern`, consecutive distances, the generator unused)."""
+    area = mask_area(v_idx, s_idx, seq_len)
+    if kind == "block_only":
+        return block_only_pattern(area, seq_len, generator)
+    if kind == "block_band":
+        return block_band_pattern(area, seq_len)
+    raise ValueError(f"pattern {kind!r}: give block_only or block_band")
 
 
 # ---------------------------------------------------------------------------------------- running

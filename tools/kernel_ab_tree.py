@@ -21,14 +21,14 @@ from bench_attention import (
     measure,
     sleep_cycles_per_ms,
 )
-from flex_peer import block_band_pattern, block_only_pattern
+from flex_peer import same_area_pattern
 from gpu_telemetry import Telemetry
 from kernel_ab import build_parser
 from provenance import git_commit
 
 import mtraining_kernels
 from mtraining_kernels import Layout, convert_index, sparse_attention
-from mtraining_kernels.vertical_slash import full_index, mask_area
+from mtraining_kernels.vertical_slash import full_index
 
 HOST_MAX_LEN = 32768  # host time per call is measured up to this N; beyond, the GPU's time dwarfs it
 HOST_REPS = 7
@@ -100,10 +100,12 @@ def run_tree(args) -> None:
         v_idx, s_idx, _ = budget_pattern(1, heads, seq_len, args.sparsity, device, generator)
         patterns = {  # built when asked for
             "vertical_slash": lambda: (v_idx, s_idx),
-            "block_only": lambda: block_only_pattern(
-                mask_area(v_idx, s_idx, seq_len), seq_len, torch.Generator().manual_seed(args.seed)
-            ),
-            "block_band": lambda: block_band_pattern(mask_area(v_idx, s_idx, seq_len), seq_len),
+            **{
+                kind: functools.partial(
+                    same_area_pattern, kind, v_idx, s_idx, seq_len, torch.Generator().manual_seed(args.seed)
+                )
+                for kind in ("block_only", "block_band")
+            },
             "dense": lambda: full_index(1, heads, seq_len, device=device),
         }
 

@@ -25,11 +25,11 @@ from collections.abc import Iterator
 
 import torch
 from bench_attention import budget_pattern
-from flex_peer import block_band_pattern, block_only_pattern
+from flex_peer import same_area_pattern
 
 from mtraining_kernels import Layout, convert_index
 from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.vertical_slash import full_index, mask_area
+from mtraining_kernels.vertical_slash import full_index
 
 PATTERNS = ("vertical_slash", "block_only", "block_band", "dense")
 
@@ -87,10 +87,8 @@ def pattern_lists(pattern: str, seq_len: int, heads: int, sparsity: float, seed:
         v_idx, s_idx = full_index(1, heads, seq_len)
     else:
         v_idx, s_idx, _ = budget_pattern(1, heads, seq_len, sparsity, "cpu", generator)
-        if pattern == "block_only":
-            v_idx, s_idx = block_only_pattern(mask_area(v_idx, s_idx, seq_len), seq_len, generator)
-        elif pattern == "block_band":
-            v_idx, s_idx = block_band_pattern(mask_area(v_idx, s_idx, seq_len), seq_len)
+        if pattern != "vertical_slash":
+            v_idx, s_idx = same_area_pattern(pattern, v_idx, s_idx, seq_len, generator)
     key_lists = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len).key_lists(0)
     return key_lists.ptr[0], key_lists.qblock
 

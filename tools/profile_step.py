@@ -24,12 +24,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 from bench_attention import SHAPES, budget_pattern
-from flex_peer import block_band_pattern, block_only_block_mask, block_only_pattern, flex_fwd_bwd
+from flex_peer import block_only_block_mask, flex_fwd_bwd, same_area_pattern
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtraining_kernels import Layout, convert_index, sparse_attention
 from mtraining_kernels.layout import BLOCK_SIZE
-from mtraining_kernels.vertical_slash import mask_area
 
 IMPLEMENTATIONS = ("ours", "flex", "cudnn")
 PATTERNS = ("vertical_slash", "block_only", "block_band")
@@ -52,12 +51,9 @@ def sparse_pattern(args, heads: int, device) -> tuple[torch.Tensor, torch.Tensor
     """(v_idx, s_idx) of ``args.pattern`` for one sample."""
     generator = torch.Generator().manual_seed(args.seed)
     v_idx, s_idx, _ = budget_pattern(1, heads, args.seq_len, args.sparsity, device, generator)
-    if args.pattern == "block_only":
-        area = mask_area(v_idx, s_idx, args.seq_len)
-        v_idx, s_idx = block_only_pattern(area, args.seq_len, torch.Generator().manual_seed(args.seed))
-    elif args.pattern == "block_band":
-        v_idx, s_idx = block_band_pattern(mask_area(v_idx, s_idx, args.seq_len), args.seq_len)
-    return v_idx, s_idx
+    if args.pattern == "vertical_slash":
+        return v_idx, s_idx
+    return same_area_pattern(args.pattern, v_idx, s_idx, args.seq_len, torch.Generator().manual_seed(args.seed))
 
 
 def main(argv=None) -> None:
