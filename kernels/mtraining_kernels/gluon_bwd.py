@@ -338,26 +338,32 @@ def _mma_partition(
                 fence_async_shared()
                 gl.thread_barrier()
                 dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
-                dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                gl.thread_barrier()
-                mbarrier.arrive(empty_bars.index(slot), count=1)
-                if WRITE_DQ:
+                if WRITE_DQ:  # dQ's two column parts queued behind dK's product: the tensor cores run them back to back
+                    gl.static_assert(HEAD_DIM == 2 * DQ_COLUMNS)
+                    dq_zeros = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
+                    low_tok = warpgroup_mma(
+                        ps_smem, k_smem.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
+                    )
+                    high_tok = warpgroup_mma(
+                        ps_smem, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
+                    )
+                    dk = warpgroup_mma_wait(2, deps=[dk_tok])
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(slot), count=1)
                     dq_slot = step % DQ_BUFFERS
+                    dq_slice = dq_slices.index(dq_slot)
+                    dq_low = warpgroup_mma_wait(1, deps=[low_tok])
                     mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
-                    for part in gl.static_range(HEAD_DIM // DQ_COLUMNS):
-                        k_part = k_smem.slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1)
-                        dq_tok = warpgroup_mma(
-                            ps_smem,
-                            k_part,
-                            gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout),
-                            use_acc=False,
-                            is_async=True,
-                        )
-                        dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                        dq_slices.index(dq_slot).slice(part * DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq * softmax_scale)
+                    dq_slice.slice(0, DQ_COLUMNS, dim=1).store(dq_low * softmax_scale)
+                    dq_high = warpgroup_mma_wait(0, deps=[high_tok])
+                    dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq_high * softmax_scale)
                     fence_async_shared()  # the writer's tensor-memory reduce reads the slice
                     gl.thread_barrier()
                     mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
+                else:
+                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(slot), count=1)
                 step += 1
 
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
