@@ -348,6 +348,8 @@ def _mma_partition(
                         ps_smem, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
                     )
                     dk = warpgroup_mma_wait(2, deps=[dk_tok])
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(slot), count=1)
                     dq_slot = step % DQ_BUFFERS
                     dq_slice = dq_slices.index(dq_slot)
                     dq_low = warpgroup_mma_wait(1, deps=[low_tok])
@@ -356,8 +358,7 @@ def _mma_partition(
                     dq_high = warpgroup_mma_wait(0, deps=[high_tok])
                     dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq_high * softmax_scale)
                     fence_async_shared()  # the writer's tensor-memory reduce reads the slice
-                    gl.thread_barrier()  # one barrier for both signals: q and dO are read, dq is stored
-                    mbarrier.arrive(empty_bars.index(slot), count=1)
+                    gl.thread_barrier()
                     mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
                 else:
                     dk = warpgroup_mma_wait(0, deps=[dk_tok])
