@@ -5,8 +5,7 @@ head of its GQA group, the query blocks that list the block (the key-major lists
 ``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
 
 * the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
-  dv += Pᵀ·dO and dk += dSᵀ·q in registers (P and dS through shared buffers of their own, so dS is
-  stored while dv's product still reads P); dq_slice = scale·dS·k,
+  dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
   in parts of 64 columns, into one shared fp32 slice (128-byte swizzled, as the writer's reduce reads it);
 * the loader (1 warp) — the slices' q and dO, and their rows' lse and delta, by tensor-memory copies, three
   stages ahead (so the MMA warps read lse and delta from shared memory, not from global memory right before
@@ -243,11 +242,11 @@ def _mma_partition(
     BARS: gl.constexpr,
     SHARED_DKV: gl.constexpr,
 ):
-    """``smem`` = (k, v, q stages, dO stages, P, dS, dq slices, lse stages, delta stages); ``bars`` = (k/v,
+    """``smem`` = (k, v, q stages, dO stages, P/dS, dq slices, lse stages, delta stages); ``bars`` = (k/v,
     ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``bar_keys`` as in
     :func:`_gather_bar_keys`, read only with ``BARS``; ``documents`` = (QUERY_DOCS, KEY_DOCS, stride_docb), read
     only with ``DOCUMENTS``."""
-    k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_slices, lse_bufs, delta_bufs = smem
+    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
@@ -328,26 +327,29 @@ def _mma_partition(
                     if k_mixed | q_mixed:
                         q_docs = gl.load(q_docs_base + q_rows)
                         probs = gl.where(q_docs[:, None] == k_docs[None, :], probs, 0.0)
-                p_smem.store(probs.to(dtype))
+                ps_smem.store(probs.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()
-                dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+                dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
                 dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
                 dscores = (probs * (dprobs - delta[:, None])).to(dtype)
-                ds_smem.store(dscores)  # its own buffer: dv's product may still read P
+                dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
+                ps_smem.store(dscores)
                 fence_async_shared()
                 gl.thread_barrier()
-                dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+                dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
                 if WRITE_DQ:  # dQ's two column parts queued behind dK's product: the tensor cores run them back to back
                     gl.static_assert(HEAD_DIM == 2 * DQ_COLUMNS)
                     dq_zeros = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
                     low_tok = warpgroup_mma(
-                        ds_smem, k_smem.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
+                        ps_smem, k_smem.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
                     )
                     high_tok = warpgroup_mma(
-                        ds_smem, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
+                        ps_smem, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
                     )
-                    dv, dk = warpgroup_mma_wait(2, deps=[dv_tok, dk_tok])
+                    dk = warpgroup_mma_wait(2, deps=[dk_tok])
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(slot), count=1)
                     dq_slot = step % DQ_BUFFERS
                     dq_slice = dq_slices.index(dq_slot)
                     dq_low = warpgroup_mma_wait(1, deps=[low_tok])
@@ -356,11 +358,10 @@ def _mma_partition(
                     dq_high = warpgroup_mma_wait(0, deps=[high_tok])
                     dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq_high * softmax_scale)
                     fence_async_shared()  # the writer's tensor-memory reduce reads the slice
-                    gl.thread_barrier()  # one barrier for both signals: q and dO are read, dq is stored
-                    mbarrier.arrive(empty_bars.index(slot), count=1)
+                    gl.thread_barrier()
                     mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
                 else:
-                    dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
                     gl.thread_barrier()
                     mbarrier.arrive(empty_bars.index(slot), count=1)
                 step += 1
@@ -451,8 +452,7 @@ def one_pass_backward_kernel(
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
+    ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
     dq_slices = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], DQ_SLICE_LAYOUT)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
@@ -516,7 +516,7 @@ def one_pass_backward_kernel(
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_slices, lse_bufs, delta_bufs),
+                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     DK,
                     DV,
