@@ -12,9 +12,8 @@ consecutive block distances (``block_band``), or the dense mode's every causal b
     python tools/l2_walk_model.py --pattern block_only --seq-len 131072 --heads-per-program 8 2
 
 Steps are equal in time here, the bars are left out, and the k/v, lse and delta reads are not counted, so its rates
-rank walks rather than predict Nsight Compute's: for the whole group (8 heads) it gives 72 % on the block-only
-pattern at 128K and 35 % on the dense mode at 32K, where the hardware measured 61-63.5 % and 61 %; with 2 heads
-per program 83 % and 99 %, and the dense backward at 32K then ran 20 % faster (docs/benchmarks.md, session 35).
+rank walks rather than predict Nsight Compute's (docs/benchmarks.md, session 35, compares the two and what fewer
+heads per program bought).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ head of its GQA group, the query blocks that list the block (the key-major lists
   their first use);
 * the dq writer (1 warp) — adds each dq slice into the fp32 dq by one tensor-memory reduce
   (``cp.reduce.async.bulk.tensor``, add), so the adds pass neither the writer's registers nor the L1's atomic
-  path (at 512K, where the GPU runs at its power limit, the block-only backward took 6–10 % less time than with
-  two warps of vector atomics; docs/benchmarks.md, session 40).
+  path (faster than two warps of vector atomics where the GPU runs at its power limit, as at 512K;
+  docs/benchmarks.md, session 40).
 
 So the backward computes 5 matrix products per tile, against 7 for the two passes of
 ``triton_bwd`` (whose query-major pass recomputes S and dP). In the default mode a second launch (``BARS``)
