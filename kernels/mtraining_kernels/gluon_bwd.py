@@ -4,9 +4,11 @@ A program owns the dk/dv of one 128-key block of one KV head (grid (nb, Hkv, b))
 head of its GQA group, the query blocks that list the block (the key-major lists ``KEY_PTR`` /
 ``KEY_QBLOCK``) in 64-row slices, and computes every product of a slice once:
 
-* the MMA partition (8 warps) — S = q·kᵀ and dP = dO·vᵀ, P = exp2(c·S − lse₂), dS = P ⊙ (dP − delta);
-  dv += Pᵀ·dO and dk += dSᵀ·q in registers (P, then dS, through one shared buffer); dq_slice = scale·dS·k,
-  in parts of 64 columns, into one shared fp32 slice (128-byte swizzled, as the writer's reduce reads it);
+* the MMA partition (8 warps along the keys) — Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ, their products started from −lse/scale and
+  −delta, so Pᵀ = exp2(c·Sᵀ) and dSᵀ = Pᵀ ⊙ dPᵀ need no per-row vector in registers; dk and dv in registers: dv +=
+  Pᵀ·dO with each warpgroup's Pᵀ (its own 64 keys) as a register operand, dk += dSᵀ·q with dSᵀ from registers too; dSᵀ
+  also goes to one shared buffer for dq's products; dq_slice = scale·dS·k, in parts of 64 columns, into one shared
+  fp32 slice (128-byte swizzled, as the writer's reduce reads it);
 * the loader (1 warp) — the slices' q and dO, and their rows' lse and delta, by tensor-memory copies, three
   stages ahead (so the MMA warps read lse and delta from shared memory, not from global memory right before
   their first use);
@@ -242,20 +244,21 @@ def _mma_partition(
     BARS: gl.constexpr,
     SHARED_DKV: gl.constexpr,
 ):
-    """``smem`` = (k, v, q stages, dO stages, P/dS, dq slices, lse stages, delta stages); ``bars`` = (k/v,
+    """``smem`` = (k, v, q stages, dO stages, dSᵀ, dq slices, lse stages, delta stages); ``bars`` = (k/v,
     ready, empty, dq ready, dq empty); ``dkv_strides`` = (batch, token, head); ``bar_keys`` as in
     :func:`_gather_bar_keys`, read only with ``BARS``; ``documents`` = (QUERY_DOCS, KEY_DOCS, stride_docb), read
     only with ``DOCUMENTS``."""
-    k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs = smem
+    k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_slices, lse_bufs, delta_bufs = smem
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars = bars
     key_block, kv_head, sample = key_lists[4], key_lists[5], key_lists[6]
-    # S, dP [ROWS, BLOCK] and a dq part [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns;
-    # dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys. dq in parts of 64 columns keeps the registers in
-    # budget (a whole [64, 128] dq tile spills).
+    # Sᵀ, dPᵀ [BLOCK, ROWS] and dk, dv [BLOCK, HEAD_DIM]: 8 warps along the keys, so each warpgroup holds Pᵀ and
+    # dSᵀ of its own 64 keys as the A operand of its dv and dk products (from registers); a dq part
+    # [ROWS, DQ_COLUMNS]: 4 warps along the rows, 2 along the columns. dq in parts of 64 columns keeps the
+    # registers in budget (a whole [64, 128] dq tile spills).
     DQ_COLUMNS: gl.constexpr = 64
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK // 2, 16]
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, ROWS, 16]
     )
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DQ_COLUMNS // 2, 16]
@@ -263,10 +266,11 @@ def _mma_partition(
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 16]
     )
+    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     dtype: gl.constexpr = k_smem.dtype
 
-    k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
-    offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    k_cols = key_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, st_layout))
+    offs_q = gl.arange(0, ROWS, layout=gl.SliceLayout(0, st_layout))
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, kv_layout)
     QUERY_DOCS, KEY_DOCS, stride_docb = documents
@@ -277,7 +281,8 @@ def _mma_partition(
         _gather_bar_keys(k_smem, v_smem, bar_keys, sample, HEAD_DIM, BLOCK)
     else:
         mbarrier.wait(kv_bar, 0)
-    slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, s_layout))
+    slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, st_layout))
+    neg_inv_scale = -1.0 / softmax_scale
     step = 0
     for member in range(key_lists[9], key_lists[10]):
         head, start, end = _member_slices(key_lists, member, BLOCK, ROWS, BARS)
@@ -293,61 +298,61 @@ def _mma_partition(
                 mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
                 lse_s = lse_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
                 delta_s = delta_bufs.index(slot)._reinterpret(gl.float32, [ROWS], stats_layout)
-                lse = lse_s.load(gl.SliceLayout(1, s_layout))
-                delta = delta_s.load(gl.SliceLayout(1, s_layout))
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: P = 0
                 q_s = q_bufs.index(slot)
                 do_s = do_bufs.index(slot)
+                # the products start from −lse/scale and −delta, so no per-row value stays in registers:
+                # P = exp2(c·(Sᵀ − lse/scale)), dPᵀ − delta straight from the tensor cores
+                lse = lse_s.load(gl.SliceLayout(0, st_layout))
+                lse_start = gl.where(lse == float("-inf"), float("-inf"), lse * neg_inv_scale)  # empty rows: P = 0
                 s_tok = warpgroup_mma(
-                    q_s,
-                    k_smem.permute((1, 0)),
-                    gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
-                    use_acc=False,
+                    k_smem,
+                    q_s.permute((1, 0)),
+                    gl.zeros([BLOCK, ROWS], gl.float32, st_layout) + lse_start[None, :],
                     is_async=True,
                 )
+                delta = delta_s.load(gl.SliceLayout(0, st_layout))
                 dp_tok = warpgroup_mma(
-                    do_s,
-                    v_smem.permute((1, 0)),
-                    gl.zeros([ROWS, BLOCK], gl.float32, s_layout),
-                    use_acc=False,
+                    v_smem,
+                    do_s.permute((1, 0)),
+                    gl.zeros([BLOCK, ROWS], gl.float32, st_layout) - delta[None, :],
                     is_async=True,
                 )
                 scores = warpgroup_mma_wait(1, deps=[s_tok])
-                probs = gl.exp2(scores * qk_scale_log2 - lse2[:, None])
+                probs = gl.exp2(scores * qk_scale_log2)
                 if CAUSAL_DIAG:
                     off_diagonal = key_block != qblock
-                    probs = gl.where(off_diagonal | (k_cols[None, :] <= q_rows[:, None]), probs, 0.0)
+                    probs = gl.where(off_diagonal | (k_cols[:, None] <= q_rows[None, :]), probs, 0.0)
                 if BARS:  # bit t of the words: slot t is a bar of the block's rows (read in 32-bit quarters)
                     quarter = gl.where(slots < 64, low_word, high_word) >> (slots // 32 % 2 * 32).to(gl.int64)
                     is_bar = ((quarter.to(gl.int32) >> (slots % 32)) & 1) != 0
-                    probs = gl.where(is_bar[None, :], probs, 0.0)
+                    probs = gl.where(is_bar[:, None], probs, 0.0)
                 if DOCUMENTS:
                     q_docs_base = QUERY_DOCS + sample * stride_docb
                     q_mixed = gl.load(q_docs_base + qblock * BLOCK) != gl.load(q_docs_base + qblock * BLOCK + BLOCK - 1)
                     if k_mixed | q_mixed:
                         q_docs = gl.load(q_docs_base + q_rows)
-                        probs = gl.where(q_docs[:, None] == k_docs[None, :], probs, 0.0)
-                ps_smem.store(probs.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                dv_tok = warpgroup_mma(ps_smem.permute((1, 0)), do_s, dv, is_async=True)
+                        probs = gl.where(k_docs[:, None] == q_docs[None, :], probs, 0.0)
+                probs_t = gl.convert_layout(probs.to(dtype), operand_layout)
+                dv_tok = warpgroup_mma(probs_t, do_s, dv, is_async=True)
                 dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
-                dscores = (probs * (dprobs - delta[:, None])).to(dtype)
-                dv = warpgroup_mma_wait(0, deps=[dv_tok])  # P is read: dS takes its buffer
-                ps_smem.store(dscores)
-                fence_async_shared()
-                gl.thread_barrier()
-                dk_tok = warpgroup_mma(ps_smem.permute((1, 0)), q_s, dk, is_async=True)
-                if WRITE_DQ:  # dQ's two column parts queued behind dK's product: the tensor cores run them back to back
+                dscores = (probs * dprobs).to(dtype)
+                if WRITE_DQ:  # dq = dS·k reads every key's dS: dSᵀ through shared memory, behind one barrier
                     gl.static_assert(HEAD_DIM == 2 * DQ_COLUMNS)
+                    dscores_t = gl.convert_layout(dscores, operand_layout)
+                    dk_tok = warpgroup_mma(dscores_t, q_s, dk, is_async=True)
+                    ds_smem.store(dscores)
+                    fence_async_shared()
+                    gl.thread_barrier()
                     dq_zeros = gl.zeros([ROWS, DQ_COLUMNS], gl.float32, dq_layout)
+                    ds = ds_smem.permute((1, 0))
                     low_tok = warpgroup_mma(
-                        ps_smem, k_smem.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
+                        ds, k_smem.slice(0, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
                     )
                     high_tok = warpgroup_mma(
-                        ps_smem, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
+                        ds, k_smem.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1), dq_zeros, use_acc=False, is_async=True
                     )
-                    dk = warpgroup_mma_wait(2, deps=[dk_tok])
+                    dv, _ = warpgroup_mma_wait(3, deps=[dv_tok, probs_t])
+                    dk, _ = warpgroup_mma_wait(2, deps=[dk_tok, dscores_t])
                     gl.thread_barrier()
                     mbarrier.arrive(empty_bars.index(slot), count=1)
                     dq_slot = step % DQ_BUFFERS
@@ -355,13 +360,16 @@ def _mma_partition(
                     dq_low = warpgroup_mma_wait(1, deps=[low_tok])
                     mbarrier.wait(dq_empty_bars.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
                     dq_slice.slice(0, DQ_COLUMNS, dim=1).store(dq_low * softmax_scale)
-                    dq_high = warpgroup_mma_wait(0, deps=[high_tok])
+                    dq_high = warpgroup_mma_wait(0, deps=[high_tok])  # dS is read: the next slice may store its own
                     dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq_high * softmax_scale)
                     fence_async_shared()  # the writer's tensor-memory reduce reads the slice
                     gl.thread_barrier()
                     mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
-                else:
-                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                else:  # dk from dSᵀ in registers, as dv from Pᵀ
+                    dscores_t = gl.convert_layout(dscores, operand_layout)
+                    dk_tok = warpgroup_mma(dscores_t, q_s, dk, is_async=True)
+                    dv, _ = warpgroup_mma_wait(1, deps=[dv_tok, probs_t])
+                    dk, _ = warpgroup_mma_wait(0, deps=[dk_tok, dscores_t])
                     gl.thread_barrier()
                     mbarrier.arrive(empty_bars.index(slot), count=1)
                 step += 1
@@ -451,8 +459,8 @@ def one_pass_backward_kernel(
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    ps_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ps_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK], ps_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK, ROWS], ds_layout)  # dSᵀ, for dq's products
     dq_slices = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS, ROWS, HEAD_DIM], DQ_SLICE_LAYOUT)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
@@ -516,7 +524,7 @@ def one_pass_backward_kernel(
             (
                 _mma_partition,
                 (
-                    (k_smem, v_smem, q_bufs, do_bufs, ps_smem, dq_slices, lse_bufs, delta_bufs),
+                    (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_slices, lse_bufs, delta_bufs),
                     (kv_bar, ready_bars, empty_bars, dq_ready_bars, dq_empty_bars),
                     DK,
                     DV,
