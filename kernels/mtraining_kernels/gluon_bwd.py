@@ -353,6 +353,8 @@ def _mma_partition(
                     )
                     dv, _ = warpgroup_mma_wait(3, deps=[dv_tok, probs_t])
                     dk, _ = warpgroup_mma_wait(2, deps=[dk_tok, dscores_t])
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(slot), count=1)
                     dq_slot = step % DQ_BUFFERS
                     dq_slice = dq_slices.index(dq_slot)
                     dq_low = warpgroup_mma_wait(1, deps=[low_tok])
@@ -361,8 +363,7 @@ def _mma_partition(
                     dq_high = warpgroup_mma_wait(0, deps=[high_tok])  # dS is read: the next slice may store its own
                     dq_slice.slice(DQ_COLUMNS, DQ_COLUMNS, dim=1).store(dq_high * softmax_scale)
                     fence_async_shared()  # the writer's tensor-memory reduce reads the slice
-                    gl.thread_barrier()  # one barrier for both signals: q and dO are read, dq is stored
-                    mbarrier.arrive(empty_bars.index(slot), count=1)
+                    gl.thread_barrier()
                     mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
                 else:  # dk from dSᵀ in registers, as dv from Pᵀ
                     dscores_t = gl.convert_layout(dscores, operand_layout)
