@@ -336,10 +336,10 @@ def _mma_partition(
                 dv_tok = warpgroup_mma(probs_t, do_s, dv, is_async=True)
                 dprobs = warpgroup_mma_wait(1, deps=[dp_tok])
                 dscores = (probs * dprobs).to(dtype)
+                dscores_t = gl.convert_layout(dscores, operand_layout)  # dk from dSᵀ in registers, as dv from Pᵀ
+                dk_tok = warpgroup_mma(dscores_t, q_s, dk, is_async=True)
                 if WRITE_DQ:  # dq = dS·k reads every key's dS: dSᵀ through shared memory, behind one barrier
                     gl.static_assert(HEAD_DIM == 2 * DQ_COLUMNS)
-                    dscores_t = gl.convert_layout(dscores, operand_layout)
-                    dk_tok = warpgroup_mma(dscores_t, q_s, dk, is_async=True)
                     ds_smem.store(dscores)
                     fence_async_shared()
                     gl.thread_barrier()
@@ -365,9 +365,7 @@ def _mma_partition(
                     fence_async_shared()  # the writer's tensor-memory reduce reads the slice
                     gl.thread_barrier()
                     mbarrier.arrive(dq_ready_bars.index(dq_slot), count=1)
-                else:  # dk from dSᵀ in registers, as dv from Pᵀ
-                    dscores_t = gl.convert_layout(dscores, operand_layout)
-                    dk_tok = warpgroup_mma(dscores_t, q_s, dk, is_async=True)
+                else:
                     dv, _ = warpgroup_mma_wait(1, deps=[dv_tok, probs_t])
                     dk, _ = warpgroup_mma_wait(0, deps=[dk_tok, dscores_t])
                     gl.thread_barrier()
