@@ -1,14 +1,16 @@
 """Where a timed repetition's milliseconds go: a profiler trace of a few fwd+bwd repetitions, with the GPU's gaps.
 
 Runs our sparse attention (Triton) or compiled FlexAttention on ``bench_attention.py``'s inputs (Qwen2.5-3B shape,
-bf16, one sample; ``--pattern`` as in ``profile_step.py``) under ``torch.profiler`` with CPU and CUDA activity, one
-repetition per ``REP_<n>`` annotation, as ``bench_attention.measure`` times them: back to back with a sync after
-each (its launched timings), or with ``--queued`` each behind the sleep kernel of its queued ones. Writes the Chrome
-trace to ``--trace`` and prints, per repetition, its CUDA-event fwd/bwd milliseconds and each GPU op launched inside
-it: when the host launched it and when the GPU ran it (µs from the repetition's start), for how long, and the GPU's
-idle gap before it. A gap after the first op is time the GPU waited for the host; none means the difference between
-launched and queued timings lies elsewhere (the clocks: docs/benchmarks.md, session 37). The profiler slows the
-host, so host times here are upper bounds.
+bf16, one sample; ``--pattern`` as in ``profile_step.py``), or ``index``, the index steps that the bench times on
+them (``bench_attention.index_steps``: the static-budget estimation, then the conversion, in place of forward and
+backward), under ``torch.profiler`` with CPU and CUDA activity, one repetition per ``REP_<n>`` annotation, as
+``bench_attention.measure`` times them: back to back with a sync after each (its launched timings), or with
+``--queued`` each behind the sleep kernel of its queued ones. Writes the Chrome trace to ``--trace`` and prints, per
+repetition, the CUDA-event milliseconds of its two steps and each GPU op launched inside it: when the host launched
+it and when the GPU ran it (µs from the repetition's start), for how long, and the GPU's idle gap before it. A gap
+after the first op is time the GPU waited for the host; none means the difference between launched and queued
+timings lies elsewhere (the clocks: docs/benchmarks.md, session 37). The profiler slows the host,
+so host times here are upper bounds.
 
     python tools/trace_steps.py ours --pattern block_only --seq-len 32768 --reps 4 --trace /tmp/trace.json
 """
@@ -21,13 +23,13 @@ import functools
 import json
 
 import torch
-from bench_attention import QUEUE_LEAD_MS, SHAPES, sleep_cycles_per_ms
+from bench_attention import QUEUE_LEAD_MS, SHAPES, index_steps, sleep_cycles_per_ms
 from flex_peer import block_only_block_mask, flex_forward, heads_first
 from profile_step import PATTERNS, check_step_arguments, sparse_pattern
 
 from mtraining_kernels import Layout, convert_index, sparse_attention
 
-IMPLEMENTATIONS = ("ours", "flex")
+IMPLEMENTATIONS = ("ours", "flex", "index")
 GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 WARMUP = 3
@@ -75,7 +77,8 @@ def rep_timelines(events: list[dict]) -> dict[str, list[GpuOp]]:
 
 
 def step_functions(args: argparse.Namespace):
-    """(forward, backward) of ``args.impl`` on fresh inputs: ``backward(forward())`` is one repetition."""
+    """(forward, backward) of ``args.impl`` on fresh inputs: ``backward(forward())`` is one repetition; for
+    ``index`` the estimation and the conversion."""
     heads, kv_heads, dim = SHAPES["qwen2.5-3b"]
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(args.seed)
@@ -84,6 +87,9 @@ def step_functions(args: argparse.Namespace):
         for h in (heads, kv_heads, kv_heads, heads)
     )
     v_idx, s_idx = sparse_pattern(args, heads, device)
+    if args.impl == "index":
+        convert, estimate = index_steps(q, k, v_idx, s_idx, args.seq_len)
+        return estimate, lambda _: convert()
     if args.impl == "flex":
         mask = block_only_block_mask(s_idx, args.seq_len)
         q, k, v, dout = (heads_first(t) for t in (q, k, v, dout))
@@ -99,7 +105,9 @@ def step_functions(args: argparse.Namespace):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("impl", choices=IMPLEMENTATIONS)
-    parser.add_argument("--pattern", default="block_only", choices=PATTERNS)
+    parser.add_argument(
+        "--pattern", choices=PATTERNS, help="block_only by default; the index steps take vertical_slash only"
+    )
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--sparsity", type=float, default=0.95)
     parser.add_argument("--reps", type=int, default=4, help="repetitions traced, after three untraced ones")
@@ -107,6 +115,9 @@ def main(argv=None) -> None:
     parser.add_argument("--trace", default="trace_steps.json", help="where the Chrome trace goes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.impl == "index" and args.pattern not in (None, "vertical_slash"):
+        raise SystemExit(f"--pattern {args.pattern}: the index steps estimate the vertical_slash pattern's budget")
+    args.pattern = args.pattern or ("vertical_slash" if args.impl == "index" else "block_only")
     check_step_arguments(args, "reps", "trace_steps.py")
     forward, backward = step_functions(args)
     for _ in range(WARMUP):
@@ -134,9 +145,11 @@ def main(argv=None) -> None:
         timelines = rep_timelines(json.load(trace)["traceEvents"])
     mode = "queued" if args.queued else "launched back to back"
     print(f"{args.impl} {args.pattern} N={args.seq_len}, {mode}; trace in {args.trace}")
-    for (name, ops), (fwd_ms, bwd_ms) in zip(timelines.items(), milliseconds):
+    steps = ("estimate", "convert") if args.impl == "index" else ("fwd", "bwd")
+    for (name, ops), (first_ms, second_ms) in zip(timelines.items(), milliseconds):
         idle = sum(op.gap for op in ops)
-        print(f"{name}: fwd {fwd_ms:.3f} ms, bwd {bwd_ms:.3f} ms; {len(ops)} GPU ops, {idle:.0f} µs idle between them")
+        timing = f"{steps[0]} {first_ms:.3f} ms, {steps[1]} {second_ms:.3f} ms"
+        print(f"{name}: {timing}; {len(ops)} GPU ops, {idle:.0f} µs idle between them")
         for op in ops:
             print(
                 f"  host {op.launched:8.0f}  gpu {op.start:8.0f}  {op.duration:8.0f} µs  gap {op.gap:6.0f}  "

@@ -58,6 +58,7 @@ def test_each_repetition_gets_the_gpu_ops_it_launched_with_their_gaps():
         (["ours", "--seq-len", "1000"], "--seq-len 1000: give a positive multiple of 128"),
         (["ours", "--reps", "0"], "--reps 0: give at least 1"),
         (["flex", "--pattern", "vertical_slash"], "--impl flex --pattern vertical_slash"),
+        (["index", "--pattern", "block_only"], "--pattern block_only: the index steps estimate"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_value(argv, message):
