@@ -36,7 +36,9 @@ deterministic rows add ``bar_chunks_ms``, the bars' lists by column that their b
 is timed twice: ``convert_ms``/``estimate_ms``/``index_ms`` with the events recorded as the host launches the
 step, so a host-bound step measures the host; ``*_queued_ms`` behind a ``QUEUE_LEAD_MS`` sleep kernel that lets
 the host queue the whole step first, so they measure the GPU's time plus whatever host time follows a host sync
-inside the step.
+inside the step. ``index_chain_ms``/``index_chain_queued_ms`` time the two as one call, as a layer runs them: the
+estimation, then the conversion of the index it estimated, so the host prepares the conversion while the GPU still
+estimates (the separate steps each pay the host's start alone).
 Each attention timing also records the GPU's median SM clock and peak power while it ran (``sm_clock_mhz``,
 ``power_max_w``; ``sm_clock_queued_mhz``, ``power_max_queued_w``; from ``gpu_telemetry``): a repetition much shorter
 than the sleep runs at higher clocks than one at the GPU's power limit, which long ones reach. A timing shorter than
@@ -348,14 +350,19 @@ def converted_index(v_idx, s_idx, seq_len: int) -> BlockBarIndex:
 def deterministic_timings(index: BlockBarIndex, kv_heads: int, timings: dict[str, float]) -> dict[str, float]:
     """``timings`` plus ``bar_chunks_ms``/``bar_chunks_queued_ms``, the deterministic backward's bar lists by
     column (``BlockBarIndex.bar_chunks``, built on a fresh copy of the index each time, as its cache would
-    otherwise answer), added to the index sums."""
+    otherwise answer), added to the index sums (the chain's too, where timed)."""
     chunks = step_timings({"bar_chunks": lambda: dataclasses.replace(index).bar_chunks(0, kv_heads)}, INDEX_REPS)
+    sums = {
+        f"{total}{suffix}": timings[f"{total}{suffix}"] + chunks[f"bar_chunks{suffix}"]
+        for total in ("index", "index_chain")
+        for suffix in ("_ms", "_queued_ms")
+        if f"{total}{suffix}" in timings
+    }
     return {
         **timings,
         "bar_chunks_ms": chunks["bar_chunks_ms"],
         "bar_chunks_queued_ms": chunks["bar_chunks_queued_ms"],
-        "index_ms": timings["index_ms"] + chunks["index_ms"],
-        "index_queued_ms": timings["index_queued_ms"] + chunks["index_queued_ms"],
+        **sums,
     }
 
 
@@ -368,6 +375,11 @@ def index_steps(q, k, v_idx, s_idx, seq_len: int) -> tuple[Callable, Callable]:
         lambda: converted_index(v_idx, s_idx, seq_len),
         lambda: estimate_vertical_slash(q, k, budget),
     )
+
+
+def index_chain(estimate: Callable, seq_len: int) -> Callable:
+    """The estimation, then the conversion of the index it estimated, as one call (a layer's index step)."""
+    return lambda: converted_index(*estimate()[:2], seq_len)
 
 
 def profile_index(steps: dict[str, Callable], title: str) -> None:
@@ -500,6 +512,8 @@ def main(argv=None) -> None:
                 index = convert_index(v_idx, s_idx, Layout("contiguous", 1), 0, seq_len)
                 convert, estimate = index_steps(q.detach(), k.detach(), v_idx, s_idx, seq_len)
                 timings = step_timings({"convert": convert, "estimate": estimate}, INDEX_REPS)
+                chain = step_timings({"index_chain": index_chain(estimate, seq_len)}, INDEX_REPS)
+                timings.update({name: chain[name] for name in ("index_chain_ms", "index_chain_queued_ms")})
                 pattern = dict(
                     target_sparsity=sparsity, density=density, slashes=n_slash + WINDOW, verticals=int(v_idx.shape[-1])
                 )
@@ -695,6 +709,8 @@ def row_summary(row: dict) -> str:
     worst = max(e["rel_rmse"] for e in row["flex_check"].values()) if "flex_check" in row else None
     check = f" mask={row['mask_ms']:.2f} ms, vs ours max rel RMSE {worst:.1e}" if worst is not None else ""
     queued = f" (queued {row['index_queued_ms']:.2f})" if "index_queued_ms" in row else ""
+    if "index_chain_ms" in row:
+        queued += f", as one chain {row['index_chain_ms']:.2f} (queued {row['index_chain_queued_ms']:.2f})"
     attention_queued = (
         f" (queued {row['fwd_queued_ms']:.2f}/{row['bwd_queued_ms']:.2f})" if "fwd_queued_ms" in row else ""
     )

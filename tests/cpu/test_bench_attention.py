@@ -114,6 +114,25 @@ def test_profile_index_prints_each_step_and_its_host_waits(capsys):
     assert printed.count("Self CPU") >= 2
 
 
+def test_the_index_chain_converts_the_index_its_estimation_returns():
+    """One call of the chain is the estimation, then the conversion of that estimate (not of the bench's
+    pattern): its lists are those of converting the estimated index."""
+    import torch
+
+    seq_len = 1024
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, seq_len, 2, 32, generator=generator), torch.randn(1, seq_len, 1, 32, generator=generator)
+    v_idx = torch.arange(0, seq_len, 16, dtype=torch.int32).expand(1, 2, -1)
+    s_idx = torch.arange(128, dtype=torch.int32).expand(1, 2, -1)
+    _, estimate = bench_attention.index_steps(q, k, v_idx, s_idx, seq_len)
+    estimated = estimate()
+    assert not torch.equal(estimated.v_idx, v_idx)  # random q/k pick other columns than the pattern's
+    chained = bench_attention.index_chain(estimate, seq_len)()
+    expected = bench_attention.converted_index(estimated.v_idx, estimated.s_idx, seq_len)
+    for name in ("blk_ptr", "blk_col", "bar_ptr", "bar_col", "key_ptr", "key_qblock"):
+        assert torch.equal(getattr(chained, name), getattr(expected, name)), name
+
+
 def test_a_run_without_cudnn_rows_writes_no_plot_and_says_so(tmp_path, capsys):
     """An A/B run with every baseline off (``--cudnn-max-len 0``) has nothing to plot against: no figure, a
     note on stderr, no error after the timing."""
@@ -249,4 +268,7 @@ def test_deterministic_rows_count_the_bar_lists_by_column_in_their_index(monkeyp
     got = bench_attention.deterministic_timings(index, 1, timings)
     assert got == dict(timings, bar_chunks_ms=3.0, bar_chunks_queued_ms=0.75, index_ms=9.0, index_queued_ms=2.25)
     assert timings["index_ms"] == 6.0
+    chained = dict(timings, index_chain_ms=5.0, index_chain_queued_ms=1.25)
+    got = bench_attention.deterministic_timings(index, 1, chained)
+    assert (got["index_ms"], got["index_chain_ms"], got["index_chain_queued_ms"]) == (9.0, 8.0, 2.0)
     assert all(isinstance(chunks, BarChunks) and chunks.column.numel() > 0 for chunks in built)
