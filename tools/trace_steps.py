@@ -1,15 +1,15 @@
 """Where a timed repetition's milliseconds go: a profiler trace of a few fwd+bwd repetitions, with the GPU's gaps.
 
 Runs our sparse attention (Triton) or compiled FlexAttention on ``bench_attention.py``'s inputs (Qwen2.5-3B shape,
-bf16, one sample; ``--pattern`` as in ``profile_step.py``), or ``index``, the index steps that the bench times on
-them (``bench_attention.index_steps``: the static-budget estimation, then the conversion, in place of forward and
-backward), under ``torch.profiler`` with CPU and CUDA activity, one repetition per ``REP_<n>`` annotation, as
-``bench_attention.measure`` times them: back to back with a sync after each (its launched timings), or with
-``--queued`` each behind the sleep kernel of its queued ones. Writes the Chrome trace to ``--trace`` and prints, per
-repetition, the CUDA-event milliseconds of its two steps and each GPU op launched inside it: when the host launched
-it and when the GPU ran it (µs from the repetition's start), for how long, and the GPU's idle gap before it. A gap
-after the first op is time the GPU waited for the host; none means the difference between launched and queued
-timings lies elsewhere (the clocks: docs/benchmarks.md, session 37). The profiler slows the host,
+bf16, one sample; ``--pattern`` as in ``profile_step.py``), or ``index``, the bench's index chain on them (the
+static-budget estimation of ``bench_attention.index_steps``, then the conversion of the index it estimated, in
+place of forward and backward), under ``torch.profiler`` with CPU and CUDA activity, one repetition per ``REP_<n>``
+annotation, as ``bench_attention.measure`` times them: back to back with a sync after each (its launched timings),
+or with ``--queued`` each behind the sleep kernel of its queued ones. Writes the Chrome trace to ``--trace`` and
+prints, per repetition, the CUDA-event milliseconds of its two steps and each GPU op launched inside it: when the
+host launched it and when the GPU ran it (µs from the repetition's start), for how long, and the GPU's idle gap
+before it. A gap after the first op is time the GPU waited for the host; none means the difference between launched
+and queued timings lies elsewhere (the clocks: docs/benchmarks.md, session 37). The profiler slows the host,
 so host times here are upper bounds.
 
     python tools/trace_steps.py ours --pattern block_only --seq-len 32768 --reps 4 --trace /tmp/trace.json
@@ -23,7 +23,7 @@ import functools
 import json
 
 import torch
-from bench_attention import QUEUE_LEAD_MS, SHAPES, index_steps, sleep_cycles_per_ms
+from bench_attention import QUEUE_LEAD_MS, SHAPES, converted_index, index_steps, sleep_cycles_per_ms
 from flex_peer import block_only_block_mask, flex_forward, heads_first
 from profile_step import PATTERNS, check_step_arguments, sparse_pattern
 
@@ -78,7 +78,7 @@ def rep_timelines(events: list[dict]) -> dict[str, list[GpuOp]]:
 
 def step_functions(args: argparse.Namespace):
     """(forward, backward) of ``args.impl`` on fresh inputs: ``backward(forward())`` is one repetition; for
-    ``index`` the estimation and the conversion."""
+    ``index`` the estimation and the conversion of its estimate."""
     heads, kv_heads, dim = SHAPES["qwen2.5-3b"]
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(args.seed)
@@ -88,8 +88,8 @@ def step_functions(args: argparse.Namespace):
     )
     v_idx, s_idx = sparse_pattern(args, heads, device)
     if args.impl == "index":
-        convert, estimate = index_steps(q, k, v_idx, s_idx, args.seq_len)
-        return estimate, lambda _: convert()
+        _, estimate = index_steps(q, k, v_idx, s_idx, args.seq_len)
+        return estimate, lambda estimated: converted_index(estimated.v_idx, estimated.s_idx, args.seq_len)
     if args.impl == "flex":
         mask = block_only_block_mask(s_idx, args.seq_len)
         q, k, v, dout = (heads_first(t) for t in (q, k, v, dout))
