@@ -38,13 +38,14 @@ reduction it needs for top-P; :func:`select_index` ranks the union of every rank
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Literal, NamedTuple
 
 import torch
 
 from .budget import StaticBudget, StaticHeadBudgets, TopPBudget
-from .host_copies import to_device
+from .host_copies import copy_to
 from .launch_checks import uses_triton
 from .layout import BLOCK_SIZE
 
@@ -406,19 +407,47 @@ def _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window) -> Non
 def resolve_budget(
     budget, q_heads: int, seq_len: int, sink_tokens: int, local_window: int
 ) -> StaticHeadBudgets | TopPBudget:
-    """The budget as per-head static sizes or a top-P budget, checked against Hq, N and the forced entries."""
+    """The budget as per-head static sizes or a top-P budget, checked against Hq, N and the forced entries.
+
+    Kept per budget and arguments (see :func:`_budget_key`): a layer resolves the same budget every step, and
+    then gets the same object back, so what :func:`select_index` derives from it is kept too.
+    """
+    if not isinstance(budget, (StaticBudget, StaticHeadBudgets, TopPBudget)):
+        raise ValueError(f"budget={budget!r} must be a StaticBudget, StaticHeadBudgets or TopPBudget")
+    return _resolved_budget(_budget_key(budget), q_heads, seq_len, sink_tokens, local_window)
+
+
+def _budget_key(budget: StaticBudget | StaticHeadBudgets | TopPBudget) -> tuple:
+    """A cache key that changes with the budget's contents: static and top-P budgets are frozen values; head
+    budgets are keyed by identity and their tensors' version counters, which every in-place write bumps."""
+    if isinstance(budget, StaticHeadBudgets):
+        return budget, budget.v_size._version, budget.s_size._version
+    return budget, None, None
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved_budget(
+    budget_key: tuple, q_heads: int, seq_len: int, sink_tokens: int, local_window: int
+) -> StaticHeadBudgets | TopPBudget:
+    budget = budget_key[0]
     if isinstance(budget, StaticBudget):
         budget = StaticHeadBudgets.uniform(budget, q_heads)
-    if isinstance(budget, StaticHeadBudgets):
-        if budget.num_heads != q_heads:
-            raise ValueError(
-                f"the budget has {budget.num_heads} heads but q has Hq={q_heads}; resolve the "
-                "budget for this rank's query heads"
-            )
-    elif not isinstance(budget, TopPBudget):
-        raise ValueError(f"budget={budget!r} must be a StaticBudget, StaticHeadBudgets or TopPBudget")
+    if isinstance(budget, StaticHeadBudgets) and budget.num_heads != q_heads:
+        raise ValueError(
+            f"the budget has {budget.num_heads} heads but q has Hq={q_heads}; resolve the budget for this "
+            "rank's query heads"
+        )
     budget.validate_for(seq_len, sink_tokens, local_window)
     return budget
+
+
+@functools.lru_cache(maxsize=256)
+def _static_sizes(budget_key: tuple, device: torch.device) -> torch.Tensor:
+    """int32 ``[2, Hq]`` (v_size; s_size) of a resolved static budget, kept on the host (pinned for a CUDA
+    ``device``) for :func:`select_index` to copy from each call: never handed out, so never written."""
+    budget = budget_key[0]
+    sizes = torch.stack((budget.v_size, budget.s_size)).int()
+    return sizes.pin_memory() if device.type == "cuda" else sizes
 
 
 def estimate_vertical_slash(
@@ -444,16 +473,10 @@ def estimate_vertical_slash(
     whose scores differ by the logits' fp32 rounding (see the module docstring).
     """
     _check_inputs(q, k, softmax_scale, last_q, sink_tokens, local_window)
+    uses_triton(implementation, q)  # an unknown name is refused before any work
     seq_len = q.shape[1]
-    return estimate_from_last_queries(
-        q[:, seq_len - last_q :],
-        k,
-        budget,
-        softmax_scale=softmax_scale,
-        sink_tokens=sink_tokens,
-        local_window=local_window,
-        implementation=implementation,
-    )
+    budget = resolve_budget(budget, q.shape[2], seq_len, sink_tokens, local_window)
+    return _estimate(q[:, seq_len - last_q :], k, budget, softmax_scale, sink_tokens, local_window, implementation)
 
 
 def estimate_from_last_queries(
@@ -476,9 +499,21 @@ def estimate_from_last_queries(
     check_int("L", last_q, 1, min(MAX_LAST_Q, seq_len), f"the last queries of N={seq_len} keys, one tile at most")
     check_forced_entries(sink_tokens, local_window, seq_len)
     uses_triton(implementation, q_last)  # an unknown name is refused before any work
-    batch, _, q_heads, dim = q_last.shape
-    budget = resolve_budget(budget, q_heads, seq_len, sink_tokens, local_window)
+    budget = resolve_budget(budget, q_last.shape[2], seq_len, sink_tokens, local_window)
+    return _estimate(q_last, k, budget, softmax_scale, sink_tokens, local_window, implementation)
 
+
+def _estimate(
+    q_last: torch.Tensor,
+    k: torch.Tensor,
+    budget: StaticHeadBudgets | TopPBudget,
+    softmax_scale: float | None,
+    sink_tokens: int,
+    local_window: int,
+    implementation: str,
+) -> VerticalSlashIndex:
+    """:func:`estimate_from_last_queries` of checked inputs and a resolved budget."""
+    last_q, seq_len, dim = q_last.shape[1], k.shape[1], q_last.shape[3]
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
     k_positions = _positions(seq_len, q_last.device)
     q_positions = k_positions[seq_len - last_q :]
@@ -632,6 +667,12 @@ def list_widths(budget: StaticHeadBudgets | TopPBudget, seq_len: int) -> tuple[i
         if budget.block_slashes:
             return width, list_width(min(budget.cap, block_diagonals(seq_len)), seq_len)
         return width, width
+    return _static_widths(_budget_key(budget), seq_len)
+
+
+@functools.lru_cache(maxsize=256)
+def _static_widths(budget_key: tuple, seq_len: int) -> tuple[int, int]:
+    budget = budget_key[0]
     return list_width(int(budget.v_size.max()), seq_len), list_width(int(budget.s_size.max()), seq_len)
 
 
@@ -703,7 +744,7 @@ def select_index(
     if isinstance(budget, TopPBudget):
         v_sizes = s_sizes = None
     else:  # int32 on the host, so that one copy brings both and no cast runs on the device
-        v_sizes, s_sizes = to_device(torch.stack((budget.v_size, budget.s_size)).int(), v_scores.device)
+        v_sizes, s_sizes = copy_to(_static_sizes(_budget_key(budget), v_scores.device), v_scores.device)
     kinds = [(v_scores, v_indices, sink_tokens, v_width, v_sizes)]
     block_slashes = isinstance(budget, TopPBudget) and budget.block_slashes
     if not block_slashes:

@@ -300,9 +300,9 @@ def _triton_lists(v_idx: Tensor, s_idx: Tensor, layout: Layout, rank: int, seq_l
     tables = _kernel_block_tables(layout, rank, seq_len, v_idx.device)
     candidates = triton_index.list_candidates(tables, hit, v_idx, BLOCK_SIZE)
     shape = (layout.world_size, *v_idx.shape[:2], tables.query_blocks.numel())
-    counts = torch.empty((triton_index.NUM_LISTS, math.prod(shape)), dtype=torch.int32, device=v_idx.device)
-    triton_index.count_rows(candidates, counts)
-    row_starts = F.pad(torch.cumsum(counts, 1), (1, 0))  # int64 [lists, W·b·Hq·nb + 1]
+    row_starts = torch.empty((triton_index.NUM_LISTS, math.prod(shape) + 1), dtype=torch.int64, device=v_idx.device)
+    triton_index.count_rows(candidates, row_starts)
+    row_starts.cumsum_(1)
     totals = row_starts[:, -1].tolist()
     for total in totals:
         _check_list_total(total)  # before any list is written: the lists' offsets are int32

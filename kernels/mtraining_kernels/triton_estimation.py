@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from typing import NamedTuple
 
 import torch
@@ -473,7 +474,7 @@ def _tiles(source, q_positions: torch.Tensor, k_positions: torch.Tensor) -> _Til
         )
     _check_device(q_rows, q_positions, k, k_positions)
     q_rows, k, ieee = _dot_operands(q_rows, k)
-    scale = torch.tensor(softmax_scale, dtype=torch.float32).item()  # exactly an fp32 value
+    scale = struct.unpack("f", struct.pack("f", softmax_scale))[0]  # rounded to the nearest fp32, as a float
     meta = dict(FROM_QK=True, HEAD_DIM=dim, DIM_PAD=max(16, triton.next_power_of_2(dim)), IEEE=ieee)
     strides = (*q_rows.stride(), *k.stride(), 0, 0, 0)
     return _Tiles((q_rows, k, k), strides, (batch, q_heads, num_rows, num_keys), q_heads // kv_heads, scale, meta)

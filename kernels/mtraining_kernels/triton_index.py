@@ -8,7 +8,7 @@ a sort of every bar entry (about 135 M at 512K with 4K verticals on one GPU), an
 the block hits (one launch), then one kernel runs twice, one program per (source rank w, b, query head h, local
 block), which handles that row of every list:
 
-* :func:`count_rows` — how many entries each row has (the caller turns the counts into CSR offsets);
+* :func:`count_rows` — how many entries each row has (a scan in place turns them into CSR offsets);
 * :func:`write_rows` — the entries themselves, stored from each row's offset in candidate order.
 
 A row's candidates are a range of an ascending list (its bound from ``torch.searchsorted``):
@@ -53,7 +53,6 @@ def _list_row(
     VALUE,
     HIT_ROW,
     ROW_START,
-    COUNT,
     COL,
     seq_len,
     LIST: tl.constexpr,
@@ -61,7 +60,8 @@ def _list_row(
     STEP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Counts one row's entries into COUNT, or writes them into COL from ROW_START's offset, over its candidates
+    """Counts one row's entries into ROW_START + 1 (the next row's start, before the scan), or writes them into
+    COL from ROW_START's offset, over its candidates
     ``first`` … ``last`` − 1 of CANDIDATE_BLOCK (blocks), or of the verticals CANDIDATE_BLOCK (bars: columns,
     the sentinel N counting as N − 1, with OWNER and VALUE the owner and local index of every global block). A
     candidate is active when HIT_ROW holds its block diagonal with ``own_block`` (the row's)."""
@@ -98,9 +98,9 @@ def _list_row(
         found += tl.sum(take.to(tl.int32), 0)
     if not WRITE:
         if LIST == _BLOCKS:
-            tl.store(COUNT, 2 * found)  # two sub-tiles per block
+            tl.store(ROW_START + 1, 2 * found)  # two sub-tiles per block
         else:
-            tl.store(COUNT, found)
+            tl.store(ROW_START + 1, found)
 
 
 @triton.jit
@@ -131,7 +131,6 @@ def _list_rows_kernel(
     BAR_BOUND,
     HIT,
     ROW_START,
-    COUNT,
     POINTERS,
     BLOCK_COL,
     KEY_COL,
@@ -144,10 +143,11 @@ def _list_rows_kernel(
     STEP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Row (w, b·Hq, local block ``program_id(0)``) of every list, counted (COUNT ``[lists, rows]``) or written
-    (from ROW_START ``[lists, rows + 1]`` int64, also into the CSR offsets POINTERS ``[lists, W·b·Hq, nb + 1]``
-    int32); tables as :class:`ListCandidates` holds them. Counting also stores how many verticals lie before each
-    query block (BAR_BOUND ``[b·Hq, nb]``), which writing reads."""
+    """Row (w, b·Hq, local block ``program_id(0)``) of every list, counted or written; ROW_START is int64
+    ``[lists, rows + 1]``. Counting stores row r's count at r + 1 and 0 at 0, so an inclusive scan along each
+    list turns it into the row starts; writing stores from them, and the CSR offsets into POINTERS
+    ``[lists, W·b·Hq, nb + 1]`` int32. Tables as :class:`ListCandidates` holds them. Counting also stores how
+    many verticals lie before each query block (BAR_BOUND ``[b·Hq, nb]``), which writing reads."""
     i = tl.program_id(0)
     bh = tl.program_id(1)
     w = tl.program_id(2)
@@ -164,6 +164,9 @@ def _list_rows_kernel(
     else:
         bar_bound = _verticals_before(verticals, bar_width, query_block, seq_len, BLOCK)
         tl.store(BAR_BOUND + bh * nb + i, bar_bound)  # the same value from every source w
+    if not WRITE and row == 0:
+        for lst in tl.static_range(_NUM_LISTS):
+            tl.store(ROW_START + lst * (num_rows + 1), 0)
     if WRITE:  # each row's offset, and the next group's first after the group's last row
         group_pointers = POINTERS + (w * batch_heads + bh) * (nb + 1) + i
         for lst in tl.static_range(_NUM_LISTS):
@@ -183,7 +186,6 @@ def _list_rows_kernel(
         source_blocks,
         hit_row,
         ROW_START + row,
-        COUNT + row,
         BLOCK_COL,
         seq_len,
         _BLOCKS,
@@ -202,7 +204,6 @@ def _list_rows_kernel(
         QUERY_BLOCK,
         hit_row,
         ROW_START + (num_rows + 1) + row,
-        COUNT + num_rows + row,
         KEY_COL,
         seq_len,
         _KEYS,
@@ -221,7 +222,6 @@ def _list_rows_kernel(
         BLOCK_LOCAL,
         hit_row,
         ROW_START + 2 * (num_rows + 1) + row,
-        COUNT + 2 * num_rows + row,
         BAR_COL,
         seq_len,
         _BARS,
@@ -318,9 +318,7 @@ def list_candidates(tables: BlockTables, hit: torch.Tensor, v_idx: torch.Tensor,
     return ListCandidates(tables, kernel_hit, verticals, bar_bound, block_size)
 
 
-def _launch(
-    c: ListCandidates, row_start: torch.Tensor, counts: torch.Tensor, pointers: torch.Tensor, cols: list, write: bool
-) -> None:
+def _launch(c: ListCandidates, row_starts: torch.Tensor, pointers: torch.Tensor, cols: list, write: bool) -> None:
     tables = c.tables
     world, num_local_blocks = tables.source_blocks.shape
     batch_heads, num_global_blocks = c.hit.shape
@@ -334,8 +332,7 @@ def _launch(
         tables.block_local,
         c.bar_bound,
         c.hit,
-        row_start,
-        counts,
+        row_starts,
         pointers,
         *cols,
         num_global_blocks,
@@ -348,10 +345,11 @@ def _launch(
     )
 
 
-def count_rows(c: ListCandidates, counts: torch.Tensor) -> None:
-    """Write each list's entries per row into ``counts``, contiguous int32 ``[NUM_LISTS, W·b·Hq·nb]`` (blocks, by
-    key, bars; rows in the order (w, b·Hq, local block))."""
-    _launch(c, counts, counts, counts, [counts] * NUM_LISTS, write=False)  # no row start read, nothing written
+def count_rows(c: ListCandidates, row_starts: torch.Tensor) -> None:
+    """Fill ``row_starts``, contiguous int64 ``[NUM_LISTS, W·b·Hq·nb + 1]`` (lists: blocks, by key, bars; rows in
+    the order (w, b·Hq, local block)), with 0 then each row's entries, so that ``row_starts.cumsum_(1)`` makes
+    them the row starts (the last one the list's total)."""
+    _launch(c, row_starts, row_starts, [row_starts] * NUM_LISTS, write=False)  # nothing read, no list written
 
 
 def write_rows(
@@ -365,5 +363,5 @@ def write_rows(
     device = c.hit.device
     pointers = torch.empty(NUM_LISTS, world, *c.bar_bound.shape[:1], nb + 1, dtype=torch.int32, device=device)
     cols = [torch.empty(total, dtype=torch.int32, device=device) for total in totals]
-    _launch(c, row_starts, row_starts, pointers, cols, write=True)  # no count is written
+    _launch(c, row_starts, pointers, cols, write=True)
     return pointers, cols

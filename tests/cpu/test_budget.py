@@ -8,6 +8,7 @@ import torch
 
 from megatron_mtraining.budget import BudgetTable
 from mtraining_kernels.budget import StaticBudget, StaticHeadBudgets, TopPBudget
+from mtraining_kernels.estimation import estimate_vertical_slash, list_widths, resolve_budget
 from mtraining_kernels.reference import sparsity, vertical_slash_mask
 
 
@@ -88,6 +89,40 @@ def test_head_budgets_name_the_offending_head():
         StaticHeadBudgets(torch.tensor([100, 100]), torch.tensor([200, 200, 200]))
     with pytest.raises(ValueError, match="int64"):
         StaticHeadBudgets(torch.tensor([100.0]), torch.tensor([200]))
+
+
+def test_resolved_budgets_are_kept_but_follow_in_place_changes():
+    """``resolve_budget`` keeps its result per budget; a head budget written in place is resolved (and checked)
+    again, and a refused budget is refused on every call."""
+    uniform = StaticBudget(100, 200)
+    first = resolve_budget(uniform, 3, 1024, 30, 100)
+    assert resolve_budget(StaticBudget(100, 200), 3, 1024, 30, 100) is first  # equal values, the same result
+    assert first.v_size.tolist() == [100] * 3 and first.s_size.tolist() == [200] * 3
+    heads = StaticHeadBudgets(torch.tensor([100, 100, 100]), torch.tensor([200, 200, 200]))
+    assert resolve_budget(heads, 3, 1024, 30, 100) is heads
+    assert list_widths(heads, 1024) == (128, 256)
+    heads.v_size[2] = 20  # below the 30 sinks
+    for _ in range(2):
+        with pytest.raises(ValueError, match="head 2: v_size=20 is smaller"):
+            resolve_budget(heads, 3, 1024, 30, 100)
+    heads.v_size[2] = 300
+    assert resolve_budget(heads, 3, 1024, 30, 100) is heads
+    assert list_widths(heads, 1024) == (320, 256)
+    with pytest.raises(ValueError, match="budget=.* must be a StaticBudget"):
+        resolve_budget({"v_size": 100}, 3, 1024, 30, 100)
+
+
+def test_estimated_counts_are_the_callers_own(seed):
+    """The static counts come from a kept copy of the budget's sizes: writing the returned counts changes
+    neither that copy nor the next index."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, 256, 2, 16, generator=generator), torch.randn(1, 256, 1, 16, generator=generator)
+    budget = StaticBudget(64, 128)
+    first = estimate_vertical_slash(q, k, budget)
+    first.v_cnt.fill_(-1)
+    first.s_cnt.fill_(-1)
+    again = estimate_vertical_slash(q, k, budget)
+    assert again.v_cnt.tolist() == [[64, 64]] and again.s_cnt.tolist() == [[128, 128]], f"seed={seed}"
 
 
 # --------------------------------------------------------------------------------------------- tables
