@@ -44,6 +44,9 @@ from .host_copies import to_device
 ROWS_PER_TILE = 64  # the estimation rows, L ≤ 64: one tile
 KEYS_PER_TILE = 64  # keys per tile; equal to the rows, so a tile's diagonals gather within its shape
 NUM_WARPS = 4  # every pass: one dot code, hence one value per logit
+# key tiles one program runs, one after the other, with its query rows loaded once; the scores pass with slash
+# sums runs one, as the gathered tile's registers leave no room for more (docs/benchmarks.md, session 46)
+TILES_PER_PROGRAM, TILES_PER_SLASH_PROGRAM = 4, 1
 # the passes over key tiles
 _ROW_MAXIMA, _ROW_SUMS, _SCORES, _STORED_LOGITS = (tl.constexpr(i) for i in range(4))
 # positions of the fp64 constants in the tensor built by _constants
@@ -117,8 +120,10 @@ def _exp_fixed_point(logits, row_max, counted, CONSTANTS, NUM_COEFFICIENTS: tl.c
 def _score_terms(
     logits, counted, ROW_MAX, DENOMINATOR, rows, row_ok, CONSTANTS, TOP_P: tl.constexpr, NUM_COEFFICIENTS: tl.constexpr
 ):
-    """int64 terms of the scores, 0 where not ``counted``: static, round(clamp(ℓ, ±limit)·2^32); top-P,
-    P = round(E·2^32 / (L·Z_i)) with the row's max at ROW_MAX and L·Z_i (fp64) at DENOMINATOR."""
+    """Terms of the scores, 0 where not ``counted``, as values whose ``.to(tl.int64)`` is exact: static, fp32
+    round(clamp(ℓ, ±limit)·2^32) (every such fp32 is an integer); top-P, int64 P = round(E·2^32 / (L·Z_i)) with
+    the row's max at ROW_MAX and L·Z_i (fp64) at DENOMINATOR. Static terms stay fp32 so that the slash sums'
+    gather moves half the bytes."""
     one = tl.load(CONSTANTS + _ONE)
     if TOP_P:
         row_max = tl.load(ROW_MAX + rows, mask=row_ok, other=0.0)
@@ -133,14 +138,14 @@ def _score_terms(
 
 @triton.jit
 def _static_fixed_point(logits, limit, one):
-    """round(clamp(ℓ, ±limit)·one) as int64, in fp32, for the rules' powers of two (2^24, 2^32): the product
-    is exact (at most 2^56), |x| + 2^23 rounds x half to even below 2^23, and above it every fp32 is an
-    integer, so the bits are those of the fp64 steps of ``static_logit_fixed_point``."""
+    """round(clamp(ℓ, ±limit)·one), an integer held in fp32, for the rules' powers of two (2^24, 2^32): the
+    product is exact (at most 2^56), |x| + 2^23 rounds x half to even below 2^23, and above it every fp32 is an
+    integer, so its int64 conversion gives the bits of the fp64 steps of ``static_logit_fixed_point``."""
     clamped = tl.minimum(tl.maximum(logits, -limit), limit)
     scaled = clamped * one
     magnitude = tl.abs(scaled)
     rounded = tl.where(magnitude < 8388608.0, (magnitude + 8388608.0) - 8388608.0, magnitude)
-    return tl.where(scaled < 0, -rounded, rounded).to(tl.int64)
+    return tl.where(scaled < 0, -rounded, rounded)
 
 
 @triton.jit
@@ -151,11 +156,31 @@ def _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stri
 
 
 @triton.jit
-def _logit_tile(
+def _query_tile(
     Q,
+    sample,
+    head,
+    rows,
+    row_ok,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_qd,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    """The estimation rows of one query head, ``[rows, DIM_PAD]`` (zero past the head dim and the rows)."""
+    dims = tl.arange(0, DIM_PAD)
+    q_ptrs = Q + sample * stride_qb + head.to(tl.int64) * stride_qh + rows[:, None] * stride_ql
+    return tl.load(q_ptrs + dims[None, :] * stride_qd, mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _logit_tile(
+    q,
+    q_pos,
     K,
     LOGITS,
-    Q_POS,
     K_POS,
     sample,
     head,
@@ -163,10 +188,6 @@ def _logit_tile(
     cols,
     row_ok,
     col_ok,
-    stride_qb,
-    stride_ql,
-    stride_qh,
-    stride_qd,
     stride_kb,
     stride_kn,
     stride_kh,
@@ -181,22 +202,18 @@ def _logit_tile(
     DIM_PAD: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """fp32 logits ``[cols, rows]`` of one tile (keys first), −inf where the key comes after the row; from k and q
-    (one dot), or loaded from LOGITS ``[b, Hq, L, n]``. Entries outside the tile are unspecified (the caller masks
-    them). Keys first: the tensor-core layout spreads a tile's first axis over the warps, so sums over the rows
-    (V, the slash diagonals) stay inside each warp's quads."""
+    """fp32 logits ``[cols, rows]`` of one tile (keys first), −inf where the key comes after the row; from k and
+    the query tile ``q`` at positions ``q_pos`` (one dot), or loaded from LOGITS ``[b, Hq, L, n]``. Entries outside
+    the tile are unspecified (the caller masks them). Keys first: the tensor-core layout spreads a tile's first
+    axis over the warps, so sums over the rows (V, the slash diagonals) stay inside each warp's quads."""
     if FROM_QK:
         dims = tl.arange(0, DIM_PAD)
-        dim_ok = dims < HEAD_DIM
-        q_ptrs = Q + sample * stride_qb + head.to(tl.int64) * stride_qh + rows[:, None] * stride_ql
         k_ptrs = K + sample * stride_kb + (head // group_size).to(tl.int64) * stride_kh + cols[:, None] * stride_kn
-        q = tl.load(q_ptrs + dims[None, :] * stride_qd, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        k = tl.load(k_ptrs + dims[None, :] * stride_kd, mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+        k = tl.load(k_ptrs + dims[None, :] * stride_kd, mask=col_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
         if IEEE:
             products = tl.dot(k, tl.trans(q), input_precision="ieee")
         else:
             products = tl.dot(k, tl.trans(q))
-        q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
         k_pos = tl.load(K_POS + cols, mask=col_ok, other=0)
         logits = tl.where(k_pos[:, None] > q_pos[None, :], float("-inf"), products * scale)
     else:
@@ -221,7 +238,8 @@ def _add_slash_sums(
     BLOCK: tl.constexpr,
     CONSECUTIVE: tl.constexpr,
 ):
-    """Adds the int64 ``terms [BLOCK keys, BLOCK rows]`` of one tile into SUMS ``[seq_len]`` at their offsets
+    """Adds the ``terms [BLOCK keys, BLOCK rows]`` of one tile (as :func:`_score_terms` gives them, converted to
+    int64 after the gather) into SUMS ``[seq_len]`` at their offsets
     s = i − j (terms of pairs with j > i are 0). Consecutive rows and keys: diagonal e = r − u + BLOCK − 1 of
     the tile (row r, key u) holds one offset; one gather over the keys lines up diagonals d and d + BLOCK in
     line d, whose two sums are added with one atomic each. Otherwise one atomic per pair.
@@ -243,7 +261,7 @@ def _add_slash_sums(
         d = steps[:, None]
         r = rows[None, :]
         # line d, row r: key u = (r − d + BLOCK − 1) mod BLOCK, on diagonal d if r <= d, else on d + BLOCK
-        lined_up = tl.gather(terms, (r - d + (BLOCK - 1)) % BLOCK, axis=0)
+        lined_up = tl.gather(terms, (r - d + (BLOCK - 1)) % BLOCK, axis=0).to(tl.int64)
         for half in tl.static_range(2):  # diagonals e = half·BLOCK + d, d = 0 … BLOCK − 1
             on_diagonal = (r > d) if half else (r <= d)
             total = tl.sum(tl.where(on_diagonal, lined_up, 0), axis=1)
@@ -253,7 +271,7 @@ def _add_slash_sums(
     else:
         pair_offsets = q_pos[None, :] - k_pos[:, None]
         pair_kept = in_tile & (pair_offsets >= 0) & (pair_offsets < seq_len)
-        tl.atomic_add(SUMS + pair_offsets, terms, mask=pair_kept, sem="relaxed")
+        tl.atomic_add(SUMS + pair_offsets, terms.to(tl.int64), mask=pair_kept, sem="relaxed")
 
 
 @triton.jit
@@ -299,9 +317,10 @@ def _key_tile_kernel(
     DIM_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
 ):
-    """One pass over one key tile of one query head and sample: ``program_id(0)`` = tile·Hq + head (the heads
-    of a tile run together), ``program_id(1)`` = sample.
+    """One pass over key tiles g·TILES … g·TILES + TILES − 1 of one query head and sample: ``program_id(0)`` =
+    g·Hq + head (the heads of a tile run together), ``program_id(1)`` = sample; the head's rows are loaded once.
 
     Row statistics are ``[b, Hq, L]`` (contiguous); TILE_MAX ``[b, Hq, L, tiles]``; VERTICAL ``[b, Hq, n]``;
     SLASH ``[b, Hq, seq_len]``. _ROW_MAXIMA stores the tile's row maxima; _ROW_SUMS adds Σ_j E(i, j) into
@@ -310,18 +329,120 @@ def _key_tile_kernel(
     writes the tile's logits, computed from q and k, into LOGITS ``[b, Hq, L, n]``.
     """
     head = tl.program_id(0) % num_heads
-    tile = tl.program_id(0) // num_heads
     sample = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, BLOCK)
-    cols = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < num_rows
+    row_stats = (sample * num_heads + head) * num_rows
+    q_pos = tl.load(Q_POS + rows, mask=row_ok, other=0)
+    if FROM_QK:
+        q = _query_tile(Q, sample, head, rows, row_ok, stride_qb, stride_ql, stride_qh, stride_qd, HEAD_DIM, DIM_PAD)
+    else:
+        q = q_pos  # not read
+    for step in range(TILES):
+        tile = (tl.program_id(0) // num_heads) * TILES + step
+        if tile < num_tiles:
+            _one_key_tile(
+                q,
+                q_pos,
+                K,
+                LOGITS,
+                Q_POS,
+                K_POS,
+                CONSTANTS,
+                ROW_MAX,
+                DENOMINATOR,
+                TILE_MAX,
+                ROW_SUMS,
+                VERTICAL,
+                SLASH,
+                stride_kb,
+                stride_kn,
+                stride_kh,
+                stride_kd,
+                stride_lb,
+                stride_lh,
+                stride_lr,
+                num_keys,
+                num_heads,
+                num_tiles,
+                seq_len,
+                group_size,
+                scale,
+                incomplete_score,
+                sample,
+                head,
+                tile,
+                rows,
+                row_ok,
+                row_stats,
+                PASS,
+                FROM_QK,
+                TOP_P,
+                SLASHES,
+                CONSECUTIVE,
+                NUM_COEFFICIENTS,
+                HEAD_DIM,
+                DIM_PAD,
+                IEEE,
+                BLOCK,
+            )
+
+
+@triton.jit
+def _one_key_tile(
+    q,
+    q_pos,
+    K,
+    LOGITS,
+    Q_POS,
+    K_POS,
+    CONSTANTS,
+    ROW_MAX,
+    DENOMINATOR,
+    TILE_MAX,
+    ROW_SUMS,
+    VERTICAL,
+    SLASH,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_lb,
+    stride_lh,
+    stride_lr,
+    num_keys,
+    num_heads,
+    num_tiles,
+    seq_len,
+    group_size,
+    scale,
+    incomplete_score,
+    sample,
+    head,
+    tile,
+    rows,
+    row_ok,
+    row_stats,
+    PASS: tl.constexpr,
+    FROM_QK: tl.constexpr,
+    TOP_P: tl.constexpr,
+    SLASHES: tl.constexpr,
+    CONSECUTIVE: tl.constexpr,
+    NUM_COEFFICIENTS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One pass of :func:`_key_tile_kernel` over key tile ``tile`` of one query head and sample."""
+    cols = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < num_keys
     in_tile = col_ok[:, None] & row_ok[None, :]
     logits = _logit_tile(
-        Q,
+        q,
+        q_pos,
         K,
         LOGITS,
-        Q_POS,
         K_POS,
         sample,
         head,
@@ -329,10 +450,6 @@ def _key_tile_kernel(
         cols,
         row_ok,
         col_ok,
-        stride_qb,
-        stride_ql,
-        stride_qh,
-        stride_qd,
         stride_kb,
         stride_kn,
         stride_kh,
@@ -347,7 +464,6 @@ def _key_tile_kernel(
         DIM_PAD,
         IEEE,
     )
-    row_stats = (sample * num_heads + head) * num_rows
     if PASS == _STORED_LOGITS:
         ptrs = _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr)
         tl.store(ptrs, logits, mask=in_tile)
@@ -372,7 +488,7 @@ def _key_tile_kernel(
             TOP_P,
             NUM_COEFFICIENTS,
         )
-        scores = tl.sum(terms, axis=1)
+        scores = tl.sum(terms.to(tl.int64), axis=1)
         if not TOP_P:
             scores = tl.where(tl.max(masked.to(tl.int32), axis=1) > 0, incomplete_score, scores)
         head_offset = sample * num_heads + head
@@ -499,10 +615,12 @@ def _run_pass(
     """Launches one pass of :func:`_key_tile_kernel`; unused buffers may be None (any tensor stands in)."""
     batch, q_heads, num_rows, num_keys = tiles.shape
     num_tiles = triton.cdiv(num_keys, KEYS_PER_TILE)
+    tiles_per_program = TILES_PER_SLASH_PROGRAM if slash is not None else TILES_PER_PROGRAM
+    num_groups = triton.cdiv(num_tiles, tiles_per_program)
     stand_in = tiles.tensors[2]
     buffers = [row_max, denominators, tile_max, row_sums, vertical, slash]
     constants = _constants(rules, stand_in.device) if rules is not None else stand_in
-    _key_tile_kernel[(num_tiles * q_heads, batch)](
+    _key_tile_kernel[(num_groups * q_heads, batch)](
         *tiles.tensors,
         q_positions.long().contiguous(),
         k_positions.long().contiguous(),
@@ -523,6 +641,7 @@ def _run_pass(
         CONSECUTIVE=consecutive_keys,
         NUM_COEFFICIENTS=len(rules.exp2_coefficients) if rules is not None else 1,
         BLOCK=KEYS_PER_TILE,
+        TILES=tiles_per_program,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
         **tiles.meta,
