@@ -44,11 +44,11 @@ from .host_copies import to_device
 ROWS_PER_TILE = 64  # the estimation rows, L ≤ 64: one tile
 KEYS_PER_TILE = 64  # keys per tile; equal to the rows, so a tile's diagonals gather within its shape
 NUM_WARPS = 4  # every pass: one dot code, hence one value per logit
-# key tiles one program runs, one after the other, with its query rows loaded once; the scores pass with slash
-# sums runs one, as the gathered tile's registers leave no room for more (docs/benchmarks.md, session 46)
-TILES_PER_PROGRAM, TILES_PER_SLASH_PROGRAM = 4, 1
 # the passes over key tiles
 _ROW_MAXIMA, _ROW_SUMS, _SCORES, _STORED_LOGITS = (tl.constexpr(i) for i in range(4))
+# key tiles one program runs, one after the other, with its query rows loaded once: more than one only where it
+# measured faster (docs/benchmarks.md, session 46); the passes with the most registers lose occupancy instead
+_TILES_PER_PROGRAM = {_ROW_MAXIMA.value: 4}  # by pass; others 1
 # positions of the fp64 constants in the tensor built by _constants
 _ONE, _STATIC_LIMIT, _EXP_FLOOR, _LOG2_E, _FIRST_COEFFICIENT = (tl.constexpr(i) for i in range(5))
 
@@ -615,7 +615,7 @@ def _run_pass(
     """Launches one pass of :func:`_key_tile_kernel`; unused buffers may be None (any tensor stands in)."""
     batch, q_heads, num_rows, num_keys = tiles.shape
     num_tiles = triton.cdiv(num_keys, KEYS_PER_TILE)
-    tiles_per_program = TILES_PER_SLASH_PROGRAM if slash is not None else TILES_PER_PROGRAM
+    tiles_per_program = _TILES_PER_PROGRAM.get(pass_number, 1)
     num_groups = triton.cdiv(num_tiles, tiles_per_program)
     stand_in = tiles.tensors[2]
     buffers = [row_max, denominators, tile_max, row_sums, vertical, slash]

@@ -52,8 +52,7 @@ for dtype in ("bf16", "fp16"):
     sequences = {}
     for pass_number, top_p, consecutive in passes:
         flags = dict(TOP_P=top_p, SLASHES=True, CONSECUTIVE=consecutive)
-        # as _run_pass launches them: the scores pass (with slash sums) one key tile per program, the others more
-        tiles = kernels.TILES_PER_SLASH_PROGRAM if pass_number == kernels._SCORES else kernels.TILES_PER_PROGRAM
+        tiles = kernels._TILES_PER_PROGRAM.get(pass_number.value, 1)  # key tiles per program, as launched
         constants = dict(PASS=pass_number, FROM_QK=True, NUM_COEFFICIENTS=14, TILES=tiles, **flags, **shape)
         sequences[(int(pass_number), top_p, consecutive)] = wgmma_lines(kernels._key_tile_kernel, constants, dtype)
     stored = sequences[(int(kernels._STORED_LOGITS), False, False)]
