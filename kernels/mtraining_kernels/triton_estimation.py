@@ -10,11 +10,13 @@ int64 fixed-point scores on the GPU from logits that are never stored:
   every rank of a context-parallel group. They are not the bits of the PyTorch definition (a sequential
   fp32 sum): the two paths agree to fp32 rounding, each is bit-identical to its own distributed estimator.
 * **Passes** over key tiles (grid: query heads fastest, so the query heads of one KV head read a key tile
-  while it is in L2): the row maxima per tile (top-P), the row sums Z_i of E = round(exp(ℓ − m_i)·2^32)
+  while it is in L2; a program loads its head's rows once and runs one key tile, or several where that
+  measured faster): the row maxima per tile (top-P), the row sums Z_i of E = round(exp(ℓ − m_i)·2^32)
   (top-P; int64 atomics), then the scores: V(j) of a tile's columns (all rows are in the tile, a plain
   store) and the partial slash sums S(s). With consecutive key and row positions (the whole sequence, a
-  document, a 128-token block of a shard) a tile's diagonals are gathered in registers and each is added
-  with one int64 atomic; otherwise every pair is added at its own offset. A caller whose positions are
+  document, a 128-token block of a shard) a tile's diagonals are gathered in registers (static terms as the
+  fp32 integers they are, half the bytes of int64) and each is added with one int64 atomic; otherwise every
+  pair is added at its own offset. A caller whose positions are
   consecutive in every tile says so (``consecutive_keys``): the pass then neither checks each tile nor
   compiles the per-pair branch, whose registers cost the static pass a third of its programs per
   multiprocessor. One more pass stores the logits (:func:`estimation_logits`), with the same dot code.
@@ -341,20 +343,21 @@ def _key_tile_kernel(
     for step in range(TILES):
         tile = (tl.program_id(0) // num_heads) * TILES + step
         if tile < num_tiles:
-            _one_key_tile(
+            cols = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            col_ok = cols < num_keys
+            in_tile = col_ok[:, None] & row_ok[None, :]
+            logits = _logit_tile(
                 q,
                 q_pos,
                 K,
                 LOGITS,
-                Q_POS,
                 K_POS,
-                CONSTANTS,
-                ROW_MAX,
-                DENOMINATOR,
-                TILE_MAX,
-                ROW_SUMS,
-                VERTICAL,
-                SLASH,
+                sample,
+                head,
+                rows,
+                cols,
+                row_ok,
+                col_ok,
                 stride_kb,
                 stride_kn,
                 stride_kh,
@@ -362,153 +365,58 @@ def _key_tile_kernel(
                 stride_lb,
                 stride_lh,
                 stride_lr,
-                num_keys,
-                num_heads,
-                num_tiles,
-                seq_len,
                 group_size,
                 scale,
-                incomplete_score,
-                sample,
-                head,
-                tile,
-                rows,
-                row_ok,
-                row_stats,
-                PASS,
                 FROM_QK,
-                TOP_P,
-                SLASHES,
-                CONSECUTIVE,
-                NUM_COEFFICIENTS,
                 HEAD_DIM,
                 DIM_PAD,
                 IEEE,
-                BLOCK,
             )
-
-
-@triton.jit
-def _one_key_tile(
-    q,
-    q_pos,
-    K,
-    LOGITS,
-    Q_POS,
-    K_POS,
-    CONSTANTS,
-    ROW_MAX,
-    DENOMINATOR,
-    TILE_MAX,
-    ROW_SUMS,
-    VERTICAL,
-    SLASH,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_kd,
-    stride_lb,
-    stride_lh,
-    stride_lr,
-    num_keys,
-    num_heads,
-    num_tiles,
-    seq_len,
-    group_size,
-    scale,
-    incomplete_score,
-    sample,
-    head,
-    tile,
-    rows,
-    row_ok,
-    row_stats,
-    PASS: tl.constexpr,
-    FROM_QK: tl.constexpr,
-    TOP_P: tl.constexpr,
-    SLASHES: tl.constexpr,
-    CONSECUTIVE: tl.constexpr,
-    NUM_COEFFICIENTS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One pass of :func:`_key_tile_kernel` over key tile ``tile`` of one query head and sample."""
-    cols = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < num_keys
-    in_tile = col_ok[:, None] & row_ok[None, :]
-    logits = _logit_tile(
-        q,
-        q_pos,
-        K,
-        LOGITS,
-        K_POS,
-        sample,
-        head,
-        rows,
-        cols,
-        row_ok,
-        col_ok,
-        stride_kb,
-        stride_kn,
-        stride_kh,
-        stride_kd,
-        stride_lb,
-        stride_lh,
-        stride_lr,
-        group_size,
-        scale,
-        FROM_QK,
-        HEAD_DIM,
-        DIM_PAD,
-        IEEE,
-    )
-    if PASS == _STORED_LOGITS:
-        ptrs = _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr)
-        tl.store(ptrs, logits, mask=in_tile)
-    elif PASS == _ROW_MAXIMA:
-        tile_max = tl.max(tl.where(in_tile, logits, float("-inf")), axis=0)
-        tl.store(TILE_MAX + (row_stats + rows) * num_tiles + tile, tile_max, mask=row_ok)
-    elif PASS == _ROW_SUMS:
-        row_max = tl.load(ROW_MAX + row_stats + rows, mask=row_ok, other=0.0)
-        counted = in_tile & (logits != float("-inf"))
-        exp_values = _exp_fixed_point(logits, row_max[None, :], counted, CONSTANTS, NUM_COEFFICIENTS)
-        tl.atomic_add(ROW_SUMS + row_stats + rows, tl.sum(exp_values, axis=0), mask=row_ok, sem="relaxed")
-    else:
-        masked = in_tile & (logits == float("-inf"))
-        terms = _score_terms(
-            logits,
-            in_tile & ~masked,
-            ROW_MAX + row_stats,
-            DENOMINATOR + row_stats,
-            rows,
-            row_ok,
-            CONSTANTS,
-            TOP_P,
-            NUM_COEFFICIENTS,
-        )
-        scores = tl.sum(terms.to(tl.int64), axis=1)
-        if not TOP_P:
-            scores = tl.where(tl.max(masked.to(tl.int32), axis=1) > 0, incomplete_score, scores)
-        head_offset = sample * num_heads + head
-        tl.store(VERTICAL + head_offset * num_keys + cols, scores, mask=col_ok)
-        if SLASHES:
-            _add_slash_sums(
-                terms,
-                in_tile,
-                rows,
-                cols,
-                tile.to(tl.int64) * BLOCK,
-                row_ok,
-                col_ok,
-                Q_POS,
-                K_POS,
-                SLASH + head_offset * seq_len,
-                seq_len,
-                BLOCK,
-                CONSECUTIVE,
-            )
+            if PASS == _STORED_LOGITS:
+                ptrs = _logit_pointers(LOGITS, sample, head, rows, cols, stride_lb, stride_lh, stride_lr)
+                tl.store(ptrs, logits, mask=in_tile)
+            elif PASS == _ROW_MAXIMA:
+                tile_max = tl.max(tl.where(in_tile, logits, float("-inf")), axis=0)
+                tl.store(TILE_MAX + (row_stats + rows) * num_tiles + tile, tile_max, mask=row_ok)
+            elif PASS == _ROW_SUMS:
+                row_max = tl.load(ROW_MAX + row_stats + rows, mask=row_ok, other=0.0)
+                counted = in_tile & (logits != float("-inf"))
+                exp_values = _exp_fixed_point(logits, row_max[None, :], counted, CONSTANTS, NUM_COEFFICIENTS)
+                tl.atomic_add(ROW_SUMS + row_stats + rows, tl.sum(exp_values, axis=0), mask=row_ok, sem="relaxed")
+            else:
+                masked = in_tile & (logits == float("-inf"))
+                terms = _score_terms(
+                    logits,
+                    in_tile & ~masked,
+                    ROW_MAX + row_stats,
+                    DENOMINATOR + row_stats,
+                    rows,
+                    row_ok,
+                    CONSTANTS,
+                    TOP_P,
+                    NUM_COEFFICIENTS,
+                )
+                scores = tl.sum(terms.to(tl.int64), axis=1)
+                if not TOP_P:
+                    scores = tl.where(tl.max(masked.to(tl.int32), axis=1) > 0, incomplete_score, scores)
+                head_offset = sample * num_heads + head
+                tl.store(VERTICAL + head_offset * num_keys + cols, scores, mask=col_ok)
+                if SLASHES:
+                    _add_slash_sums(
+                        terms,
+                        in_tile,
+                        rows,
+                        cols,
+                        tile.to(tl.int64) * BLOCK,
+                        row_ok,
+                        col_ok,
+                        Q_POS,
+                        K_POS,
+                        SLASH + head_offset * seq_len,
+                        seq_len,
+                        BLOCK,
+                        CONSECUTIVE,
+                    )
 
 
 # ----------------------------------------------------------------------------------------------- launchers
