@@ -196,15 +196,20 @@ def exp_fixed_point(logits: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor
     return to_fixed_point(_exp_nonpositive(shifted))
 
 
+def mass_scales(row_sums: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """R_i = 2^32 / (L·row_sums_i) in fp64 ``[..., L]`` (one rounded division per row), from the int64 row
+    sums of :func:`exp_fixed_point` (Z_i·2^32) and ``num_rows`` = L."""
+    return FIXED_POINT_ONE / (row_sums.double() * num_rows)
+
+
 def probability_fixed_point(exp_values: torch.Tensor, row_sums: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Softmax mass P = exp(ℓ − m_i)/(L·Z_i) in fixed point: int64 like ``exp_values``.
 
     ``exp_values`` from :func:`exp_fixed_point`; ``row_sums [..., L]`` their int64 row sums over all
-    keys (Z_i·2^32); ``num_rows`` is L. Computes round(E·2^32 / (L·row_sums)) in fp64, so the
-    masses of a head sum to 1 (2^32) up to rounding.
+    keys (Z_i·2^32); ``num_rows`` is L. Computes round(E·R_i) in fp64 with the row's :func:`mass_scales`
+    (one product per entry, not a division), so the masses of a head sum to 1 (2^32) up to rounding.
     """
-    denominator = row_sums.double() * num_rows
-    return torch.round(exp_values.double() * FIXED_POINT_ONE / denominator[..., None]).long()
+    return torch.round(exp_values.double() * mass_scales(row_sums, num_rows)[..., None]).long()
 
 
 def vertical_scores(values: torch.Tensor, incomplete_columns: torch.Tensor | None = None) -> torch.Tensor:

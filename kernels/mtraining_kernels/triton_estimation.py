@@ -120,18 +120,18 @@ def _exp_fixed_point(logits, row_max, counted, CONSTANTS, NUM_COEFFICIENTS: tl.c
 
 @triton.jit
 def _score_terms(
-    logits, counted, ROW_MAX, DENOMINATOR, rows, row_ok, CONSTANTS, TOP_P: tl.constexpr, NUM_COEFFICIENTS: tl.constexpr
+    logits, counted, ROW_MAX, MASS_SCALE, rows, row_ok, CONSTANTS, TOP_P: tl.constexpr, NUM_COEFFICIENTS: tl.constexpr
 ):
     """Terms of the scores, 0 where not ``counted``, as values whose ``.to(tl.int64)`` is exact: static, fp32
-    round(clamp(ℓ, ±limit)·2^32) (every such fp32 is an integer); top-P, int64 P = round(E·2^32 / (L·Z_i)) with
-    the row's max at ROW_MAX and L·Z_i (fp64) at DENOMINATOR. Static terms stay fp32 so that the slash sums'
+    round(clamp(ℓ, ±limit)·2^32) (every such fp32 is an integer); top-P, int64 P = round(E·R_i) with the row's
+    max at ROW_MAX and R_i = 2^32 / (L·Z_i·2^32) (fp64) at MASS_SCALE. Static terms stay fp32 so that the slash sums'
     gather moves half the bytes."""
     one = tl.load(CONSTANTS + _ONE)
     if TOP_P:
         row_max = tl.load(ROW_MAX + rows, mask=row_ok, other=0.0)
-        denominator = tl.load(DENOMINATOR + rows, mask=row_ok, other=1.0)
+        mass_scale = tl.load(MASS_SCALE + rows, mask=row_ok, other=0.0)
         exp_values = _exp_fixed_point(logits, row_max[None, :], counted, CONSTANTS, NUM_COEFFICIENTS)
-        terms = _round_to_integer(exp_values.to(tl.float64) * one / denominator[None, :]).to(tl.int64)
+        terms = _round_to_integer(exp_values.to(tl.float64) * mass_scale[None, :]).to(tl.int64)
     else:
         limit = tl.load(CONSTANTS + _STATIC_LIMIT).to(tl.float32)
         terms = _static_fixed_point(logits, limit, one.to(tl.float32))
@@ -285,7 +285,7 @@ def _key_tile_kernel(
     K_POS,
     CONSTANTS,
     ROW_MAX,
-    DENOMINATOR,
+    MASS_SCALE,
     TILE_MAX,
     ROW_SUMS,
     VERTICAL,
@@ -327,8 +327,8 @@ def _key_tile_kernel(
     Row statistics are ``[b, Hq, L]`` (contiguous); TILE_MAX ``[b, Hq, L, tiles]``; VERTICAL ``[b, Hq, n]``;
     SLASH ``[b, Hq, seq_len]``. _ROW_MAXIMA stores the tile's row maxima; _ROW_SUMS adds Σ_j E(i, j) into
     ROW_SUMS; _SCORES stores V(j) (static: ``incomplete_score`` for a column with a masked entry) and, with
-    SLASHES, adds the partial S(s). Top-P terms use ROW_MAX and DENOMINATOR = L·Z_i (fp64). _STORED_LOGITS
-    writes the tile's logits, computed from q and k, into LOGITS ``[b, Hq, L, n]``.
+    SLASHES, adds the partial S(s). Top-P terms use ROW_MAX and MASS_SCALE (fp64, see :func:`_score_terms`).
+    _STORED_LOGITS writes the tile's logits, computed from q and k, into LOGITS ``[b, Hq, L, n]``.
     """
     head = tl.program_id(0) % num_heads
     sample = tl.program_id(1).to(tl.int64)
@@ -389,7 +389,7 @@ def _key_tile_kernel(
                     logits,
                     in_tile & ~masked,
                     ROW_MAX + row_stats,
-                    DENOMINATOR + row_stats,
+                    MASS_SCALE + row_stats,
                     rows,
                     row_ok,
                     CONSTANTS,
@@ -512,7 +512,7 @@ def _run_pass(
     *,
     rules: FixedPointRules | None = None,
     row_max: torch.Tensor | None = None,
-    denominators: torch.Tensor | None = None,
+    mass_scales: torch.Tensor | None = None,
     tile_max: torch.Tensor | None = None,
     row_sums: torch.Tensor | None = None,
     vertical: torch.Tensor | None = None,
@@ -526,7 +526,7 @@ def _run_pass(
     tiles_per_program = _TILES_PER_PROGRAM.get(pass_number, 1)
     num_groups = triton.cdiv(num_tiles, tiles_per_program)
     stand_in = tiles.tensors[2]
-    buffers = [row_max, denominators, tile_max, row_sums, vertical, slash]
+    buffers = [row_max, mass_scales, tile_max, row_sums, vertical, slash]
     constants = _constants(rules, stand_in.device) if rules is not None else stand_in
     _key_tile_kernel[(num_groups * q_heads, batch)](
         *tiles.tensors,
@@ -611,7 +611,7 @@ def _score_sums(
     seq_len,
     rules,
     row_max=None,
-    denominators=None,
+    mass_scales=None,
     slashes=True,
     consecutive_keys=False,
 ):
@@ -629,7 +629,7 @@ def _score_sums(
         k_positions,
         rules=rules,
         row_max=row_max,
-        denominators=denominators,
+        mass_scales=mass_scales,
         vertical=vertical,
         slash=slash,
         seq_len=seq_len,
@@ -672,14 +672,15 @@ def top_p_scores(
     """Top-P scores of the source's keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without
     ``slashes``), int64.
 
-    Terms are the masses P = round(E·2^32 / (L·Z_i)) with ``row_max`` and ``row_sums`` (int64 Z_i·2^32)
-    ``[b, Hq, L]`` over all keys of the sequence; V and S sum them as in :func:`static_scores`. Equal to
-    the PyTorch ``probability_fixed_point``, ``vertical_scores`` and ``slash_partial_sums``.
+    Terms are the masses P = round(E·R_i), R_i = 2^32 / (L·Z_i·2^32) rounded to fp64 once per row, with
+    ``row_max`` and ``row_sums`` (int64 Z_i·2^32) ``[b, Hq, L]`` over all keys of the sequence; V and S sum them
+    as in :func:`static_scores`. Equal to the PyTorch ``probability_fixed_point`` (its ``mass_scales``),
+    ``vertical_scores`` and ``slash_partial_sums``.
     ``consecutive_keys`` as in :func:`static_scores`.
     """
     shape = _tiles(source, q_positions, k_positions).shape
     row_max = _row_stats(shape, row_max, "row_max", torch.float32)
-    denominators = _row_stats(shape, row_sums, "row_sums", torch.int64).double() * shape[2]
+    mass_scales = rules.one / (_row_stats(shape, row_sums, "row_sums", torch.int64).double() * shape[2])
     return _score_sums(
-        source, q_positions, k_positions, seq_len, rules, row_max, denominators, slashes, consecutive_keys
+        source, q_positions, k_positions, seq_len, rules, row_max, mass_scales, slashes, consecutive_keys
     )
