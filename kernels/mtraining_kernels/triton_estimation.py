@@ -126,7 +126,6 @@ def _score_terms(
     round(clamp(ℓ, ±limit)·2^32) (every such fp32 is an integer); top-P, int64 P = round(E·R_i) with the row's
     max at ROW_MAX and R_i = 2^32 / (L·Z_i·2^32) (fp64) at MASS_SCALE. Static terms stay fp32 so that the slash sums'
     gather moves half the bytes."""
-    one = tl.load(CONSTANTS + _ONE)
     if TOP_P:
         row_max = tl.load(ROW_MAX + rows, mask=row_ok, other=0.0)
         mass_scale = tl.load(MASS_SCALE + rows, mask=row_ok, other=0.0)
@@ -134,7 +133,7 @@ def _score_terms(
         terms = _round_to_integer(exp_values.to(tl.float64) * mass_scale[None, :]).to(tl.int64)
     else:
         limit = tl.load(CONSTANTS + _STATIC_LIMIT).to(tl.float32)
-        terms = _static_fixed_point(logits, limit, one.to(tl.float32))
+        terms = _static_fixed_point(logits, limit, tl.load(CONSTANTS + _ONE).to(tl.float32))
     return tl.where(counted, terms, 0)
 
 
