@@ -415,7 +415,8 @@ def resolve_budget(
     """The budget as per-head static sizes or a top-P budget, checked against Hq, N and the forced entries.
 
     Kept per budget and arguments (see :func:`_budget_key`): a layer resolves the same budget every step, and
-    then gets the same object back, so what :func:`select_index` derives from it is kept too.
+    then gets the same object back, so what :func:`select_index` derives from it is kept too. Shared, so read
+    the result, never write it.
     """
     if not isinstance(budget, (StaticBudget, StaticHeadBudgets, TopPBudget)):
         raise ValueError(f"budget={budget!r} must be a StaticBudget, StaticHeadBudgets or TopPBudget")
