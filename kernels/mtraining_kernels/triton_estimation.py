@@ -275,7 +275,17 @@ def _add_slash_sums(
         tl.atomic_add(SUMS + pair_offsets, terms.to(tl.int64), mask=pair_kept, sem="relaxed")
 
 
-@triton.jit
+def _pass_name(specialization) -> str:
+    """The name a compiled pass of :func:`_key_tile_kernel` carries in profiles and traces, e.g.
+    ``estimation_scores_top_p_slashes``: one kernel, four passes, told apart."""
+    constants = {name: getattr(value, "value", value) for name, value in specialization.constants.items()}
+    name = ("row_maxima", "row_sums", "scores", "stored_logits")[constants["PASS"]]
+    if constants["PASS"] == _SCORES.value:
+        name += ("_top_p" if constants["TOP_P"] else "_static") + ("_slashes" if constants["SLASHES"] else "")
+    return f"estimation_{name}"
+
+
+@triton.jit(repr=_pass_name)
 def _key_tile_kernel(
     Q,
     K,

@@ -1,7 +1,8 @@
 """Every pass of the estimation kernels computes its logits with the same tensor-core instructions on Hopper
 (DESIGN.md §2.2, bit identity item 1): compiled for sm_90 on the CPU (Triton ships ptxas), the PTX of every
 pass, the one that stores the logits included, holds the same ``wgmma`` sequence, so a logit has one value
-everywhere. The check runs in a fresh process, away from the interpreter flag of the other Triton tests."""
+everywhere; each pass carries its own name in profiles. The check runs in a fresh process, away from the
+interpreter flag of the other Triton tests."""
 
 import os
 import subprocess
@@ -21,7 +22,7 @@ pointers_fp32 = {"Q", "K", "LOGITS", "ROW_MAX", "TILE_MAX"}
 pointers_fp64 = {"CONSTANTS", "MASS_SCALE"}
 
 
-def wgmma_lines(kernel, constants, dtype):
+def compiled_pass(kernel, constants, dtype):  # (the compiled kernel's name, its wgmma lines, registers blanked)
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
@@ -36,26 +37,28 @@ def wgmma_lines(kernel, constants, dtype):
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=kernels.NUM_WARPS, enable_fp_fusion=False),
     )
-    return [re.sub(r"%\w+", "R", l.strip()) for l in compiled.asm["ptx"].splitlines() if "wgmma" in l]
+    return compiled.name, [re.sub(r"%\w+", "R", l.strip()) for l in compiled.asm["ptx"].splitlines() if "wgmma" in l]
 
 
 shape = dict(HEAD_DIM=128, DIM_PAD=128, IEEE=False, BLOCK=kernels.KEYS_PER_TILE)
-passes = (
-    (kernels._STORED_LOGITS, False, False),
-    (kernels._ROW_MAXIMA, False, False),
-    (kernels._ROW_SUMS, True, False),
-    (kernels._SCORES, False, False),
-    (kernels._SCORES, True, False),
-    (kernels._SCORES, False, True),
-    (kernels._SCORES, True, True),
-)
+passes = {  # (pass, top-P, consecutive keys): the name the pass carries in profiles
+    (kernels._STORED_LOGITS, False, False): "estimation_stored_logits",
+    (kernels._ROW_MAXIMA, False, False): "estimation_row_maxima",
+    (kernels._ROW_SUMS, True, False): "estimation_row_sums",
+    (kernels._SCORES, False, False): "estimation_scores_static_slashes",
+    (kernels._SCORES, True, False): "estimation_scores_top_p_slashes",
+    (kernels._SCORES, False, True): "estimation_scores_static_slashes",
+    (kernels._SCORES, True, True): "estimation_scores_top_p_slashes",
+}
 for dtype in ("bf16", "fp16"):
     sequences = {}
-    for pass_number, top_p, consecutive in passes:
+    for (pass_number, top_p, consecutive), expected_name in passes.items():
         flags = dict(TOP_P=top_p, SLASHES=True, CONSECUTIVE=consecutive)
         tiles = kernels._TILES_PER_PROGRAM.get(pass_number.value, 1)  # key tiles per program, as launched
         constants = dict(PASS=pass_number, FROM_QK=True, NUM_COEFFICIENTS=14, TILES=tiles, **flags, **shape)
-        sequences[(int(pass_number), top_p, consecutive)] = wgmma_lines(kernels._key_tile_kernel, constants, dtype)
+        name, lines = compiled_pass(kernels._key_tile_kernel, constants, dtype)
+        sequences[(int(pass_number), top_p, consecutive)] = lines
+        assert name == expected_name, f"{dtype}: pass {int(pass_number)} is named {name}, not {expected_name}"
     stored = sequences[(int(kernels._STORED_LOGITS), False, False)]
     assert any("mma_async" in line for line in stored), f"{dtype}: no wgmma in the PTX"
     for key, lines in sequences.items():
