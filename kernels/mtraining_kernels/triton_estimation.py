@@ -51,6 +51,9 @@ _ROW_MAXIMA, _ROW_SUMS, _SCORES, _STORED_LOGITS = (tl.constexpr(i) for i in rang
 # key tiles one program runs, one after the other, with its query rows loaded once: more than one only where it
 # measured faster (docs/benchmarks.md, session 46); the passes with the most registers lose occupancy instead
 _TILES_PER_PROGRAM = {_ROW_MAXIMA.value: 4}  # by pass; others 1
+# register caps (Triton's maxnreg) by (pass, top-P terms): the fp64 exponential's passes run more programs per
+# multiprocessor under a cap, worth its spills where measured (docs/benchmarks.md, session 47); others uncapped
+_MAX_REGISTERS = {(_ROW_SUMS.value, False): 128, (_SCORES.value, True): 128}
 # positions of the fp64 constants in the tensor built by _constants
 _ONE, _STATIC_LIMIT, _EXP_FLOOR, _LOG2_E, _FIRST_COEFFICIENT = (tl.constexpr(i) for i in range(5))
 
@@ -537,6 +540,7 @@ def _run_pass(
     stand_in = tiles.tensors[2]
     buffers = [row_max, mass_scales, tile_max, row_sums, vertical, slash]
     constants = _constants(rules, stand_in.device) if rules is not None else stand_in
+    top_p = row_max is not None and pass_number == _SCORES.value
     _key_tile_kernel[(num_groups * q_heads, batch)](
         *tiles.tensors,
         q_positions.long().contiguous(),
@@ -553,13 +557,14 @@ def _run_pass(
         tiles.scale,
         rules.incomplete_score if rules is not None else 0,
         PASS=pass_number,
-        TOP_P=row_max is not None and pass_number == _SCORES.value,
+        TOP_P=top_p,
         SLASHES=slash is not None,
         CONSECUTIVE=consecutive_keys,
         NUM_COEFFICIENTS=len(rules.exp2_coefficients) if rules is not None else 1,
         BLOCK=KEYS_PER_TILE,
         TILES=tiles_per_program,
         num_warps=NUM_WARPS,
+        maxnreg=_MAX_REGISTERS.get((pass_number, top_p)),
         enable_fp_fusion=False,
         **tiles.meta,
     )

@@ -22,7 +22,7 @@ pointers_fp32 = {"Q", "K", "LOGITS", "ROW_MAX", "TILE_MAX"}
 pointers_fp64 = {"CONSTANTS", "MASS_SCALE"}
 
 
-def compiled_pass(kernel, constants, dtype):  # (the compiled kernel's name, its wgmma lines, registers blanked)
+def compiled_pass(kernel, constants, dtype, max_registers):  # (the kernel's name, its wgmma lines, registers blanked)
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
@@ -35,7 +35,7 @@ def compiled_pass(kernel, constants, dtype):  # (the compiled kernel's name, its
     compiled = triton.compile(
         ASTSource(fn=kernel, signature=signature, constexprs=constants),
         target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=kernels.NUM_WARPS, enable_fp_fusion=False),
+        options=dict(num_warps=kernels.NUM_WARPS, enable_fp_fusion=False, maxnreg=max_registers),
     )
     return compiled.name, [re.sub(r"%\w+", "R", l.strip()) for l in compiled.asm["ptx"].splitlines() if "wgmma" in l]
 
@@ -44,7 +44,7 @@ shape = dict(HEAD_DIM=128, DIM_PAD=128, IEEE=False, BLOCK=kernels.KEYS_PER_TILE)
 passes = {  # (pass, top-P, consecutive keys): the name the pass carries in profiles
     (kernels._STORED_LOGITS, False, False): "estimation_stored_logits",
     (kernels._ROW_MAXIMA, False, False): "estimation_row_maxima",
-    (kernels._ROW_SUMS, True, False): "estimation_row_sums",
+    (kernels._ROW_SUMS, False, False): "estimation_row_sums",
     (kernels._SCORES, False, False): "estimation_scores_static_slashes",
     (kernels._SCORES, True, False): "estimation_scores_top_p_slashes",
     (kernels._SCORES, False, True): "estimation_scores_static_slashes",
@@ -55,8 +55,9 @@ for dtype in ("bf16", "fp16"):
     for (pass_number, top_p, consecutive), expected_name in passes.items():
         flags = dict(TOP_P=top_p, SLASHES=True, CONSECUTIVE=consecutive)
         tiles = kernels._TILES_PER_PROGRAM.get(pass_number.value, 1)  # key tiles per program, as launched
+        max_registers = kernels._MAX_REGISTERS.get((pass_number.value, top_p))  # as launched
         constants = dict(PASS=pass_number, FROM_QK=True, NUM_COEFFICIENTS=14, TILES=tiles, **flags, **shape)
-        name, lines = compiled_pass(kernels._key_tile_kernel, constants, dtype)
+        name, lines = compiled_pass(kernels._key_tile_kernel, constants, dtype, max_registers)
         sequences[(int(pass_number), top_p, consecutive)] = lines
         assert name == expected_name, f"{dtype}: pass {int(pass_number)} is named {name}, not {expected_name}"
     stored = sequences[(int(kernels._STORED_LOGITS), False, False)]
