@@ -53,7 +53,7 @@ _ROW_MAXIMA, _ROW_SUMS, _SCORES, _STORED_LOGITS = (tl.constexpr(i) for i in rang
 _TILES_PER_PROGRAM = {_ROW_MAXIMA.value: 4}  # by pass; others 1
 # register caps (Triton's maxnreg) by (pass, top-P terms): the fp64 exponential's passes run more programs per
 # multiprocessor under a cap, worth its spills where measured (docs/benchmarks.md, session 47); others uncapped
-_MAX_REGISTERS = {(_ROW_SUMS.value, False): 128, (_SCORES.value, True): 128}
+_MAX_REGISTERS = {(_ROW_SUMS.value, False): 96, (_SCORES.value, True): 128}
 # positions of the fp64 constants in the tensor built by _constants
 _ONE, _STATIC_LIMIT, _EXP_FLOOR, _LOG2_E, _FIRST_COEFFICIENT = (tl.constexpr(i) for i in range(5))
 
