@@ -11,14 +11,14 @@ int64 fixed-point scores on the GPU from logits that are never stored:
   fp32 sum): the two paths agree to fp32 rounding, each is bit-identical to its own distributed estimator.
 * **Passes** over key tiles (grid: query heads fastest, so the query heads of one KV head read a key tile
   while it is in L2; a program loads its head's rows once and runs one key tile, or several where that
-  measured faster): the row maxima per tile (top-P), the row sums Z_i of E = round(exp(ℓ − m_i)·2^32)
-  (top-P; int64 atomics), then the scores: V(j) of a tile's columns (all rows are in the tile, a plain
-  store) and the partial slash sums S(s). With consecutive key and row positions (the whole sequence, a
-  document, a 128-token block of a shard) a tile's diagonals are gathered in registers (static terms as the
-  fp32 integers they are, half the bytes of int64) and each is added with one int64 atomic; otherwise every
-  pair is added at its own offset. A caller whose positions are
-  consecutive in every tile says so (``consecutive_keys``): the pass then neither checks each tile nor
-  compiles the per-pair branch, whose registers cost the static pass a third of its programs per
+  measured faster; the top-P passes under register caps, which measured faster too): the row maxima per
+  tile (top-P), the row sums Z_i of E = round(exp(ℓ − m_i)·2^32) (top-P; int64 atomics), then the scores:
+  V(j) of a tile's columns (all rows are in the tile, a plain store) and the partial slash sums S(s). With
+  consecutive key and row positions (the whole sequence, a document, a 128-token block of a shard) a tile's
+  diagonals are gathered in registers (static terms as the fp32 integers they are, half the bytes of int64)
+  and each is added with one int64 atomic; otherwise every pair is added at its own offset. A caller whose
+  positions are consecutive in every tile says so (``consecutive_keys``): the pass then neither checks each
+  tile nor compiles the per-pair branch, whose registers cost the static pass a third of its programs per
   multiprocessor. One more pass stores the logits (:func:`estimation_logits`), with the same dot code.
 * The integer arithmetic is the PyTorch code's, step for step (fp64 clamp and rounding, the fp64 polynomial
   exponential), so the scores of given logits are bit-equal to ``mtraining_kernels.estimation``'s; integer
