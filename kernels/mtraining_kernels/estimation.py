@@ -25,8 +25,9 @@ samples are grouped (a rank's share of the keys, a batch, a tile of 64 × 64):
   path (:mod:`mtraining_kernels.triton_estimation`, CUDA tensors) computes each 64 × 64 tile with one
   tensor-core dot of one fixed shape instead, equally independent of which keys share the tile, and equal
   to these logits up to fp32 rounding;
-* the exponential is a fixed polynomial in fp64 built from +, ×, floor and an exact power of two
-  (library ``exp`` may mix vector and scalar code paths whose results differ in the last bit);
+* the exponential is a fixed polynomial in fp32 built from +, ×, floor and an exact power of two, each
+  step one IEEE-rounded fp32 operation (library ``exp`` may mix vector and scalar code paths whose results
+  differ in the last bit), and so are the top-P masses;
 * every sum (Z_i, V(j), S(s)) adds int64 values, which is associative, so all-reduces and halo
   additions give the same integers in any order; maxima are exact anyway;
 * ranking compares integers and breaks ties by index, so it needs no tie behaviour of a sort.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from typing import Callable, Literal, NamedTuple
 
 import torch
@@ -56,9 +58,16 @@ FORCED_KEY = 2**63 - 1  # ranking key of forced entries: above every score
 INCOMPLETE_SCORE = -(2**63 - 1)  # static V(j) = −∞: below every sum, and its negation fits
 LIST_ALIGNMENT = 64  # list widths Vmax/Smax are multiples of this (or N)
 _EXP_INPUT_FLOOR = -80.0  # exp(−80)·2^32 < 1e−25: rounds to 0 in fixed point
-_LOG2_E = 1.4426950408889634
-# 2^f = Σ_k (f·ln 2)^k / k! on [0, 1); the degree-13 truncation error is below 2e−13 (relative)
-_EXP2_COEFFICIENTS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(14))
+
+
+def _fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32, as a Python float: every later conversion of it is exact."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+_LOG2_E = _fp32(1.4426950408889634)
+# 2^f = Σ_k (f·ln 2)^k / k! on [0, 1), in fp32; the degree-8 truncation error is below 1.1e−7 (relative)
+_EXP2_COEFFICIENTS = tuple(_fp32(math.log(2.0) ** k / math.factorial(k)) for k in range(9))
 
 
 # reduce_rows(tensor, "max" | "sum"): row maxima or sums over some key columns → over all of them
@@ -169,10 +178,11 @@ def static_logit_fixed_point(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) for fp64 x ≤ 0 from +, ×, floor and an exact power of two; inputs below −80 give exp(−80).
+    """exp(x) for fp32 x ≤ 0 from fp32 +, ×, floor and an exact power of two; inputs below −80 give exp(−80).
 
-    2^y with y = x·log2(e) is split as 2^⌊y⌋ (built from its exponent bits) times a degree-13
-    polynomial in the fraction, evaluated by Horner's rule (a loop over the 13 coefficients).
+    2^y with y = x·log2(e) is split as 2^⌊y⌋ (built from its exponent bits) times a degree-8 polynomial
+    in the fraction, evaluated by Horner's rule (a loop over the 8 coefficients). Within 2e−6 of exp(x),
+    relative, for x ≥ −22 (the rounding of y), where E below is at least 1.
     """
     y = x.clamp(min=_EXP_INPUT_FLOOR) * _LOG2_E
     whole = torch.floor(y)
@@ -180,36 +190,39 @@ def _exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
     poly = torch.full_like(fraction, _EXP2_COEFFICIENTS[-1])
     for coefficient in reversed(_EXP2_COEFFICIENTS[:-1]):
         poly.mul_(fraction).add_(coefficient)
-    power = torch.bitwise_left_shift(whole.long() + 1023, 52).view(torch.float64)  # 2^⌊y⌋, ⌊y⌋ ≥ −116
+    power = torch.bitwise_left_shift(whole.int() + 127, 23).view(torch.float32)  # 2^⌊y⌋, normal: ⌊y⌋ ≥ −116
     return poly.mul_(power)
 
 
 def exp_fixed_point(logits: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """E = round(exp(ℓ − m_i)·2^32): int64 like ``logits``, 0 where masked.
+    """E = round(exp(ℓ − m_i)·2^32), in fp32 arithmetic: int64 like ``logits`` (each an fp32 integer, ≤ 2^32), 0
+    where masked.
 
     ``row_max [..., L]`` must be the row maximum over *all* keys of the sequence (after an
-    all-reduce(MAX) when keys are split), so every exponent is ≤ 0 and E ≤ 2^32.
+    all-reduce(MAX) when keys are split), so every exponent is ≤ 0 and E ≤ 2^32. ℓ − m_i is the fp32
+    difference of the fp32 logit and maximum; the product by 2^32 is exact, then rounded half to even.
     """
     masked = torch.isneginf(logits)
-    shifted = logits.double() - row_max.double()[..., None]
+    shifted = logits.float() - row_max.float()[..., None]
     shifted = shifted.masked_fill_(masked, _EXP_INPUT_FLOOR)  # its E rounds to 0
-    return to_fixed_point(_exp_nonpositive(shifted))
+    return torch.round(_exp_nonpositive(shifted).mul_(FIXED_POINT_ONE)).long()
 
 
 def mass_scales(row_sums: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """R_i = 2^32 / (L·row_sums_i) in fp64 ``[..., L]`` (one rounded division per row), from the int64 row
+    """R_i = 2^32 / (L·row_sums_i) ``[..., L]``: one fp64 division per row, rounded to fp32, from the int64 row
     sums of :func:`exp_fixed_point` (Z_i·2^32) and ``num_rows`` = L."""
-    return FIXED_POINT_ONE / (row_sums.double() * num_rows)
+    return (FIXED_POINT_ONE / (row_sums.double() * num_rows)).float()
 
 
 def probability_fixed_point(exp_values: torch.Tensor, row_sums: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Softmax mass P = exp(ℓ − m_i)/(L·Z_i) in fixed point: int64 like ``exp_values``.
 
     ``exp_values`` from :func:`exp_fixed_point`; ``row_sums [..., L]`` their int64 row sums over all
-    keys (Z_i·2^32); ``num_rows`` is L. Computes round(E·R_i) in fp64 with the row's :func:`mass_scales`
-    (one product per entry, not a division), so the masses of a head sum to 1 (2^32) up to rounding.
+    keys (Z_i·2^32); ``num_rows`` is L. Computes round(E·R_i) in fp32 with the row's :func:`mass_scales`
+    (one product per entry, not a division; E converts to fp32 exactly), so the masses of a head sum to 1
+    (2^32) up to rounding.
     """
-    return torch.round(exp_values.double() * mass_scales(row_sums, num_rows)[..., None]).long()
+    return torch.round(exp_values.float() * mass_scales(row_sums, num_rows)[..., None]).long()
 
 
 def vertical_scores(values: torch.Tensor, incomplete_columns: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,14 +20,14 @@ int64 fixed-point scores on the GPU from logits that are never stored:
   positions are consecutive in every tile says so (``consecutive_keys``): the pass then neither checks each
   tile nor compiles the per-pair branch, whose registers cost the static pass a third of its programs per
   multiprocessor. One more pass stores the logits (:func:`estimation_logits`), with the same dot code.
-* The integer arithmetic is the PyTorch code's, step for step (fp64 clamp and rounding, the fp64 polynomial
-  exponential), so the scores of given logits are bit-equal to ``mtraining_kernels.estimation``'s; integer
-  atomics are exact in any order.
+* The integer arithmetic is the PyTorch code's, step for step (the static terms' clamp and rounding, the fp32
+  polynomial exponential and masses, each step one IEEE-rounded fp32 operation, never fused), so the scores of
+  given logits are bit-equal to ``mtraining_kernels.estimation``'s; integer atomics are exact in any order.
 
 Each pass also takes stored logits instead of q and k (:class:`QueryKeyTiles` or a logits tensor), which is
 how the tests hold the integer arithmetic to the PyTorch code on crafted values. The integer rules come from
-the caller as :class:`FixedPointRules`; fp64 constants reach the kernels through a small fp64 tensor, because
-Triton rounds Python float literals to fp32.
+the caller as :class:`FixedPointRules`; their constants, all fp32 values, reach the kernels through a small fp32
+tensor.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ _ROW_MAXIMA, _ROW_SUMS, _SCORES, _STORED_LOGITS = (tl.constexpr(i) for i in rang
 # key tiles one program runs, one after the other, with its query rows loaded once: more than one only where it
 # measured faster (docs/benchmarks.md, session 46); the passes with the most registers lose occupancy instead
 _TILES_PER_PROGRAM = {_ROW_MAXIMA.value: 4}  # by pass; others 1
-# register caps (Triton's maxnreg) by (pass, top-P terms): the fp64 exponential's passes run more programs per
+# register caps (Triton's maxnreg) by (pass, top-P terms): the exponential's passes run more programs per
 # multiprocessor under a cap, worth its spills where measured (docs/benchmarks.md, session 47); others uncapped
 _MAX_REGISTERS = {(_ROW_SUMS.value, False): 96, (_SCORES.value, True): 128}
-# positions of the fp64 constants in the tensor built by _constants
+# positions of the constants in the tensor built by _constants
 _ONE, _STATIC_LIMIT, _EXP_FLOOR, _LOG2_E, _FIRST_COEFFICIENT = (tl.constexpr(i) for i in range(5))
 
 
@@ -74,7 +74,7 @@ class FixedPointRules(NamedTuple):
 
     ``one``: the fixed-point scale (2^32); ``static_logit_limit``: |ℓ| clamp of static terms;
     ``incomplete_score``: static V(j) of a column with a masked entry; ``exp_input_floor``: exponents
-    below it count as it; ``log2_e``: log₂(e) in fp64; ``exp2_coefficients``: c₀ … c_K of the
+    below it count as it; ``log2_e``: log₂(e) rounded to fp32; ``exp2_coefficients``: c₀ … c_K (fp32 values) of the
     polynomial 2^f ≈ Σ c_k f^k on [0, 1), evaluated by Horner's rule from c_K down.
     """
 
@@ -88,27 +88,32 @@ class FixedPointRules(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def _constants(rules: FixedPointRules, device: torch.device) -> torch.Tensor:
-    """The rules' fp64 constants on ``device``, copied there once per process (read-only for the kernels)."""
+    """The rules' constants as fp32 on ``device`` (each an fp32 value already), copied there once per process
+    (read-only for the kernels)."""
     values = (float(rules.one), rules.static_logit_limit, rules.exp_input_floor, rules.log2_e, *rules.exp2_coefficients)
-    return to_device(torch.tensor(values, dtype=torch.float64), device)
+    constants = torch.tensor(values, dtype=torch.float32)
+    if constants.double().tolist() != list(values):
+        raise ValueError(f"fixed-point constants {values} must be fp32 values, so that no path rounds them")
+    return to_device(constants, device)
 
 
 # --------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _round_to_integer(x):
-    """Round-half-to-even of fp64 ``x`` (as ``torch.round``), still fp64: |x| + 2^52 has unit spacing, and
-    every fp64 of magnitude ≥ 2^52 is an integer already."""
+    """Round-half-to-even of fp32 ``x`` (as ``torch.round``), still fp32: |x| + 2^23 has unit spacing below
+    2^23, and every fp32 of magnitude ≥ 2^23 is an integer already."""
     magnitude = tl.abs(x)
-    rounded = tl.where(magnitude < 4503599627370496.0, (magnitude + 4503599627370496.0) - 4503599627370496.0, magnitude)
+    rounded = tl.where(magnitude < 8388608.0, (magnitude + 8388608.0) - 8388608.0, magnitude)
     return tl.where(x < 0, -rounded, rounded)
 
 
 @triton.jit
 def _exp_fixed_point(logits, row_max, counted, CONSTANTS, NUM_COEFFICIENTS: tl.constexpr):
-    """E = round(exp(ℓ − m)·2^32) as int64 from fp32 ``logits`` and fp32 ``row_max[:, None]``; 0 where not
-    ``counted``. The exact fp64 steps of ``mtraining_kernels.estimation.exp_fixed_point``."""
+    """E = round(exp(ℓ − m)·2^32) as an fp32 integer (≤ 2^32, its int64 conversion exact) from fp32 ``logits``
+    and ``row_max[:, None]``; 0 where not ``counted``. The fp32 steps of
+    ``mtraining_kernels.estimation.exp_fixed_point``."""
     floor_value = tl.load(CONSTANTS + _EXP_FLOOR)
-    shifted = tl.where(counted, logits.to(tl.float64) - row_max.to(tl.float64), floor_value)
+    shifted = tl.where(counted, logits - row_max, floor_value)
     y = tl.maximum(shifted, floor_value) * tl.load(CONSTANTS + _LOG2_E)
     whole = tl.floor(y)
     fraction = y - whole
@@ -116,40 +121,35 @@ def _exp_fixed_point(logits, row_max, counted, CONSTANTS, NUM_COEFFICIENTS: tl.c
     for step in tl.static_range(NUM_COEFFICIENTS - 1):  # c_{K-1} down to c_0
         poly = poly * fraction
         poly = poly + tl.load(CONSTANTS + _FIRST_COEFFICIENT + NUM_COEFFICIENTS - 2 - step)
-    power = ((whole.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
-    exp_values = _round_to_integer((poly * power) * tl.load(CONSTANTS + _ONE)).to(tl.int64)
-    return tl.where(counted, exp_values, 0)
+    power = ((whole.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    exp_values = _round_to_integer((poly * power) * tl.load(CONSTANTS + _ONE))
+    return tl.where(counted, exp_values, 0.0)
 
 
 @triton.jit
 def _score_terms(
     logits, counted, ROW_MAX, MASS_SCALE, rows, row_ok, CONSTANTS, TOP_P: tl.constexpr, NUM_COEFFICIENTS: tl.constexpr
 ):
-    """Terms of the scores, 0 where not ``counted``, as values whose ``.to(tl.int64)`` is exact: static, fp32
-    round(clamp(ℓ, ±limit)·2^32) (every such fp32 is an integer); top-P, int64 P = round(E·R_i) with the row's
-    max at ROW_MAX and R_i = 2^32 / (L·Z_i·2^32) (fp64) at MASS_SCALE. Static terms stay fp32 so that the slash sums'
-    gather moves half the bytes."""
+    """Terms of the scores, 0 where not ``counted``, as fp32 integers whose ``.to(tl.int64)`` is exact (so that the
+    slash sums' gather moves half the bytes of int64): static, round(clamp(ℓ, ±limit)·2^32); top-P,
+    P = round(E·R_i) with the row's max at ROW_MAX and R_i = 2^32 / (L·Z_i·2^32) (fp32) at MASS_SCALE."""
     if TOP_P:
         row_max = tl.load(ROW_MAX + rows, mask=row_ok, other=0.0)
         mass_scale = tl.load(MASS_SCALE + rows, mask=row_ok, other=0.0)
         exp_values = _exp_fixed_point(logits, row_max[None, :], counted, CONSTANTS, NUM_COEFFICIENTS)
-        terms = _round_to_integer(exp_values.to(tl.float64) * mass_scale[None, :]).to(tl.int64)
+        terms = _round_to_integer(exp_values * mass_scale[None, :])
     else:
-        limit = tl.load(CONSTANTS + _STATIC_LIMIT).to(tl.float32)
-        terms = _static_fixed_point(logits, limit, tl.load(CONSTANTS + _ONE).to(tl.float32))
+        terms = _static_fixed_point(logits, tl.load(CONSTANTS + _STATIC_LIMIT), tl.load(CONSTANTS + _ONE))
     return tl.where(counted, terms, 0)
 
 
 @triton.jit
 def _static_fixed_point(logits, limit, one):
     """round(clamp(ℓ, ±limit)·one), an integer held in fp32, for the rules' powers of two (2^24, 2^32): the
-    product is exact (at most 2^56), |x| + 2^23 rounds x half to even below 2^23, and above it every fp32 is an
-    integer, so its int64 conversion gives the bits of the fp64 steps of ``static_logit_fixed_point``."""
+    product is exact (at most 2^56) and its rounding exact too (:func:`_round_to_integer`), so its int64
+    conversion gives the bits of the fp64 steps of ``static_logit_fixed_point``."""
     clamped = tl.minimum(tl.maximum(logits, -limit), limit)
-    scaled = clamped * one
-    magnitude = tl.abs(scaled)
-    rounded = tl.where(magnitude < 8388608.0, (magnitude + 8388608.0) - 8388608.0, magnitude)
-    return tl.where(scaled < 0, -rounded, rounded)
+    return _round_to_integer(clamped * one)
 
 
 @triton.jit
@@ -339,7 +339,7 @@ def _key_tile_kernel(
     Row statistics are ``[b, Hq, L]`` (contiguous); TILE_MAX ``[b, Hq, L, tiles]``; VERTICAL ``[b, Hq, n]``;
     SLASH ``[b, Hq, seq_len]``. _ROW_MAXIMA stores the tile's row maxima; _ROW_SUMS adds Σ_j E(i, j) into
     ROW_SUMS; _SCORES stores V(j) (static: ``incomplete_score`` for a column with a masked entry) and, with
-    SLASHES, adds the partial S(s). Top-P terms use ROW_MAX and MASS_SCALE (fp64, see :func:`_score_terms`).
+    SLASHES, adds the partial S(s). Top-P terms use ROW_MAX and MASS_SCALE (fp32, see :func:`_score_terms`).
     _STORED_LOGITS writes the tile's logits, computed from q and k, into LOGITS ``[b, Hq, L, n]``.
     """
     head = tl.program_id(0) % num_heads
@@ -394,7 +394,8 @@ def _key_tile_kernel(
                 row_max = tl.load(ROW_MAX + row_stats + rows, mask=row_ok, other=0.0)
                 counted = in_tile & (logits != float("-inf"))
                 exp_values = _exp_fixed_point(logits, row_max[None, :], counted, CONSTANTS, NUM_COEFFICIENTS)
-                tl.atomic_add(ROW_SUMS + row_stats + rows, tl.sum(exp_values, axis=0), mask=row_ok, sem="relaxed")
+                row_sums = tl.sum(exp_values.to(tl.int64), axis=0)
+                tl.atomic_add(ROW_SUMS + row_stats + rows, row_sums, mask=row_ok, sem="relaxed")
             else:
                 masked = in_tile & (logits == float("-inf"))
                 terms = _score_terms(
@@ -686,7 +687,7 @@ def top_p_scores(
     """Top-P scores of the source's keys: (V ``[b, Hq, n]``, partial S ``[b, Hq, seq_len]`` or None without
     ``slashes``), int64.
 
-    Terms are the masses P = round(E·R_i), R_i = 2^32 / (L·Z_i·2^32) rounded to fp64 once per row, with
+    Terms are the masses P = round(E·R_i), R_i = 2^32 / (L·Z_i·2^32) rounded to fp32 once per row, with
     ``row_max`` and ``row_sums`` (int64 Z_i·2^32) ``[b, Hq, L]`` over all keys of the sequence; V and S sum them
     as in :func:`static_scores`. Equal to the PyTorch ``probability_fixed_point`` (its ``mass_scales``),
     ``vertical_scores`` and ``slash_partial_sums``.
@@ -694,7 +695,7 @@ def top_p_scores(
     """
     shape = _tiles(source, q_positions, k_positions).shape
     row_max = _row_stats(shape, row_max, "row_max", torch.float32)
-    mass_scales = rules.one / (_row_stats(shape, row_sums, "row_sums", torch.int64).double() * shape[2])
+    mass_scales = (rules.one / (_row_stats(shape, row_sums, "row_sums", torch.int64).double() * shape[2])).float()
     return _score_sums(
         source, q_positions, k_positions, seq_len, rules, row_max, mass_scales, slashes, consecutive_keys
     )

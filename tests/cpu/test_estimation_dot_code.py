@@ -18,8 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mtraining_kernels import triton_estimation as kernels
 
-pointers_fp32 = {"Q", "K", "LOGITS", "ROW_MAX", "TILE_MAX"}
-pointers_fp64 = {"CONSTANTS", "MASS_SCALE"}
+pointers_fp32 = {"Q", "K", "LOGITS", "ROW_MAX", "TILE_MAX", "CONSTANTS", "MASS_SCALE"}
 
 
 def compiled_pass(kernel, constants, dtype, max_registers):  # (the kernel's name, its wgmma lines, registers blanked)
@@ -28,7 +27,7 @@ def compiled_pass(kernel, constants, dtype, max_registers):  # (the kernel's nam
         if name in constants:
             signature[name] = "constexpr"
         elif name.isupper():
-            signature[name] = "*fp32" if name in pointers_fp32 else "*fp64" if name in pointers_fp64 else "*i64"
+            signature[name] = "*fp32" if name in pointers_fp32 else "*i64"
         else:
             signature[name] = "fp32" if name == "scale" else "i64"
     signature["Q"] = signature["K"] = "*" + dtype

@@ -269,14 +269,16 @@ def test_scores_match_the_fp64_definitions(seed):
 
 
 def test_exp_fixed_point_matches_fp64_exp(seed):
+    """The fp32 exponential is within a few fp32 roundings of exp (of x·log2 e, mostly) before its fixed point."""
     generator = torch.Generator().manual_seed(seed)
     logits = -90 * torch.rand(1, 2, 8, 4096, generator=generator, dtype=torch.float64)
     logits[..., :5] = float("-inf")
+    logits[..., 5] = 0.0  # exp(0)·2^32 exactly
     logits = logits.float()
     got = exp_fixed_point(logits, torch.zeros(1, 2, 8))
     expected = torch.exp(logits.double()) * FIXED_POINT_ONE
-    assert ((got.double() - expected).abs() <= 0.5 + 1e-12 * expected).all(), f"seed={seed}"
-    assert (got[..., :5] == 0).all() and got.max() <= FIXED_POINT_ONE
+    assert ((got.double() - expected).abs() <= 0.5 + 2e-6 * expected).all(), f"seed={seed}"
+    assert (got[..., :5] == 0).all() and (got[..., 5] == FIXED_POINT_ONE).all() and got.max() <= FIXED_POINT_ONE
 
 
 # ------------------------------------------------------------------------------------------ ranking

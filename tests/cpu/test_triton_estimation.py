@@ -343,9 +343,10 @@ def test_bad_score_input_raises_value_error_naming_it(call, word):
 
 
 def test_the_kernel_constants_reach_a_device_once():
-    """The fp64 constants of the rules are copied to a device once per process, not on every estimation call
-    (on a GPU each copy of a pageable tensor was a host sync), and they hold the rules' values."""
+    """The constants of the rules are copied to a device once per process, not on every estimation call (on a
+    GPU each copy of a pageable tensor was a host sync), and they hold the rules' values, every one an fp32."""
     first = triton_estimation._constants(RULES, torch.device("cpu"))
     assert triton_estimation._constants(RULES, torch.device("cpu")) is first
-    assert first.dtype == torch.float64
-    assert first.tolist()[:4] == [float(RULES.one), RULES.static_logit_limit, RULES.exp_input_floor, RULES.log2_e]
+    assert first.dtype == torch.float32
+    rules = (float(RULES.one), RULES.static_logit_limit, RULES.exp_input_floor, RULES.log2_e, *RULES.exp2_coefficients)
+    assert first.tolist() == list(rules)

@@ -189,7 +189,7 @@ def test_ranking_by_selection_is_the_ranking_by_sort(seed, seq_len):
 
 @pytest.mark.parametrize("mode", ["static", "top_p", "top_p_blocks"])
 def test_estimation_waits_on_the_host_nowhere(seed, mode):
-    """The index of one layer is queued without a host sync: the budget's sizes and the kernels' fp64 constants
+    """The index of one layer is queued without a host sync: the budget's sizes and the kernels' constants
     reach the device from pinned memory (they were three syncs in the 128K profile, docs/benchmarks.md)."""
     q, k = draw_qk(seed, 1, 4096, 16, 2, 128, torch.bfloat16)
     estimation.estimate_vertical_slash(q, k, BUDGETS[mode])  # compiles the kernels
