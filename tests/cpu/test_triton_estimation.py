@@ -350,3 +350,6 @@ def test_the_kernel_constants_reach_a_device_once():
     assert first.dtype == torch.float32
     rules = (float(RULES.one), RULES.static_logit_limit, RULES.exp_input_floor, RULES.log2_e, *RULES.exp2_coefficients)
     assert first.tolist() == list(rules)
+    unrounded = RULES._replace(log2_e=1.4426950408889634)  # not an fp32 value: a path would round it
+    with pytest.raises(ValueError, match="must be fp32 values"):
+        triton_estimation._constants(unrounded, torch.device("cpu"))
