@@ -16,7 +16,7 @@ SCRIPT = r"""
 import re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mtraining_kernels import triton_estimation as kernels
+from mtraining_kernels import estimation, triton_estimation as kernels
 
 pointers_fp32 = {"Q", "K", "LOGITS", "ROW_MAX", "TILE_MAX", "CONSTANTS", "MASS_SCALE"}
 
@@ -40,6 +40,7 @@ def compiled_pass(kernel, constants, dtype, max_registers):  # (the kernel's nam
 
 
 shape = dict(HEAD_DIM=128, DIM_PAD=128, IEEE=False, BLOCK=kernels.KEYS_PER_TILE)
+coefficients = len(estimation._fixed_point_rules().exp2_coefficients)  # as launched
 passes = {  # (pass, top-P, consecutive keys): the name the pass carries in profiles
     (kernels._STORED_LOGITS, False, False): "estimation_stored_logits",
     (kernels._ROW_MAXIMA, False, False): "estimation_row_maxima",
@@ -55,7 +56,7 @@ for dtype in ("bf16", "fp16"):
         flags = dict(TOP_P=top_p, SLASHES=True, CONSECUTIVE=consecutive)
         tiles = kernels._TILES_PER_PROGRAM.get(pass_number.value, 1)  # key tiles per program, as launched
         max_registers = kernels._MAX_REGISTERS.get((pass_number.value, top_p))  # as launched
-        constants = dict(PASS=pass_number, FROM_QK=True, NUM_COEFFICIENTS=14, TILES=tiles, **flags, **shape)
+        constants = dict(PASS=pass_number, FROM_QK=True, NUM_COEFFICIENTS=coefficients, TILES=tiles, **flags, **shape)
         name, lines = compiled_pass(kernels._key_tile_kernel, constants, dtype, max_registers)
         sequences[(int(pass_number), top_p, consecutive)] = lines
         assert name == expected_name, f"{dtype}: pass {int(pass_number)} is named {name}, not {expected_name}"
