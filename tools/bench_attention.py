@@ -885,11 +885,12 @@ def speedup_figure(rows: list[dict]):
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title(shape)
-    axes[0][0].set_ylabel("fwd+bwd speed-up over SDPA cuDNN (dense causal)")
+    axes[0][0].set_ylabel("fwd+bwd speed-up over\nSDPA cuDNN (dense causal)")
     handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines() if not h.get_label().startswith("_")}
-    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=3, fontsize=8)
+    columns = 2 * len(series)  # two labels fit across a 5-inch panel
+    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=columns, fontsize=8)
     fig.suptitle(f"{rows[0]['gpu']}, bf16, causal, batch {rows[0].get('batch', 1)}")
-    fig.tight_layout(rect=(0, 0.06 * (1 + (len(labels) - 1) // 3), 1, 1))
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(labels) - 1) // columns), 1, 1))
     return fig
 
 

@@ -54,6 +54,23 @@ ROWS = [
 ]  # 8x
 
 
+def test_the_legend_fits_inside_the_figure():
+    """A full run's seven labels on one panel (the bench's one-shape runs): every legend entry is drawn inside the
+    figure, where three columns across one 5-inch panel ran past both its edges."""
+    impls = ["mtraining", "mtraining_deterministic", "mtraining_blocks", "mtraining_dense", "flex_attention"]
+    rows = [row(NEW, "qwen2.5-3b", "sdpa_cudnn", 100.0, 300.0)]
+    rows += [row(NEW, "qwen2.5-3b", impl, 10.0, 30.0) for impl in impls + ["flex_attention_blocks"]]
+    rows += [row(NEW, "qwen2.5-3b", "mtraining", 20.0, 60.0, top_p=0.9)]
+    fig = bench_attention.speedup_figure(rows)
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    assert len(legend.get_texts()) == 7
+    inside = fig.bbox
+    for text in legend.get_texts():
+        box = text.get_window_extent()
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0, text.get_text()
+
+
 def test_report_only_uses_the_latest_run_and_its_own_cudnn(tmp_path):
     jsonl, table, plot = tmp_path / "rows.jsonl", tmp_path / "table.md", tmp_path / "plot.png"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
