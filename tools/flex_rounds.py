@@ -1,15 +1,16 @@
 """Our sparse attention against FlexAttention on exactly our mask, in alternating rounds in one process.
 
 ``bench_attention.py`` times each implementation once, minutes apart. Under a GPU's power cap the clocks drift
-between the two timings, so one run's ratio moves by a few percent from run to run (block-only at 128K on one
-H100: 1.27–1.32× across sessions 43–46, docs/benchmarks.md). Here every round times ours and Flex back to back, in
-alternating order, on the same inputs and mask (``bench_attention.measure``: launched, and queued behind its sleep
-up to ``QUEUED_MAX_LEN``), and the ratio is read per round: its median and its range over the rounds.
+between the two timings, so one run's ratio moves by a few percent from run to run (docs/benchmarks.md). Here every
+round times ours and Flex back to back, in alternating order, on the same inputs and mask
+(``bench_attention.measure``: launched, and queued behind its sleep up to ``QUEUED_MAX_LEN``), and the ratio is read
+per round: its median and its range over the rounds.
 
-Inputs as ``trace_steps.py``'s (Qwen2.5-3B shape, bf16, one sample, ``profile_step.sparse_pattern``'s block pattern
-of the bench's 95 % mask area); Flex's BlockMask is ``flex_peer.block_only_block_mask`` of the same lists, checked
-against ours first (``bench_attention.flex_check``). One row per implementation, N and round is appended to
-``--jsonl``; the summary per N is printed.
+Inputs as ``trace_steps.py``'s: Qwen2.5-3B shape, bf16, one sample, and ``profile_step.sparse_pattern``'s block
+pattern of the mask area of the bench's budget, drawn from a generator of its own (so its density differs slightly
+from the bench's row). Flex's BlockMask is ``flex_peer.block_only_block_mask`` of the same lists, checked against
+ours first (``bench_attention.flex_check``). One row per implementation, N and round is appended to ``--jsonl``; the
+summary per N is printed.
 
     python tools/flex_rounds.py --seq-lens 131072 32768 --rounds 8 --reps 7
 """
