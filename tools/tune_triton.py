@@ -11,6 +11,8 @@ This tool times candidates on this GPU, causal, bf16, ``[1, N, Hq, d]``:
   in that module: there the dq pass walks the bars alone and the key-major config is unused);
 * ``bar_chunk`` candidates replace ``BAR_CHUNK_CONFIG`` (the deterministic mode's pass over the bars' dk/dv)
   and are timed on the deterministic backward, on the sparse pattern only (the full one has no bars);
+* with ``--deterministic`` every backward family is checked and timed on the deterministic backward, where the
+  dq pass computes the dq of every block tile (on Hopper too) and is the config that mode runs on;
 
 each on the full causal pattern (our dense mode) and on a pattern calibrated to ``--sparsity``, next to
 torch SDPA cuDNN in the same run. Every candidate's output and gradients are compared with those of the
@@ -20,6 +22,7 @@ but wrong config cannot win. A candidate that does not compile (e.g. shared memo
 
     python tools/tune_triton.py --seq-len 131072 --jsonl /tmp/tune.jsonl
     python tools/tune_triton.py --seq-len 131072 --kernels bar_chunk
+    python tools/tune_triton.py --seq-len 131072 --kernels backward --deterministic
 """
 
 from __future__ import annotations
@@ -111,12 +114,19 @@ def sweep_pattern(pattern: str, q, k, v, dout, index, density: float, kernels, o
     """Time every candidate of ``kernels`` on one pattern; ``record(**row)`` each result."""
     baselines = {}  # by mode, from the current configs
     for kernel in kernels:
-        deterministic = kernel in DETERMINISTIC_KERNELS
+        deterministic = options.deterministic or kernel in DETERMINISTIC_KERNELS
         if deterministic not in baselines:
             baselines[deterministic] = attention_outputs(q, k, v, dout, index, deterministic)
         current = current_config(kernel, q.shape[-1])
         for config in CANDIDATES[kernel]:
-            row = dict(pattern=pattern, density=density, kernel=kernel, config=config, current=config == current)
+            row = dict(
+                pattern=pattern,
+                density=density,
+                kernel=kernel,
+                config=config,
+                current=config == current,
+                deterministic=deterministic,
+            )
             try:
                 with patched(kernel, config):
                     outputs = attention_outputs(q, k, v, dout, index, deterministic)
@@ -154,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
         help="largest relative RMSE of out/dq/dk/dv against the current config",
     )
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument(
+        "--deterministic", action="store_true", help="check and time every backward family on deterministic=True"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jsonl", type=Path, default=None)
     options = parser.parse_args(argv)

@@ -55,10 +55,13 @@ def test_pass_config_patch_applies_inside_and_restores_after(kernel, config_name
     assert getattr(triton_backend, config_name) == before
 
 
-@pytest.mark.parametrize(("kernel", "deterministic"), [("backward", False), ("bar_chunk", True)])
-def test_each_pass_is_checked_and_timed_in_the_mode_that_launches_it(monkeypatch, kernel, deterministic):
+@pytest.mark.parametrize(
+    ("kernel", "asked", "deterministic"),
+    [("backward", False, False), ("bar_chunk", False, True), ("backward", True, True), ("key_major", True, True)],
+)
+def test_each_pass_is_checked_and_timed_in_the_mode_that_launches_it(monkeypatch, kernel, asked, deterministic):
     """The default backward never launches the bar-chunk pass: its candidates are compared with, and timed on, the
-    deterministic backward, the others on the default one."""
+    deterministic backward, the others on the default one unless ``--deterministic`` asks for that mode."""
     modes = []
     outputs = {name: torch.ones(2) for name in ("out", "dq", "dk", "dv")}
 
@@ -77,7 +80,7 @@ def test_each_pass_is_checked_and_timed_in_the_mode_that_launches_it(monkeypatch
     monkeypatch.setattr(tune_triton, "sparse_attention", fake_sparse_attention)
     monkeypatch.setattr(tune_triton, "measure", fake_measure)
     rows = []
-    options = type("Options", (), {"warmup": 1, "reps": 1, "rmse_bound": 1e-3})
+    options = type("Options", (), {"warmup": 1, "reps": 1, "rmse_bound": 1e-3, "deterministic": asked})
     q = torch.zeros(1, 128, 16, 128)  # read for its head dim only
     tune_triton.sweep_pattern(
         "sparse", q, None, None, None, None, 0.05, [kernel], options, lambda **row: rows.append(row)
@@ -85,6 +88,7 @@ def test_each_pass_is_checked_and_timed_in_the_mode_that_launches_it(monkeypatch
     assert len(rows) == len(tune_triton.CANDIDATES[kernel]) and all(row["status"] == "ok" for row in rows)
     assert all(row["ms"] == 2.0 for row in rows)  # the backward's time
     assert modes and set(modes) == {deterministic}
+    assert all(row["deterministic"] == deterministic for row in rows)
 
 
 def test_worst_rmse_names_the_tensor_that_differs(seed):
