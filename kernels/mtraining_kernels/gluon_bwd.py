@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import gluon_descriptors
 from .bar_words import BarWords
+from .direct_launch import direct
 from .gluon_descriptors import dq_descriptor, rows_descriptor, stats_descriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -680,7 +681,8 @@ def _launch(
     *_, k, _, dq_desc, dk, _ = operands
     group = heads // k.shape[2]
     query_docs, key_docs = documents if documents is not None else (None, None)  # None: no kernel argument
-    one_pass_backward_kernel[grid](
+    direct(one_pass_backward_kernel)(
+        grid,
         *operands,
         *lists,
         query_docs,

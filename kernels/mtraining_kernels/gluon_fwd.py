@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .direct_launch import direct
 from .gluon_descriptors import rows_descriptor
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -467,7 +468,8 @@ def block_forward(
     bars = bar_col is not None
     bar_ptr, bar_col = (bar_ptr, bar_col) if bars else (blk_ptr, blk_col)  # without bars: never read
     num_items = length // BLOCK * heads * batch
-    block_forward_kernel[(min(programs, num_items),)](
+    direct(block_forward_kernel)(
+        (min(programs, num_items),),
         rows_descriptor(q, BLOCK),
         rows_descriptor(k, BLOCK),
         rows_descriptor(v, BLOCK),

@@ -39,6 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bar_chunks import BAR_CHUNK_COLUMNS, bar_chunks_by_column
 from .bar_words import bar_words_by_column
+from .direct_launch import direct
 from .index import KeyLists, block_lists_by_key
 from .launch_checks import check_accumulator, check_doc_ids
 from .layout import BLOCK_SIZE
@@ -322,7 +323,8 @@ def block_bar_forward(
         return
     tma = _copies_tiles(k, v)
     k_desc, v_desc = (_tile_descriptor(t, BLOCK_SIZE) for t in (k, v)) if tma else (k, v)
-    block_bar_forward_kernel[(num_blocks, heads, batch)](
+    direct(block_bar_forward_kernel)(
+        (num_blocks, heads, batch),
         q,
         k,
         v,
@@ -367,8 +369,17 @@ def output_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     batch, seq_len, heads, dim = out.shape
     out, dout = _unit_last_stride(out), _unit_last_stride(dout)
     delta = torch.empty(batch, heads, seq_len, dtype=ACCUMULATOR_DTYPE, device=out.device)
-    output_delta_kernel[(seq_len // BLOCK_SIZE, heads, batch)](
-        out, dout, delta, *_bhs(out), *_bhs(dout), delta.stride(0), delta.stride(1), HEAD_DIM=dim, BLOCK_M=BLOCK_SIZE
+    direct(output_delta_kernel)(
+        (seq_len // BLOCK_SIZE, heads, batch),
+        out,
+        dout,
+        delta,
+        *_bhs(out),
+        *_bhs(dout),
+        delta.stride(0),
+        delta.stride(1),
+        HEAD_DIM=dim,
+        BLOCK_M=BLOCK_SIZE,
     )
     return delta
 
@@ -546,7 +557,8 @@ def _step_gradients(
         )
 
     def query_major_pass(dq_out, fresh: bool) -> None:
-        query_major_backward_kernel[(num_blocks, heads, batch)](
+        direct(query_major_backward_kernel)(
+            (num_blocks, heads, batch),
             q,
             k,
             v,
@@ -608,7 +620,8 @@ def _step_gradients(
         one_pass_block_tiles(None)
     else:  # the block tiles' dk/dv in the key-major pass
         query_rows = KEY_MAJOR_CONFIG["QUERY_ROWS"]
-        key_major_backward_kernel[(num_blocks, kv_heads, batch)](
+        direct(key_major_backward_kernel)(
+            (num_blocks, kv_heads, batch),
             q,
             k,
             v,
@@ -659,7 +672,8 @@ def _step_gradients(
     splits = _bar_chunk_splits(bar_chunks.max_chunks)
     scratch_dk = torch.empty(splits * bar_chunks.max_slots, dim, dtype=torch.float32, device=q.device)
     scratch_dv = torch.empty_like(scratch_dk)
-    bar_chunk_backward_kernel[(bar_chunks.max_chunks, splits)](
+    direct(bar_chunk_backward_kernel)(
+        (bar_chunks.max_chunks, splits),
         q,
         k,
         v,
@@ -692,7 +706,8 @@ def _step_gradients(
         **{**tiles, "BLOCK_N": BAR_CHUNK_COLUMNS},
         **BAR_CHUNK_CONFIG,
     )
-    bar_member_sum_kernel[(bar_chunks.max_targets,)](
+    direct(bar_member_sum_kernel)(
+        (bar_chunks.max_targets,),
         scratch_dk,
         scratch_dv,
         dk,
