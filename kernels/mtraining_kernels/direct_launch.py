@@ -16,6 +16,7 @@ or pre-run hooks (a profiler's, a test's); otherwise every call goes through ``k
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -75,20 +76,23 @@ class DirectLaunch:
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
-        params = getattr(kernel, "params", [])  # the interpreter's kernels keep theirs on ``fn``
-        first_constexpr = next((p.num for p in params if p.is_constexpr), len(params))
-        if any(not p.is_constexpr for p in params[first_constexpr:]):
+        fn = getattr(kernel, "fn", None)  # the JIT's and the interpreter's kernels; None for a test's stand-in
+        params = list(inspect.signature(fn).parameters.values()) if fn is not None else []
+        is_constexpr = ["constexpr" in str(param.annotation) for param in params]
+        first_constexpr = is_constexpr.index(True) if True in is_constexpr else len(params)
+        if not all(is_constexpr[first_constexpr:]):
             raise ValueError(f"{kernel}: runtime parameters after a constexpr; DirectLaunch takes them in order")
+        self.checked = fn is not None
         self.runtime_params = first_constexpr
-        self.constexpr_names = tuple(p.name for p in params[first_constexpr:])
+        self.constexpr_names = tuple(param.name for param in params[first_constexpr:])
         self.compiled: dict = {}
 
     def __call__(self, grid: tuple, *args, **kwargs) -> None:
-        if not self.runtime_params or getattr(self.kernel, "pre_run_hooks", None) or not _direct_path():
+        if self.checked:  # on every path, so the interpreter's tests check each call site
+            self._check_call(args, kwargs)
+        if not self.checked or self.kernel.pre_run_hooks or not _direct_path():
             self.kernel[grid](*args, **kwargs)
             return
-        if len(args) != self.runtime_params:
-            raise TypeError(f"{self.kernel}: {len(args)} runtime arguments given, it takes {self.runtime_params}")
         constexprs = tuple(kwargs[name] for name in self.constexpr_names)
         options = tuple(sorted((name, value) for name, value in kwargs.items() if name not in self.constexpr_names))
         device = driver.active.get_current_device()
@@ -111,6 +115,15 @@ class DirectLaunch:
             grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
             *args, *constexprs,
         )  # fmt: skip
+
+    def _check_call(self, args: tuple, kwargs: dict) -> None:
+        missing = [name for name in self.constexpr_names if name not in kwargs]
+        if len(args) != self.runtime_params or missing:
+            raise TypeError(
+                f"{self.kernel}: {len(args)} positional arguments for its {self.runtime_params} runtime parameters, "
+                f"constexprs missing from the keywords: {missing}; pass the runtime ones in order, the constexprs "
+                f"by name"
+            )
 
 
 @functools.cache

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .direct_launch import direct
 from .host_copies import to_device
 
 ROWS_PER_TILE = 64  # the estimation rows, L ≤ 64: one tile
@@ -542,7 +543,8 @@ def _run_pass(
     buffers = [row_max, mass_scales, tile_max, row_sums, vertical, slash]
     constants = _constants(rules, stand_in.device) if rules is not None else stand_in
     top_p = row_max is not None and pass_number == _SCORES.value
-    _key_tile_kernel[(num_groups * q_heads, batch)](
+    direct(_key_tile_kernel)(
+        (num_groups * q_heads, batch),
         *tiles.tensors,
         q_positions.long().contiguous(),
         k_positions.long().contiguous(),

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .direct_launch import direct
+
 RADIX_BITS = 8  # key bits resolved per level: histograms of 2^8 bins
 CHUNKS = 8  # programs per row
 LEVELS = 3  # histogram levels over whole rows: the magnitude class, then two 8-bit digits
@@ -443,5 +445,5 @@ def top_positions_of_groups(groups: list[SelectionRows]) -> list[torch.Tensor]:
         num_warps=NUM_WARPS,
     )  # fmt: skip
     for stage in range(LEVELS + 1):
-        _selection_kernel[(scratch.shape[0], CHUNKS)](*arguments, STAGE=stage, **constants)
+        direct(_selection_kernel)((scratch.shape[0], CHUNKS), *arguments, STAGE=stage, **constants)
     return outs

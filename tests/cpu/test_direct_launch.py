@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -54,10 +55,6 @@ def test_an_argument_of_another_kind_is_refused():
         direct_launch._argument_key("x")
 
 
-class _Param(SimpleNamespace):
-    pass
-
-
 class _Compiled:
     function, packed_metadata = "function", "metadata"
 
@@ -68,12 +65,15 @@ class _Compiled:
         self.launches.append(("direct", args))
 
 
+def _signature(x, n, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+    pass
+
+
 class _Kernel:
     """Stands for a JIT kernel of runtime parameters (x, n) and constexprs (BLOCK, FLAG)."""
 
-    def __init__(self):
-        names = ("x", "n", "BLOCK", "FLAG")
-        self.params = [_Param(num=i, name=name, is_constexpr=name.isupper()) for i, name in enumerate(names)]
+    def __init__(self, fn=None):
+        self.fn = fn or _signature
         self.launches = []
         self.pre_run_hooks = []
 
@@ -154,9 +154,18 @@ def test_the_interpreter_or_a_launch_hook_takes_the_jit(monkeypatch, setting):
 
 
 def test_a_runtime_parameter_after_a_constexpr_is_refused():
-    kernel = _Kernel()
-    kernel.params[2], kernel.params[1] = kernel.params[1], kernel.params[2]
-    for num, param in enumerate(kernel.params):
-        param.num = num
+    def signature(x, BLOCK: tl.constexpr, n):
+        pass
+
     with pytest.raises(ValueError, match="runtime parameters after a constexpr"):
-        DirectLaunch(kernel)
+        DirectLaunch(_Kernel(signature))
+
+
+@pytest.mark.parametrize("call", ["constexpr_by_position", "constexpr_missing"])
+def test_a_call_that_does_not_name_its_constexprs_is_refused_on_every_path(call):
+    launch = DirectLaunch(_Kernel())
+    with pytest.raises(TypeError, match="pass the runtime ones in order, the constexprs by name"):
+        if call == "constexpr_by_position":
+            launch((1,), torch.zeros(64), 32, 64, FLAG=True)
+        else:
+            launch((1,), torch.zeros(64), 32, FLAG=True)
