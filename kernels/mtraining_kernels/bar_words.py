@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .direct_launch import direct
+
 BAR_WORD_COLUMNS = 128  # columns per chunk: two 64-bit membership words per (chunk, query block)
 ENTRIES_PER_STEP = 128  # bar entries one program reads per loop step
 COLUMNS_PER_SCAN = 2048  # key columns one scan step numbers
@@ -152,7 +154,7 @@ def bar_words_by_column(
     grid = (num_blocks, rows)
     if max_columns is None:
         marked = torch.zeros(rows, key_len, dtype=torch.int32, device=device)
-        _mark_columns_kernel[grid](bar_ptr, bar_col, marked, key_len, STEP=ENTRIES_PER_STEP)
+        direct(_mark_columns_kernel)(grid, bar_ptr, bar_col, marked, key_len, STEP=ENTRIES_PER_STEP)
         max_columns = int(marked.sum(1).max())
     num_chunks = max(1, -(-min(max_columns, key_len) // BAR_WORD_COLUMNS))
     width = num_chunks * BAR_WORD_COLUMNS
@@ -160,9 +162,10 @@ def bar_words_by_column(
     sizes = (rows * key_len, rows, rows * width, chunk_rows * 2)
     slots, count, column, bounds = torch.zeros(sum(sizes), dtype=torch.int32, device=device).split(sizes)
     words = torch.zeros(rows, num_chunks, num_blocks, 2, dtype=torch.int64, device=device)
-    _mark_columns_kernel[grid](bar_ptr, bar_col, slots, key_len, STEP=ENTRIES_PER_STEP)
-    _slots_kernel[(rows,)](slots, count, column, key_len, width, SCAN=COLUMNS_PER_SCAN, num_warps=8)
-    _words_kernel[grid](
+    direct(_mark_columns_kernel)(grid, bar_ptr, bar_col, slots, key_len, STEP=ENTRIES_PER_STEP)
+    direct(_slots_kernel)((rows,), slots, count, column, key_len, width, SCAN=COLUMNS_PER_SCAN, num_warps=8)
+    direct(_words_kernel)(
+        grid,
         bar_ptr,
         bar_col,
         slots,

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .direct_launch import direct
+
 CANDIDATES_PER_STEP = 128  # candidates one program reads per loop step
 HITS_PER_STEP = 1024  # block diagonals or slash offsets one program of the block hits handles per loop step
 
@@ -260,8 +262,15 @@ def slash_block_hits(s_idx: torch.Tensor, num_blocks: int, block_size: int) -> t
     rows = s_idx.reshape(batch * heads, width)
     if width and rows.stride(-1) != 1:
         rows = rows.contiguous()
-    _block_hits_kernel[(batch * heads,)](
-        rows, hit.view(torch.int8), width, num_blocks, rows.stride(0), BLOCK_SIZE=block_size, STEP=HITS_PER_STEP
+    direct(_block_hits_kernel)(
+        (batch * heads,),
+        rows,
+        hit.view(torch.int8),
+        width,
+        num_blocks,
+        rows.stride(0),
+        BLOCK_SIZE=block_size,
+        STEP=HITS_PER_STEP,
     )
     return hit
 
@@ -322,7 +331,8 @@ def _launch(c: ListCandidates, row_starts: torch.Tensor, pointers: torch.Tensor,
     tables = c.tables
     world, num_local_blocks = tables.source_blocks.shape
     batch_heads, num_global_blocks = c.hit.shape
-    _list_rows_kernel[(num_local_blocks, batch_heads, world)](
+    direct(_list_rows_kernel)(
+        (num_local_blocks, batch_heads, world),
         tables.query_blocks,
         tables.source_blocks,
         tables.prefix,
