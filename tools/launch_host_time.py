@@ -1,8 +1,8 @@
 """Python host time of a kernels tree's Gluon launches and of its index estimation, measured without a GPU.
 
 Per call of ``gluon_bwd.one_pass_backward`` (default mode) and ``gluon_fwd.block_forward``, on the shapes of
-``tools/compile_sm90.py`` (Qwen2.5-3B heads): the microseconds our wrapper, the tensor descriptors and Triton's
-JIT take before the C launcher, which here does nothing (Triton compiles against ``compile_sm90``'s stand-in
+``tools/compile_sm90.py`` (Qwen2.5-3B heads): the microseconds our wrapper, the tensor descriptors and the launch
+(Triton's JIT, or on a repeat call a tree's ``direct_launch``) take before the C launcher, which here does nothing (Triton compiles against ``compile_sm90``'s stand-in
 driver). Then the static-budget ``estimate_vertical_slash`` (its scores pass and the selection's four launches),
 per call and until its scores pass is launched, the host time a launched index pays before its first long kernel;
 on CPU tensors of ``ESTIMATION_KEYS`` keys, as the PyTorch ops it runs between launches (allocations, a fill) do
