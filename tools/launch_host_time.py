@@ -2,13 +2,13 @@
 
 Per call of ``gluon_bwd.one_pass_backward`` (default mode) and ``gluon_fwd.block_forward``, on the shapes of
 ``tools/compile_sm90.py`` (Qwen2.5-3B heads): the microseconds our wrapper, the tensor descriptors and the launch
-(Triton's JIT, or on a repeat call a tree's ``direct_launch``) take before the C launcher, which here does nothing (Triton compiles against ``compile_sm90``'s stand-in
-driver). Then the static-budget ``estimate_vertical_slash`` (its scores pass and the selection's four launches),
-per call and until its scores pass is launched, the host time a launched index pays before its first long kernel;
-on CPU tensors of ``ESTIMATION_KEYS`` keys, as the PyTorch ops it runs between launches (allocations, a fill) do
-real work here, and its Python does not depend on the length. On a GPU each launch also pays the C launcher, and
-the device's host may be slower, so this compares two trees' Python, not what a device shows. Needs the Triton
-release the tree's Gluon is written for, first on ``PYTHONPATH``, as ``compile_sm90.py`` does.
+(Triton's JIT, or on a repeat call a tree's ``direct_launch``) take before the C launcher, which here does nothing
+(Triton compiles against ``compile_sm90``'s stand-in driver). Then the static-budget ``estimate_vertical_slash`` (its
+scores pass and the selection's four launches), per call and until its scores pass is launched, the host time a launched
+index pays before its first long kernel; on CPU tensors of ``ESTIMATION_KEYS`` keys, as the PyTorch ops it runs between
+launches (allocations, a fill) do real work here, and its Python does not depend on the length. On a GPU each launch
+also pays the C launcher, and the device's host may be slower, so this compares two trees' Python, not what a device
+shows. Needs the Triton release the tree's Gluon is written for, first on ``PYTHONPATH``, as ``compile_sm90.py`` does.
 Example: ``PYTHONPATH=/tmp/triton36 python tools/launch_host_time.py --kernels .ab/base/kernels``.
 """
 

@@ -2,15 +2,16 @@
 
 ``kernel[grid](*args, **constexprs)`` binds the arguments, specialises each one (dtype, 16-byte alignment, an
 integer's divisibility by 16 or equality to 1), builds a cache key from them and only then calls the compiled
-kernel's launcher, on every call (docs/benchmarks.md, sessions 47 and 50, measure its share of a step's host
-time). :class:`DirectLaunch` keys its own cache on what those specialisations
-are functions of (each tensor's dtype and alignment, each integer's value, each tensor descriptor's dtype, tile
-and layout), the constexprs and the launch options, and calls the cached kernel's launcher itself; a call with a
-new key goes through ``kernel[grid]`` once and caches the kernel that compiles or finds.
+kernel's launcher, on every call (docs/benchmarks.md, sessions 47 and 50, measure its share of a step's host time).
+:class:`DirectLaunch` keys its own cache on what those specialisations are functions of (each tensor's dtype and
+alignment, each integer's value, each tensor descriptor's dtype, tile and layout), the constexprs and the launch
+options, and calls the cached kernel's launcher itself; a call with a new key goes through ``kernel[grid]`` once
+and caches the kernel that compiles or finds.
 
-The launcher's calling convention is Triton's internal one, so the direct path runs only on the release the
-Gluon kernels are written for (``triton_backend.ONE_PASS_TRITON``), outside the interpreter and without launch
-or pre-run hooks (a profiler's, a test's); otherwise every call goes through ``kernel[grid]``.
+The launcher's calling convention is Triton's internal one, so the direct path runs only on the release of
+:data:`DIRECT_TRITON` (the Gluon kernels' too, ``triton_backend.ONE_PASS_TRITON``), outside the interpreter and
+without launch or pre-run hooks (a profiler's, a test's); otherwise, and for an argument of a kind it does not key,
+the call goes through ``kernel[grid]``.
 """
 
 from __future__ import annotations
@@ -96,14 +97,12 @@ class DirectLaunch:
         constexprs = tuple(kwargs[name] for name in self.constexpr_names)
         options = tuple(sorted((name, value) for name, value in kwargs.items() if name not in self.constexpr_names))
         device = driver.active.get_current_device()
-        key = (
-            tuple([_argument_key(arg) for arg in args]),
-            constexprs,
-            options,
-            device,
-            knobs.runtime.debug,
-            knobs.compilation.instrumentation_mode,
-        )
+        try:
+            arguments = tuple([_argument_key(arg) for arg in args])
+        except TypeError:  # a kind Triton may specialise otherwise: its own path
+            self.kernel[grid](*args, **kwargs)
+            return
+        key = (arguments, constexprs, options, device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
         compiled = self.compiled.get(key)
         if compiled is None:  # Triton binds, specialises, compiles or finds, and launches
             self.compiled[key] = self.kernel[grid](*args, **kwargs)

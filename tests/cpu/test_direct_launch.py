@@ -133,6 +133,14 @@ def test_a_call_with_another_key_goes_through_the_jit(direct_path, change):
     assert [entry[0] for entry in kernel.launches] == ["jit", "jit"]
 
 
+def test_an_argument_it_does_not_key_goes_through_the_jit(direct_path):
+    kernel = _Kernel()
+    launch = DirectLaunch(kernel)
+    for _ in range(2):
+        launch((1,), torch.zeros(64), "32", BLOCK=64, FLAG=True)
+    assert [entry[0] for entry in kernel.launches] == ["jit", "jit"]
+
+
 def test_off_the_direct_path_every_call_goes_through_the_jit(monkeypatch):
     monkeypatch.setattr(direct_launch.triton, "__version__", "3.8.0")
     kernel = _Kernel()
