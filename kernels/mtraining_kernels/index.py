@@ -89,9 +89,25 @@ class BlockBarIndex:
         """The source rank a flat ring reads at ``step``: (rank − step) mod W."""
         return (self.rank - step) % self.world_size
 
+    def step_lists(self, source: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(blk_ptr ``[b, Hq, nb+1]``, blk_col, bar_ptr ``[b, Hq, nb+1]``, bar_col) of the step reading ``source``,
+        the launchers' four list arguments; the views are made once per index and source."""
+        views = self._views_by_source
+        if ("lists", source) not in views:
+            views["lists", source] = (self.blk_ptr[source], self.blk_col, self.bar_ptr[source], self.bar_col)
+        return views["lists", source]
+
     def key_lists(self, source: int) -> KeyLists:
-        """The block lists by key of the step reading ``source``, for the launchers' ``key_lists`` keyword."""
-        return KeyLists(self.key_ptr[source], self.key_qblock, self.key_ptr.shape[0])
+        """The block lists by key of the step reading ``source``, for the launchers' ``key_lists`` keyword; made
+        once per index and source."""
+        views = self._views_by_source
+        if ("keys", source) not in views:
+            views["keys", source] = KeyLists(self.key_ptr[source], self.key_qblock, self.key_ptr.shape[0])
+        return views["keys", source]
+
+    @functools.cached_property
+    def _views_by_source(self) -> dict[tuple[str, int], tuple]:
+        return {}
 
     @functools.cached_property
     def _bar_chunks_by_kv_heads(self) -> dict[int, BarChunks]:

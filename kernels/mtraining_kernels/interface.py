@@ -40,10 +40,6 @@ def get_backend(name: str) -> ModuleType:
         ) from err
 
 
-def _step_lists(index: BlockBarIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col
-
-
 def replay_output_error(q: torch.Tensor, replay_output) -> str:
     """Why ``replay_output`` cannot stand in for this call's forward, or '' (None, or (out, lse) of an
     earlier forward: out like ``q`` ``[b, N, Hq, d]``, lse float ``[b, Hq, N]``, on q's device)."""
@@ -87,7 +83,7 @@ class _SparseAttention(torch.autograd.Function):
                 q,
                 k,
                 v,
-                *_step_lists(index),
+                *index.step_lists(0),
                 out,
                 lse,
                 causal_diag=True,
@@ -116,7 +112,7 @@ class _SparseAttention(torch.autograd.Function):
             dout,
             lse,
             delta,
-            *_step_lists(ctx.index),
+            *ctx.index.step_lists(0),
             dq,
             dk,
             dv,

@@ -163,6 +163,21 @@ def test_block_lists_by_key_transpose_every_step(case):
         assert key_ptr.shape == index.blk_ptr[w].shape and key_ptr.dtype == torch.int32
 
 
+def test_step_lists_are_each_sources_slices_made_once():
+    """index.step_lists(w) is (blk_ptr[w], blk_col, bar_ptr[w], bar_col), and a second call returns the same views
+    (the launchers call it per step); key_lists(w) likewise."""
+    seq_len, layout = 8 * BLOCK_SIZE, Layout("striped", 2)
+    v_idx, s_idx = random_index(torch.Generator().manual_seed(3), 1, 2, seq_len, 6, 4)
+    index = convert_index(v_idx, s_idx, layout, 1, seq_len)
+    for w in range(layout.world_size):
+        lists = index.step_lists(w)
+        expected = (index.blk_ptr[w], index.blk_col, index.bar_ptr[w], index.bar_col)
+        assert all(torch.equal(got, want) for got, want in zip(lists, expected, strict=True))
+        assert index.step_lists(w) is lists and index.key_lists(w) is index.key_lists(w)
+        assert torch.equal(index.key_lists(w).ptr, index.key_ptr[w])
+    assert not torch.equal(index.step_lists(0)[0], index.step_lists(1)[0])  # each source its own rows
+
+
 @settings(max_examples=30, deadline=None)
 @given(conversion_cases(max_blocks=16))
 def test_lists_reproduce_reference_mask_rows(case):
