@@ -39,6 +39,10 @@ LAYOUTS = ("striped", "skewed", "zigzag", "contiguous")
 # the micro-batch's own skewed turns, carried by PackedDocuments as get_batch plans them (--mtraining-plan-turns):
 # at CP = 2 and 512 tokens, round 0 turned by 1 and round 1 by 0 is neither striped's (0, 0) nor skewed's (0, 1)
 BATCH_TURNS = (1, 0)
+# the statistics' batch: its 412-token document spans all four 128-token blocks (distances 0..3); its one free slash
+# (local_window=1 takes offset 0) switches on at most two of the distances 1..3, and 12 bars cost less than a block,
+# so its listed work is below dense for any data (three-block documents can be fully listed, density 1.0)
+STATISTICS_LENGTHS = ([300, 1, 60, 151], [100, 412])
 
 
 def _mtraining(kind: str, layout: str = "striped", backend: str = "torch", **extra):
@@ -207,7 +211,7 @@ def _statistics(seed: int) -> dict:
     from megatron_mtraining.attention_stats import collect_stats
     from megatron_mtraining.step_metrics import gather_step_metrics
 
-    batch = _packed_batch(seed)
+    batch = _packed_batch(seed, lengths=STATISTICS_LENGTHS)
     report = {"expected documents per sequence": float(batch["documents"].num_documents.double().mean())}
     for kind in ("full", "sparse"):
         _init_parallel(1, 2)
