@@ -120,13 +120,14 @@ def _loader(
     STAGES: gl.constexpr,
     BARS: gl.constexpr,
 ):
-    """``buffers`` = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots); ``work`` as
-    in :func:`_item_lists`. Takes the next item from COUNTER (int32, 0 at the launch) while any is left, so the
-    items running together stay neighbours, as the hardware would launch them. Per item: its number into the
-    item's slot and its query block into the item's q buffer once both halves have released them, the listed
-    blocks by tensor-memory copies, then (``BARS``) the bars in chunks of BLOCK entries by asynchronous copies,
-    each stage's ready barrier completing once the loader warps' copies have landed. Then num_items into the next
-    slot: the end."""
+    """``buffers`` = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots); ``work`` as in
+    :func:`_item_lists`. Takes the next item from COUNTER (int32, 0 at the launch) while any is left, so the items
+    running together stay neighbours, as the hardware would launch them; the program whose take is the launch's last
+    (num_items + programs takes in all, one past the end per program) sets it back to 0. Per item: its number into
+    the item's slot and its query block into the item's q buffer once both halves have released them, the listed
+    blocks by tensor-memory copies, then (``BARS``) the bars in chunks of BLOCK entries by asynchronous copies, each
+    stage's ready barrier completing once the loader warps' copies have landed. Then num_items into the next slot:
+    the end."""
     q_bufs, k_bufs, v_bufs, q_ready, q_empty, ready_bars, empty_bars, item_slots = buffers
     num_items = work[0]
     fields_layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [BAR_LOADER_WARPS if BARS else 1], [0])
@@ -168,6 +169,8 @@ def _loader(
                 step += 1
         taken += 1
         item = gl.atomic_add(COUNTER, 1, sem="relaxed")
+    if item == num_items + gl.num_programs(0) - 1:  # the launch's last take: every other one is done
+        gl.atomic_xchg(COUNTER, 0, sem="relaxed")  # 0 again for the stream's next launch
     q_slot = taken % 2  # no items left: the halves read num_items and stop
     mbarrier.wait(q_empty.index(q_slot), ((taken // 2) & 1) ^ 1)
     item_slots.index(q_slot).store(_item_fields(field_ids, num_items, 0, 0, 0, 0))
@@ -380,7 +383,8 @@ def block_forward_kernel(
     CAUSAL_DIAG: gl.constexpr,
     BARS: gl.constexpr,
 ):
-    """Grid (programs,) over num_items = nb·Hq·b items, taken from COUNTER (int32 ``[1]``, 0 at the launch).
+    """Grid (programs,) over num_items = nb·Hq·b items, taken from COUNTER (int32 ``[1]``, 0 at the launch and
+    again at its end).
     BLK_PTR int32 ``[b, Hq, nb+1]`` (strides stride_pb, stride_ph) spans BLK_COL, the listed sub-tiles of every query
     block (pairs 2j, 2j+1 per 128-key block); with ``BARS``, BAR_PTR (strides stride_bpb, stride_bph) spans BAR_COL,
     its bar columns, whose rows of K and V (the raw k and v) are gathered."""
@@ -445,6 +449,22 @@ def block_forward_kernel(
     )
 
 
+_ITEM_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _item_counter(device: torch.device) -> torch.Tensor:
+    """The int32 ``[1]`` item counter of ``device``'s current stream, kept from launch to launch: each launch
+    finds it 0 and leaves it 0 (its last take resets it), so no fill is launched before it. While a CUDA graph is
+    captured, a fresh zero counter instead (captured with its fill): a kept one made there would only be zeroed
+    by the graph's replays."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # CPU: compile_sm90's stand-in inputs
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    if key not in _ITEM_COUNTERS:
+        _ITEM_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _ITEM_COUNTERS[key]
+
+
 def block_forward(
     q,
     k,
@@ -481,7 +501,7 @@ def block_forward(
         blk_col,
         bar_ptr,
         bar_col,
-        torch.zeros(1, dtype=torch.int32, device=q.device),  # the next item
+        _item_counter(q.device),  # the next item
         length,
         heads,
         num_items,

@@ -187,6 +187,31 @@ def test_single_step_matches_reference(seed, monkeypatch, forced_programs, patte
     assert len(launched) == (1 if hopper else 0), f"seed={seed} {pattern}: Gluon forward launches {launched}"
 
 
+@pytest.mark.parametrize("pattern", ["mixed", "bars"])
+def test_persistent_forward_leaves_its_item_counter_at_zero(seed, monkeypatch, pattern):
+    """The Gluon forward's kept item counter: three forwards in a row on one stream (1, 5 and one program per
+    multiprocessor), and one on a second stream, each match the reference, and after each the counter of its
+    stream is 0 again (the launch's last take resets it)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the persistent Gluon forward runs on Hopper only")
+    from mtraining_kernels import gluon_fwd
+
+    block_forward, programs_now = gluon_fwd.block_forward, [1]
+
+    def forced(*args, programs: int, **kwargs):
+        block_forward(*args, programs=programs_now[0] or programs, **kwargs)
+
+    monkeypatch.setattr(gluon_fwd, "block_forward", forced)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    for programs, stream in ((1, main), (5, main), (0, main), (3, side)):
+        programs_now[0] = programs
+        with torch.cuda.stream(stream):
+            _check_single_step(seed, pattern, 1, 2, f"programs={programs or 'per multiprocessor'}")
+        torch.cuda.synchronize()
+        counter = gluon_fwd._ITEM_COUNTERS[torch.cuda.current_device(), stream.cuda_stream]  # kept by the launch
+        assert int(counter) == 0, f"seed={seed} {pattern} programs={programs}: the counter was left at {int(counter)}"
+
+
 def _check_single_step(seed, pattern, batch, kv_heads, note):
     """``sparse_attention``'s fresh step (bf16, d = 128, N = 4096, 8 query heads) against the fp32 reference."""
     gen = torch.Generator().manual_seed(seed)
