@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.runtime import driver
 
 from .direct_launch import direct
 from .gluon_descriptors import rows_descriptor
@@ -459,7 +460,7 @@ def _item_counter(device: torch.device) -> torch.Tensor:
     by the graph's replays."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # CPU: compile_sm90's stand-in inputs
         return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    key = (device.index, driver.active.get_current_stream(device.index))  # the raw stream, as the launch takes it
     if key not in _ITEM_COUNTERS:
         _ITEM_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return _ITEM_COUNTERS[key]
