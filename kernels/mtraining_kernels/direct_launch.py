@@ -94,15 +94,14 @@ class DirectLaunch:
         if not self.checked or self.kernel.pre_run_hooks or not _direct_path():
             self.kernel[grid](*args, **kwargs)
             return
-        constexprs = tuple(kwargs[name] for name in self.constexpr_names)
-        options = tuple(sorted((name, value) for name, value in kwargs.items() if name not in self.constexpr_names))
         device = driver.active.get_current_device()
-        try:
-            arguments = tuple([_argument_key(arg) for arg in args])
+        try:  # an int is its own key
+            arguments = tuple([arg if type(arg) is int else _argument_key(arg) for arg in args])
         except TypeError:  # a kind Triton may specialise otherwise: its own path
             self.kernel[grid](*args, **kwargs)
             return
-        key = (arguments, constexprs, options, device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        # the constexprs and options in the call's order: a call site naming them in another order keys a second entry
+        key = (arguments, tuple(kwargs.items()), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
         compiled = self.compiled.get(key)
         if compiled is None:  # Triton binds, specialises, compiles or finds, and launches
             self.compiled[key] = self.kernel[grid](*args, **kwargs)
@@ -112,7 +111,7 @@ class DirectLaunch:
         grid_z = grid[2] if len(grid) > 2 else 1
         compiled.run(
             grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
-            *args, *constexprs,
+            *args, *[kwargs[name] for name in self.constexpr_names],
         )  # fmt: skip
 
     def _check_call(self, args: tuple, kwargs: dict) -> None:

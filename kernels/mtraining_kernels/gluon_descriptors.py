@@ -12,29 +12,35 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 def rows_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of contiguous ``[b, N, H, d]`` tensor ``t`` as ``[b·N, H·d]``, copying ``[rows, d]`` tiles."""
     batch, length, heads, dim = t.shape
-    return _descriptor(t.view(batch * length, heads * dim), [rows, dim], _tile_layout(rows, dim, t.dtype))
+    return _descriptor(t, (batch * length, heads * dim), [rows, dim], _tile_layout(rows, dim, t.dtype))
 
 
 def dq_descriptor(dq: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of contiguous fp32 ``[b, N, Hq, d]`` ``dq`` as ``[b·N, Hq·d]``, reducing ``[rows, d]`` slices
     into it from shared memory laid out as :data:`DQ_SLICE_LAYOUT`."""
     batch, length, heads, dim = dq.shape
-    return _descriptor(dq.view(batch * length, heads * dim), [rows, dim], DQ_SLICE_LAYOUT)
+    return _descriptor(dq, (batch * length, heads * dim), [rows, dim], DQ_SLICE_LAYOUT)
 
 
 def stats_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """Descriptor of contiguous fp32 ``[b, Hq, N]`` row statistics ``t`` as ``[b·Hq, N]``, copying ``[1, rows]``."""
     batch, heads, length = t.shape
-    return _descriptor(t.view(batch * heads, length), [1, rows], _STATS_LAYOUT)
+    return _descriptor(t, (batch * heads, length), [1, rows], _STATS_LAYOUT)
 
 
-def _descriptor(view: torch.Tensor, block_shape: list[int], layout: gl.NVMMASharedLayout) -> TensorDescriptor:
-    """``TensorDescriptor.from_tensor(view, block_shape, layout)`` without its per-call checks, which hold by
-    construction here: 16-byte-aligned bases (the launchers check q, k, v and dO; the rest are fresh buffers), rows
-    of whole 16-byte units, power-of-two tiles; the driver checks them again when it encodes the descriptor."""
+def _descriptor(
+    t: torch.Tensor, shape: tuple[int, int], block_shape: list[int], layout: gl.NVMMASharedLayout
+) -> TensorDescriptor:
+    """``TensorDescriptor.from_tensor(t.view(shape), block_shape, layout)`` of contiguous ``t`` without the view or
+    the per-call checks: the launcher reads only the base's address and dtype (its shape and strides are the
+    descriptor's own), and the checks hold by construction here: 16-byte-aligned bases (the launchers check q, k, v
+    and dO; the rest are fresh buffers), rows of whole 16-byte units, power-of-two tiles; the driver checks them
+    again when it encodes the descriptor."""
+    if not t.is_contiguous():
+        raise ValueError(f"a tensor-memory descriptor needs a contiguous tensor, got strides {t.stride()}")
     descriptor = object.__new__(TensorDescriptor)
     descriptor.__dict__.update(
-        base=view, shape=view.shape, strides=view.stride(), block_shape=block_shape, layout=layout, padding="zero"
+        base=t, shape=shape, strides=(shape[1], 1), block_shape=block_shape, layout=layout, padding="zero"
     )
     return descriptor
 

@@ -238,8 +238,14 @@ def _gluon_block_forward(q, k, v, out, fresh: bool, documents: bool):
 
 
 def _tile_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Descriptor of ``[b, N, H, d]`` tensor ``t`` copying ``[1, rows, 1, d]`` tiles (one (sample, head))."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]])
+    """Descriptor of ``[b, N, H, d]`` tensor ``t`` copying ``[1, rows, 1, d]`` tiles (one (sample, head)), without
+    ``TensorDescriptor``'s per-call checks: :func:`_copies_tiles` has checked its address and strides, its last
+    stride is 1 and the tiles are powers of two; the driver checks them again when it encodes the descriptor."""
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.__dict__.update(
+        base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, rows, 1, t.shape[3]], padding="zero"
+    )
+    return descriptor
 
 
 MAX_BAR_CHUNK_SPLITS = 8
