@@ -28,10 +28,6 @@ from triton.runtime import driver
 DIRECT_TRITON = "3.6."  # the release whose launcher convention this module calls (``JITFunction.run``'s)
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    return t.dtype, t.data_ptr() % 16 == 0
-
-
 def _descriptor_key(d) -> tuple:
     return d.base.dtype, tuple(d.block_shape), getattr(d, "layout", None), d.padding  # Triton's own: no layout
 
@@ -43,14 +39,14 @@ def _argument_key(arg):
     kind = type(arg)
     if kind is int:
         return arg
+    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
     if kind is bool:
         return "u1", arg
     if kind is float:
         return float
     if arg is None:
         return None
-    if isinstance(arg, torch.Tensor):
-        return _tensor_key(arg)
     if hasattr(arg, "block_shape") and hasattr(arg, "base"):
         return _descriptor_key(arg)
     raise TypeError(f"DirectLaunch takes tensors, tensor descriptors, ints, floats, bools and None, got {kind}")

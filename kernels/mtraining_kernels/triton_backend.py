@@ -268,7 +268,7 @@ def _tiles(dim: int) -> dict:
 
 def _bhs(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, token, head) strides of a ``[b, N, H, d]`` tensor."""
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
 
 
 # ---------------------------------------------------------------------------------------- forward
