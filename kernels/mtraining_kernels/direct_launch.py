@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 import triton
@@ -55,7 +54,7 @@ def _argument_key(arg):
 def _direct_path() -> bool:
     return (
         triton.__version__.startswith(DIRECT_TRITON)
-        and os.environ.get("TRITON_INTERPRET") != "1"
+        and not knobs.runtime.interpret
         and not _hooked(knobs.runtime.launch_enter_hook)
         and not _hooked(knobs.runtime.launch_exit_hook)
     )
