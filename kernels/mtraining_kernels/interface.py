@@ -103,7 +103,6 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
-        delta = ctx.backend.output_delta(out, dout)  # [b, Hq, N]
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         ctx.backend.block_bar_backward(
             q,
@@ -111,7 +110,7 @@ class _SparseAttention(torch.autograd.Function):
             v,
             dout,
             lse,
-            delta,
+            None,  # delta = rowsum(out ⊙ dout), computed by the backend from out
             *ctx.index.step_lists(0),
             dq,
             dk,
@@ -124,6 +123,7 @@ class _SparseAttention(torch.autograd.Function):
             bar_width=ctx.index.vertical_width,
             fresh_dq=True,
             fresh_dkv=True,
+            out=out,
             **ctx.index.step_doc_ids(0),
         )
         return dq, dk, dv, None, None, None, None, None

@@ -299,11 +299,13 @@ def block_bar_backward(
     bar_width=None,
     fresh_dq: bool = False,
     fresh_dkv: bool = False,
+    out=None,
 ) -> None:
     """Accumulate one step's gradients in place.
 
     lse ``[b, Hq, Nq]`` is the FINAL merged lse and delta ``[b, Hq, Nq]`` = rowsum(out ⊙ dout), both in
-    the accumulator dtype; dout ``[b, Nq, Hq, d]`` (input or accumulator dtype). With
+    the accumulator dtype (delta None: computed here from ``out``, the forward's ``[b, Nq, Hq, d]``); dout
+    ``[b, Nq, Hq, d]`` (input or accumulator dtype). With
     P = exp(scale·q·kᵀ − lse) and dS = P ⊙ (dout·vᵀ − delta): dq ``[b, Nq, Hq, d]`` += scale·dS·k,
     dk ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout (accumulator dtype, contiguous).
     This backend's backward is always deterministic (bitwise repeatable); ``deterministic`` is
@@ -321,12 +323,20 @@ def block_bar_backward(
     if dout.shape != q.shape or dout.device != q.device:
         raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
     check_accumulator("lse", lse, (batch, heads, query_len), acc, q.device, "the final lse [b, Hq, Nq]")
-    check_accumulator("delta", delta, (batch, heads, query_len), acc, q.device, "rowsum(out * dout) [b, Hq, Nq]")
+    if delta is not None:
+        check_accumulator("delta", delta, (batch, heads, query_len), acc, q.device, "rowsum(out * dout) [b, Hq, Nq]")
+    elif not isinstance(out, torch.Tensor) or out.shape != q.shape or out.device != q.device:
+        raise ValueError(
+            f"delta is None, so out must be the forward's output of q's shape {tuple(q.shape)} on {q.device}, got "
+            f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}; pass it, or pass delta"
+        )
     dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else acc
     check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
     dkv_dtype = dk.dtype if fresh_dkv and isinstance(dk, torch.Tensor) and dk.dtype == k.dtype else acc
     check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "the dk accumulator [b, Nk, Hkv, d]")
     check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "the dv accumulator [b, Nk, Hkv, d]")
+    if delta is None:
+        delta = output_delta(out, dout)
     running_dq = torch.zeros(q.shape, dtype=acc, device=q.device) if fresh_dq else dq
     running_dk, running_dv = (
         (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (k, v)) if fresh_dkv else (dk, dv)

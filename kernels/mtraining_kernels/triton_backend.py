@@ -365,16 +365,17 @@ def block_bar_forward(
 
 
 # ---------------------------------------------------------------------------------------- backward
-def output_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+def output_delta(out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     """delta fp32 ``[b, Hq, N]`` = rowsum(out ⊙ dout) over d, from out and dout ``[b, N, Hq, d]`` (one pass, no
-    fp32 copies of either)."""
+    fp32 copies of either); written into ``delta`` where given (contiguous)."""
     if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[1] % BLOCK_SIZE:
         raise ValueError(f"out must be a [b, N, Hq, d] tensor with N a multiple of {BLOCK_SIZE}, got {out.shape}")
     if not isinstance(dout, torch.Tensor) or dout.shape != out.shape or dout.device != out.device:
         raise ValueError(f"dout {getattr(dout, 'shape', None)} must match out {tuple(out.shape)} on {out.device}")
     batch, seq_len, heads, dim = out.shape
     out, dout = _unit_last_stride(out), _unit_last_stride(dout)
-    delta = torch.empty(batch, heads, seq_len, dtype=ACCUMULATOR_DTYPE, device=out.device)
+    if delta is None:
+        delta = torch.empty(batch, heads, seq_len, dtype=ACCUMULATOR_DTYPE, device=out.device)
     direct(output_delta_kernel)(
         (seq_len // BLOCK_SIZE, heads, batch),
         out,
@@ -432,6 +433,7 @@ def block_bar_backward(
     bar_width: int | None = None,
     fresh_dq: bool = False,
     fresh_dkv: bool = False,
+    out=None,
 ) -> None:
     """:func:`_step_gradients` (arguments and semantics there), and ``fresh_dkv``: dk and dv hold nothing yet
     and this step is their only one: they are written, not added to, in their own dtype (k's, or fp32). The
@@ -447,6 +449,7 @@ def block_bar_backward(
         bar_chunks=bar_chunks,
         bar_width=bar_width,
         fresh_dq=fresh_dq,
+        out=out,
     )
     lists = (blk_ptr, blk_col, bar_ptr, bar_col)
     if not fresh_dkv:
@@ -492,12 +495,15 @@ def _step_gradients(
     bar_width: int | None = None,
     fresh_dq: bool = False,
     dkv_dtype: torch.dtype = ACCUMULATOR_DTYPE,
+    out=None,
 ) -> None:
     """Accumulate one step's gradients in place.
 
-    lse fp32 ``[b, Hq, Nq]`` is the FINAL merged lse and delta fp32 ``[b, Hq, Nq]`` = rowsum(out ⊙ dout);
-    dout ``[b, Nq, Hq, d]`` in q's dtype. With P = exp(scale·q·kᵀ − lse), dS = P ⊙ (dout·vᵀ − delta):
-    dq fp32 ``[b, Nq, Hq, d]`` += scale·dS·k, dk fp32 ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout.
+    lse fp32 ``[b, Hq, Nq]`` is the FINAL merged lse and delta fp32 ``[b, Hq, Nq]`` = rowsum(out ⊙ dout), or
+    None with ``out`` (the forward's, like q): then computed here, inside the query-major pass where that pass
+    runs first (no launch of its own), else by :func:`output_delta`. dout ``[b, Nq, Hq, d]`` in q's dtype. With
+    P = exp(scale·q·kᵀ − lse), dS = P ⊙ (dout·vᵀ − delta): dq fp32 ``[b, Nq, Hq, d]`` += scale·dS·k,
+    dk fp32 ``[b, Nk, Hkv, d]`` += scale·dSᵀ·q, dv += Pᵀ·dout.
     ``key_lists`` (:class:`~mtraining_kernels.index.KeyLists`): this step's block lists by key,
     ``BlockBarIndex.key_lists(source)``; without it they are built here (one host sync).
     ``deterministic`` uses no atomics; repeated calls on the same inputs are then bitwise equal. It reads
@@ -521,15 +527,25 @@ def _step_gradients(
     if dout.shape != q.shape or dout.device != q.device:
         raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
     check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the final lse [b, Hq, Nq]")
-    check_accumulator(
-        "delta", delta, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "rowsum(out * dout) [b, Hq, Nq]"
-    )
+    if delta is not None:
+        check_accumulator(
+            "delta", delta, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "rowsum(out * dout) [b, Hq, Nq]"
+        )
+    elif not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"delta is None, so out must be the forward's output like q ({tuple(q.shape)} {q.dtype} on {q.device}), "
+            f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}; pass it, or pass delta"
+        )
     dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else ACCUMULATOR_DTYPE
     check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
     check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "the dk accumulator [b, Nk, Hkv, d]")
     check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "the dv accumulator [b, Nk, Hkv, d]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
+    delta_from_out = delta is None
+    if delta_from_out:
+        out = _unit_last_stride(out)
+        delta = torch.empty(batch, heads, query_len, dtype=ACCUMULATOR_DTYPE, device=q.device)
     kv_heads = k.shape[2]
     group = heads // kv_heads
     tiles = _tiles(dim)
@@ -562,7 +578,7 @@ def _step_gradients(
             list_steps=list_steps,
         )
 
-    def query_major_pass(dq_out, fresh: bool) -> None:
+    def query_major_pass(dq_out, fresh: bool, with_delta: bool) -> None:  # with_delta: it writes delta first
         direct(query_major_backward_kernel)(
             (num_blocks, heads, batch),
             q,
@@ -570,6 +586,7 @@ def _step_gradients(
             v,
             *((_tile_descriptor(k, SUB_TILE), _tile_descriptor(v, SUB_TILE)) if tma else (k, v)),
             dout,
+            out if with_delta else dout,  # strided as dout
             lse,
             delta,
             dq_out,
@@ -596,6 +613,7 @@ def _step_gradients(
             CAUSAL_DIAG=bool(causal_diag),
             ATOMIC_BAR_DKDV=not deterministic,
             FRESH_DQ=fresh,
+            DELTA_FROM_OUT=with_delta,
             TMA=tma,
             **document_flag,
             **tiles,
@@ -605,6 +623,9 @@ def _step_gradients(
     one_pass_dq = one_pass is not None and not deterministic and not document_flag["DOCUMENTS"]
     short_limit = SHORT_LISTS_WITH_BARS if bar_col.numel() else SHORT_LISTS  # shapes, so no host sync
     short_lists = one_pass_dq and key_qblock.numel() < short_limit * list_steps * batch * heads * num_blocks
+    fused_delta = delta_from_out and not (one_pass_dq and not short_lists) and out.stride() == dout.stride()
+    if delta_from_out and not fused_delta:
+        output_delta(out, dout, delta)
     if one_pass_dq and not short_lists:  # the block tiles, then the bars by column, each in one pass adding into dq
         dq_sum = dq  # the one pass reduces into an fp32 dq through a tensor descriptor: 16-byte-aligned start
         if dq.dtype != ACCUMULATOR_DTYPE or dq.data_ptr() % 16 != 0:
@@ -621,7 +642,7 @@ def _step_gradients(
             else:
                 dq.add_(dq_sum)
         return
-    query_major_pass(dq, fresh=bool(fresh_dq))
+    query_major_pass(dq, fresh=bool(fresh_dq), with_delta=fused_delta)
     if one_pass is not None and (deterministic or short_lists):  # the block tiles' dk/dv in the one pass, no dq
         one_pass_block_tiles(None)
     else:  # the block tiles' dk/dv in the key-major pass

@@ -73,6 +73,7 @@ def query_major_backward_kernel(
     K_DESC,
     V_DESC,
     DO,
+    OUT,
     LSE,
     DELTA,
     DQ,
@@ -121,11 +122,13 @@ def query_major_backward_kernel(
     ATOMIC_BAR_DKDV: tl.constexpr,
     DOCUMENTS: tl.constexpr,
     FRESH_DQ: tl.constexpr,
+    DELTA_FROM_OUT: tl.constexpr,
     TMA: tl.constexpr,
 ):
     """Grid (nb, Hq, b): the dq of one query block over its listed 64-key sub-tiles and its bars (the
     longest lists, the last query blocks, first). ``FRESH_DQ``: DQ holds nothing yet; every row is written
-    in DQ's dtype (rows without work: 0), not added to."""
+    in DQ's dtype (rows without work: 0), not added to. ``DELTA_FROM_OUT``: DELTA holds nothing yet; the
+    program computes its rows' delta = Σ_d OUT·DO (OUT strided as DO) and writes it for the passes after."""
     qblock = num_q_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
     sample = tl.program_id(2).to(tl.int64)
@@ -155,6 +158,11 @@ def query_major_backward_kernel(
         BLOCK_M,
         False,
     )
+    if DELTA_FROM_OUT:  # what output_delta_kernel computes, from the dO rows loaded above
+        out_rows = OUT + sample * stride_db + head * stride_dh + q_rows.to(tl.int64)[:, None] * stride_dn
+        out = tl.load(out_rows + offs_d[None, :])
+        delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + lse_offset + q_rows, delta)
     k_base = K + sample * stride_kb + kv_head * stride_kh
     v_base = V + sample * stride_vb + kv_head * stride_vh
     key_docs_base = KEY_DOCS + sample * stride_docb

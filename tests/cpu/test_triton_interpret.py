@@ -309,6 +309,37 @@ def test_a_fresh_step_writes_what_merging_into_an_empty_state_gives(seed, backen
     assert grads[0][:, :, 1].eq(0).all() and grads[0][:, :, 0].ne(0).any(), f"seed={seed}: the idle head's dq"
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("out_layout", ["like_dout", "strided"])
+@pytest.mark.parametrize("backend", [triton_backend, torch_backend], ids=["triton", "torch"])
+def test_a_backward_given_out_computes_delta_as_given(seed, monkeypatch, backend, out_layout, deterministic):
+    """delta None with the forward's out: the backward computes delta itself and gives bitwise the gradients of
+    the given ``output_delta``. The Triton query-major pass writes it (no delta launch) where out is strided as
+    dout; otherwise ``output_delta`` runs first. Without out it is refused before any work."""
+    gen = torch.Generator().manual_seed(seed)
+    index = convert_index(*make_index(1, 2, 256, "mixed", gen), Layout("contiguous", 1), 0, 256)
+    lists = (index.blk_ptr[0], index.blk_col, index.bar_ptr[0], index.bar_col)
+    q, k, v, dout = make_qkv_dout(1, 256, 2, 1, 64, torch.float16, "cpu", gen)
+    out = torch.randn(q.shape, generator=gen).to(q.dtype)
+    if out_layout == "strided":  # the same values, heads outermost in memory
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    settings = dict(causal_diag=True, softmax_scale=0.125, deterministic=deterministic, fresh_dq=True, fresh_dkv=True)
+    lse = torch.randn(1, 2, 256, generator=gen).abs() + 3.0
+    expected = [torch.empty(t.shape) for t in (q, k, v)]
+    backend.block_bar_backward(q, k, v, dout, lse, backend.output_delta(out, dout), *lists, *expected, **settings)
+    delta_launches = []
+    output_delta = backend.output_delta
+    monkeypatch.setattr(backend, "output_delta", lambda *args: delta_launches.append(1) or output_delta(*args))
+    got = [torch.empty(t.shape) for t in (q, k, v)]
+    backend.block_bar_backward(q, k, v, dout, lse, None, *lists, *got, out=out, **settings)
+    for name, a, b in zip(("dq", "dk", "dv"), got, expected):
+        assert torch.equal(a, b), f"seed={seed} {name}: {(a - b).abs().max():.2e} from the given delta's"
+    fused = backend is triton_backend and out_layout == "like_dout"
+    assert len(delta_launches) == (0 if fused else 1), f"seed={seed}: delta computed {len(delta_launches)} times"
+    with pytest.raises(ValueError, match="delta is None, so out must be the forward's output"):
+        backend.block_bar_backward(q, k, v, dout, lse, None, *lists, *got, **settings)
+
+
 def test_output_delta_is_the_row_sum_of_out_times_dout(seed):
     """The Triton delta kernel against the torch backend's, which is the fp32 product summed over d."""
     gen = torch.Generator().manual_seed(seed)
