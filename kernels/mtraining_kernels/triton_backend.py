@@ -435,68 +435,6 @@ def block_bar_backward(
     fresh_dkv: bool = False,
     out=None,
 ) -> None:
-    """:func:`_step_gradients` (arguments and semantics there), and ``fresh_dkv``: dk and dv hold nothing yet
-    and this step is their only one: they are written, not added to, in their own dtype (k's, or fp32). The
-    Hopper one pass writes them itself where it is their only contributor (no bars, no documents); otherwise
-    they are accumulated in fp32 and copied."""
-    steps = dict(
-        causal_diag=causal_diag,
-        softmax_scale=softmax_scale,
-        deterministic=deterministic,
-        query_doc_ids=query_doc_ids,
-        key_doc_ids=key_doc_ids,
-        key_lists=key_lists,
-        bar_chunks=bar_chunks,
-        bar_width=bar_width,
-        fresh_dq=fresh_dq,
-        out=out,
-    )
-    lists = (blk_ptr, blk_col, bar_ptr, bar_col)
-    if not fresh_dkv:
-        _step_gradients(q, k, v, dout, lse, delta, *lists, dq, dk, dv, **steps)
-        return
-    _check_inputs(q, k, v, softmax_scale)
-    dkv_dtype = dk.dtype if isinstance(dk, torch.Tensor) and dk.dtype == k.dtype else ACCUMULATOR_DTYPE
-    check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "dk [b, Nk, Hkv, d], written")
-    check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "dv [b, Nk, Hkv, d], written")
-    no_bars = isinstance(bar_col, torch.Tensor) and not bar_col.numel()
-    sole_pass = no_bars and query_doc_ids is None and _one_pass_backward(q, k, v, dout, dk, dv) is not None
-    if dkv_dtype != ACCUMULATOR_DTYPE and sole_pass:  # the one pass is their only contributor: it writes them
-        _step_gradients(q, k, v, dout, lse, delta, *lists, dq, dk, dv, dkv_dtype=dkv_dtype, **steps)
-        return
-    dk_sum, dv_sum = (torch.zeros(t.shape, dtype=ACCUMULATOR_DTYPE, device=q.device) for t in (k, v))
-    _step_gradients(q, k, v, dout, lse, delta, *lists, dq, dk_sum, dv_sum, **steps)
-    dk.copy_(dk_sum)
-    dv.copy_(dv_sum)
-
-
-def _step_gradients(
-    q,
-    k,
-    v,
-    dout,
-    lse,
-    delta,
-    blk_ptr,
-    blk_col,
-    bar_ptr,
-    bar_col,
-    dq,
-    dk,
-    dv,
-    *,
-    causal_diag: bool,
-    softmax_scale: float,
-    deterministic: bool = False,
-    query_doc_ids=None,
-    key_doc_ids=None,
-    key_lists=None,
-    bar_chunks=None,
-    bar_width: int | None = None,
-    fresh_dq: bool = False,
-    dkv_dtype: torch.dtype = ACCUMULATOR_DTYPE,
-    out=None,
-) -> None:
     """Accumulate one step's gradients in place.
 
     lse fp32 ``[b, Hq, Nq]`` is the FINAL merged lse and delta fp32 ``[b, Hq, Nq]`` = rowsum(out ⊙ dout), or
@@ -515,8 +453,9 @@ def _step_gradients(
     counted there (one host sync).
     Document ids as in :func:`block_bar_forward`.
     ``fresh_dq``: dq holds nothing yet and this step is its only one: it is written, not added to, in its
-    own dtype (q's, or fp32). ``dkv_dtype`` k's dtype: dk and dv are written by the one pass, the only pass
-    that computes them (:func:`block_bar_backward` decides).
+    own dtype (q's, or fp32). ``fresh_dkv``: the same for dk and dv (k's dtype or fp32). The Hopper one pass
+    writes them itself where it is their only contributor (no bars, no documents); otherwise they are accumulated
+    in fp32 and copied.
     """
     _check_inputs(q, k, v, softmax_scale)
     batch, query_len, heads, dim = q.shape
@@ -538,10 +477,44 @@ def _step_gradients(
         )
     dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else ACCUMULATOR_DTYPE
     check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
+    fresh_low = fresh_dkv and isinstance(dk, torch.Tensor) and dk.dtype == k.dtype  # k's dtype, written whole
+    dkv_dtype = k.dtype if fresh_low else ACCUMULATOR_DTYPE
     check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "the dk accumulator [b, Nk, Hkv, d]")
     check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "the dv accumulator [b, Nk, Hkv, d]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
+    one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
+    sole_pass = one_pass is not None and not bar_col.numel() and not document_flag["DOCUMENTS"]  # no host sync
+    if fresh_dkv and not (fresh_low and sole_pass):  # dk, dv summed in fp32 over passes, then written
+        dk_sum, dv_sum = (torch.zeros(t.shape, dtype=ACCUMULATOR_DTYPE, device=q.device) for t in (k, v))
+        block_bar_backward(
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            blk_ptr,
+            blk_col,
+            bar_ptr,
+            bar_col,
+            dq,
+            dk_sum,
+            dv_sum,
+            causal_diag=causal_diag,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            query_doc_ids=query_doc_ids,
+            key_doc_ids=key_doc_ids,
+            key_lists=key_lists,
+            bar_chunks=bar_chunks,
+            bar_width=bar_width,
+            fresh_dq=fresh_dq,
+            out=out,
+        )
+        dk.copy_(dk_sum)
+        dv.copy_(dv_sum)
+        return
     delta_from_out = delta is None
     if delta_from_out:
         out = _unit_last_stride(out)
@@ -556,7 +529,6 @@ def _step_gradients(
         key_lists = KeyLists(*block_lists_by_key(blk_ptr, blk_col, *_entry_range(blk_ptr)), steps=1)
     key_ptr, key_qblock, list_steps = key_lists
     tma = _copies_tiles(q, k, v, dout)
-    one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
 
     def one_pass_block_tiles(dq_out, bar_words=None) -> None:  # dq_out None: dk and dv alone
         one_pass(
