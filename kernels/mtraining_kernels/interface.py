@@ -95,6 +95,7 @@ class _SparseAttention(torch.autograd.Function):
             out, lse = replay_output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.index, ctx.softmax_scale, ctx.backend, ctx.deterministic = index, softmax_scale, backend, deterministic
+        ctx.forward_checked = replay_output is None  # the backend's forward checked q, k, v, the lists, out and lse
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse's gradient stays None: no zeros are made for it
         return out, lse
@@ -124,6 +125,7 @@ class _SparseAttention(torch.autograd.Function):
             fresh_dq=True,
             fresh_dkv=True,
             out=out,
+            validated=ctx.forward_checked,  # autograd matched dout to out; dq, dk, dv are made here
             **ctx.index.step_doc_ids(0),
         )
         return dq, dk, dv, None, None, None, None, None

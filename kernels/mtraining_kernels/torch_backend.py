@@ -300,6 +300,7 @@ def block_bar_backward(
     fresh_dq: bool = False,
     fresh_dkv: bool = False,
     out=None,
+    validated: bool = False,
 ) -> None:
     """Accumulate one step's gradients in place.
 
@@ -311,7 +312,8 @@ def block_bar_backward(
     This backend's backward is always deterministic (bitwise repeatable); ``deterministic`` is
     accepted for signature parity with the Triton backend, and so are ``key_lists``, ``bar_chunks`` and
     ``bar_width`` (the lists by key and by bar column that the Triton backward reads, and the bound of the
-    latter; this one walks the lists by query block). Document ids as in :func:`block_bar_forward`.
+    latter; this one walks the lists by query block), and ``validated`` (this reference backend always checks).
+    Document ids as in :func:`block_bar_forward`.
     ``fresh_dq``: dq holds nothing yet and this is its only step; it is written, in its own dtype (q's or the
     accumulator's). ``fresh_dkv``: the same for dk and dv (k's dtype or the accumulator's).
     """

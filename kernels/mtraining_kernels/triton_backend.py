@@ -408,6 +408,53 @@ def _entry_range(ptr: torch.Tensor) -> tuple[int, int]:
     return first, last
 
 
+def _check_backward(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    blk_ptr,
+    blk_col,
+    bar_ptr,
+    bar_col,
+    dq,
+    dk,
+    dv,
+    *,
+    softmax_scale,
+    fresh_dq,
+    fresh_dkv,
+    out,
+) -> None:
+    """:func:`block_bar_backward`'s argument checks."""
+    _check_inputs(q, k, v, softmax_scale)
+    batch, query_len, heads = q.shape[:3]
+    num_blocks = query_len // BLOCK_SIZE
+    _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, q.device)
+    if not isinstance(dout, torch.Tensor) or dout.dtype != q.dtype:
+        raise ValueError(f"dout must be a tensor of q's dtype {q.dtype}, got {getattr(dout, 'dtype', type(dout))}")
+    if dout.shape != q.shape or dout.device != q.device:
+        raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
+    check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the final lse [b, Hq, Nq]")
+    if delta is not None:
+        check_accumulator(
+            "delta", delta, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "rowsum(out * dout) [b, Hq, Nq]"
+        )
+    elif not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"delta is None, so out must be the forward's output like q ({tuple(q.shape)} {q.dtype} on {q.device}), "
+            f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}; pass it, or pass delta"
+        )
+    dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else ACCUMULATOR_DTYPE
+    check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
+    fresh_low = fresh_dkv and isinstance(dk, torch.Tensor) and dk.dtype == k.dtype
+    dkv_dtype = k.dtype if fresh_low else ACCUMULATOR_DTYPE
+    check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "the dk accumulator [b, Nk, Hkv, d]")
+    check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "the dv accumulator [b, Nk, Hkv, d]")
+
+
 def block_bar_backward(
     q,
     k,
@@ -434,6 +481,7 @@ def block_bar_backward(
     fresh_dq: bool = False,
     fresh_dkv: bool = False,
     out=None,
+    validated: bool = False,
 ) -> None:
     """Accumulate one step's gradients in place.
 
@@ -456,31 +504,33 @@ def block_bar_backward(
     own dtype (q's, or fp32). ``fresh_dkv``: the same for dk and dv (k's dtype or fp32). The Hopper one pass
     writes them itself where it is their only contributor (no bars, no documents); otherwise they are accumulated
     in fp32 and copied.
+    ``validated``: the caller vouches for every argument, so none is checked: the tensors and lists of a forward
+    this backend checked, a dout that autograd matched to that forward's output, and dq/dk/dv made like q/k/v
+    (the single-device interface's backward, where the checks would delay the first launch).
     """
-    _check_inputs(q, k, v, softmax_scale)
+    if not validated:
+        _check_backward(
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            blk_ptr,
+            blk_col,
+            bar_ptr,
+            bar_col,
+            dq,
+            dk,
+            dv,
+            softmax_scale=softmax_scale,
+            fresh_dq=fresh_dq,
+            fresh_dkv=fresh_dkv,
+            out=out,
+        )
+    fresh_low = fresh_dkv and dk.dtype == k.dtype  # dk and dv written whole in k's dtype
     batch, query_len, heads, dim = q.shape
     num_blocks = query_len // BLOCK_SIZE
-    _check_lists(blk_ptr, blk_col, bar_ptr, bar_col, batch, heads, num_blocks, q.device)
-    if not isinstance(dout, torch.Tensor) or dout.dtype != q.dtype:
-        raise ValueError(f"dout must be a tensor of q's dtype {q.dtype}, got {getattr(dout, 'dtype', type(dout))}")
-    if dout.shape != q.shape or dout.device != q.device:
-        raise ValueError(f"dout {tuple(dout.shape)} on {dout.device} must match q {tuple(q.shape)} on {q.device}")
-    check_accumulator("lse", lse, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "the final lse [b, Hq, Nq]")
-    if delta is not None:
-        check_accumulator(
-            "delta", delta, (batch, heads, query_len), ACCUMULATOR_DTYPE, q.device, "rowsum(out * dout) [b, Hq, Nq]"
-        )
-    elif not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(
-            f"delta is None, so out must be the forward's output like q ({tuple(q.shape)} {q.dtype} on {q.device}), "
-            f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}; pass it, or pass delta"
-        )
-    dq_dtype = dq.dtype if fresh_dq and isinstance(dq, torch.Tensor) and dq.dtype == q.dtype else ACCUMULATOR_DTYPE
-    check_accumulator("dq", dq, tuple(q.shape), dq_dtype, q.device, "the dq accumulator [b, Nq, Hq, d]")
-    fresh_low = fresh_dkv and isinstance(dk, torch.Tensor) and dk.dtype == k.dtype  # k's dtype, written whole
-    dkv_dtype = k.dtype if fresh_low else ACCUMULATOR_DTYPE
-    check_accumulator("dk", dk, tuple(k.shape), dkv_dtype, q.device, "the dk accumulator [b, Nk, Hkv, d]")
-    check_accumulator("dv", dv, tuple(v.shape), dkv_dtype, q.device, "the dv accumulator [b, Nk, Hkv, d]")
     documents, document_flag = _document_arguments(query_doc_ids, key_doc_ids, q, k.shape[1], blk_ptr)
     q, k, v, dout = (_unit_last_stride(t) for t in (q, k, v, dout))
     one_pass = _one_pass_backward(q, k, v, dout, dk, dv)
@@ -511,6 +561,7 @@ def block_bar_backward(
             bar_width=bar_width,
             fresh_dq=fresh_dq,
             out=out,
+            validated=True,
         )
         dk.copy_(dk_sum)
         dv.copy_(dv_sum)

@@ -340,6 +340,34 @@ def test_a_backward_given_out_computes_delta_as_given(seed, monkeypatch, backend
         backend.block_bar_backward(q, k, v, dout, lse, None, *lists, *got, **settings)
 
 
+def test_the_interface_backward_skips_the_checks_its_forward_made(seed, monkeypatch):
+    """sparse_attention's backward passes ``validated`` to the Triton backend: no argument is checked again
+    and the gradients are bitwise those of the checked backward. With ``replay_output`` (no forward of ours ran)
+    the backward checks everything, so an input the backend refuses is still refused before any work."""
+    gen = torch.Generator().manual_seed(seed)
+    index = convert_index(*make_index(1, 2, 256, "mixed", gen), Layout("contiguous", 1), 0, 256)
+    q, k, v, dout = make_qkv_dout(1, 256, 2, 1, 64, torch.float16, "cpu", gen)
+    calls = []
+    check_backward = triton_backend._check_backward
+    monkeypatch.setattr(triton_backend, "_check_backward", lambda *a, **kw: calls.append(1) or check_backward(*a, **kw))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = sparse_attention(*leaves, index, backend="triton", return_lse=True)
+    got = torch.autograd.grad(out, leaves, dout)
+    assert not calls, f"seed={seed}: the interface's backward checked its arguments again"
+    expected = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)]
+    settings = dict(causal_diag=True, softmax_scale=64**-0.5, fresh_dq=True, fresh_dkv=True, out=out.detach())
+    triton_backend.block_bar_backward(
+        q, k, v, dout, lse, None, *index.step_lists(0), *expected, key_lists=index.key_lists(0), **settings
+    )
+    assert calls, "the public backward skipped its checks"
+    for name, a, b in zip(("dq", "dk", "dv"), got, expected):
+        assert torch.equal(a, b), f"seed={seed} {name}: {(a - b).abs().max():.2e} from the checked backward's"
+    wide = [t.float().requires_grad_() for t in (q, k, v)]  # fp32: the Triton backend refuses it
+    replayed = sparse_attention(*wide, index, backend="triton", replay_output=(out.detach().float(), lse))
+    with pytest.raises(ValueError, match="the triton backend takes"):
+        torch.autograd.grad(replayed, wide, dout.float())
+
+
 def test_output_delta_is_the_row_sum_of_out_times_dout(seed):
     """The Triton delta kernel against the torch backend's, which is the fp32 product summed over d."""
     gen = torch.Generator().manual_seed(seed)
