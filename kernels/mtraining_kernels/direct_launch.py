@@ -6,7 +6,10 @@ kernel's launcher, on every call (docs/benchmarks.md, sessions 47 and 50, measur
 :class:`DirectLaunch` keys its own cache on what those specialisations are functions of (each tensor's dtype and
 alignment, each integer's value, each tensor descriptor's dtype, tile and layout), the constexprs and the launch
 options, and calls the cached kernel's launcher itself; a call with a new key goes through ``kernel[grid]`` once
-and caches the kernel that compiles or finds.
+and caches the kernel that compiles or finds. It passes each CUDA tensor as its address, which the launcher takes
+as given; given the tensor, the launcher would call its ``data_ptr`` and ask the driver whether that address is a
+device one (``cuPointerGetAttribute``), on every launch. A CPU tensor is passed as itself, so the launcher still
+refuses it.
 
 The launcher's calling convention is Triton's internal one, so the direct path runs only on the release of
 :data:`DIRECT_TRITON` (the Gluon kernels' too, ``triton_backend.ONE_PASS_TRITON``), outside the interpreter and
@@ -90,13 +93,30 @@ class DirectLaunch:
             self.kernel[grid](*args, **kwargs)
             return
         device = driver.active.get_current_device()
-        try:  # an int is its own key
-            arguments = tuple([arg if type(arg) is int else _argument_key(arg) for arg in args])
+        arguments, values = [], []
+        try:
+            for arg in args:
+                if type(arg) is int:  # its own key
+                    arguments.append(arg)
+                    values.append(arg)
+                elif type(arg) is torch.Tensor and arg.is_cuda:
+                    address = arg.data_ptr()
+                    arguments.append((arg.dtype, address % 16 == 0))
+                    values.append(address)  # the launcher takes an address as given, without asking the driver
+                else:
+                    arguments.append(_argument_key(arg))
+                    values.append(arg)
         except TypeError:  # a kind Triton may specialise otherwise: its own path
             self.kernel[grid](*args, **kwargs)
             return
         # the constexprs and options in the call's order: a call site naming them in another order keys a second entry
-        key = (arguments, tuple(kwargs.items()), device, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        key = (
+            tuple(arguments),
+            tuple(kwargs.items()),
+            device,
+            knobs.runtime.debug,
+            knobs.compilation.instrumentation_mode,
+        )
         compiled = self.compiled.get(key)
         if compiled is None:  # Triton binds, specialises, compiles or finds, and launches
             self.compiled[key] = self.kernel[grid](*args, **kwargs)
@@ -106,7 +126,7 @@ class DirectLaunch:
         grid_z = grid[2] if len(grid) > 2 else 1
         compiled.run(
             grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
-            *args, *[kwargs[name] for name in self.constexpr_names],
+            *values, *[kwargs[name] for name in self.constexpr_names],
         )  # fmt: skip
 
     def _check_call(self, args: tuple, kwargs: dict) -> None:

@@ -9,6 +9,7 @@ documents (DESIGN.md §2.7) on one device and in W = 2 rings.
 
 import pytest
 import torch
+import triton
 from document_cases import packed_index_with_cross_document_bars
 from triton_cases import (
     LIST_ROUTES,
@@ -25,12 +26,14 @@ from triton_cases import (
 )
 
 from mtraining_kernels import torch_backend, triton_backend
+from mtraining_kernels.direct_launch import _direct_path, direct
 from mtraining_kernels.document_conversion import convert_document_index
 from mtraining_kernels.document_index import DocumentIndex
 from mtraining_kernels.documents import Documents
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.interface import sparse_attention
 from mtraining_kernels.layout import Layout
+from mtraining_kernels.triton_bwd import output_delta_kernel
 
 pytestmark = pytest.mark.gpu
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -373,6 +376,27 @@ def test_cpu_tensors_are_rejected():
             causal_diag=True,
             softmax_scale=0.125,
         )
+
+
+def test_a_repeat_launch_passes_cuda_tensors_by_address(seed, monkeypatch):
+    """A repeat direct launch hands the launcher each CUDA tensor's address (no tensor: the launcher would ask the
+    driver about each), and computes the same delta as the first, JIT-bound launch."""
+    gen = torch.Generator().manual_seed(seed)
+    out, dout = (torch.randn(1, 256, 2, 64, generator=gen).to("cuda", torch.float16) for _ in range(2))
+    first = triton_backend.output_delta(out, dout)
+    launch = direct(output_delta_kernel)
+    if not _direct_path():
+        pytest.skip(f"Triton {triton.__version__} launches through its JIT, not the direct path")
+    handed = []
+    for compiled in launch.compiled.values():
+        run = compiled.run
+        monkeypatch.setattr(compiled, "run", lambda *args, run=run: handed.append(args) or run(*args))
+    delta = torch.full_like(first, float("nan"))
+    triton_backend.output_delta(out, dout, delta)
+    assert len(handed) == 1, f"{len(handed)} direct launches of the delta kernel, expected 1"
+    assert not [a for a in handed[0] if isinstance(a, torch.Tensor)], "a tensor reached the launcher"
+    assert {out.data_ptr(), dout.data_ptr(), delta.data_ptr()} <= set(handed[0]), "an address is missing"
+    assert torch.equal(delta, first), f"seed={seed}: the repeat launch's delta differs from the first's"
 
 
 def test_hopper_backward_takes_the_one_pass(seed):
