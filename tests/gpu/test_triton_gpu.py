@@ -388,9 +388,9 @@ def test_a_repeat_launch_passes_cuda_tensors_by_address(seed, monkeypatch):
     if not _direct_path():
         pytest.skip(f"Triton {triton.__version__} launches through its JIT, not the direct path")
     handed = []
-    for compiled in launch.compiled.values():
+    for compiled in launch.compiled.values():  # run is a property over _run in the release of the direct path
         run = compiled.run
-        monkeypatch.setattr(compiled, "run", lambda *args, run=run: handed.append(args) or run(*args))
+        monkeypatch.setattr(compiled, "_run", lambda *args, run=run: handed.append(args) or run(*args))
     delta = torch.full_like(first, float("nan"))
     triton_backend.output_delta(out, dout, delta)
     assert len(handed) == 1, f"{len(handed)} direct launches of the delta kernel, expected 1"
