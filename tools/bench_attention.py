@@ -140,31 +140,51 @@ def mask_density(v_idx: torch.Tensor, s_idx: torch.Tensor, seq_len: int) -> floa
 
 
 # ---------------------------------------------------------------------------------------- timing
+def _event_times(
+    forward: Callable, backward: Callable, warmup: int, reps: int, queue_lead_ms: float, split: bool
+) -> list[tuple[float, ...]]:
+    """Per repetition of ``backward(forward())`` after ``warmup`` untimed ones, CUDA-event milliseconds: (forward,
+    backward) with ``split``, else (forward+backward,) between one pair of events. ``queue_lead_ms``: the GPU
+    first sleeps that long in each repetition (see :func:`measure`)."""
+    for _ in range(warmup):
+        backward(forward())
+    torch.cuda.synchronize()
+    lead_cycles = int(queue_lead_ms * sleep_cycles_per_ms()) if queue_lead_ms else 0
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        middle = torch.cuda.Event(enable_timing=True) if split else None
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
+        start.record()
+        result = forward()
+        if middle is not None:
+            middle.record()
+        backward(result)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(
+            (start.elapsed_time(middle), middle.elapsed_time(end)) if middle is not None else (start.elapsed_time(end),)
+        )
+        del result
+    return times
+
+
 def measure(
     forward: Callable, backward: Callable, warmup: int, reps: int, queue_lead_ms: float = 0.0
 ) -> tuple[float, float]:
     """Median forward and backward milliseconds (CUDA events), ``backward(forward())`` per repetition. With
     ``queue_lead_ms`` the GPU first sleeps that long in each repetition, so the host has queued the repetition's
     launches before its start event fires: the GPU's time, plus the host time after any host sync inside."""
-    for _ in range(warmup):
-        backward(forward())
-    torch.cuda.synchronize()
-    lead_cycles = int(queue_lead_ms * sleep_cycles_per_ms()) if queue_lead_ms else 0
-    fwd, bwd = [], []
-    for _ in range(reps):
-        start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        if lead_cycles:
-            torch.cuda._sleep(lead_cycles)
-        start.record()
-        result = forward()
-        middle.record()
-        backward(result)
-        end.record()
-        torch.cuda.synchronize()
-        fwd.append(start.elapsed_time(middle))
-        bwd.append(middle.elapsed_time(end))
-        del result
-    return statistics.median(fwd), statistics.median(bwd)
+    times = _event_times(forward, backward, warmup, reps, queue_lead_ms, split=True)
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+
+def measure_step(forward: Callable, backward: Callable, warmup: int, reps: int) -> float:
+    """Median milliseconds of ``backward(forward())`` launched, between one pair of CUDA events. :func:`measure`'s
+    event between the two is a driver call on the host's path from the forward's launch to the backward's, which
+    a host-bound step waits on; a training step records none there."""
+    return statistics.median(t[0] for t in _event_times(forward, backward, warmup, reps, 0.0, split=False))
 
 
 QUEUE_LEAD_MS = 20.0  # the GPU sleeps this long before a queued timing starts: longer than a step's host time

@@ -3,8 +3,9 @@
 ``bench_attention.py`` times each implementation once, minutes apart. Under a GPU's power cap the clocks drift
 between the two timings, so one run's ratio moves by a few percent from run to run (docs/benchmarks.md). Here every
 round times ours and Flex back to back, in alternating order, on the same inputs and mask
-(``bench_attention.measure``: launched, and queued behind its sleep up to ``QUEUED_MAX_LEN``), and the ratio is read
-per round: its median and its range over the rounds.
+(``bench_attention.measure``: launched, and queued behind its sleep up to ``QUEUED_MAX_LEN``; there also launched
+between one pair of events, ``bench_attention.measure_step``, without the event between forward and backward that a
+host-bound step waits on), and the ratio is read per round: its median and its range over the rounds.
 
 Inputs as ``trace_steps.py``'s: Qwen2.5-3B shape, bf16, one sample, and ``profile_step.sparse_pattern``'s block
 pattern of the mask area of the bench's budget, drawn from a generator of its own (so its density differs slightly
@@ -23,7 +24,7 @@ import json
 import statistics
 
 import torch
-from bench_attention import QUEUE_LEAD_MS, QUEUED_MAX_LEN, SHAPES, flex_check, mask_density, measure
+from bench_attention import QUEUE_LEAD_MS, QUEUED_MAX_LEN, SHAPES, flex_check, mask_density, measure, measure_step
 from flex_peer import block_only_block_mask, flex_forward, heads_first
 from profile_step import sparse_pattern
 from provenance import git_commit
@@ -32,17 +33,21 @@ from mtraining_kernels import Layout, convert_index, sparse_attention
 
 IMPLEMENTATIONS = ("mtraining_blocks", "flex_attention_blocks")  # bench_attention.py's names of the two rows
 BLOCK_PATTERNS = ("block_only", "block_band")
-MODES = {"": "launched", "_queued": "queued"}  # the timings' field suffixes
+PAIRED = "_paired"  # the suffix of the fwd+bwd timed between one pair of events: ``step_paired_ms``
+MODES = {"": "launched", "_queued": "queued", PAIRED: "launched, one event pair"}  # the timings' field suffixes
 
 
 def step_ms(row: dict, suffix: str = "") -> float:
-    """A row's fwd+bwd milliseconds, launched (``suffix`` "") or queued ("_queued")."""
+    """A row's fwd+bwd milliseconds, launched (``suffix`` ""), queued ("_queued") or launched between one pair of
+    events (``PAIRED``)."""
+    if suffix == PAIRED:
+        return row[f"step{PAIRED}_ms"]
     return row[f"fwd{suffix}_ms"] + row[f"bwd{suffix}_ms"]
 
 
 def ratio_summary(rows: list[dict], suffix: str = "") -> dict[str, float]:
-    """Flex's fwd+bwd time over ours, from one N's rows (``impl``, ``round``, ``fwd{suffix}_ms``,
-    ``bwd{suffix}_ms``): per round its ``median``, ``low`` and ``high``, and ``of_medians``, the ratio of the two
+    """Flex's fwd+bwd time over ours, from one N's rows (``impl``, ``round`` and the fields :func:`step_ms`
+    reads for ``suffix``): per round its ``median``, ``low`` and ``high``, and ``of_medians``, the ratio of the two
     implementations' median times. Rounds missing either implementation are left out."""
     steps = {impl: {} for impl in IMPLEMENTATIONS}
     for row in rows:
@@ -108,11 +113,15 @@ def steps_of(args: argparse.Namespace, seq_len: int) -> tuple[dict, dict]:
 
 def time_round(steps: dict, order, leads: dict[str, float], warmup: int, reps: int) -> dict[str, dict[str, float]]:
     """One round: ``{impl: {fwd{suffix}_ms, bwd{suffix}_ms}}``, each mode of ``leads`` (field suffix → the queue
-    lead of ``bench_attention.measure``) timed for the implementations in ``order``, one after the other."""
+    lead of ``bench_attention.measure``; ``PAIRED``: ``step_paired_ms`` by ``bench_attention.measure_step``) timed
+    for the implementations in ``order``, one after the other."""
     timings = {impl: {} for impl in order}
     for suffix, lead in leads.items():
         for impl in order:
             forward, backward = steps[impl]
+            if suffix == PAIRED:
+                timings[impl][f"step{PAIRED}_ms"] = measure_step(forward, backward, warmup, reps)
+                continue
             fwd_ms, bwd_ms = measure(forward, backward, warmup, reps, lead)
             timings[impl].update({f"fwd{suffix}_ms": fwd_ms, f"bwd{suffix}_ms": bwd_ms})
     return timings
@@ -144,7 +153,7 @@ def main(argv=None) -> None:
     for seq_len in args.seq_lens:
         torch.cuda.empty_cache()
         steps, fields = steps_of(args, seq_len)
-        leads = {"": 0.0, "_queued": QUEUE_LEAD_MS} if seq_len <= QUEUED_MAX_LEN else {"": 0.0}
+        leads = {"": 0.0, PAIRED: 0.0, "_queued": QUEUE_LEAD_MS} if seq_len <= QUEUED_MAX_LEN else {"": 0.0}
         rows = []
         for round_ in range(args.rounds):
             order = IMPLEMENTATIONS if round_ % 2 == 0 else IMPLEMENTATIONS[::-1]

@@ -59,3 +59,55 @@ def test_bad_arguments_are_refused_naming_the_value(argv, message):
 def test_without_a_gpu_it_stops_before_building_inputs():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         flex_rounds.main(["--seq-lens", "1024"])
+
+
+def test_the_one_pair_timing_is_read_from_its_own_field():
+    """The rounds' ratios in the one-event-pair mode come from ``step_paired_ms`` (3/2 and 5/4 → median 1.375),
+    not from the split fields' sums (which would give 1.0)."""
+    paired = flex_rounds.PAIRED
+    rows = [
+        dict(_row(OURS, 0, 1.0, 1.0), **{f"step{paired}_ms": 2.0}),
+        dict(_row(FLEX, 0, 1.0, 1.0), **{f"step{paired}_ms": 3.0}),
+        dict(_row(OURS, 1, 1.0, 1.0), **{f"step{paired}_ms": 4.0}),
+        dict(_row(FLEX, 1, 1.0, 1.0), **{f"step{paired}_ms": 5.0}),
+    ]
+    assert flex_rounds.ratio_summary(rows, paired) == pytest.approx(
+        dict(median=1.375, low=1.25, high=1.5, of_medians=4 / 3, rounds=2)
+    )
+    assert flex_rounds.ratio_summary(rows)["median"] == pytest.approx(1.0)
+
+
+def test_a_round_times_each_mode_by_its_own_measure(monkeypatch):
+    """The split modes go through ``measure`` with their queue lead, the one-pair mode through ``measure_step``,
+    for every implementation in the round's order."""
+    calls = []
+
+    def fake_measure(forward, backward, warmup, reps, lead):
+        calls.append(("measure", forward(), lead))
+        return 1.0 + lead, 2.0 + lead
+
+    def fake_measure_step(forward, backward, warmup, reps):
+        calls.append(("measure_step", forward(), None))
+        return 7.0
+
+    monkeypatch.setattr(flex_rounds, "measure", fake_measure)
+    monkeypatch.setattr(flex_rounds, "measure_step", fake_measure_step)
+    steps = {impl: (lambda impl=impl: impl, None) for impl in (OURS, FLEX)}
+    leads = {"": 0.0, flex_rounds.PAIRED: 0.0, "_queued": 20.0}
+    timings = flex_rounds.time_round(steps, (FLEX, OURS), leads, warmup=1, reps=3)
+    assert timings[OURS] == {
+        "fwd_ms": 1.0,
+        "bwd_ms": 2.0,
+        f"step{flex_rounds.PAIRED}_ms": 7.0,
+        "fwd_queued_ms": 21.0,
+        "bwd_queued_ms": 22.0,
+    }
+    assert timings[FLEX] == timings[OURS]
+    assert calls == [
+        ("measure", FLEX, 0.0),
+        ("measure", OURS, 0.0),
+        ("measure_step", FLEX, None),
+        ("measure_step", OURS, None),
+        ("measure", FLEX, 20.0),
+        ("measure", OURS, 20.0),
+    ]
