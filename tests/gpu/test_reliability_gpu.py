@@ -4,10 +4,12 @@ tests/distributed/test_no_hang.py).
 * The Triton kernels on the GPU under extreme logits: bf16 inputs with logits up to ±1e4 and fp16 inputs
   whose q·kᵀ reaches 90 % of the fp16 maximum, with the index the (Triton) estimator picks under a
   forced-only, a top-P and a full budget; a W = 2 striped ring's steps against the fp64 reference.
-  At ±1e4 bf16 logits dq and dk meet the FA rule but not the 5e-3 relative RMSE of DESIGN.md §6: the
-  kernels round P and dS to bf16 for the tensor-core products (as FlashAttention does), which gives
-  5e-3 … 6.4e-3 (H200, 2026-11-30), where plain bf16 PyTorch attention is at 3 … 7 (300-700 %). Those
-  two use a 1e-2 bound; everything else keeps §6's.
+  At ±1e4 bf16 logits dq and dk meet the FA rule but not always the 5e-3 relative RMSE of DESIGN.md §6: the
+  kernels round P to bf16 before P·V (so out, and δ = rowsum(out ⊙ dO), carry it) and dS before dS·k and
+  dSᵀ·q, as FlashAttention does, and where one key dominates a row dP − δ cancels. Those roundings alone, in
+  fp64, move dq and dk by 3.8e-3 … 8.5e-3 on these inputs and the kernels by 0.77 … 1.58 times that, up to
+  1.33e-2 (docs/benchmarks.md, session 55), so those two are bounded by twice that per-seed figure (at least
+  §6's 5e-3); plain bf16 PyTorch attention is at 3 … 7 (300-700 %). Everything else keeps §6's.
 * NaN/Inf in q or k reaches exactly the output rows that read it, a NaN in v the output, and every gradient.
 * The ring's consensus over NCCL: one GPU with a different sequence length makes both ranks raise a
   ``ValueError`` within seconds (under a 20 s collective timeout), and the pair then runs a good call.
@@ -28,6 +30,7 @@ from mtraining_kernels.budget import StaticBudget, TopPBudget
 from mtraining_kernels.estimation import estimate_vertical_slash
 from mtraining_kernels.index import convert_index
 from mtraining_kernels.layout import Layout
+from mtraining_kernels.reference import vertical_slash_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -66,10 +69,37 @@ def test_triton_kernels_at_extreme_logits_match_reference(seed, dtype, largest_l
     ours = ring_attention(triton_backend, q, k, v, dout, index.v_idx, index.s_idx, Layout("striped", 2))
     ref = reference_attention(q, k, v, dout, index.v_idx, index.s_idx, torch.float64)
     low = reference_attention(q, k, v, dout, index.v_idx, index.s_idx, dtype)
+    # dq and dk at ±1e4 bf16 logits: §6's 5e-3, or twice what the kernels' bf16 roundings alone give on these inputs
+    rounding = _bf16_rounding_rmse(q, k, v, dout, index, ref) if dtype == torch.bfloat16 else {}
     for name, a, r, lo in zip(NAMES, ours, ref, low):
         assert torch.isfinite(a).all(), f"{name} has non-finite entries ({context})"
-        extreme_bf16_grad = dtype == torch.bfloat16 and name in ("dq", "dk")
-        assert_close_fa(name, a, r, lo, dtype, context, rmse_bound=1e-2 if extreme_bf16_grad else 5e-3)
+        rmse_bound = max(5e-3, 2 * rounding.get(name, 0.0))
+        assert_close_fa(name, a, r, lo, dtype, f"{context} rmse_bound={rmse_bound:.2e}", rmse_bound=rmse_bound)
+
+
+def _bf16_rounding_rmse(q, k, v, dout, index, ref) -> dict[str, float]:
+    """{"dq", "dk"}: the relative RMSE against ``ref`` (the fp64 reference's out, lse, dq, dk, dv) of dq and dk
+    computed in fp64 with only the kernels' two bf16 roundings: P before P·V (so in out, and in δ = rowsum(out ⊙
+    dout)) and dS = P ⊙ (dP − δ) before dS·k and dSᵀ·q. q, k, v, dout ``[1, N, H, d]``."""
+    _, ref_lse, ref_dq, ref_dk, _ = ref
+    dq = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float64, device=q.device)
+    group = q.shape[2] // k.shape[2]
+    for h in range(q.shape[2]):
+        kv = h // group
+        mask = vertical_slash_mask(index.v_idx[:, h : h + 1], index.s_idx[:, h : h + 1], SEQ_LEN)[0, 0]
+        q_h, k_h, v_h, dout_h = (x[0, :, head].double() for x, head in ((q, h), (k, kv), (v, kv), (dout, h)))
+        logits = (SCALE * q_h @ k_h.T).masked_fill(~mask, -math.inf)
+        probs = torch.exp(logits - ref_lse[0, h, :, None].double())
+        out = probs.to(torch.bfloat16).double() @ v_h
+        delta = (out * dout_h).sum(-1, keepdim=True)
+        dscores = (probs * (dout_h @ v_h.T - delta)).to(torch.bfloat16).double()
+        dq[0, :, h] = SCALE * dscores @ k_h
+        dk[0, :, kv] += SCALE * dscores.T @ q_h
+    return {
+        name: ((a - r.double()).norm() / r.double().norm()).item()
+        for name, a, r in (("dq", dq, ref_dq), ("dk", dk, ref_dk))
+    }
 
 
 # ------------------------------------------------------------------------------------------ NCCL consensus
