@@ -5,7 +5,8 @@ between the two timings, so one run's ratio moves by a few percent from run to r
 round times ours and Flex back to back, in alternating order, on the same inputs and mask
 (``bench_attention.measure``: launched, and queued behind its sleep up to ``QUEUED_MAX_LEN``; there also launched
 between one pair of events, ``bench_attention.measure_step``, without the event between forward and backward that a
-host-bound step waits on), and the ratio is read per round: its median and its range over the rounds.
+host-bound step waits on, and so again with autograd's backward run on the calling thread, without its hand-over to
+the CUDA device thread), and the ratio is read per round: its median and its range over the rounds.
 
 Inputs as ``trace_steps.py``'s: Qwen2.5-3B shape, bf16, one sample, and ``profile_step.sparse_pattern``'s block
 pattern of the mask area of the bench's budget, drawn from a generator of its own (so its density differs slightly
@@ -34,14 +35,20 @@ from mtraining_kernels import Layout, convert_index, sparse_attention
 IMPLEMENTATIONS = ("mtraining_blocks", "flex_attention_blocks")  # bench_attention.py's names of the two rows
 BLOCK_PATTERNS = ("block_only", "block_band")
 PAIRED = "_paired"  # the suffix of the fwd+bwd timed between one pair of events: ``step_paired_ms``
-MODES = {"": "launched", "_queued": "queued", PAIRED: "launched, one event pair"}  # the timings' field suffixes
+CALLER = "_caller"  # the same with autograd's backward on the calling thread: ``step_caller_ms``
+MODES = {  # the timings' field suffixes
+    "": "launched",
+    "_queued": "queued",
+    PAIRED: "launched, one event pair",
+    CALLER: "launched, one event pair, backward on the calling thread",
+}
 
 
 def step_ms(row: dict, suffix: str = "") -> float:
-    """A row's fwd+bwd milliseconds, launched (``suffix`` ""), queued ("_queued") or launched between one pair of
-    events (``PAIRED``)."""
-    if suffix == PAIRED:
-        return row[f"step{PAIRED}_ms"]
+    """A row's fwd+bwd milliseconds, launched (``suffix`` ""), queued ("_queued"), launched between one pair of
+    events (``PAIRED``), or so with the backward on the calling thread (``CALLER``)."""
+    if suffix in (PAIRED, CALLER):
+        return row[f"step{suffix}_ms"]
     return row[f"fwd{suffix}_ms"] + row[f"bwd{suffix}_ms"]
 
 
@@ -113,14 +120,17 @@ def steps_of(args: argparse.Namespace, seq_len: int) -> tuple[dict, dict]:
 
 def time_round(steps: dict, order, leads: dict[str, float], warmup: int, reps: int) -> dict[str, dict[str, float]]:
     """One round: ``{impl: {fwd{suffix}_ms, bwd{suffix}_ms}}``, each mode of ``leads`` (field suffix → the queue
-    lead of ``bench_attention.measure``; ``PAIRED``: ``step_paired_ms`` by ``bench_attention.measure_step``) timed
-    for the implementations in ``order``, one after the other."""
+    lead of ``bench_attention.measure``; ``PAIRED``: ``step_paired_ms`` by ``bench_attention.measure_step``;
+    ``CALLER``: ``step_caller_ms`` likewise, under ``torch.autograd.set_multithreading_enabled(False)``, so autograd
+    runs the backward on the calling thread instead of handing it to its CUDA device thread) timed for the
+    implementations in ``order``, one after the other."""
     timings = {impl: {} for impl in order}
     for suffix, lead in leads.items():
         for impl in order:
             forward, backward = steps[impl]
-            if suffix == PAIRED:
-                timings[impl][f"step{PAIRED}_ms"] = measure_step(forward, backward, warmup, reps)
+            if suffix in (PAIRED, CALLER):
+                with torch.autograd.set_multithreading_enabled(suffix != CALLER):
+                    timings[impl][f"step{suffix}_ms"] = measure_step(forward, backward, warmup, reps)
                 continue
             fwd_ms, bwd_ms = measure(forward, backward, warmup, reps, lead)
             timings[impl].update({f"fwd{suffix}_ms": fwd_ms, f"bwd{suffix}_ms": bwd_ms})
@@ -153,7 +163,8 @@ def main(argv=None) -> None:
     for seq_len in args.seq_lens:
         torch.cuda.empty_cache()
         steps, fields = steps_of(args, seq_len)
-        leads = {"": 0.0, PAIRED: 0.0, "_queued": QUEUE_LEAD_MS} if seq_len <= QUEUED_MAX_LEN else {"": 0.0}
+        short = seq_len <= QUEUED_MAX_LEN
+        leads = {"": 0.0, PAIRED: 0.0, CALLER: 0.0, "_queued": QUEUE_LEAD_MS} if short else {"": 0.0}
         rows = []
         for round_ in range(args.rounds):
             order = IMPLEMENTATIONS if round_ % 2 == 0 else IMPLEMENTATIONS[::-1]

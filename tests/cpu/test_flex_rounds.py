@@ -78,36 +78,53 @@ def test_the_one_pair_timing_is_read_from_its_own_field():
 
 
 def test_a_round_times_each_mode_by_its_own_measure(monkeypatch):
-    """The split modes go through ``measure`` with their queue lead, the one-pair mode through ``measure_step``,
-    for every implementation in the round's order."""
+    """The split modes go through ``measure`` with their queue lead, the one-pair modes through ``measure_step``,
+    autograd's multithreading off only for the calling-thread mode and restored after it, for every implementation
+    in the round's order."""
     calls = []
 
     def fake_measure(forward, backward, warmup, reps, lead):
-        calls.append(("measure", forward(), lead))
+        calls.append(("measure", forward(), lead, torch.autograd.is_multithreading_enabled()))
         return 1.0 + lead, 2.0 + lead
 
     def fake_measure_step(forward, backward, warmup, reps):
-        calls.append(("measure_step", forward(), None))
-        return 7.0
+        threaded = torch.autograd.is_multithreading_enabled()
+        calls.append(("measure_step", forward(), None, threaded))
+        return 7.0 if threaded else 6.0
 
     monkeypatch.setattr(flex_rounds, "measure", fake_measure)
     monkeypatch.setattr(flex_rounds, "measure_step", fake_measure_step)
     steps = {impl: (lambda impl=impl: impl, None) for impl in (OURS, FLEX)}
-    leads = {"": 0.0, flex_rounds.PAIRED: 0.0, "_queued": 20.0}
+    paired, caller = flex_rounds.PAIRED, flex_rounds.CALLER
+    leads = {"": 0.0, paired: 0.0, caller: 0.0, "_queued": 20.0}
     timings = flex_rounds.time_round(steps, (FLEX, OURS), leads, warmup=1, reps=3)
     assert timings[OURS] == {
         "fwd_ms": 1.0,
         "bwd_ms": 2.0,
-        f"step{flex_rounds.PAIRED}_ms": 7.0,
+        f"step{paired}_ms": 7.0,
+        f"step{caller}_ms": 6.0,
         "fwd_queued_ms": 21.0,
         "bwd_queued_ms": 22.0,
     }
     assert timings[FLEX] == timings[OURS]
     assert calls == [
-        ("measure", FLEX, 0.0),
-        ("measure", OURS, 0.0),
-        ("measure_step", FLEX, None),
-        ("measure_step", OURS, None),
-        ("measure", FLEX, 20.0),
-        ("measure", OURS, 20.0),
+        ("measure", FLEX, 0.0, True),
+        ("measure", OURS, 0.0, True),
+        ("measure_step", FLEX, None, True),
+        ("measure_step", OURS, None, True),
+        ("measure_step", FLEX, None, False),
+        ("measure_step", OURS, None, False),
+        ("measure", FLEX, 20.0, True),
+        ("measure", OURS, 20.0, True),
     ]
+    assert torch.autograd.is_multithreading_enabled()
+
+
+def test_the_calling_thread_timing_is_read_from_its_own_field():
+    caller = flex_rounds.CALLER
+    rows = [
+        dict(_row(OURS, 0, 1.0, 1.0), **{f"step{caller}_ms": 2.0}),
+        dict(_row(FLEX, 0, 1.0, 1.0), **{f"step{caller}_ms": 3.0}),
+    ]
+    assert flex_rounds.ratio_summary(rows, caller)["median"] == pytest.approx(1.5)
+    assert flex_rounds.step_ms(rows[0], caller) == 2.0
