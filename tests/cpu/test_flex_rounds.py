@@ -61,19 +61,20 @@ def test_without_a_gpu_it_stops_before_building_inputs():
         flex_rounds.main(["--seq-lens", "1024"])
 
 
-def test_the_one_pair_timing_is_read_from_its_own_field():
-    """The rounds' ratios in the one-event-pair mode come from ``step_paired_ms`` (3/2 and 5/4 → median 1.375),
+@pytest.mark.parametrize("mode", [flex_rounds.PAIRED, flex_rounds.CALLER])
+def test_the_one_pair_timings_are_read_from_their_own_field(mode):
+    """The rounds' ratios in a one-event-pair mode come from ``step{mode}_ms`` (3/2 and 5/4 → median 1.375),
     not from the split fields' sums (which would give 1.0)."""
-    paired = flex_rounds.PAIRED
     rows = [
-        dict(_row(OURS, 0, 1.0, 1.0), **{f"step{paired}_ms": 2.0}),
-        dict(_row(FLEX, 0, 1.0, 1.0), **{f"step{paired}_ms": 3.0}),
-        dict(_row(OURS, 1, 1.0, 1.0), **{f"step{paired}_ms": 4.0}),
-        dict(_row(FLEX, 1, 1.0, 1.0), **{f"step{paired}_ms": 5.0}),
+        dict(_row(OURS, 0, 1.0, 1.0), **{f"step{mode}_ms": 2.0}),
+        dict(_row(FLEX, 0, 1.0, 1.0), **{f"step{mode}_ms": 3.0}),
+        dict(_row(OURS, 1, 1.0, 1.0), **{f"step{mode}_ms": 4.0}),
+        dict(_row(FLEX, 1, 1.0, 1.0), **{f"step{mode}_ms": 5.0}),
     ]
-    assert flex_rounds.ratio_summary(rows, paired) == pytest.approx(
+    assert flex_rounds.ratio_summary(rows, mode) == pytest.approx(
         dict(median=1.375, low=1.25, high=1.5, of_medians=4 / 3, rounds=2)
     )
+    assert flex_rounds.step_ms(rows[0], mode) == 2.0
     assert flex_rounds.ratio_summary(rows)["median"] == pytest.approx(1.0)
 
 
@@ -118,13 +119,3 @@ def test_a_round_times_each_mode_by_its_own_measure(monkeypatch):
         ("measure", OURS, 20.0, True),
     ]
     assert torch.autograd.is_multithreading_enabled()
-
-
-def test_the_calling_thread_timing_is_read_from_its_own_field():
-    caller = flex_rounds.CALLER
-    rows = [
-        dict(_row(OURS, 0, 1.0, 1.0), **{f"step{caller}_ms": 2.0}),
-        dict(_row(FLEX, 0, 1.0, 1.0), **{f"step{caller}_ms": 3.0}),
-    ]
-    assert flex_rounds.ratio_summary(rows, caller)["median"] == pytest.approx(1.5)
-    assert flex_rounds.step_ms(rows[0], caller) == 2.0
